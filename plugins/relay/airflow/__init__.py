@@ -1,0 +1,5 @@
+"""The Airflow shell over the core: hooks, triggers, operators, task callables and the DAG factory.
+
+Each piece is thin: the work is done by core functions that also run from the CLI and in Ray jobs.
+Nothing here imports torch, verl or ray at module level: DAG files are parsed often.
+"""

@@ -1,0 +1,115 @@
+"""One DAG per run spec in include/runs/: preflight >> chunk_01 >> ... >> chunk_NN >> finish.
+
+Step counts and chunk sizes come from the spec: task groups are fixed when the DAG is parsed.
+Params carry only what may change per trigger without changing the DAG's shape or the run's
+resume-critical settings: which run, a guarded fresh start, and alert overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from airflow.sdk import DAG, Param, TaskGroup
+from airflow.providers.standard.operators.python import PythonOperator
+
+from relay import project
+from relay.airflow.operators import RayChunkOperator
+from relay.airflow.tasks import finish, preflight
+from relay.errors import SpecError
+from relay.plan import ChunkPlan
+from relay.spec import RUN_NAME_PATTERN, RunSpec, load_spec
+
+log = logging.getLogger(__name__)
+
+
+def params_for(spec: RunSpec) -> dict[str, Param]:
+    return {
+        "run": Param(
+            "", type="string", pattern=f"^$|{RUN_NAME_PATTERN}", title="Run",
+            description=f"Training run to continue or start. Empty: the spec's run, '{spec.name}'. An existing "
+                        "run continues from its latest valid checkpoint; finished chunks are not trained again.",
+        ),
+        "fresh_start": Param(
+            False, type="boolean", title="Fresh start",
+            description="Start the run again from step 0. Needs confirm_fresh_start; the old checkpoints are "
+                        "archived under <checkpoint_dir>/.archive, never deleted.",
+        ),
+        "confirm_fresh_start": Param(
+            "", type="string", title="Confirm fresh start",
+            description="Type the run's name to confirm a fresh start of a run that has checkpoints.",
+        ),
+        "alert_emails": Param(
+            list(spec.alerts.email), type="array", items={"type": "string", "format": "email"},
+            title="Alert e-mails", description="Who is alerted for this DAG run (default: the spec's alerts.email).",
+        ),
+    }
+
+
+def build_dag(spec: RunSpec) -> DAG:
+    plan = ChunkPlan.from_spec(spec)
+    a = spec.airflow
+    with DAG(
+        dag_id=spec.dag_id,
+        description=spec.description or f"Relay run spec {spec.name}",
+        schedule=None,
+        start_date=datetime(2025, 1, 1),
+        catchup=False,
+        max_active_runs=a.max_active_runs,
+        params=params_for(spec),
+        default_args={"retries": a.retries, "retry_delay": timedelta(seconds=a.retry_delay_seconds)},
+        tags=["relay", spec.trainer.kind, *a.tags],
+        doc_md=f"**{spec.name}** ({spec.source}): {spec.total_steps} steps in {len(plan.chunks)} chunks of "
+               f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job.",
+    ) as dag:
+        pre = PythonOperator(task_id="preflight", python_callable=preflight, op_kwargs={"spec_path": spec.source},
+                             retries=0)
+        upstream = pre
+        for chunk in plan.chunks:
+            with TaskGroup(chunk.task_group_id, tooltip=str(chunk)) as group:
+                RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index,
+                                 doc_md=f"Train {chunk}: one Ray job that resumes from the latest checkpoint.")
+            upstream >> group
+            upstream = group
+        upstream >> PythonOperator(task_id="finish", python_callable=finish, op_kwargs={"spec_path": spec.source})
+    return dag
+
+
+def build_dags(runs_dir: Path | None = None) -> dict[str, DAG]:
+    """DAGs for every spec in runs_dir (default include/runs).
+
+    A bad spec makes no DAG of its own, so it never breaks the runs of the others; its error shows
+    in the UI as the DAG `relay_spec_errors`, whose only task fails with every error.
+    """
+    runs_dir = runs_dir or project.runs_dir()
+    dags: dict[str, DAG] = {}
+    errors: list[str] = []
+    for path in sorted(runs_dir.glob("*.yaml")):
+        try:
+            # The environment (data, checkpoint dir) is checked by each run's preflight, not at every parse.
+            spec = load_spec(path, check_environment=False)
+        except SpecError as e:
+            log.error("%s", e)
+            errors.append(str(e))
+            continue
+        dags[spec.dag_id] = build_dag(spec)
+    if errors:
+        dags[ERRORS_DAG_ID] = _errors_dag(errors)
+    return dags
+
+
+ERRORS_DAG_ID = "relay_spec_errors"
+
+
+def _errors_dag(errors: list[str]) -> DAG:
+    text = "\n\n".join(errors)
+    with DAG(dag_id=ERRORS_DAG_ID, schedule=None, start_date=datetime(2025, 1, 1), catchup=False,
+             tags=["relay"], description=f"{len(errors)} run spec(s) in include/runs are invalid",
+             doc_md="These run specs made no DAG:\n\n" + "\n".join(f"- `{e.splitlines()[0]}`" for e in errors)) as dag:
+        PythonOperator(task_id="show_errors", python_callable=_raise, op_kwargs={"text": text}, retries=0)
+    return dag
+
+
+def _raise(text: str) -> None:
+    raise SpecError("include/runs", "", "invalid run specs:\n" + text)

@@ -1,0 +1,92 @@
+"""RayChunkJobTrigger: follow a chunk's Ray job from the triggerer, so no worker slot is held for hours.
+
+It streams the job's new log lines (per-step progress) into the task log, and fires one event when
+the job ends. It enforces the chunk's deadline itself, stopping the job: Airflow's own defer
+timeout kills the trigger without calling on_kill. A user's mark-failed or clear calls on_kill,
+which stops the job; a triggerer restart does neither, and the new triggerer re-attaches.
+Failures come back as events with a message, never as exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from relay.ray_jobs import TERMINAL, AsyncRayJobs
+
+LOG_TAIL_LINES = 30
+
+
+class RayChunkJobTrigger(BaseTrigger):
+    def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
+                 log_offset: int = 0, unreachable_grace_s: float = 300.0):
+        super().__init__()
+        self.address = address
+        self.submission_id = submission_id
+        self.deadline = deadline  # epoch seconds: the job is stopped after this
+        self.poll_seconds = poll_seconds
+        self.log_offset = log_offset
+        self.unreachable_grace_s = unreachable_grace_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "address": self.address,
+                "submission_id": self.submission_id,
+                "deadline": self.deadline,
+                "poll_seconds": self.poll_seconds,
+                "log_offset": self.log_offset,
+                "unreachable_grace_s": self.unreachable_grace_s,
+            },
+        )
+
+    def _event(self, status: str, message: str, logs: str = "") -> TriggerEvent:
+        tail = "\n".join(logs.splitlines()[-LOG_TAIL_LINES:])
+        return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message,
+                             "log_tail": tail})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        jobs = AsyncRayJobs(self.address)
+        unreachable_since: float | None = None
+        logs = ""
+        while True:
+            try:
+                state = await jobs.get(self.submission_id)
+                if state is not None:
+                    logs = await jobs.logs(self.submission_id)
+                unreachable_since = None
+            except Exception as e:  # the head is down or restarting: keep trying for a while
+                now = time.time()
+                unreachable_since = unreachable_since or now
+                self.log.warning("Ray Jobs API at %s unreachable (%s); retrying", self.address, e)
+                if now - unreachable_since > self.unreachable_grace_s or now > self.deadline:
+                    yield self._event("UNREACHABLE", f"Ray Jobs API at {self.address} unreachable for "
+                                                     f"{now - unreachable_since:.0f}s: {e}", logs)
+                    return
+                await asyncio.sleep(self.poll_seconds)
+                continue
+            if state is None:
+                yield self._event("LOST", f"job {self.submission_id} is unknown to the cluster at {self.address} "
+                                          "(the Ray head lost it, e.g. after a restart)", logs)
+                return
+            for line in logs[self.log_offset:].splitlines():
+                self.log.info("%s", line)
+            self.log_offset = len(logs)
+            if state.status in TERMINAL:
+                yield self._event(state.status, state.message, logs)
+                return
+            if time.time() > self.deadline:
+                await jobs.stop(self.submission_id)
+                yield self._event("TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was "
+                                             "stopped", logs)
+                return
+            await asyncio.sleep(self.poll_seconds)
+
+    async def on_kill(self) -> None:
+        """A user marked the task failed/success or cleared it: stop the chunk's job."""
+        self.log.info("Task killed by a user: stopping Ray job %s", self.submission_id)
+        await AsyncRayJobs(self.address).stop(self.submission_id)

@@ -1,0 +1,68 @@
+"""A small client of Airflow's REST API v2 (what the UI does), for the demo and the end-to-end tests.
+
+Plain urllib: no Airflow import, so it runs outside Airflow's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+
+class AirflowAPIError(RuntimeError):
+    def __init__(self, status: int, body: str):
+        self.status = status
+        self.body = body
+        super().__init__(f"Airflow API answered HTTP {status}: {body[:500]}")
+
+
+class AirflowAPI:
+    def __init__(self, url: str, username: str, password: str):
+        self.url = url.rstrip("/")
+        self._token = self._post("/auth/token", {"username": username, "password": password}, auth=False)[
+            "access_token"]
+
+    def _call(self, method: str, path: str, body=None, auth: bool = True):
+        req = urllib.request.Request(f"{self.url}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode())
+        req.add_header("Content-Type", "application/json")
+        if auth:
+            req.add_header("Authorization", f"Bearer {self._token}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise AirflowAPIError(e.code, e.read().decode(errors="replace")) from None
+        return json.loads(raw) if raw else None
+
+    def _post(self, path: str, body, auth: bool = True):
+        return self._call("POST", path, body, auth)
+
+    def get(self, path: str):
+        return self._call("GET", path)
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 120) -> dict:
+        """Wait until the DAG processor has parsed the DAG; unpause it."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                dag = self.get(f"/api/v2/dags/{dag_id}")
+                break
+            except AirflowAPIError as e:
+                if e.status != 404 or time.time() > deadline:
+                    raise
+                time.sleep(1)
+        if dag.get("is_paused"):
+            self._call("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+        return dag
+
+    def trigger(self, dag_id: str, conf: dict) -> dict:
+        return self._post(f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict:
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]

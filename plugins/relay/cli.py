@@ -1,0 +1,136 @@
+"""`python -m relay ...`: the core, from a terminal. Exit codes: 0 ok, 1 failed/invalid, 2 usage error."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from relay.errors import RelayError
+
+
+def _spec(path: str, check_environment: bool = True):
+    from relay.spec import load_spec
+
+    return load_spec(path, check_environment=check_environment)
+
+
+def cmd_plan(args) -> int:
+    from relay.plan import ChunkPlan
+    from relay.validate import latest_valid_step
+
+    spec = _spec(args.spec, check_environment=False)
+    latest = latest_valid_step(spec.run_dir(args.run or spec.name))
+    print(f"spec {spec.source} -> DAG {spec.dag_id}; run dir {spec.run_dir(args.run or spec.name)}")
+    print(ChunkPlan.from_spec(spec).describe(latest))
+    return 0
+
+
+def cmd_spec_check(args) -> int:
+    spec = _spec(args.spec)
+    print(f"spec {spec.source}: valid (DAG {spec.dag_id}, trainer {spec.trainer.kind}, "
+          f"{spec.total_steps} steps in chunks of {spec.chunk_steps})")
+    print(f"resume-critical settings fingerprint: {spec.settings_fingerprint()}")
+    if args.verbose:
+        for k, v in sorted(spec.resume_critical().items()):
+            print(f"  {k} = {v!r}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from relay.trainers.contract import ChunkRequest, run_chunk
+
+    spec = _spec(args.spec)
+    run = args.run or spec.name
+    if args.checkpoint_dir:
+        run_dir = Path(args.checkpoint_dir).resolve()
+        spec, run = spec.model_copy(update={"checkpoint_dir": str(run_dir.parent)}), run_dir.name
+    if not 1 <= args.to_step <= spec.total_steps:
+        print(f"--to-step must be within 1..{spec.total_steps}", file=sys.stderr)
+        return 2
+    result = run_chunk(ChunkRequest(spec=spec, run_name=run, to_step=args.to_step))
+    print(f"run {run}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
+          f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}")
+    return 0
+
+
+def cmd_checkpoint_validate(args) -> int:
+    from relay.validate import validate_checkpoint
+
+    report = validate_checkpoint(Path(args.dir), args.step, load=True)
+    print(report.to_json() if args.json else report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_stack(args) -> int:
+    from relay import stack
+
+    if args.action == "up":
+        info = stack.up(with_airflow=not args.no_airflow, db_url=args.db)
+        for k, v in info.items():
+            print(f"{k:>12}: {v}")
+    elif args.action == "down":
+        print("stopped: " + ", ".join(stack.down()))
+    else:
+        print(f"state folder: {stack.state_dir()}")
+        print("running: " + (", ".join(stack.running_services()) or "nothing started by relay"))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from relay import demo
+
+    return demo.run(keep_running=args.keep_running, provoke_resume=not args.no_kill)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m relay", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("plan", help="print a spec's chunk plan and what a run has done")
+    s.add_argument("spec")
+    s.add_argument("--run", help="training run name (default: the spec's name)")
+    s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("spec", help="spec commands")
+    ss = s.add_subparsers(dest="spec_command", required=True)
+    c = ss.add_parser("check", help="validate a spec, its data and its checkpoint dir")
+    c.add_argument("spec")
+    c.add_argument("-v", "--verbose", action="store_true", help="list the resume-critical settings")
+    c.set_defaults(func=cmd_spec_check)
+
+    s = sub.add_parser("train", help="run the trainer in-process (no Airflow, no Ray), resuming from the latest")
+    s.add_argument("spec")
+    s.add_argument("--to-step", type=int, required=True)
+    s.add_argument("--checkpoint-dir", help="the run's checkpoint folder (default: <spec checkpoint_dir>/<run>)")
+    s.add_argument("--run", help="training run name (default: the spec's name)")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("checkpoint", help="checkpoint commands")
+    cs = s.add_subparsers(dest="checkpoint_command", required=True)
+    c = cs.add_parser("validate", help="validate a run's checkpoint (default: the one the tracker names)")
+    c.add_argument("dir", help="the run's checkpoint folder (verl's default_local_dir)")
+    c.add_argument("--step", type=int)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_checkpoint_validate)
+
+    s = sub.add_parser("stack", help="the local stack: Ray head and Airflow (ports: include/stack.env)")
+    s.add_argument("action", choices=["up", "down", "status"])
+    s.add_argument("--no-airflow", action="store_true", help="only the Ray head")
+    s.add_argument("--db", help="Airflow metadata DB URL (default: SQLite in the stack's state folder)")
+    s.set_defaults(func=cmd_stack)
+
+    s = sub.add_parser("demo", help="run the demo spec's DAG end to end on the local stack")
+    s.add_argument("--keep-running", action="store_true", help="leave the stack up to explore the UI")
+    s.add_argument("--no-kill", action="store_true", help="do not stop chunk 2's job to show a resume")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RelayError as e:
+        print(f"relay: {e}", file=sys.stderr)
+        return e.exit_code

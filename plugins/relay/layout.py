@@ -1,0 +1,140 @@
+"""verl's on-disk checkpoint layout (FSDP), and Relay's own corner of a run folder.
+
+    <run_dir>/                                   verl's trainer.default_local_dir
+      latest_checkpointed_iteration.txt          the tracker: text "N"
+      global_step_N/
+        data.pt                                  StatefulDataLoader state
+        actor/model_world_size_W_rank_R.pt       one of each per rank
+        actor/optim_world_size_W_rank_R.pt
+        actor/extra_state_world_size_W_rank_R.pt lr_scheduler + RNG states
+        actor/fsdp_config.json                   {"FSDP_version": 1|2, "world_size": W}
+        actor/huggingface/config.json            (+ tokenizer, generation config)
+        critic/...                               alike, when the algorithm has a critic
+      metrics.jsonl, events.jsonl                Relay: one row per step; chunk attempts and resumes
+      .relay/                                    Relay: lease, staging, quarantine, archive
+
+verl writes the tracker with a plain write (no temp file, no fsync); Relay writes it atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from relay.errors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+SHARD = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+SHARD_KINDS = ("model", "optim", "extra_state")
+ROLES = ("actor", "critic")
+RELAY_DIR = ".relay"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"global_step_{step}"
+
+
+def shard_name(kind: str, world_size: int, rank: int) -> str:
+    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+def relay_dir(run_dir: Path, *parts: str) -> Path:
+    return Path(run_dir, RELAY_DIR, *parts)
+
+
+def tracker_path(run_dir: Path) -> Path:
+    return Path(run_dir) / TRACKER
+
+
+def read_tracker(run_dir: Path) -> int | None:
+    """The step the tracker names, or None without a tracker. Garbage in the tracker is an error."""
+    path = tracker_path(run_dir)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    text = raw.decode("utf-8", "replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(
+            f"tracker {path} holds {text[:40]!r}, not a step number (a half-written or corrupted tracker)",
+            f"run `python -m relay checkpoint validate {run_dir}` to find the newest valid checkpoint",
+        )
+    return int(text)
+
+
+def write_tracker(run_dir: Path, step: int) -> None:
+    """Point the tracker at `step`: temp file, fsync, rename, fsync the folder. Never half-written."""
+    atomic_write(tracker_path(run_dir), str(step).encode())
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under root, so a rename of root publishes durable bytes."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def step_dirs(run_dir: Path) -> dict[int, Path]:
+    """Every global_step_N folder of a run, by step."""
+    out: dict[int, Path] = {}
+    if Path(run_dir).is_dir():
+        for p in Path(run_dir).iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                out[int(m.group(1))] = p
+    return dict(sorted(out.items()))
+
+
+def is_rotation_leftover(path: Path) -> bool:
+    """verl's rotation deletes actor/ and critic/ but leaves global_step_N/ (empty, or holding data.pt)."""
+    names = {p.name for p in Path(path).iterdir()} if Path(path).is_dir() else set()
+    return not (names & set(ROLES)) and names <= {"data.pt"}
+
+
+def read_fsdp_config(role_dir: Path) -> dict | None:
+    p = Path(role_dir) / "fsdp_config.json"
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise CheckpointError(f"{p} is not valid JSON ({e})", "the checkpoint is corrupt; resume from an older one")

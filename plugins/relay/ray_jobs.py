@@ -1,0 +1,157 @@
+"""Chunk jobs on a Ray cluster, through the Jobs API: submit, find, stop, and follow.
+
+Submission goes through ray's JobSubmissionClient (it packages runtime_env's py_modules and uploads
+them to the cluster). Following a job from an Airflow trigger uses the same REST API with aiohttp
+(AsyncRayJobs), so the triggerer never blocks its event loop and never imports ray.
+
+A chunk's submission id is deterministic per (spec, run, DAG run, chunk, try): a worker that runs
+the same try again finds its job and re-attaches instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass
+
+from relay import project
+from relay.errors import RayJobError
+from relay.trainers.contract import ENV_VAR, ChunkRequest
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+LIVE = {"PENDING", "RUNNING"}
+ENTRYPOINT_MODULE = "relay.trainers.job"
+
+
+def submission_id(spec_name: str, run_name: str, dag_run_id: str, chunk: int, try_number: int) -> str:
+    """relay-<spec>-<run>-<hash of the DAG run>-c<chunk>-t<try>: the same inputs give the same id."""
+    dr = hashlib.sha256(dag_run_id.encode()).hexdigest()[:8]
+    safe_run = re.sub(r"[^A-Za-z0-9_-]", "_", run_name)
+    return f"relay-{spec_name}-{safe_run}-{dr}-c{chunk:02d}-t{try_number}"
+
+
+def job_metadata(req: ChunkRequest, dag_run_id: str, try_number: int) -> dict[str, str]:
+    return {"relay_spec": req.spec.name, "relay_run": req.run_name, "relay_chunk": str(req.chunk),
+            "relay_try": str(try_number), "relay_dag_run": dag_run_id}
+
+
+def entrypoint(req: ChunkRequest) -> str:
+    return f"{req.spec.ray.python} -m {ENTRYPOINT_MODULE}"
+
+
+def runtime_env(req: ChunkRequest) -> dict:
+    """Relay's code travels as a py_module; nothing is installed on the cluster by hand."""
+    threads = str(req.spec.threads)
+    env = {
+        **req.spec.ray.env_vars,
+        ENV_VAR: req.to_json(),
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "OPENBLAS_NUM_THREADS": threads,
+        "PYTHONUNBUFFERED": "1",
+    }
+    return {"py_modules": [str(project.package_dir())], "env_vars": env}
+
+
+@dataclass
+class JobState:
+    submission_id: str
+    status: str  # PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED
+    message: str
+    metadata: dict
+
+
+class RayJobs:
+    """Synchronous side (Airflow worker, CLI): submit, look up, list and stop chunk jobs."""
+
+    def __init__(self, address: str):
+        self.address = address.rstrip("/")
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            from ray.job_submission import JobSubmissionClient
+
+            try:
+                self._client = JobSubmissionClient(self.address)
+            except Exception as e:  # ConnectionError, or ray's own wrappers of it
+                raise RayJobError(f"cannot reach the Ray Jobs API at {self.address} ({e})",
+                                  "start the Ray head (`python -m relay stack up`) or fix the Airflow "
+                                  "connection that names it") from None
+        return self._client
+
+    def get(self, sub_id: str) -> JobState | None:
+        try:
+            info = self.client.get_job_info(sub_id)
+        except RuntimeError as e:
+            if "does not exist" in str(e):
+                return None
+            raise RayJobError(f"cannot read job {sub_id} from {self.address}: {e}", "check the Ray head") from None
+        return JobState(sub_id, str(info.status), info.message or "", info.metadata or {})
+
+    def submit(self, req: ChunkRequest, sub_id: str, metadata: dict[str, str]) -> str:
+        return self.client.submit_job(
+            entrypoint=entrypoint(req), submission_id=sub_id, runtime_env=runtime_env(req), metadata=metadata,
+            entrypoint_num_cpus=req.spec.ray.entrypoint_num_cpus,
+        )
+
+    def live_jobs_of_run(self, spec_name: str, run_name: str) -> list[JobState]:
+        out = []
+        for j in self.client.list_jobs():
+            md = j.metadata or {}
+            if md.get("relay_spec") == spec_name and md.get("relay_run") == run_name and str(j.status) in LIVE:
+                out.append(JobState(j.submission_id, str(j.status), j.message or "", md))
+        return out
+
+    def stop(self, sub_id: str) -> None:
+        self.client.stop_job(sub_id)
+
+    def stop_run(self, spec_name: str, run_name: str, *, keep: str | None = None, wait_s: float = 60) -> list[str]:
+        """Stop every live job of a run (any chunk, any try) except `keep`; wait until they have ended."""
+        stopped = [j.submission_id for j in self.live_jobs_of_run(spec_name, run_name) if j.submission_id != keep]
+        for sub_id in stopped:
+            self.stop(sub_id)
+        deadline = time.time() + wait_s
+        while stopped and time.time() < deadline:
+            if all((s := self.get(i)) is None or s.status in TERMINAL for i in stopped):
+                break
+            time.sleep(0.5)
+        return stopped
+
+    def logs(self, sub_id: str) -> str:
+        return self.client.get_job_logs(sub_id)
+
+
+class AsyncRayJobs:
+    """Asynchronous side (Airflow triggerer): job status, logs and stop over the REST API."""
+
+    def __init__(self, address: str, timeout_s: float = 10):
+        self.address = address.rstrip("/")
+        self.timeout_s = timeout_s
+
+    async def _request(self, method: str, path: str):
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            async with s.request(method, f"{self.address}{path}") as r:
+                if r.status == 404:
+                    return None
+                if r.status >= 400:
+                    raise RayJobError(f"Ray Jobs API {method} {path}: HTTP {r.status}: {(await r.text())[:300]}")
+                return await r.json(content_type=None)
+
+    async def get(self, sub_id: str) -> JobState | None:
+        d = await self._request("GET", f"/api/jobs/{sub_id}")
+        if d is None:
+            return None
+        return JobState(sub_id, d.get("status", "UNKNOWN"), d.get("message") or "", d.get("metadata") or {})
+
+    async def logs(self, sub_id: str) -> str:
+        d = await self._request("GET", f"/api/jobs/{sub_id}/logs")
+        return (d or {}).get("logs", "")
+
+    async def stop(self, sub_id: str) -> None:
+        await self._request("POST", f"/api/jobs/{sub_id}/stop")

@@ -1,0 +1,288 @@
+"""RunSpec: one YAML file per training run, validated with errors that name the offending key.
+
+A spec describes a run once: its trainer and settings, step budget and chunk size, seed, where its
+checkpoints live, its data, the Ray connection, the S3 target and who is alerted. Keys marked
+resume-critical (see specmodel.critical) must not change between the chunks of a run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
+
+from relay import project
+from relay.errors import SpecError
+from relay.specmodel import StrictModel, critical, critical_values
+from relay.trainers import KINDS
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/-]*)?$"
+
+
+class TrainerSpec(StrictModel):
+    kind: str = critical(description="one of: " + ", ".join(KINDS))
+    settings: dict[str, Any] = critical(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in KINDS:
+            raise ValueError(f"unknown trainer kind {v!r}; known kinds: {', '.join(KINDS)}")
+        return v
+
+    def typed_settings(self) -> BaseModel:
+        return KINDS[self.kind].settings_model().model_validate(self.settings)
+
+
+class DataSpec(StrictModel):
+    train_files: list[str] = critical(min_length=1)
+    val_files: list[str] = critical(default_factory=list)
+
+
+class RaySpec(StrictModel):
+    conn_id: str = Field("relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
+    python: str = Field("python", description="interpreter the job's entrypoint runs on the cluster")
+    entrypoint_num_cpus: float = Field(1, ge=0)
+    chunk_timeout_minutes: float = Field(120, gt=0, description="a chunk's job is stopped after this long")
+    poll_seconds: float = Field(2.0, gt=0)
+    env_vars: dict[str, str] = Field(default_factory=dict, description="extra environment for the chunk's job")
+
+
+class S3Spec(StrictModel):
+    conn_id: str = "aws_default"
+    uri: str = Field(pattern=S3_URI_PATTERN, description="s3://bucket/prefix that runs are published under")
+
+
+class AlertSpec(StrictModel):
+    email: list[str] = Field(default_factory=list, description="addresses mailed on an alert")
+    slack_conn_id: str | None = Field(None, description="Airflow connection of a Slack incoming webhook")
+    webhook_conn_id: str | None = Field(None, description="Airflow connection of a JSON webhook")
+    on_retry: bool = Field(False, description="also alert on each retry, not only once per failure event")
+
+
+class AirflowSpec(StrictModel):
+    retries: int = Field(2, ge=0)
+    retry_delay_seconds: float = Field(30, ge=0)
+    max_active_runs: int = Field(1, gt=0)
+    tags: list[str] = Field(default_factory=list)
+
+
+class RunSpec(StrictModel):
+    name: str = Field(pattern=NAME_PATTERN, description="the spec's name; its DAG is relay_<name>")
+    description: str = ""
+    trainer: TrainerSpec
+    total_steps: int = critical(gt=0)
+    chunk_steps: int = Field(gt=0)
+    seed: int = critical()
+    threads: int = critical(gt=0, description="torch/OMP threads: sums differ between thread counts")
+    checkpoint_dir: str = critical(description="root folder; a run's checkpoints are in <checkpoint_dir>/<run>")
+    data: DataSpec
+    ray: RaySpec = Field(default_factory=RaySpec)
+    s3: S3Spec | None = None
+    alerts: AlertSpec = Field(default_factory=AlertSpec)
+    airflow: AirflowSpec = Field(default_factory=AirflowSpec)
+
+    _source: str = PrivateAttr("<dict>")
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def dag_id(self) -> str:
+        return f"relay_{self.name}"
+
+    @property
+    def settings(self) -> Any:
+        """The trainer's typed settings."""
+        return self.trainer.typed_settings()
+
+    def run_dir(self, run_name: str) -> Path:
+        """Where a training run's checkpoints live: verl's trainer.default_local_dir."""
+        check_run_name(run_name)
+        return Path(self.checkpoint_dir) / run_name
+
+    def resume_critical(self) -> dict[str, Any]:
+        """Resume-critical settings as {dotted.key: value}, the trainer's own marks included."""
+        out = critical_values(self)
+        out.pop("trainer.settings", None)
+        out.update(critical_values(self.settings, "trainer.settings."))
+        return out
+
+    def settings_fingerprint(self) -> str:
+        blob = json.dumps(self.resume_critical(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def to_json(self) -> str:
+        """The resolved spec, as shipped to a Ray job (paths already absolute)."""
+        return json.dumps({"source": self._source, "spec": self.model_dump(mode="json")})
+
+
+def check_run_name(run_name: str) -> str:
+    if not isinstance(run_name, str) or not re.match(RUN_NAME_PATTERN, run_name) or ".." in run_name:
+        raise SpecError(
+            "run", "run", f"invalid run name {run_name!r}",
+            "use letters, digits, '.', '_' or '-' (at most 128, starting with a letter or digit, no '..')",
+        )
+    return run_name
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+def load_spec(path: str | os.PathLike, *, check_environment: bool = True) -> RunSpec:
+    """Load and validate a spec file. With check_environment, also check data and checkpoint dir."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SpecError(source, "", f"cannot read the file: {e.strerror}", "check the path") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(source, "", f"not valid YAML: {e}", "fix the YAML syntax at the position shown") from None
+    return spec_from_dict(raw, source=source, check_environment=check_environment)
+
+
+def spec_from_json(blob: str) -> RunSpec:
+    """Inverse of RunSpec.to_json (on the cluster: no environment checks, paths are already resolved)."""
+    data = json.loads(blob)
+    return spec_from_dict(data["spec"], source=data["source"], check_environment=False, resolve=False)
+
+
+def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool = True,
+                   resolve: bool = True) -> RunSpec:
+    if not isinstance(raw, dict):
+        raise SpecError(source, "", f"must be a mapping of keys, got {type(raw).__name__}",
+                        "start from include/runs/demo.yaml")
+    spec = _validate(RunSpec, raw, source, "")
+    settings_model = KINDS[spec.trainer.kind].settings_model()
+    settings = _validate(settings_model, spec.trainer.settings, source, "trainer.settings.")
+    updates: dict[str, Any] = {"trainer": spec.trainer.model_copy(update={"settings": settings.model_dump()})}
+    if resolve:
+        updates["checkpoint_dir"] = str(_resolve(source, "checkpoint_dir", spec.checkpoint_dir))
+        updates["data"] = DataSpec(
+            train_files=[str(_resolve(source, f"data.train_files[{i}]", f))
+                         for i, f in enumerate(spec.data.train_files)],
+            val_files=[str(_resolve(source, f"data.val_files[{i}]", f)) for i, f in enumerate(spec.data.val_files)],
+        )
+    spec = spec.model_copy(update=updates)
+    spec._source = source
+    if check_environment:
+        check_spec_environment(spec)
+    return spec
+
+
+def _resolve(source: str, key: str, value: str) -> Path:
+    try:
+        return project.resolve_path(value)
+    except KeyError as e:
+        raise SpecError(source, key, f"environment variable {e.args[0]} is not set",
+                        f"set {e.args[0]}, or give a default as ${{{e.args[0]}:-value}}") from None
+
+
+def _validate(model: type[BaseModel], raw: Any, source: str, prefix: str) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        # A typo shows as an unknown key and a missing one: name the unknown key, with its suggestion.
+        err = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")[0]
+        key = _dotted(prefix, err["loc"])
+        if err["type"] == "extra_forbidden":
+            parent = _submodel(model, err["loc"][:-1])
+            known = list(parent.model_fields) if parent else []
+            near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise SpecError(source, key, "unknown key", f"{hint}known keys here: {', '.join(known)}") from None
+        if err["type"] == "missing":
+            raise SpecError(source, key, "required key is missing", "add it (see include/runs/demo.yaml)") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SpecError(source, key, f"{msg} (got {err.get('input')!r})") from None
+
+
+def _dotted(prefix: str, loc: tuple) -> str:
+    """('data', 'train_files', 0) -> data.train_files[0]"""
+    key = prefix.rstrip(".")
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key
+
+
+def _submodel(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            # Optional[Model] and similar: take the first BaseModel argument.
+            ann = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)),
+                       None)
+        if ann is None:
+            return None
+        model = ann
+    return model
+
+
+# ---------------------------------------------------------------------------------- environment
+
+def is_templated(path: str) -> bool:
+    """A data path filled in per DAG run (scheduled runs): checked when the run starts."""
+    return "{{" in path or "{ds" in path
+
+
+def check_spec_environment(spec: RunSpec) -> None:
+    """Checks that need the filesystem: data files exist and can supply total_steps; checkpoint dir writable."""
+    src = spec.source
+    _check_writable(spec)
+    if any(is_templated(f) for f in spec.data.train_files):
+        return  # filled in per DAG run: checked by that run's preflight
+    rows = sum(parquet_rows(src, f"data.train_files[{i}]", f) for i, f in enumerate(spec.data.train_files))
+    for i, f in enumerate(spec.data.val_files):
+        if not is_templated(f) and not Path(f).is_file():
+            raise SpecError(src, f"data.val_files[{i}]", f"file not found: {f}", "fix the path")
+    available = spec.settings.steps_available(rows)
+    if available < spec.total_steps:
+        raise SpecError(
+            src, "total_steps",
+            f"the data cannot supply {spec.total_steps} steps: {rows} train rows give {available} steps "
+            f"(train_batch_size {spec.settings.train_batch_size}, total_epochs {spec.settings.total_epochs})",
+            "lower total_steps, raise trainer.settings.total_epochs, or add data",
+        )
+
+
+def parquet_rows(source: str, key: str, path: str) -> int:
+    if not Path(path).is_file():
+        raise SpecError(source, key, f"file not found: {path}", "fix the path, or create the file")
+    import pyarrow.parquet as pq  # lazy: only when a spec's environment is checked
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception as e:  # pyarrow raises several types for a non-parquet file
+        raise SpecError(source, key, f"not a readable parquet file: {path} ({e})", "check the file") from None
+
+
+def _check_writable(spec: RunSpec) -> None:
+    """Write a probe file into the checkpoint dir, or its nearest existing parent (os.access lies for root)."""
+    d = Path(spec.checkpoint_dir)
+    existing = d
+    while not existing.exists():
+        existing = existing.parent
+    problem = None if existing.is_dir() else f"{existing} is not a folder"
+    if problem is None:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".relay-probe-", dir=existing)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            problem = f"cannot write in {existing}: {e.strerror}"
+    if problem:
+        raise SpecError(spec.source, "checkpoint_dir", f"not writable: {d} ({problem})",
+                        "choose a folder this user can write, or fix its permissions")

@@ -1,0 +1,256 @@
+"""The local stack: a Ray head and Airflow (api-server, scheduler, dag-processor, triggerer), started
+and stopped as plain processes. Ports come from include/stack.env, the one place they are set.
+
+Each service runs in its own process session from a state folder outside the repo (so a Ray job
+can reach Relay's code only through runtime_env), and is stopped by its process group: Airflow's
+standalone mode ignores SIGINT under `&` and orphans its children on SIGTERM, so it is not used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from relay import project
+
+
+def ports() -> dict[str, int]:
+    """RELAY_* ports from include/stack.env, each overridable by an environment variable."""
+    out = {}
+    for line in (project.root() / "include" / "stack.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k] = int(os.environ.get(k, v))
+    return out
+
+
+def state_dir() -> Path:
+    """Logs, pids and AIRFLOW_HOME of the local stack; outside the repo. RELAY_STACK_DIR overrides it."""
+    if env := os.environ.get("RELAY_STACK_DIR"):
+        return Path(env)
+    tag = hashlib.sha256(str(project.root()).encode()).hexdigest()[:8]
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "relay" / f"stack-{tag}"
+
+
+def bin_dir() -> Path:
+    return Path(sys.executable).parent
+
+
+def ray_address() -> str:
+    return f"http://127.0.0.1:{ports()['RELAY_RAY_DASHBOARD_PORT']}"
+
+
+def airflow_url() -> str:
+    return f"http://127.0.0.1:{ports()['RELAY_AIRFLOW_API_PORT']}"
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment services start with: the venv first on PATH, and no PYTHONPATH into the repo."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = f"{bin_dir()}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+# ----------------------------------------------------------------------------------------- Ray
+
+def ray_start(num_cpus: int = 2) -> str:
+    """Start a Ray head (if none answers) and return its Jobs API address."""
+    if _http_ok(f"{ray_address()}/api/version"):
+        return ray_address()
+    p = ports()
+    d = state_dir() / "ray"
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(bin_dir() / "ray"), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+        f"--port={p['RELAY_RAY_GCS_PORT']}", f"--dashboard-port={p['RELAY_RAY_DASHBOARD_PORT']}",
+        f"--ray-client-server-port={p['RELAY_RAY_CLIENT_PORT']}",
+        f"--node-manager-port={p['RELAY_RAY_NODE_MANAGER_PORT']}",
+        f"--object-manager-port={p['RELAY_RAY_OBJECT_MANAGER_PORT']}",
+        f"--runtime-env-agent-port={p['RELAY_RAY_RUNTIME_ENV_AGENT_PORT']}",
+        f"--dashboard-agent-grpc-port={p['RELAY_RAY_DASHBOARD_AGENT_GRPC_PORT']}",
+        f"--dashboard-agent-listen-port={p['RELAY_RAY_DASHBOARD_AGENT_LISTEN_PORT']}",
+        f"--metrics-export-port={p['RELAY_RAY_METRICS_EXPORT_PORT']}",
+        f"--min-worker-port={p['RELAY_RAY_MIN_WORKER_PORT']}", f"--max-worker-port={p['RELAY_RAY_MAX_WORKER_PORT']}",
+    ]
+    with open(d / "ray-start.log", "wb") as log:
+        rc = subprocess.call(cmd, cwd=d, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise RuntimeError(f"`ray start` failed (exit {rc}); see {d / 'ray-start.log'}")
+    _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
+    return ray_address()
+
+
+def ray_stop() -> None:
+    subprocess.call([str(bin_dir() / "ray"), "stop", "--force"], cwd=state_dir(), env=_clean_env(),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# ------------------------------------------------------------------------------------- Airflow
+
+AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4) -> dict[str, str]:
+    """Airflow's configuration for the local stack and the tests: LocalExecutor, low parallelism."""
+    home.mkdir(parents=True, exist_ok=True)
+    secret_file = home / "relay_secret"
+    if not secret_file.exists():
+        secret_file.write_text(secrets.token_hex(16))
+    secret = secret_file.read_text().strip()
+    api = airflow_url()
+    env = _clean_env()
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(project.root() / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(project.root() / "plugins"),
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+        "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{api}/execution/",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url or f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(ports()["RELAY_AIRFLOW_API_PORT"]),
+        "AIRFLOW__API__BASE_URL": api,
+        "AIRFLOW__API__SECRET_KEY": secret,
+        "AIRFLOW__API_AUTH__JWT_SECRET": secret,
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
+        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "AIRFLOW_CONN_RELAY_RAY": ray_address(),
+        "RELAY_PROJECT_ROOT": str(project.root()),
+        "GX_ANALYTICS_ENABLED": "false",
+    })
+    return env
+
+
+def airflow_cli(env: dict[str, str], *args: str, check: bool = True, timeout: float = 600):
+    return subprocess.run([str(bin_dir() / "airflow"), *args], env=env, cwd=env["AIRFLOW_HOME"],
+                          capture_output=True, text=True, check=check, timeout=timeout)
+
+
+def airflow_start(env: dict[str, str], components=AIRFLOW_COMPONENTS) -> dict[str, int]:
+    home = Path(env["AIRFLOW_HOME"])
+    airflow_cli(env, "db", "migrate")
+    pids = {}
+    for comp in components:
+        pids[comp] = start_process(f"airflow-{comp}", [str(bin_dir() / "airflow"), comp], env, cwd=home)
+    _wait_http(f"{airflow_url()}/api/v2/monitor/health", 120, "Airflow API server")
+    return pids
+
+
+def airflow_password(home: Path) -> str:
+    data = json.loads((home / "simple_auth_manager_passwords.json.generated").read_text())
+    return data["admin"]
+
+
+# ------------------------------------------------------------------------------ processes
+
+def _pid_file(name: str) -> Path:
+    return state_dir() / "pids" / f"{name}.pid"
+
+
+def start_process(name: str, cmd: list[str], env: dict[str, str], cwd: Path) -> int:
+    """Start a service in its own session, logging to <state>/logs/<name>.log; remember its pid."""
+    (state_dir() / "logs").mkdir(parents=True, exist_ok=True)
+    _pid_file(name).parent.mkdir(parents=True, exist_ok=True)
+    log = open(state_dir() / "logs" / f"{name}.log", "ab")
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _pid_file(name).write_text(str(proc.pid))
+    return proc.pid
+
+
+def stop_process(name: str, timeout: float = 20) -> bool:
+    """SIGTERM the service's process group, then SIGKILL what is left after `timeout`."""
+    f = _pid_file(name)
+    if not f.exists():
+        return False
+    pid = int(f.read_text())
+    f.unlink()
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return False
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.time() + timeout
+    while time.time() < deadline and _group_alive(pgid):
+        time.sleep(0.2)
+    _signal_group(pgid, signal.SIGKILL)
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def running_services() -> list[str]:
+    d = state_dir() / "pids"
+    return sorted(p.stem for p in d.glob("*.pid")) if d.exists() else []
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status < 500
+    except Exception:
+        return False
+
+
+def _wait_http(url: str, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if _http_ok(url):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not answer at {url} within {timeout:.0f}s; see logs in {state_dir() / 'logs'}")
+
+
+def up(with_airflow: bool = True, db_url: str | None = None) -> dict:
+    """Start the whole local stack; return how to reach it."""
+    info = {"ray": ray_start()}
+    if with_airflow:
+        env = airflow_env(state_dir() / "airflow", db_url)
+        airflow_start(env)
+        info.update(airflow=airflow_url(), airflow_home=env["AIRFLOW_HOME"],
+                    user="admin", password=airflow_password(Path(env["AIRFLOW_HOME"])))
+    return info
+
+
+def down() -> list[str]:
+    """Stop everything the stack started."""
+    stopped = [n for n in running_services() if stop_process(n)]
+    ray_stop()
+    return stopped + ["ray"]
+
+
+def wipe() -> None:
+    """Remove the stack's state folder (logs, Airflow DB). Checkpoints are elsewhere and are kept."""
+    shutil.rmtree(state_dir(), ignore_errors=True)

@@ -1,0 +1,39 @@
+"""Trainer kinds. Each kind names its settings model (pydantic only) and its chunk function (heavy).
+
+Both are import paths, resolved lazily, so validating a spec never imports torch, verl or ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class TrainerKind:
+    name: str
+    settings: str  # "module:Class" of the settings model
+    train_chunk: str  # "module:function" implementing the chunk contract (see contract.py)
+    description: str
+
+    def settings_model(self) -> type:
+        return _load(self.settings)
+
+    def chunk_function(self) -> Callable[..., Any]:
+        return _load(self.train_chunk)
+
+
+KINDS: dict[str, TrainerKind] = {
+    "tiny_grpo": TrainerKind(
+        name="tiny_grpo",
+        settings="relay.trainers.tiny_grpo.settings:TinyGRPOSettings",
+        train_chunk="relay.trainers.tiny_grpo.trainer:train_chunk",
+        description="a small, real GRPO trainer on CPU built from verl's parts (demo and CI)",
+    ),
+}
+
+
+def _load(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)

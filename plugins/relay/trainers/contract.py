@@ -1,0 +1,62 @@
+"""The trainer contract, shared by every trainer kind: resume from the latest valid checkpoint,
+train until step E, save a checkpoint at E in verl's layout, exit 0.
+
+A ChunkRequest travels to a Ray job as JSON in one environment variable; the job's entrypoint
+(relay.trainers.job) and the in-process CLI (`relay train`) both end in run_chunk().
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from relay.spec import RunSpec, spec_from_json
+
+ENV_VAR = "RELAY_CHUNK_REQUEST"
+
+
+@dataclass
+class ChunkRequest:
+    spec: RunSpec
+    run_name: str
+    to_step: int
+    chunk: int | None = None  # chunk index, for logs and metrics
+    attempt: str = "local"  # who is training: a Ray submission id, or local:<host>:<pid>
+    lease_token: int | None = None  # None: take the lease in this process (the CLI)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.spec.run_dir(self.run_name)
+
+    def to_json(self) -> str:
+        d = {k: v for k, v in asdict(self).items() if k != "spec"}
+        return json.dumps({"spec": json.loads(self.spec.to_json()), **d})
+
+    @classmethod
+    def from_json(cls, blob: str) -> "ChunkRequest":
+        d = json.loads(blob)
+        spec = spec_from_json(json.dumps(d.pop("spec")))
+        return cls(spec=spec, **d)
+
+    @classmethod
+    def from_env(cls) -> "ChunkRequest":
+        return cls.from_json(os.environ[ENV_VAR])
+
+
+@dataclass
+class ChunkResult:
+    run_name: str
+    resumed_from: int  # 0 for a fresh start
+    end_step: int
+    steps_trained: int
+    seconds: float
+    checkpoint: str
+
+
+def run_chunk(req: ChunkRequest) -> ChunkResult:
+    """Dispatch a chunk to its trainer kind."""
+    from relay.trainers import KINDS
+
+    return KINDS[req.spec.trainer.kind].chunk_function()(req)

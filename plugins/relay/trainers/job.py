@@ -1,0 +1,28 @@
+"""A chunk's Ray job entrypoint: `python -m relay.trainers.job`, the request in $RELAY_CHUNK_REQUEST.
+
+Exit codes: 0 the chunk reached its end step (or already had); 3 this attempt lost the run's lease;
+1 anything else (the traceback is in the job's log, which the Airflow task shows).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from relay.errors import RelayError
+from relay.trainers.contract import ChunkRequest, run_chunk
+
+
+def main() -> int:
+    req = ChunkRequest.from_env()
+    try:
+        result = run_chunk(req)
+    except RelayError as e:
+        print(f"[relay] chunk {req.chunk} of run {req.run_name} failed: {e}", flush=True)
+        return e.exit_code
+    print(f"[relay] chunk {req.chunk} of run {req.run_name} done: steps {result.resumed_from} -> "
+          f"{result.end_step} in {result.seconds:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

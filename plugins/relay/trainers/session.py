@@ -1,0 +1,131 @@
+"""What every trainer does around its loop, whatever the trainer: take or check the run's lease, find
+the checkpoint to resume from, keep metrics at one row per step, print progress, and commit each
+checkpoint so that a reader never sees a half-written one.
+
+A checkpoint is written into .relay/staging/, made durable (fsync), then, holding the lease lock,
+renamed to global_step_N and named by the tracker (written atomically, last). A trainer killed at
+any point leaves either the previous checkpoint or the new one as latest, never a partial one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from relay import layout
+from relay.lease import Lease
+from relay.metrics import MetricsLog, record_event
+from relay.trainers.contract import ChunkRequest
+from relay.validate import latest_valid_step, validate_checkpoint
+
+
+class ChunkSession:
+    def __init__(self, req: ChunkRequest):
+        self.req = req
+        self.spec = req.spec
+        self.run_dir = req.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lease = Lease(self.run_dir)
+        if req.lease_token is None:
+            req.lease_token = self.lease.acquire(f"local:{socket.gethostname()}:{os.getpid()}")
+        self.token = req.lease_token
+        self.lease.check(self.token)
+        self.resume_step = latest_valid_step(self.run_dir) or 0
+        self.metrics = MetricsLog(self.run_dir)
+        self._t0 = time.time()
+        self._step_times: list[float] = []
+
+    # ------------------------------------------------------------------------------ resume
+    def resume_checkpoint(self) -> Path | None:
+        """The folder to resume from, validated (CRC + safe load) just before the trainer loads it."""
+        if not self.resume_step:
+            return None
+        report = validate_checkpoint(self.run_dir, self.resume_step, load=True)
+        if not report.ok:
+            from relay.errors import CheckpointError
+
+            raise CheckpointError(f"refusing to resume from step {self.resume_step}: {report.failed.detail}",
+                                  f"run `python -m relay checkpoint validate {self.run_dir}`")
+        return layout.step_dir(self.run_dir, self.resume_step)
+
+    def begin(self) -> None:
+        """Record the attempt; supersede metrics rows written after the resume point."""
+        dropped = self.metrics.resume_at(self.resume_step, self.req.attempt)
+        record_event(self.run_dir, "chunk_start", chunk=self.req.chunk, attempt=self.req.attempt,
+                     resumed_from=self.resume_step, to_step=self.req.to_step, lease_token=self.token,
+                     superseded_rows=dropped)
+        where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
+        self.say(f"run {self.req.run_name}: chunk {self.req.chunk or '-'} resumes from {where}, "
+                 f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "
+                 f"lease token {self.token})")
+
+    # ------------------------------------------------------------------------------ progress
+    @staticmethod
+    def say(msg: str) -> None:
+        print(f"[relay] {msg}", flush=True)
+
+    def step_done(self, step: int, seconds: float, **values: float) -> None:
+        """One metrics row and one progress line per step; stop at once if the lease was lost."""
+        self.lease.check(self.token)
+        self._step_times.append(seconds)
+        row = {"step": step, "chunk": self.req.chunk, "attempt": self.req.attempt, "seconds": round(seconds, 4),
+               "time": time.time(), **values}
+        self.metrics.append(row)
+        recent = self._step_times[-20:]
+        per = sum(recent) / len(recent)
+        eta_chunk = per * (self.req.to_step - step)
+        eta_run = per * (self.spec.total_steps - step)
+        shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
+        self.say(f"step {step}/{self.spec.total_steps} chunk {self.req.chunk or '-'} {shown} "
+                 f"s/step={per:.3f} eta_chunk={eta_chunk:.0f}s eta_run={eta_run:.0f}s")
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def staging_dir(self, step: int) -> Path:
+        """A fresh folder to write global_step_<step> into; stale staging of dead attempts is removed."""
+        self.lease.check(self.token)
+        staging_root = layout.relay_dir(self.run_dir, "staging")
+        staging_root.mkdir(parents=True, exist_ok=True)
+        mine = staging_root / f"global_step_{step}.t{self.token}"
+        for old in staging_root.iterdir():
+            token = old.name.rpartition(".t")[2]
+            # Only older attempts' leftovers: a newer attempt's staging is never touched.
+            if old == mine or (token.isdigit() and int(token) < self.token):
+                shutil.rmtree(old, ignore_errors=True)
+        return mine
+
+    def commit(self, step: int, staged: Path) -> Path:
+        """Publish a staged checkpoint as global_step_<step> and point the tracker at it (lease-fenced)."""
+        layout.fsync_tree(staged)
+        final = layout.step_dir(self.run_dir, step)
+        with self.lease.commit(self.token):
+            if final.exists():
+                # Left by an attempt killed after its rename but before its tracker write: never
+                # named by the tracker, so never resumed from. Kept aside, not deleted.
+                aside = layout.relay_dir(self.run_dir, "superseded", f"{final.name}.{int(time.time() * 1e3)}")
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                final.rename(aside)
+            staged.rename(final)
+            layout.fsync_dir(self.run_dir)
+            layout.write_tracker(self.run_dir, step)
+        record_event(self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt)
+        self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
+        return final
+
+    def finish(self, end_step: int) -> None:
+        self.metrics.close()
+        record_event(self.run_dir, "chunk_end", chunk=self.req.chunk, attempt=self.req.attempt, end_step=end_step,
+                     seconds=round(time.time() - self._t0, 3))
+
+
+def pin_threads(threads: int) -> None:
+    """Pin math threads: a sum over many floats differs between thread counts, so bitwise resume needs it."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    if "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(threads)

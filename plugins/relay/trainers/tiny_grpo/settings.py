@@ -1,0 +1,67 @@
+"""Settings of the CPU GRPO trainer, as written under `trainer.settings` in a run spec.
+
+Imports only pydantic, so a spec can be validated where torch is not installed (the DAG processor).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from relay.specmodel import StrictModel, critical
+
+
+class ModelSettings(StrictModel):
+    """A tiny Qwen2 decoder built from its config: no download."""
+
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+
+
+class OptimSettings(StrictModel):
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    # constant: verl's constant schedule with warmup; cosine: verl's cosine with warmup (horizon = total_steps)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class TinyGRPOSettings(StrictModel):
+    """GRPO on a synthetic, verifiable arithmetic task ("3+4=" -> "7")."""
+
+    model: ModelSettings = critical(default_factory=ModelSettings)
+    optim: OptimSettings = critical(default_factory=OptimSettings)
+    adv_estimator: Literal["grpo"] = critical("grpo")
+    train_batch_size: int = critical(16, gt=0, description="prompts per step")
+    rollout_n: int = critical(8, ge=2, description="GRPO group size: responses per prompt")
+    ppo_mini_batch_size: int = critical(8, gt=0, description="prompts per optimizer step")
+    max_response_length: int = critical(3, gt=0)
+    temperature: float = critical(1.0, gt=0)
+    clip_ratio: float = critical(0.2, gt=0)
+    use_kl_loss: bool = critical(True)
+    kl_loss_coef: float = critical(0.001, ge=0)
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = critical("low_var_kl")
+    total_epochs: int = critical(1, gt=0)
+    shuffle: bool = critical(True)
+    fsdp_version: Literal[1, 2] = critical(2)
+    world_size: Literal[1] = critical(1, description="one gloo process; its shard names carry it")
+    # Not resume-critical: how often a chunk saves inside itself (0: only at the chunk's end).
+    save_freq: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _mini_batch_divides(self) -> "TinyGRPOSettings":
+        if self.train_batch_size % self.ppo_mini_batch_size:
+            raise ValueError(
+                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide "
+                f"train_batch_size ({self.train_batch_size})"
+            )
+        return self
+
+    def steps_available(self, train_rows: int) -> int:
+        """Training steps the data can supply: full batches per epoch (drop_last) times epochs, as verl counts."""
+        return (train_rows // self.train_batch_size) * self.total_epochs

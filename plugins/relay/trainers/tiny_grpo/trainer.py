@@ -1,0 +1,254 @@
+"""A small, real GRPO trainer on CPU, built from verl's own parts.
+
+- verl: compute_grpo_outcome_advantage, the "vanilla" (clipped PPO) policy loss, kl_penalty and
+  agg_loss from core_algos; its LR schedules; FSDPCheckpointManager to save (FSDP1 or FSDP2 over a
+  gloo group of world size 1), so checkpoints are in verl's exact layout.
+- torchdata's StatefulDataLoader with its RandomSampler, as verl uses, so data.pt is verl's.
+- Resume goes through Relay's safe loader (weights_only), never verl's load_checkpoint, which
+  unpickles with weights_only=False.
+
+Determinism: threads are pinned by the spec, torch's deterministic algorithms are on, and every
+RNG the trainer draws from is restored on resume: torch/numpy/python (verl's extra_state) and the
+sampler's generator (data.pt). Rollouts sample with the global torch generator.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import time
+import warnings
+
+from relay.trainers.contract import ChunkRequest, ChunkResult
+from relay.trainers.session import ChunkSession, pin_threads
+from relay.trainers.tiny_grpo import task
+
+
+def _quiet_verl() -> None:
+    """verl announces every optional engine it cannot import, and INFO-logs each file it saves."""
+    warnings.filterwarnings("ignore", message=".*engine is not available")
+    os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
+
+
+def train_chunk(req: ChunkRequest) -> ChunkResult:
+    _quiet_verl()
+    spec = req.spec
+    pin_threads(spec.threads)
+    session = ChunkSession(req)
+    start = session.resume_step
+    if start >= req.to_step:
+        session.say(f"run {req.run_name} already reached step {start} >= {req.to_step}: nothing to train")
+        return ChunkResult(req.run_name, start, start, 0, 0.0, str(session.run_dir / f"global_step_{start}"))
+    resume_from = session.resume_checkpoint()
+
+    t0 = time.time()
+    trainer = _TinyGRPO(spec)
+    if resume_from is not None:
+        trainer.restore(resume_from)
+    session.begin()
+    checkpoint = None
+    step = start
+    try:
+        for batch in trainer.batches():
+            step += 1
+            t = time.time()
+            values = trainer.train_step(batch)
+            session.step_done(step, time.time() - t, epoch=trainer.epoch, **values)
+            s = spec.settings
+            if step == req.to_step or (s.save_freq and step % s.save_freq == 0):
+                staged = session.staging_dir(step)
+                trainer.save(staged, step)
+                checkpoint = session.commit(step, staged)
+            if step == req.to_step:
+                break
+    finally:
+        session.finish(step)
+        trainer.close()
+    return ChunkResult(req.run_name, start, step, step - start, time.time() - t0, str(checkpoint))
+
+
+class _TinyGRPO:
+    """Model, optimizer, schedule and data of one chunk's process."""
+
+    def __init__(self, spec):
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import RandomSampler
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+        from verl.workers.config import ActorConfig
+
+        self.torch = torch
+        self.spec = spec
+        s = self.s = spec.settings
+        torch.set_num_threads(spec.threads)
+        torch.use_deterministic_algorithms(True)
+        if not dist.is_initialized():
+            # World size 1: an in-process store, so two trainers on one host never contend for a port.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+        torch.manual_seed(spec.seed)
+        np.random.seed(spec.seed)
+        random.seed(spec.seed)
+        m = s.model
+        config = Qwen2Config(
+            vocab_size=len(task.VOCAB), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads, max_position_embeddings=32,
+            tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
+            bos_token_id=task.VOCAB[task.BOS], eos_token_id=task.VOCAB[task.EOS], pad_token_id=task.VOCAB[task.PAD],
+        )
+        config._attn_implementation = "eager"
+        model = Qwen2ForCausalLM(config)
+        # The reference policy for the KL loss is the initial model, rebuilt from the seed on every resume.
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = self._shard(model, s.fsdp_version)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=s.optim.lr, weight_decay=s.optim.weight_decay)
+        self.scheduler = self._schedule()
+
+        rows = task.load_rows(spec.data.train_files)
+        self.prompts = torch.tensor([task.encode_prompt(p) for p, _ in rows])
+        self.truths = [t for _, t in rows]
+        if s.shuffle:
+            gen = torch.Generator()
+            gen.manual_seed(spec.seed)
+            sampler = RandomSampler(range(len(rows)), generator=gen)
+        else:
+            sampler = torch.utils.data.SequentialSampler(range(len(rows)))
+        # The loader's own generator keeps iter() from drawing on the global RNG (which rollouts use).
+        loader_gen = torch.Generator()
+        loader_gen.manual_seed(spec.seed)
+        self.loader = StatefulDataLoader(list(range(len(rows))), batch_size=s.train_batch_size, sampler=sampler,
+                                         drop_last=True, collate_fn=list, generator=loader_gen)
+        self.steps_per_epoch = len(self.loader)
+        self.epoch = 0
+        self.ckpt = FSDPCheckpointManager(model=self.model, optimizer=self.optim, lr_scheduler=self.scheduler,
+                                          processing_class=task.hf_tokenizer(), checkpoint_config=None)
+        self.actor_cfg = ActorConfig(strategy=f"fsdp{s.fsdp_version if s.fsdp_version == 2 else ''}",
+                                     rollout_n=s.rollout_n, ppo_mini_batch_size=s.ppo_mini_batch_size,
+                                     ppo_micro_batch_size_per_gpu=s.ppo_mini_batch_size * s.rollout_n,
+                                     clip_ratio=s.clip_ratio, clip_ratio_low=s.clip_ratio,
+                                     clip_ratio_high=s.clip_ratio)
+
+    def _shard(self, model, version: int):
+        if version == 2:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            return model
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP(model, use_orig_params=True)
+
+    def _schedule(self):
+        from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+        o = self.s.optim
+        if o.schedule == "cosine":
+            # The horizon is the whole run's total, never a chunk's end.
+            return get_cosine_schedule_with_warmup(self.optim, o.warmup_steps, self.spec.total_steps,
+                                                   min_lr_ratio=o.min_lr_ratio)
+        return get_constant_schedule_with_warmup(self.optim, o.warmup_steps)
+
+    # --------------------------------------------------------------------------------- data
+    def batches(self):
+        """Batches across epoch boundaries, continuing from the restored dataloader position."""
+        while self.epoch < self.s.total_epochs:
+            for batch in self.loader:
+                yield batch
+            self.epoch += 1
+
+    # --------------------------------------------------------------------------------- step
+    def _logprobs(self, model, seq, prompt_len):
+        logits = model(input_ids=seq).logits[:, prompt_len - 1:-1].float()
+        return self.torch.log_softmax(logits, -1).gather(-1, seq[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
+
+    def train_step(self, batch: list[int]) -> dict[str, float]:
+        import numpy as np
+        from verl.trainer.ppo.core_algos import (agg_loss, compute_grpo_outcome_advantage, get_policy_loss_fn,
+                                                 kl_penalty)
+
+        torch, s = self.torch, self.s
+        n = s.rollout_n
+        prompts = self.prompts[batch].repeat_interleave(n, 0)
+        truths = [self.truths[i] for i in batch for _ in range(n)]
+        group = np.repeat(np.arange(len(batch)), n)
+        plen = prompts.shape[1]
+
+        # Rollout: sample responses from the current policy.
+        self.model.eval()
+        seq = prompts
+        with torch.no_grad():
+            for _ in range(s.max_response_length):
+                logits = self.model(input_ids=seq).logits[:, -1].float() / s.temperature
+                seq = torch.cat([seq, torch.multinomial(torch.softmax(logits, -1), 1)], 1)
+        self.model.train()
+        resp = seq[:, plen:]
+        eos = (resp == task.VOCAB[task.EOS]).int()
+        mask = ((eos.cumsum(1) - eos) == 0).float()  # tokens up to and including the first EOS
+        rewards = torch.tensor([task.reward(task.decode_response(r.tolist()), t) for r, t in zip(resp, truths)])
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(len(rewards)), mask.sum(1).long() - 1] = rewards
+
+        adv, _ = compute_grpo_outcome_advantage(token_rewards, mask, group)
+        with torch.no_grad():
+            old_lp = self._logprobs(self.model, seq, plen)
+            ref_lp = self._logprobs(self.ref, seq, plen)
+        policy_loss = get_policy_loss_fn("vanilla")
+        mb = s.ppo_mini_batch_size * n
+        losses, kls = [], []
+        for i in range(0, len(seq), mb):
+            sl = slice(i, i + mb)
+            lp = self._logprobs(self.model, seq[sl], plen)
+            pg_loss, _ = policy_loss(old_lp[sl], lp, adv[sl], mask[sl], "token-mean", self.actor_cfg)
+            kl = agg_loss(kl_penalty(lp, ref_lp[sl], s.kl_loss_type), mask[sl], "token-mean")
+            loss = pg_loss + s.kl_loss_coef * kl if s.use_kl_loss else pg_loss
+            loss.backward()
+            self.optim.step()
+            self.optim.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            kls.append(kl.item())
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {"reward_mean": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
+                "loss": sum(losses) / len(losses), "kl": sum(kls) / len(kls), "lr": lr}
+
+    # --------------------------------------------------------------------------------- checkpoints
+    def save(self, folder, step: int) -> None:
+        """verl's layout: actor/ via verl's FSDPCheckpointManager, then data.pt as verl's trainer saves it."""
+        self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
+        self.torch.save(self.loader.state_dict(), folder / "data.pt")
+
+    def restore(self, folder) -> None:
+        """Everything a resume needs, through Relay's safe loader (weights_only), never verl's unpickling one."""
+        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+        from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+        from verl.utils.fsdp_utils import get_fsdp_state_ctx
+
+        from relay import layout, safeload
+
+        actor = folder / "actor"
+        name = lambda kind: actor / layout.shard_name(kind, 1, 0)  # noqa: E731
+        with get_fsdp_state_ctx(self.model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                                ShardedOptimStateDictConfig()):
+            self.model.load_state_dict(safeload.load(name("model"), mmap=False))
+            self.optim.load_state_dict(safeload.load(name("optim"), mmap=False))
+        extra = safeload.load(name("extra_state"), mmap=False)
+        self.scheduler.load_state_dict(extra["lr_scheduler"])
+        self.loader.load_state_dict(safeload.load(folder / "data.pt", mmap=False))
+        step = int(folder.name.rpartition("_")[2])
+        # The epoch of the last consumed batch, not step // steps_per_epoch: a state saved right after
+        # an epoch's last batch resumes that epoch's (empty) remainder first, as the uninterrupted
+        # loop does. (verl's v1 trainer uses step // len(dataloader) and so loses an epoch there.)
+        self.epoch = (step - 1) // self.steps_per_epoch
+        # RNG last: nothing after this point may draw before the first resumed step.
+        BaseCheckpointManager.load_rng_state(extra["rng"])
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The test command: install (.venv), start the services the tests need, run pytest, stop what it started.
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/core -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/bootstrap.sh
+export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+PY=.venv/bin/python
+
+# One Ray head for the whole session (ports: include/stack.env). Stopped at the end only if started here.
+if $PY -c 'import sys; sys.path.insert(0, "plugins"); import relay.stack as s; sys.exit(0 if s._http_ok(s.ray_address() + "/api/version") else 1)'; then
+  echo "[test] using the Ray head already running"
+else
+  $PY -m relay stack up --no-airflow
+  trap '$PY -m relay stack down >/dev/null 2>&1 || true' EXIT
+fi
+
+$PY -m pytest "$@"

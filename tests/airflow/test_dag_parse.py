@@ -1,0 +1,71 @@
+"""The DAG factory: one DAG per spec, a chunk task group per chunk, a Params form, a light parse."""
+
+import json
+import subprocess
+
+from conftest import PY, ROOT, write_spec
+
+PARSE = """
+import json, sys
+sys.path[:0] = [{plugins!r}, {dags!r}]
+import relay_runs
+dags = {{k: v for k, v in vars(relay_runs).items() if k.startswith("relay_")}}
+heavy = sorted(m for m in ("torch", "verl", "ray", "pyarrow", "transformers") if m in sys.modules)
+out = {{}}
+for dag_id, dag in dags.items():
+    out[dag_id] = {{
+        "groups": sorted(dag.task_group.children),
+        "tasks": sorted(dag.task_dict),
+        "params": {{k: dict(dag.params.get_param(k).schema, description=dag.params.get_param(k).description)
+                   for k in dag.params}},
+        "retries": dag.task_dict.get("chunk_01.train").retries if "chunk_01.train" in dag.task_dict else None,
+        "max_active_runs": dag.max_active_runs,
+    }}
+print(json.dumps({{"heavy": heavy, "dags": out}}))
+"""
+
+
+def parse(runs_dir) -> dict:
+    """Import dags/relay_runs.py in a fresh interpreter, as the DAG processor does."""
+    code = PARSE.format(plugins=str(ROOT / "plugins"), dags=str(ROOT / "dags"))
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, env={"RELAY_RUNS_DIR": str(runs_dir),
+                       "PATH": "/usr/bin:/bin", "AIRFLOW_HOME": str(runs_dir / "airflow")}, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_one_dag_per_spec_without_heavy_imports(tmp_path):
+    write_spec(tmp_path, name="alpha")
+    write_spec(tmp_path, name="beta", total_steps=20, chunk_steps=8)
+    out = parse(tmp_path)
+    assert out["heavy"] == [], "parsing a DAG file must not import torch, verl, ray or pyarrow"
+    assert sorted(out["dags"]) == ["relay_alpha", "relay_beta"]
+    beta = out["dags"]["relay_beta"]
+    assert beta["groups"] == ["chunk_01", "chunk_02", "chunk_03", "finish", "preflight"]
+    assert beta["tasks"] == ["chunk_01.train", "chunk_02.train", "chunk_03.train", "finish", "preflight"]
+    assert beta["max_active_runs"] == 1 and beta["retries"] == 2
+
+
+def test_params_form_is_typed_and_described(tmp_path):
+    write_spec(tmp_path, name="alpha")
+    params = parse(tmp_path)["dags"]["relay_alpha"]["params"]
+    assert set(params) == {"run", "fresh_start", "confirm_fresh_start", "alert_emails"}
+    assert all(p.get("description") for p in params.values())
+    assert params["run"]["type"] == "string" and "pattern" in params["run"]
+    assert params["fresh_start"]["type"] == "boolean"
+    assert params["alert_emails"]["items"] == {"type": "string", "format": "email"}
+    # Step counts and chunk sizes are not Params: they shape the DAG and come from the spec.
+    assert not {"total_steps", "chunk_steps"} & set(params)
+
+
+def test_a_bad_spec_makes_no_dag_and_shows_its_error(tmp_path):
+    write_spec(tmp_path, name="good")
+    write_spec(tmp_path, name="bad", chunk_steps=0)
+    dags = parse(tmp_path)["dags"]
+    assert "relay_good" in dags and "relay_bad" not in dags
+    assert dags["relay_spec_errors"]["tasks"] == ["show_errors"]
+
+
+def test_the_shipped_specs_all_load():
+    out = parse(ROOT / "include" / "runs")
+    assert "relay_spec_errors" not in out["dags"] and "relay_demo" in out["dags"]

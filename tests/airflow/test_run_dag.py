@@ -1,0 +1,109 @@
+"""A run DAG through real Airflow code (`airflow dags test`) on the session's real Ray head."""
+
+import os
+import random
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_bitwise_equal, dags_test, model_state, read_metrics, write_spec
+from relay import layout
+from relay.metrics import read_events
+from relay.ray_jobs import RayJobs
+from relay.spec import load_spec
+from relay.trainers.contract import ChunkRequest
+
+STEPS = 12  # 2 chunks of 6
+
+
+@pytest.fixture(scope="module")
+def spec_path(airflow_home) -> Path:
+    return write_spec(airflow_home["runs"], name="t")
+
+
+def run_dir(spec_path: Path, run: str) -> Path:
+    return load_spec(spec_path, check_environment=False).run_dir(run)
+
+
+def start_dags_test(airflow_home, dag_id: str, conf: dict) -> subprocess.Popen:
+    env = airflow_home["env"]
+    return subprocess.Popen([str(Path(os.sys.executable).parent / "airflow"), "dags", "test", dag_id, "-c",
+                             __import__("json").dumps(conf)], env=env, cwd=env["AIRFLOW_HOME"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def baseline(ray_address: str, spec_path: Path) -> Path:
+    """The same run uninterrupted: one job 0 -> 12 through the same Ray entrypoint."""
+    spec = load_spec(spec_path)
+    req = ChunkRequest(spec=spec, run_name="baseline", to_step=STEPS, chunk=1, attempt="baseline")
+    jobs = RayJobs(ray_address)
+    sub_id = f"relay-test-baseline-{uuid.uuid4().hex[:8]}"
+    jobs.submit(req, sub_id, {})
+    deadline = time.time() + 300
+    while (status := jobs.get(sub_id).status) not in ("SUCCEEDED", "FAILED", "STOPPED") and time.time() < deadline:
+        time.sleep(0.5)
+    assert status == "SUCCEEDED", jobs.logs(sub_id)[-3000:]
+    return req.run_dir
+
+
+def test_killed_chunk_job_is_retried_and_resumes_bitwise(airflow_home, ray_address, spec_path):
+    base = baseline(ray_address, spec_path)
+    rd = run_dir(spec_path, "killed")
+    kill_at = random.Random(os.environ.get("RELAY_TEST_SEED")).randint(8, 11)  # inside chunk 2 (steps 7..12)
+    proc = start_dags_test(airflow_home, "relay_t", {"run": "killed"})
+    jobs = RayJobs(ray_address)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        steps = [r["step"] for r in read_metrics(rd)] if (rd / "metrics.jsonl").exists() else []
+        if steps and max(steps) >= kill_at:
+            live = jobs.live_jobs_of_run("t", "killed")
+            assert len(live) == 1, live
+            jobs.stop(live[0].submission_id)
+            break
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    assert "ended STOPPED" in out, "chunk 2's first try must fail because its job was stopped"
+
+    assert layout.read_tracker(rd) == STEPS
+    assert_bitwise_equal(model_state(rd / f"global_step_{STEPS}"), model_state(base / f"global_step_{STEPS}"))
+    rows = read_metrics(rd)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "no gap and no repeat"
+    starts = [e for e in read_events(rd) if e["event"] == "chunk_start"]
+    assert [(e["chunk"], e["resumed_from"]) for e in starts] == [(1, 0), (2, 6), (2, 6)]
+    assert starts[1]["attempt"].endswith("-c02-t1") and starts[2]["attempt"].endswith("-c02-t2")
+    assert starts[2]["lease_token"] > starts[1]["lease_token"]
+
+
+def test_retriggering_a_finished_run_trains_nothing(airflow_home, spec_path):
+    rd = run_dir(spec_path, "twice")
+    assert dags_test(airflow_home, "relay_t", {"run": "twice"}).returncode == 0
+    events_before = read_events(rd)
+    again = dags_test(airflow_home, "relay_t", {"run": "twice"})
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "nothing to train" in again.stdout
+    assert read_events(rd) == events_before, "no job ran: no chunk started"
+    assert [r["step"] for r in read_metrics(rd)] == list(range(1, STEPS + 1))
+
+
+def test_unconfirmed_fresh_start_is_refused_and_keeps_checkpoints(airflow_home, spec_path):
+    rd = run_dir(spec_path, "keep")
+    rd.mkdir(parents=True)
+    (rd / "global_step_6").mkdir()
+    layout.write_tracker(rd, 6)
+    r = dags_test(airflow_home, "relay_t", {"run": "keep", "fresh_start": True})
+    assert r.returncode != 0
+    assert "fresh start of run 'keep' refused" in r.stdout
+    assert (rd / "global_step_6").is_dir() and layout.read_tracker(rd) == 6
+
+
+def test_bad_environment_is_refused_before_any_job(airflow_home, ray_address):
+    spec = write_spec(airflow_home["runs"], name="toolong", total_steps=100, chunk_steps=50)
+    r = dags_test(airflow_home, "relay_toolong", {})
+    assert r.returncode != 0
+    assert "key 'total_steps'" in r.stdout and "cannot supply 100 steps" in r.stdout
+    assert not RayJobs(ray_address).live_jobs_of_run("toolong", "toolong")
+    assert not run_dir(spec, "toolong").exists()

@@ -1,0 +1,106 @@
+"""Shared fixtures: one Ray head for the whole session (started here unless .ci/run already started
+it), an Airflow home on SQLite for `airflow dags test`, and small run specs written per test."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
+
+
+DELETE = object()  # an override value that removes the key
+
+
+def spec_dict(**overrides) -> dict:
+    """The demo spec, shrunk for tests, with dotted-key overrides ("trainer.settings.rollout_n": 4)."""
+    d = yaml.safe_load(DEMO_SPEC.read_text())
+    d["total_steps"], d["chunk_steps"] = 12, 6
+    d["airflow"] = {"retries": 2, "retry_delay_seconds": 1}
+    d["ray"]["poll_seconds"] = 0.5
+    for key, value in overrides.items():
+        node = d
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is DELETE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = copy.deepcopy(value)
+    return d
+
+
+
+def write_spec(folder: Path, name: str = "t", **overrides) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    d = spec_dict(name=name, **{"checkpoint_dir": str(folder / "ckpt"), **overrides})
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+def relay_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m relay ...` in a fresh process, as a user runs it from the repo root."""
+    return subprocess.run([PY, "-m", "relay", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def model_state(step_dir: Path) -> dict:
+    """The actor's weights at a checkpoint, as plain tensors (through Relay's safe loader)."""
+    from relay import safeload
+
+    sd = safeload.load(step_dir / "actor" / "model_world_size_1_rank_0.pt", mmap=False)
+    return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in sd.items()}
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:5]}"
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """The session's Ray head (started outside the repo, from the stack's state folder)."""
+    from relay import stack
+
+    already = stack._http_ok(f"{stack.ray_address()}/api/version")
+    address = stack.ray_start()
+    yield address
+    if not already:
+        stack.ray_stop()
+
+
+@pytest.fixture(scope="session")
+def airflow_home(tmp_path_factory, ray_address):
+    """An Airflow home on SQLite (migrated once) whose DAG factory reads the session's specs folder."""
+    from relay import stack
+
+    home = tmp_path_factory.mktemp("airflow_home")
+    runs = tmp_path_factory.mktemp("runs")
+    env = stack.airflow_env(home)
+    env.update({"RELAY_RUNS_DIR": str(runs), "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False"})
+    stack.airflow_cli(env, "db", "migrate")
+    return {"env": env, "home": home, "runs": runs}
+
+
+def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`airflow dags test DAG -c CONF`: real Airflow code, the trigger run in line; returns the process."""
+    env = airflow_home["env"]
+    return subprocess.run([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c", json.dumps(conf)],
+                          env=env, cwd=env["AIRFLOW_HOME"], capture_output=True, text=True, timeout=timeout)
