@@ -1,0 +1,1 @@
+"""The CPU GRPO trainer: settings, task and trainer."""
