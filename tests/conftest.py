@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ def spec_dict(**overrides) -> dict:
 
 def write_spec(folder: Path, name: str = "t", **overrides) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    d = spec_dict(name=name, **{"checkpoint_dir": str(folder / "ckpt"), **overrides})
+    # Each spec publishes under its own S3 prefix, so runs of different tests never meet.
+    d = spec_dict(name=name, **{"checkpoint_dir": str(folder / "ckpt"),
+                                "s3.uri": f"s3://relay/test-{uuid.uuid4().hex[:12]}", **overrides})
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
@@ -52,6 +55,25 @@ def relay_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subp
     """`python -m relay ...` in a fresh process, as a user runs it from the repo root."""
     return subprocess.run([PY, "-m", "relay", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def s3_server():
+    """The session's S3 server (SeaweedFS, bucket `relay`); boto3 in tests and their subprocesses uses it."""
+    from relay import stack
+
+    already = stack._http_ok(stack.s3_endpoint())
+    endpoint = stack.s3_start()
+    saved = {k: os.environ.get(k) for k in stack.s3_env()}
+    os.environ.update(stack.s3_env())
+    yield endpoint
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if not already:
+        stack.stop_process("s3", timeout=2)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,8 +1,11 @@
-"""`python -m relay ...`: the core, from a terminal. Exit codes: 0 ok, 1 failed/invalid, 2 usage error."""
+"""`python -m relay ...`: the core, from a terminal. Exit codes: 0 ok, 1 failed/invalid, 2 usage error.
+
+Standard AWS environment variables configure S3 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -17,10 +20,12 @@ def _spec(path: str, check_environment: bool = True):
 
 def cmd_plan(args) -> int:
     from relay.plan import ChunkPlan
-    from relay.validate import latest_valid_step
+    from relay.validate import latest_step_or_problem
 
     spec = _spec(args.spec, check_environment=False)
-    latest = latest_valid_step(spec.run_dir(args.run or spec.name))
+    latest, problem = latest_step_or_problem(spec.run_dir(args.run or spec.name))
+    if problem:
+        print(f"warning: {problem}", file=sys.stderr)
     print(f"spec {spec.source} -> DAG {spec.dag_id}; run dir {spec.run_dir(args.run or spec.name)}")
     print(ChunkPlan.from_spec(spec).describe(latest))
     return 0
@@ -48,18 +53,80 @@ def cmd_train(args) -> int:
     if not 1 <= args.to_step <= spec.total_steps:
         print(f"--to-step must be within 1..{spec.total_steps}", file=sys.stderr)
         return 2
-    result = run_chunk(ChunkRequest(spec=spec, run_name=run, to_step=args.to_step))
+    result = run_chunk(ChunkRequest(spec=spec, run_name=run, to_step=args.to_step, restore=not args.offline))
     print(f"run {run}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
           f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}")
     return 0
 
 
 def cmd_checkpoint_validate(args) -> int:
+    from relay.gate import admit_dir
     from relay.validate import validate_checkpoint
 
-    report = validate_checkpoint(Path(args.dir), args.step, load=True)
+    if args.quarantine:
+        admission = admit_dir(Path(args.dir), args.step)
+        print(json.dumps(admission.to_dict(), indent=2) if args.json else admission.explain())
+        return 0 if admission.ok else 1
+    report = validate_checkpoint(Path(args.dir), args.step, upto="numerics" if args.deep else "integrity")
     print(report.to_json() if args.json else report.summary())
     return 0 if report.ok else 1
+
+
+def _store(uri: str):
+    from relay.store import CheckpointStore, s3_client
+
+    return CheckpointStore(s3_client(), uri)
+
+
+def cmd_checkpoint_publish(args) -> int:
+    from relay import layout
+    from relay.gate import admit_dir
+
+    run_dir = Path(args.dir)
+    step = args.step or layout.read_tracker(run_dir)
+    if step is None:
+        print(f"{run_dir} has no tracker: give --step", file=sys.stderr)
+        return 2
+    admission = admit_dir(run_dir, step)  # only a checkpoint proven whole is published
+    if not admission.ok:
+        print(admission.explain(), file=sys.stderr)
+        return 1
+    result = _store(args.uri).publish(args.run or run_dir.name, run_dir, step)
+    print(f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
+          f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "
+          f"{result.seconds:.1f}s; latest {'-> ' + str(step) if result.latest_moved else 'unchanged'}")
+    return 0
+
+
+def cmd_checkpoint_restore(args) -> int:
+    run_dir = Path(args.dir)
+    restored = _store(args.uri).restore(args.run or run_dir.name, run_dir, step=args.step)
+    if restored is None:
+        print(f"no valid published checkpoint of run {args.run or run_dir.name} under {args.uri}", file=sys.stderr)
+        return 1
+    print(f"restored step {restored[0]} from {restored[1]} into {run_dir}; tracker -> {restored[0]}")
+    return 0
+
+
+def cmd_checkpoint_ls(args) -> int:
+    store = _store(args.uri)
+    runs = [args.run] if args.run else store.runs()
+    rows = []
+    for run in runs:
+        latest = (store.latest(run) or {}).get("step")
+        for step in store.steps(run):
+            m = store.manifest(run, step)
+            rows.append({"run": run, "step": step, "published": m is not None, "latest": step == latest,
+                         "bytes": m.total_bytes if m else None, "files": len(m.files) if m else None,
+                         "uri": store.step_uri(run, step)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            state = "published" if r["published"] else "INCOMPLETE (no manifest)"
+            print(f"{r['run']:<24} step {r['step']:>7}  {state:<24} {r['bytes'] or '':>12} "
+                  f"{'latest' if r['latest'] else '':<6} {r['uri']}")
+    return 0
 
 
 def cmd_stack(args) -> int:
@@ -104,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to-step", type=int, required=True)
     s.add_argument("--checkpoint-dir", help="the run's checkpoint folder (default: <spec checkpoint_dir>/<run>)")
     s.add_argument("--run", help="training run name (default: the spec's name)")
+    s.add_argument("--offline", action="store_true",
+                   help="never restore from S3: the local checkpoint folder is the only source")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("checkpoint", help="checkpoint commands")
@@ -111,8 +180,30 @@ def build_parser() -> argparse.ArgumentParser:
     c = cs.add_parser("validate", help="validate a run's checkpoint (default: the one the tracker names)")
     c.add_argument("dir", help="the run's checkpoint folder (verl's default_local_dir)")
     c.add_argument("--step", type=int)
+    c.add_argument("--deep", action="store_true",
+                   help="also load every .pt safely and check numerics (default: structure, consistency, integrity)")
+    c.add_argument("--quarantine", action="store_true",
+                   help="act like the DAG's gate: every level; write the manifest if valid, else quarantine it and "
+                        "point the tracker at the newest valid checkpoint")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_validate)
+    c = cs.add_parser("publish", help="validate, then publish a checkpoint to s3://BUCKET/PREFIX/<run>/")
+    c.add_argument("dir")
+    c.add_argument("uri", help="s3://BUCKET/PREFIX")
+    c.add_argument("--step", type=int, help="default: the tracker's")
+    c.add_argument("--run", help="run name (default: the folder's name)")
+    c.set_defaults(func=cmd_checkpoint_publish)
+    c = cs.add_parser("restore", help="restore the newest valid published checkpoint into DIR")
+    c.add_argument("uri", help="s3://BUCKET/PREFIX")
+    c.add_argument("dir")
+    c.add_argument("--step", type=int, help="newest at or below this step")
+    c.add_argument("--run", help="run name (default: DIR's name)")
+    c.set_defaults(func=cmd_checkpoint_restore)
+    c = cs.add_parser("ls", help="list published checkpoints under s3://BUCKET/PREFIX")
+    c.add_argument("uri")
+    c.add_argument("--run")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_checkpoint_ls)
 
     s = sub.add_parser("stack", help="the local stack: Ray head and Airflow (ports: include/stack.env)")
     s.add_argument("action", choices=["up", "down", "status"])

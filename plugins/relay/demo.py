@@ -24,7 +24,8 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
     spec = load_spec(root() / DEMO_SPEC)
     run_name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = spec.run_dir(run_name)
-    say("starting the local stack: Ray head, Airflow (api-server, scheduler, dag-processor, triggerer)")
+    say("starting the local stack: S3 (SeaweedFS), Ray head, Airflow (api-server, scheduler, dag-processor, "
+        "triggerer)")
     info = stack.up(with_airflow=True)
     try:
         say(f"Airflow UI: {info['airflow']}  (user {info['user']}, password {info['password']})")
@@ -80,6 +81,13 @@ def _summary(spec, run_dir: Path, state: str) -> None:
     for e in read_events(run_dir):
         if e["event"] == "chunk_start":
             say(f"chunk {e['chunk']} attempt {e['attempt']}: resumed from step {e['resumed_from']}")
+    for e in read_events(run_dir):
+        if e["event"] == "publish":
+            say(f"published step {e['step']}: {e['uri']}" + (f"  (Hugging Face model: {e['hf_uri']})"
+                                                             if e.get("hf_uri") else ""))
     say(f"checkpoints: {run_dir}  (tracker: {run_dir / 'latest_checkpointed_iteration.txt'})")
     say(f"metrics:     {run_dir / 'metrics.jsonl'}  (one row per step)")
     say(f"events:      {run_dir / 'events.jsonl'}")
+    if spec.s3:
+        say(f"S3:          {spec.s3.uri}/{run_dir.name}/latest.json on {stack.s3_endpoint()}  "
+            f"(`python -m relay checkpoint ls {spec.s3.uri} --run {run_dir.name}` with AWS_ENDPOINT_URL set)")

@@ -124,6 +124,12 @@ def step_dirs(run_dir: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
+def checkpoint_reached(run_dir, step: int) -> bool:
+    """The tracker names `step` or later, and global_step_<step> is there (cheap: two stats and a read)."""
+    tracker = read_tracker(Path(run_dir))
+    return tracker is not None and tracker >= step and step_dir(Path(run_dir), step).is_dir()
+
+
 def is_rotation_leftover(path: Path) -> bool:
     """verl's rotation deletes actor/ and critic/ but leaves global_step_N/ (empty, or holding data.pt)."""
     names = {p.name for p in Path(path).iterdir()} if Path(path).is_dir() else set()

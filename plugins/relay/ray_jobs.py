@@ -97,6 +97,15 @@ class RayJobs:
             entrypoint_num_cpus=req.spec.ray.entrypoint_num_cpus,
         )
 
+    def submit_module(self, spec, module: str, env: dict[str, str], sub_id: str, metadata: dict[str, str]) -> str:
+        """Run `python -m <module>` of Relay on the cluster (e.g. checkpoint validation where it lives)."""
+        return self.client.submit_job(
+            entrypoint=f"{spec.ray.python} -m {module}", submission_id=sub_id, metadata=metadata,
+            runtime_env={"py_modules": [str(project.package_dir())],
+                         "env_vars": {**spec.ray.env_vars, **env, "PYTHONUNBUFFERED": "1"}},
+            entrypoint_num_cpus=spec.ray.entrypoint_num_cpus,
+        )
+
     def live_jobs_of_run(self, spec_name: str, run_name: str) -> list[JobState]:
         out = []
         for j in self.client.list_jobs():

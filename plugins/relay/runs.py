@@ -15,7 +15,7 @@ from relay import layout
 from relay.errors import RunError
 from relay.plan import ChunkPlan
 from relay.spec import RunSpec, check_run_name
-from relay.validate import latest_valid_step
+from relay.validate import latest_step_or_problem
 
 RECORD = "run.json"
 
@@ -28,6 +28,7 @@ class RunState:
     total_steps: int
     next_chunk: int | None  # None when every chunk is done
     archived_to: str | None = None
+    problem: str | None = None  # a broken latest checkpoint, which the next chunk's trainer falls back from
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,10 +65,10 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
 
 def run_state(spec: RunSpec, name: str, archived: Path | None = None) -> RunState:
     run_dir = spec.run_dir(name)
-    latest = latest_valid_step(run_dir) or 0
+    latest, problem = latest_step_or_problem(run_dir)
     nxt = ChunkPlan.from_spec(spec).next_chunk(latest)
-    return RunState(name, str(run_dir), latest, spec.total_steps, nxt.index if nxt else None,
-                    str(archived) if archived else None)
+    return RunState(name, str(run_dir), latest or 0, spec.total_steps, nxt.index if nxt else None,
+                    str(archived) if archived else None, problem)
 
 
 def archive_run(run_dir: Path) -> Path:

@@ -14,7 +14,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
@@ -49,6 +49,24 @@ class DataSpec(StrictModel):
     val_files: list[str] = critical(default_factory=list)
 
 
+class CheckpointPolicy(StrictModel):
+    """Validation, publication and retention of a run's checkpoints (none of it is resume-critical)."""
+
+    validate_on: Literal["worker", "ray"] = Field(
+        "worker", description="where validation reads the files: the Airflow worker (storage mounted there) "
+                              "or a Ray job on the cluster")
+    smoke: bool = Field(True, description="also run the trainer's forward-pass smoke check (CPU trainer)")
+    keep_local: int = Field(3, ge=1, description="validated and published checkpoints kept on local storage")
+    keep_published: int = Field(5, ge=1, description="newest published checkpoints kept in S3")
+    milestone_every: int = Field(0, ge=0, description="every N steps is a milestone: kept forever, exported "
+                                                      "to Hugging Face format (0: only the final step)")
+    delete_grace_minutes: float = Field(60, ge=0, description="S3 deletions wait this long after being decided")
+    hf_export: bool = Field(True, description="publish a Hugging Face model for milestones and the final step")
+
+    def is_milestone(self, step: int, total_steps: int) -> bool:
+        return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
+
+
 class RaySpec(StrictModel):
     conn_id: str = Field("relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
     python: str = Field("python", description="interpreter the job's entrypoint runs on the cluster")
@@ -59,8 +77,13 @@ class RaySpec(StrictModel):
 
 
 class S3Spec(StrictModel):
-    conn_id: str = "aws_default"
+    conn_id: str = Field("aws_default", description="Airflow connection (Amazon provider) of the S3 endpoint")
     uri: str = Field(pattern=S3_URI_PATTERN, description="s3://bucket/prefix that runs are published under")
+    part_size_mb: int = Field(32, ge=5, le=5120, description="multipart part size")
+    concurrency: int = Field(4, ge=1, le=64, description="parts uploaded at once")
+    server_side_encryption: Literal["AES256", "aws:kms"] | None = None
+    kms_key_id: str | None = None
+    acl: Literal["bucket-owner-full-control", "private"] | None = None
 
 
 class AlertSpec(StrictModel):
@@ -87,6 +110,7 @@ class RunSpec(StrictModel):
     threads: int = critical(gt=0, description="torch/OMP threads: sums differ between thread counts")
     checkpoint_dir: str = critical(description="root folder; a run's checkpoints are in <checkpoint_dir>/<run>")
     data: DataSpec
+    checkpoints: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     ray: RaySpec = Field(default_factory=RaySpec)
     s3: S3Spec | None = None
     alerts: AlertSpec = Field(default_factory=AlertSpec)

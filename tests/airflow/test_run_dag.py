@@ -1,5 +1,6 @@
 """A run DAG through real Airflow code (`airflow dags test`) on the session's real Ray head."""
 
+import json
 import os
 import random
 import subprocess
@@ -14,6 +15,7 @@ from relay import layout
 from relay.metrics import read_events
 from relay.ray_jobs import RayJobs
 from relay.spec import load_spec
+from relay.store import store_for_spec
 from relay.trainers.contract import ChunkRequest
 
 STEPS = 12  # 2 chunks of 6
@@ -31,7 +33,7 @@ def run_dir(spec_path: Path, run: str) -> Path:
 def start_dags_test(airflow_home, dag_id: str, conf: dict) -> subprocess.Popen:
     env = airflow_home["env"]
     return subprocess.Popen([str(Path(os.sys.executable).parent / "airflow"), "dags", "test", dag_id, "-c",
-                             __import__("json").dumps(conf)], env=env, cwd=env["AIRFLOW_HOME"],
+                             json.dumps(conf)], env=env, cwd=env["AIRFLOW_HOME"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -78,6 +80,36 @@ def test_killed_chunk_job_is_retried_and_resumes_bitwise(airflow_home, ray_addre
     assert starts[2]["lease_token"] > starts[1]["lease_token"]
 
 
+def test_checkpoints_are_validated_published_and_announced(airflow_home, spec_path):
+    """Runs after the test above: its run "killed" was validated, published and announced per chunk."""
+    spec = load_spec(spec_path, check_environment=False)
+    store = store_for_spec(spec)
+    assert [m.step for m in store.published("killed")] == [6, 12]
+    assert store.latest("killed")["step"] == STEPS
+    assert store.head(store.run_key("killed", "hf", "global_step_12", "model.safetensors")), \
+        "the final step has a Hugging Face model beside it"
+    for step in (6, 12):
+        assert (run_dir(spec_path, "killed") / f"global_step_{step}" / "relay_manifest.json").is_file()
+    events = asset_events(airflow_home, "relay_t_checkpoints")
+    assert [(e["run"], e["step"]) for e in events] == [("killed", 6), ("killed", 12)]
+    assert events[1]["uri"] == store.step_uri("killed", 12) and events[1]["hf_model"].endswith("/hf/global_step_12/")
+
+    r = dags_test(airflow_home, "relay_eval_demo", {"manifest": events[1]["manifest"]})
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "evaluated run killed step 12" in r.stdout
+
+
+def asset_events(airflow_home, asset_name: str) -> list[dict]:
+    """Asset events as the metadata DB holds them."""
+    import sqlite3
+
+    db = airflow_home["env"]["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].removeprefix("sqlite:///")
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+                           "WHERE a.name = ? ORDER BY e.id", (asset_name,)).fetchall()
+    return [json.loads(r[0]) for r in rows]
+
+
 def test_retriggering_a_finished_run_trains_nothing(airflow_home, spec_path):
     rd = run_dir(spec_path, "twice")
     assert dags_test(airflow_home, "relay_t", {"run": "twice"}).returncode == 0
@@ -107,3 +139,16 @@ def test_bad_environment_is_refused_before_any_job(airflow_home, ray_address):
     assert "key 'total_steps'" in r.stdout and "cannot supply 100 steps" in r.stdout
     assert not RayJobs(ray_address).live_jobs_of_run("toolong", "toolong")
     assert not run_dir(spec, "toolong").exists()
+
+
+def test_validation_can_run_where_the_checkpoint_lives_on_the_cluster(airflow_home, ray_address):
+    spec = write_spec(airflow_home["runs"], name="onray", total_steps=6, chunk_steps=6,
+                      **{"checkpoints.validate_on": "ray"})
+    r = dags_test(airflow_home, "relay_onray", {})
+    assert r.returncode == 0, r.stdout[-4000:]
+    jobs = RayJobs(ray_address).client.list_jobs()
+    validated = [j for j in jobs if (j.metadata or {}).get("relay_run") == "onray"
+                 and (j.metadata or {}).get("relay_role") == "validate"]
+    assert [str(j.status) for j in validated] == ["SUCCEEDED"]
+    assert (run_dir(spec, "onray") / "global_step_6" / "relay_manifest.json").is_file()
+    assert "checkpoint valid" in r.stdout and "✔ numerics" in r.stdout

@@ -1,4 +1,7 @@
-"""One DAG per run spec in include/runs/: preflight >> chunk_01 >> ... >> chunk_NN >> finish.
+"""One DAG per run spec in include/runs/:
+
+    preflight >> chunk_01.train >> chunk_01.validate >> chunk_02.train >> ... >> finish
+                                   chunk_01.validate >> chunk_01.publish >> chunk_02.publish >> ...
 
 Step counts and chunk sizes come from the spec: task groups are fixed when the DAG is parsed.
 Params carry only what may change per trigger without changing the DAG's shape or the run's
@@ -11,11 +14,11 @@ import logging
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from airflow.sdk import DAG, Param, TaskGroup
+from airflow.sdk import DAG, Asset, Param, TaskGroup
 from airflow.providers.standard.operators.python import PythonOperator
 
 from relay import project
-from relay.airflow.operators import RayChunkOperator
+from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.tasks import finish, preflight
 from relay.errors import SpecError
 from relay.plan import ChunkPlan
@@ -63,17 +66,39 @@ def build_dag(spec: RunSpec) -> DAG:
         doc_md=f"**{spec.name}** ({spec.source}): {spec.total_steps} steps in {len(plan.chunks)} chunks of "
                f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job.",
     ) as dag:
-        pre = PythonOperator(task_id="preflight", python_callable=preflight, op_kwargs={"spec_path": spec.source},
-                             retries=0)
-        upstream = pre
+        upstream = PythonOperator(task_id="preflight", python_callable=preflight,
+                                  op_kwargs={"spec_path": spec.source}, retries=0)
+        publish_before = None
         for chunk in plan.chunks:
-            with TaskGroup(chunk.task_group_id, tooltip=str(chunk)) as group:
-                RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index,
-                                 doc_md=f"Train {chunk}: one Ray job that resumes from the latest checkpoint.")
-            upstream >> group
-            upstream = group
-        upstream >> PythonOperator(task_id="finish", python_callable=finish, op_kwargs={"spec_path": spec.source})
+            with TaskGroup(chunk.task_group_id, tooltip=str(chunk)):
+                train = RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index,
+                                         doc_md=f"Train {chunk}: one Ray job that resumes from the latest checkpoint.")
+                validate = ValidateCheckpointOperator(
+                    task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=train.task_id,
+                    retries=0, doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine it if "
+                                      "it is not whole.")
+                upstream >> train >> validate
+                if spec.s3 is not None:
+                    # Chunk k publishes while chunk k+1 trains; publications stay in step order.
+                    publish = PublishCheckpointOperator(
+                        task_id="publish", spec_path=spec.source, chunk_index=chunk.index,
+                        outlets=[checkpoint_asset(spec)],
+                        doc_md=f"Publish step {chunk.end_step} to {spec.s3.uri}: files, manifest, then latest.")
+                    validate >> publish
+                    if publish_before is not None:
+                        publish_before >> publish
+                    publish_before = publish
+            upstream = validate
+        done = PythonOperator(task_id="finish", python_callable=finish, op_kwargs={"spec_path": spec.source})
+        upstream >> done
+        if publish_before is not None:
+            publish_before >> done
     return dag
+
+
+def checkpoint_asset(spec: RunSpec) -> Asset:
+    """The asset a spec's published checkpoints update; each event's extra names the run and step."""
+    return Asset(name=f"relay_{spec.name}_checkpoints", uri=f"{spec.s3.uri.rstrip('/')}/{spec.name}/")
 
 
 def build_dags(runs_dir: Path | None = None) -> dict[str, DAG]:

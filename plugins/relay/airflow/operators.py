@@ -1,4 +1,6 @@
-"""RayChunkOperator: one chunk of a run as one Ray job; deferrable while the job trains.
+"""The chunk's operators: train (one Ray job), validate (the gate), publish (S3). All deferrable or short.
+
+RayChunkOperator: one chunk of a run as one Ray job; deferrable while the job trains.
 
 execute():
   1. The chunk is done when the run's latest valid checkpoint has reached its end step: finish at
@@ -14,15 +16,15 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.airflow.hooks import RayJobsHook
-from relay.airflow.triggers import RayChunkJobTrigger
+from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.plan import ChunkPlan
 from relay.ray_jobs import LIVE, job_metadata, submission_id
 from relay.spec import load_spec
 from relay.trainers.contract import ChunkRequest
-from relay.validate import latest_valid_step
+from relay.validate import latest_step_or_problem, latest_valid_step
 
 
 class RayChunkOperator(BaseOperator):
@@ -56,7 +58,10 @@ class RayChunkOperator(BaseOperator):
     def execute(self, context) -> dict:
         spec, run = self._spec_and_run(context)
         chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
-        latest = latest_valid_step(spec.run_dir(run))
+        latest, problem = latest_step_or_problem(spec.run_dir(run))
+        if problem:
+            self.log.warning("run %s: %s; the chunk's trainer quarantines it and falls back to the newest valid "
+                             "checkpoint", run, problem)
         if chunk.done_by(latest):
             return self._done(spec, run, chunk, f"already reached step {latest}; nothing to train")
 
@@ -86,7 +91,7 @@ class RayChunkOperator(BaseOperator):
 
         deadline = time.time() + spec.ray.chunk_timeout_minutes * 60
         self.defer(
-            trigger=RayChunkJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
+            trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
                                        poll_seconds=spec.ray.poll_seconds),
             method_name="execute_complete",
         )
@@ -106,3 +111,152 @@ class RayChunkOperator(BaseOperator):
         if self._submission_id:
             spec = load_spec(self.spec_path, check_environment=False)
             RayJobsHook(spec.ray.conn_id).jobs.stop(self._submission_id)
+
+
+class ValidateCheckpointOperator(BaseOperator):
+    """Wait for a chunk's checkpoint without holding a worker slot, then pass it through the gate.
+
+    Validation runs where the checkpoint lives: in this worker (spec checkpoints.validate_on: worker)
+    or as a Ray job on the cluster (ray). An invalid checkpoint is quarantined, the tracker falls
+    back to the newest valid one, and the task fails without retries, naming the check that failed.
+    """
+
+    ui_color = "#e6f4ea"
+
+    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = "preflight",
+                 train_task: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.spec_path = spec_path
+        self.chunk_index = chunk_index
+        self.run_from_task = run_from_task
+        self.train_task = train_task
+
+    def _context(self, context):
+        spec = load_spec(self.spec_path, check_environment=False)
+        run = context["ti"].xcom_pull(task_ids=self.run_from_task)["run_name"]
+        return spec, run, ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+
+    def execute(self, context) -> dict:
+        from relay.layout import checkpoint_reached
+
+        spec, run, chunk = self._context(context)
+        trained = (context["ti"].xcom_pull(task_ids=self.train_task) or {}) if self.train_task else {}
+        if trained.get("how", "").startswith("already reached"):
+            # Done by an earlier DAG run: it was admitted then (and may since be pruned by retention).
+            self.log.info("%s of run %s was done before this DAG run: admitted then", chunk, run)
+            return {"ok": True, "step": chunk.end_step, "already": True}
+        if checkpoint_reached(spec.run_dir(run), chunk.end_step):
+            return self._validate(context, spec, run, chunk)
+        self.defer(trigger=CheckpointTrigger(str(spec.run_dir(run)), chunk.end_step,
+                                             deadline=time.time() + spec.ray.chunk_timeout_minutes * 60),
+                   method_name="execute_complete")
+
+    def execute_complete(self, context, event: dict) -> dict:
+        spec, run, chunk = self._context(context)
+        if event["status"] == "present":
+            return self._validate(context, spec, run, chunk)
+        raise AirflowException(f"{chunk} of run {run}: {event['message']}")
+
+    def ray_validation_complete(self, context, event: dict) -> dict:
+        """The Ray job that validated the checkpoint on the cluster has ended."""
+        spec, run, chunk = self._context(context)
+        if event["status"] != "SUCCEEDED":
+            raise AirflowException(f"{chunk} of run {run}: validation job {event['submission_id']} ended "
+                                   f"{event['status']}: {event['message']}\n{event.get('log_tail', '')}")
+        return self._admitted(spec, run, chunk, self._ray_admission(spec, event))
+
+    def _validate(self, context, spec, run: str, chunk) -> dict:
+        if spec.checkpoints.validate_on == "ray":
+            return self._validate_on_ray(context, spec, run, chunk)
+        from relay.gate import admit
+
+        return self._admitted(spec, run, chunk, admit(spec, run, chunk.end_step, expected_step=chunk.end_step)
+                              .to_dict())
+
+    def _validate_on_ray(self, context, spec, run: str, chunk) -> None:
+        from relay import gate
+
+        hook = RayJobsHook(spec.ray.conn_id)
+        ti = context["ti"]
+        sub_id = submission_id(spec.name, run, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
+        if hook.jobs.get(sub_id) is None:
+            hook.jobs.submit_module(spec, "relay.gate", {gate.ENV_VAR: gate.request_json(spec, run, chunk.end_step,
+                                                                                          chunk.end_step)},
+                                    sub_id, {"relay_spec": spec.name, "relay_run": run, "relay_role": "validate"})
+        self.defer(trigger=RayJobTrigger(address=hook.address, submission_id=sub_id,
+                                         deadline=time.time() + spec.ray.chunk_timeout_minutes * 60,
+                                         poll_seconds=spec.ray.poll_seconds),
+                   method_name="ray_validation_complete")
+
+    def _ray_admission(self, spec, event: dict) -> dict:
+        from relay.gate import parse_job_output
+
+        logs = RayJobsHook(spec.ray.conn_id).jobs.logs(event["submission_id"])
+        admission = parse_job_output(logs)
+        if admission is None:
+            raise AirflowException(f"validation job {event['submission_id']} printed no result:\n"
+                                   f"{event.get('log_tail', '')}")
+        return admission
+
+    def _admitted(self, spec, run: str, chunk, admission: dict) -> dict:
+        if admission["ok"]:
+            self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run,
+                          "\n".join(f"  ✔ {c['name']}: {c['detail']}" for c in admission["checks"]))
+            return admission
+        failed = next(c for c in admission["checks"] if not c["ok"])
+        raise AirflowFailException(
+            f"{chunk} of run {run}: checkpoint step {chunk.end_step} INVALID: {failed['name']}: {failed['detail']}; "
+            f"quarantined to {admission['quarantined_to']} (never published); the tracker now names step "
+            f"{admission['fell_back_to'] or 'none'}. Clear this chunk's train task to train it again from there."
+        )
+
+
+class PublishCheckpointOperator(BaseOperator):
+    """Publish a chunk's validated checkpoint to S3 (files, manifest, then latest), export a Hugging
+    Face model for milestones and the final step, apply retention, and emit the checkpoint asset event."""
+
+    ui_color = "#fef7e0"
+
+    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = "preflight", **kwargs):
+        super().__init__(**kwargs)
+        self.spec_path = spec_path
+        self.chunk_index = chunk_index
+        self.run_from_task = run_from_task
+
+    def execute(self, context) -> dict:
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+        from relay.publication import publish_checkpoint
+        from relay.store import client_config, store_for_spec
+
+        spec = load_spec(self.spec_path, check_environment=False)
+        run = context["ti"].xcom_pull(task_ids=self.run_from_task)["run_name"]
+        chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+        client = S3Hook(aws_conn_id=spec.s3.conn_id, config=client_config()).get_conn()
+        store = store_for_spec(spec, client)
+        if self._already_published(spec, run, chunk.end_step, store):
+            self.log.info("%s of run %s: already published to %s", chunk, run, store.step_uri(run, chunk.end_step))
+            return {"step": chunk.end_step, "uri": store.step_uri(run, chunk.end_step), "already": True}
+        pub = publish_checkpoint(spec, run, chunk.end_step, store)
+        self.log.info("%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
+                      chunk, run, pub.uri, pub.uploaded, pub.skipped, pub.bytes_uploaded, pub.seconds,
+                      f"; Hugging Face model at {pub.hf_uri}" if pub.hf_uri else "")
+        if pub.deleted_local or pub.published_retention.get("deleted"):
+            self.log.info("retention: deleted local steps %s, published steps %s", pub.deleted_local,
+                          pub.published_retention.get("deleted"))
+        for asset in self.outlets:
+            context["outlet_events"][asset].extra = {
+                "run": run, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
+                "hf_model": pub.hf_uri, "spec": spec.name, "dag_run": context["dag_run"].run_id}
+        return pub.to_dict()
+
+    @staticmethod
+    def _already_published(spec, run: str, step: int, store) -> bool:
+        """Published by an earlier DAG run: S3's manifest is the local one (or the local copy was pruned)."""
+        from relay import manifest
+
+        published = store.manifest(run, step)
+        if published is None:
+            return False
+        local = manifest.read(spec.run_dir(run) / f"global_step_{step}")
+        return local is None or local.files == published.files

@@ -29,6 +29,9 @@ def preflight(spec_path: str, **context) -> dict:
                             started_by=f"{context['dag_run'].run_id}")
     except RelayError as e:
         raise AirflowFailException(str(e)) from None
+    if state.problem:
+        log.warning("run %s: %s; the next chunk's trainer quarantines it and resumes from the newest valid checkpoint",
+                    state.run_name, state.problem)
     if state.archived_to:
         log.warning("fresh start: the previous folder of run %s was archived to %s", state.run_name,
                     state.archived_to)
@@ -48,3 +51,37 @@ def finish(spec_path: str, **context) -> dict:
     log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
              run, state.latest_step, spec.total_steps, state.run_dir, state.run_dir, len(resumes))
     return state.to_dict()
+
+
+def evaluate_published(spec_path: str, **context) -> list[dict]:
+    """Example evaluation stub, scheduled on a spec's checkpoint asset: load each published checkpoint's
+    model (through the safe loader) and report its step. Triggered by hand, conf {"manifest": URI} works too."""
+    import tempfile
+    from pathlib import Path
+
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    from relay import layout, safeload
+    from relay.store import client_config, store_for_spec
+
+    spec = load_spec(spec_path, check_environment=False)
+    store = store_for_spec(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=client_config()).get_conn())
+    events = [e.extra for events in (context.get("triggering_asset_events") or {}).values() for e in events]
+    if conf_manifest := (context["dag_run"].conf or {}).get("manifest"):
+        events.append({"manifest": conf_manifest})
+    results = []
+    for extra in events:
+        m = store.manifest_at(extra["manifest"])
+        shard = layout.shard_name("model", m.world_size, 0)
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / shard
+            store.download_object(f"{extra['manifest'].rsplit('/', 1)[0]}/actor/{shard}", local,
+                                  m.files[f"actor/{shard}"])
+            state = safeload.load(local, mmap=False)
+        params = sum(int(v.numel()) for v in state.values() if hasattr(v, "numel"))
+        log.info("evaluated run %s step %s: model shard 0 holds %d parameters (%d tensors)", m.run, m.step, params,
+                 len(state))
+        results.append({"run": m.run, "step": m.step, "parameters_in_shard_0": params})
+    if not results:
+        log.warning("no checkpoint to evaluate: no triggering asset event and no conf manifest")
+    return results

@@ -1,7 +1,8 @@
-"""RayChunkJobTrigger: follow a chunk's Ray job from the triggerer, so no worker slot is held for hours.
+"""Triggers: a Ray job followed from the triggerer (RayJobTrigger), and a checkpoint waited for on
+storage (CheckpointTrigger), so no worker slot is held while waiting.
 
-It streams the job's new log lines (per-step progress) into the task log, and fires one event when
-the job ends. It enforces the chunk's deadline itself, stopping the job: Airflow's own defer
+RayJobTrigger streams the job's new log lines (a chunk's per-step progress) into the task log, and
+fires one event when the job ends. It enforces the chunk's deadline itself, stopping the job: Airflow's own defer
 timeout kills the trigger without calling on_kill. A user's mark-failed or clear calls on_kill,
 which stops the job; a triggerer restart does neither, and the new triggerer re-attaches.
 Failures come back as events with a message, never as exceptions.
@@ -20,7 +21,7 @@ from relay.ray_jobs import TERMINAL, AsyncRayJobs
 LOG_TAIL_LINES = 30
 
 
-class RayChunkJobTrigger(BaseTrigger):
+class RayJobTrigger(BaseTrigger):
     def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
                  log_offset: int = 0, unreachable_grace_s: float = 300.0):
         super().__init__()
@@ -87,6 +88,42 @@ class RayChunkJobTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_seconds)
 
     async def on_kill(self) -> None:
-        """A user marked the task failed/success or cleared it: stop the chunk's job."""
+        """A user marked the task failed/success or cleared it: stop the job."""
         self.log.info("Task killed by a user: stopping Ray job %s", self.submission_id)
         await AsyncRayJobs(self.address).stop(self.submission_id)
+
+
+class CheckpointTrigger(BaseTrigger):
+    """Fire when a run's tracker has reached `step` and global_step_<step> exists, or at the deadline."""
+
+    def __init__(self, run_dir: str, step: int, deadline: float, poll_seconds: float = 5.0):
+        super().__init__()
+        self.run_dir = run_dir
+        self.step = step
+        self.deadline = deadline
+        self.poll_seconds = poll_seconds
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"run_dir": self.run_dir, "step": self.step, "deadline": self.deadline, "poll_seconds": self.poll_seconds},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from relay.layout import checkpoint_reached
+
+        while True:
+            try:
+                reached = await asyncio.to_thread(checkpoint_reached, self.run_dir, self.step)
+            except Exception as e:  # a tracker that cannot be read is the validator's to judge
+                yield TriggerEvent({"status": "present", "step": self.step, "message": str(e)})
+                return
+            if reached:
+                yield TriggerEvent({"status": "present", "step": self.step, "message": ""})
+                return
+            if time.time() > self.deadline:
+                yield TriggerEvent({"status": "timeout", "step": self.step,
+                                    "message": f"no checkpoint for step {self.step} in {self.run_dir} before the "
+                                               "deadline"})
+                return
+            await asyncio.sleep(self.poll_seconds)

@@ -16,12 +16,16 @@ class TrainerKind:
     settings: str  # "module:Class" of the settings model
     train_chunk: str  # "module:function" implementing the chunk contract (see contract.py)
     description: str
+    smoke: str | None = None  # "module:function(spec, step_dir) -> str": a forward pass on a checkpoint
 
     def settings_model(self) -> type:
         return _load(self.settings)
 
     def chunk_function(self) -> Callable[..., Any]:
         return _load(self.train_chunk)
+
+    def smoke_function(self) -> Callable[..., str] | None:
+        return _load(self.smoke) if self.smoke else None
 
 
 KINDS: dict[str, TrainerKind] = {
@@ -30,6 +34,7 @@ KINDS: dict[str, TrainerKind] = {
         settings="relay.trainers.tiny_grpo.settings:TinyGRPOSettings",
         train_chunk="relay.trainers.tiny_grpo.trainer:train_chunk",
         description="a small, real GRPO trainer on CPU built from verl's parts (demo and CI)",
+        smoke="relay.trainers.tiny_grpo.trainer:smoke",
     ),
 }
 

@@ -25,6 +25,7 @@ class ChunkRequest:
     chunk: int | None = None  # chunk index, for logs and metrics
     attempt: str = "local"  # who is training: a Ray submission id, or local:<host>:<pid>
     lease_token: int | None = None  # None: take the lease in this process (the CLI)
+    restore: bool = True  # with no valid local checkpoint, restore the newest published one (spec.s3)
 
     @property
     def run_dir(self) -> Path:

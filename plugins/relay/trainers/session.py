@@ -19,8 +19,8 @@ from pathlib import Path
 from relay import layout
 from relay.lease import Lease
 from relay.metrics import MetricsLog, record_event
+from relay.resume import find_resume_point
 from relay.trainers.contract import ChunkRequest
-from relay.validate import latest_valid_step, validate_checkpoint
 
 
 class ChunkSession:
@@ -34,30 +34,30 @@ class ChunkSession:
             req.lease_token = self.lease.acquire(f"local:{socket.gethostname()}:{os.getpid()}")
         self.token = req.lease_token
         self.lease.check(self.token)
-        self.resume_step = latest_valid_step(self.run_dir) or 0
+        # Validated (integrity against the manifest, safe load, numerics) just before the trainer
+        # loads it; invalid checkpoints are quarantined and the tracker falls back to a valid one.
+        self.resume = find_resume_point(self.run_dir, restore=restore_function(req))
+        self.resume_step = self.resume.step
+        for q in self.resume.quarantined:
+            self.say(f"quarantined checkpoint step {q['step']}: {q['check']} failed: {q['detail']}")
+        if self.resume.restored_from:
+            self.say(f"restored step {self.resume_step} from {self.resume.restored_from}")
         self.metrics = MetricsLog(self.run_dir)
         self._t0 = time.time()
         self._step_times: list[float] = []
 
     # ------------------------------------------------------------------------------ resume
     def resume_checkpoint(self) -> Path | None:
-        """The folder to resume from, validated (CRC + safe load) just before the trainer loads it."""
-        if not self.resume_step:
-            return None
-        report = validate_checkpoint(self.run_dir, self.resume_step, load=True)
-        if not report.ok:
-            from relay.errors import CheckpointError
-
-            raise CheckpointError(f"refusing to resume from step {self.resume_step}: {report.failed.detail}",
-                                  f"run `python -m relay checkpoint validate {self.run_dir}`")
-        return layout.step_dir(self.run_dir, self.resume_step)
+        """The folder to resume from (validated when the session started), or None for step 0."""
+        return layout.step_dir(self.run_dir, self.resume_step) if self.resume_step else None
 
     def begin(self) -> None:
         """Record the attempt; supersede metrics rows written after the resume point."""
         dropped = self.metrics.resume_at(self.resume_step, self.req.attempt)
         record_event(self.run_dir, "chunk_start", chunk=self.req.chunk, attempt=self.req.attempt,
                      resumed_from=self.resume_step, to_step=self.req.to_step, lease_token=self.token,
-                     superseded_rows=dropped)
+                     superseded_rows=dropped, restored_from=self.resume.restored_from,
+                     quarantined=[q["step"] for q in self.resume.quarantined])
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
         self.say(f"run {self.req.run_name}: chunk {self.req.chunk or '-'} resumes from {where}, "
                  f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "
@@ -119,6 +119,15 @@ class ChunkSession:
         self.metrics.close()
         record_event(self.run_dir, "chunk_end", chunk=self.req.chunk, attempt=self.req.attempt, end_step=end_step,
                      seconds=round(time.time() - self._t0, 3))
+
+
+def restore_function(req: ChunkRequest):
+    """Restore from the run's published checkpoints when the spec names a store (None otherwise)."""
+    if req.spec.s3 is None or not req.restore:
+        return None
+    from relay.store import restore_for_resume
+
+    return lambda run_dir: restore_for_resume(req.spec, req.run_name, run_dir)
 
 
 def pin_threads(threads: int) -> None:

@@ -68,6 +68,41 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     return ChunkResult(req.run_name, start, step, step - start, time.time() - t0, str(checkpoint))
 
 
+def build_model(settings):
+    """The policy: a tiny Qwen2 decoder built from its config (no download), initialised from torch's RNG."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    m = settings.model
+    config = Qwen2Config(
+        vocab_size=len(task.VOCAB), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads, max_position_embeddings=32,
+        tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
+        bos_token_id=task.VOCAB[task.BOS], eos_token_id=task.VOCAB[task.EOS], pad_token_id=task.VOCAB[task.PAD],
+    )
+    config._attn_implementation = "eager"
+    return Qwen2ForCausalLM(config)
+
+
+def smoke(spec, step_dir) -> str:
+    """Load a checkpoint's weights (safely) into a fresh model; one forward pass on a fixed prompt."""
+    import torch
+
+    from relay import layout, safeload
+
+    world_size = len(list((step_dir / "actor").glob("model_world_size_*_rank_*.pt")))
+    if world_size != 1:
+        return f"skipped: world size {world_size} (the CPU trainer trains at world size 1)"
+    state = safeload.load(step_dir / "actor" / layout.shard_name("model", 1, 0), mmap=True)
+    model = build_model(spec.settings)
+    model.load_state_dict({k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()})
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([task.encode_prompt("3+4=")])).logits
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("the logits of the fixed prompt '3+4=' are not finite")
+    return f"forward pass on '3+4=': finite logits, argmax next token {task.ID_TO_TOKEN[int(logits[0, -1].argmax())]!r}"
+
+
 class _TinyGRPO:
     """Model, optimizer, schedule and data of one chunk's process."""
 
@@ -77,7 +112,6 @@ class _TinyGRPO:
         import torch.distributed as dist
         from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import RandomSampler
-        from transformers import Qwen2Config, Qwen2ForCausalLM
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
         from verl.workers.config import ActorConfig
 
@@ -93,16 +127,7 @@ class _TinyGRPO:
         torch.manual_seed(spec.seed)
         np.random.seed(spec.seed)
         random.seed(spec.seed)
-        m = s.model
-        config = Qwen2Config(
-            vocab_size=len(task.VOCAB), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads, max_position_embeddings=32,
-            tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
-            bos_token_id=task.VOCAB[task.BOS], eos_token_id=task.VOCAB[task.EOS], pad_token_id=task.VOCAB[task.PAD],
-        )
-        config._attn_implementation = "eager"
-        model = Qwen2ForCausalLM(config)
+        model = build_model(s)
         # The reference policy for the KL loss is the initial model, rebuilt from the seed on every resume.
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = self._shard(model, s.fsdp_version)
@@ -134,14 +159,18 @@ class _TinyGRPO:
                                      clip_ratio_high=s.clip_ratio)
 
     def _shard(self, model, version: int):
+        # A device mesh named as verl names it ("fsdp"), which verl's model merger expects.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
         if version == 2:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(model)
+            fully_shard(model, mesh=mesh)
             return model
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        return FSDP(model, use_orig_params=True)
+        return FSDP(model, device_mesh=mesh, use_orig_params=True, device_id=self.torch.device("cpu"))
 
     def _schedule(self):
         from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup

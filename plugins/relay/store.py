@@ -1,0 +1,368 @@
+"""Published checkpoints in S3: publish, list, restore, and the run's `latest` pointer.
+
+    s3://bucket/prefix/<run>/global_step_N/<files>                 verl's layout, file for file
+    s3://bucket/prefix/<run>/global_step_N/relay_manifest.json     uploaded after every file
+    s3://bucket/prefix/<run>/latest.json                           moved only after the manifest
+
+Every object carries a full-object CRC64NVME checksum (S3 verifies it on upload, multipart too),
+which is the one the manifest records; so a re-publish skips objects that already match, and a
+publication is verified by comparing each object's size and checksum with the manifest. The store
+is handed a boto3 client: from the Amazon provider's connection in Airflow, from the standard AWS
+environment variables (AWS_ENDPOINT_URL included) in the CLI and in Ray jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from relay import integrity, layout, manifest
+from relay.errors import CheckpointError, RelayError
+
+STEP_PREFIX = re.compile(r"global_step_(\d+)/$")
+LATEST = "latest.json"
+
+
+class StoreError(RelayError):
+    """S3 is unreachable or refused a request; nothing already saved is lost."""
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    m = re.match(r"^s3://([^/]+)/?(.*)$", uri)
+    if not m:
+        raise StoreError(f"not an S3 URI: {uri!r}", "use s3://bucket/prefix")
+    return m.group(1), m.group(2).strip("/")
+
+
+def s3_client(max_pool_connections: int = 16):
+    """A boto3 S3 client from the standard AWS environment (AWS_ENDPOINT_URL, keys, region)."""
+    import boto3
+
+    return boto3.client("s3", config=client_config(max_pool_connections))
+
+
+def client_config(max_pool_connections: int = 16):
+    from botocore.config import Config
+
+    # Relay sends its own CRC64NVME checksum with every object and part, and S3 verifies it: botocore
+    # need not add another checksum, nor SHA256 the whole body for SigV4 (it does so by default over
+    # plain http, which costs a hash pass over every byte published). Headers stay signed.
+    return Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=max_pool_connections,
+                  connect_timeout=10, read_timeout=120,
+                  request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                  s3={"payload_signing_enabled": False})
+
+
+@dataclass
+class PublishResult:
+    uri: str
+    step: int
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    bytes_uploaded: int = 0
+    seconds: float = 0.0
+    aborted_uploads: int = 0
+    latest_moved: bool = False
+
+
+class CheckpointStore:
+    def __init__(self, client, uri: str, *, part_size: int = 32 << 20, concurrency: int = 4,
+                 extra_args: dict[str, str] | None = None):
+        self.client = client
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = parse_uri(uri)
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self.extra_args = extra_args or {}  # ServerSideEncryption, SSEKMSKeyId, ACL
+
+    # ------------------------------------------------------------------------------ naming
+    def run_key(self, run: str, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, run, *parts) if p)
+
+    def step_key(self, run: str, step: int, rel: str = "") -> str:
+        return self.run_key(run, f"global_step_{step}", rel)
+
+    def step_uri(self, run: str, step: int) -> str:
+        return f"s3://{self.bucket}/{self.step_key(run, step)}/"
+
+    def _call(self, what: str, fn: Callable, **kwargs) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "?")
+            if code in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise StoreError(f"S3 {what} on s3://{self.bucket}/{kwargs.get('Key', kwargs.get('Prefix', ''))} "
+                             f"failed: {code}: {e}", "check the bucket, the credentials and the S3 connection") \
+                from None
+        except BotoCoreError as e:
+            raise StoreError(f"S3 at {self.client.meta.endpoint_url} unreachable during {what}: {e}",
+                             "start the S3 server or fix the connection's endpoint_url; nothing was lost, "
+                             "publishing again resumes where this stopped") from None
+
+    # ------------------------------------------------------------------------------ reading
+    def head(self, key: str) -> dict | None:
+        return self._call("HEAD", self.client.head_object, Key=key, ChecksumMode="ENABLED")
+
+    def get_json(self, key: str) -> dict | None:
+        r = self._call("GET", self.client.get_object, Key=key)
+        return None if r is None else json.loads(r["Body"].read())
+
+    def latest(self, run: str) -> dict | None:
+        return self.get_json(self.run_key(run, LATEST))
+
+    def manifest(self, run: str, step: int) -> manifest.Manifest | None:
+        r = self._call("GET", self.client.get_object, Key=self.step_key(run, step, manifest.NAME))
+        if r is None:
+            return None
+        return manifest.Manifest.from_json(r["Body"].read().decode(), f"{self.step_uri(run, step)}{manifest.NAME}")
+
+    def manifest_at(self, uri: str) -> manifest.Manifest:
+        """A manifest by its S3 URI (what asset events carry)."""
+        bucket, key = parse_uri(uri)
+        r = self._call("GET", self.client.get_object, Key=key) if bucket == self.bucket else None
+        if r is None:
+            raise StoreError(f"no manifest at {uri}", "check the URI; `python -m relay checkpoint ls` lists them")
+        return manifest.Manifest.from_json(r["Body"].read().decode(), uri)
+
+    def download_object(self, key_or_uri: str, dest: Path, expect: dict | None = None) -> None:
+        """Download one object; with expect ({size, crc64nvme}), verify it."""
+        from awscrt import checksums
+
+        key = parse_uri(key_or_uri)[1] if key_or_uri.startswith("s3://") else key_or_uri
+        r = self._call("GET", self.client.get_object, Key=key)
+        if r is None:
+            raise StoreError(f"s3://{self.bucket}/{key} does not exist", "check the URI")
+        crc, size = 0, 0
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest, "wb") as out:
+            for chunk in r["Body"].iter_chunks(8 << 20):
+                crc = checksums.crc64nvme(chunk, crc)
+                size += len(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if expect and (size != expect["size"] or integrity.crc64nvme_b64(crc) != expect["crc64nvme"]):
+            raise CheckpointError(f"s3://{self.bucket}/{key} does not match its manifest",
+                                  "publish the checkpoint again, or restore an older one")
+
+    def steps(self, run: str) -> list[int]:
+        """Steps with objects under the run's prefix (published or not), ascending."""
+        out, token = [], None
+        while True:
+            kw = {"Prefix": self.run_key(run) + "/", "Delimiter": "/", **({"ContinuationToken": token} if token else {})}
+            r = self._call("LIST", self.client.list_objects_v2, **kw) or {}
+            for cp in r.get("CommonPrefixes", []):
+                if m := STEP_PREFIX.search(cp["Prefix"]):
+                    out.append(int(m.group(1)))
+            if not r.get("IsTruncated"):
+                return sorted(out)
+            token = r["NextContinuationToken"]
+
+    def runs(self) -> list[str]:
+        r = self._call("LIST", self.client.list_objects_v2, Prefix=(self.prefix + "/") if self.prefix else "",
+                       Delimiter="/") or {}
+        return sorted(cp["Prefix"].rstrip("/").rsplit("/", 1)[-1] for cp in r.get("CommonPrefixes", []))
+
+    def published(self, run: str) -> list[manifest.Manifest]:
+        """Checkpoints whose manifest is in place (complete publications), ascending by step."""
+        return [m for s in self.steps(run) if (m := self.manifest(run, s)) is not None]
+
+    # ------------------------------------------------------------------------------ publish
+    def publish(self, run: str, run_dir: Path, step: int) -> PublishResult:
+        """Upload a validated checkpoint (its manifest must be in its folder), then its manifest, then latest."""
+        t0 = time.time()
+        step_dir = layout.step_dir(run_dir, step)
+        m = manifest.read(step_dir)
+        if m is None:
+            raise CheckpointError(f"{step_dir} has no {manifest.NAME}: only validated checkpoints are published",
+                                  f"run `python -m relay checkpoint validate {run_dir} --step {step}` first")
+        result = PublishResult(self.step_uri(run, step), step)
+        result.aborted_uploads = self.abort_incomplete_uploads(run)
+        todo = []
+        for rel, f in sorted(m.files.items()):
+            if self._matches(self.head(self.step_key(run, step, rel)), f):
+                result.skipped.append(rel)
+            else:
+                todo.append(rel)
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            parts = [(rel, self._start(run, step, rel, m.files[rel], step_dir / rel)) for rel in todo]
+            futures = [(rel, up, pool.submit(self._upload_part, up, i)) for rel, up in parts for i in range(up["n"])]
+            for rel, up, fut in futures:
+                up["done"][fut.result()[0]] = fut.result()[1]
+        for rel, up in parts:
+            self._finish(up)
+            result.uploaded.append(rel)
+            result.bytes_uploaded += m.files[rel]["size"]
+        self.verify(run, m)
+        self._put_bytes(self.step_key(run, step, manifest.NAME), m.to_json().encode())
+        current = self.latest(run)
+        if current is None or int(current.get("step", -1)) <= step:
+            self._put_bytes(self.run_key(run, LATEST), json.dumps({
+                "step": step, "uri": result.uri, "manifest": f"{result.uri}{manifest.NAME}",
+                "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode())
+            result.latest_moved = True
+        result.seconds = time.time() - t0
+        return result
+
+    @staticmethod
+    def _matches(head: dict | None, f: dict) -> bool:
+        return bool(head) and head.get("ContentLength") == f["size"] and head.get("ChecksumCRC64NVME") == f["crc64nvme"]
+
+    def put_json(self, key: str, obj) -> None:
+        self._put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+    def delete_checkpoint(self, run: str, step: int) -> int:
+        """Delete a published checkpoint: its manifest first, so it stops counting as published at once."""
+        self._call("DELETE", self.client.delete_object, Key=self.step_key(run, step, manifest.NAME))
+        keys, token = [], None
+        while True:
+            kw = {"Prefix": self.step_key(run, step) + "/", **({"ContinuationToken": token} if token else {})}
+            r = self._call("LIST", self.client.list_objects_v2, **kw) or {}
+            keys += [o["Key"] for o in r.get("Contents", [])]
+            if not r.get("IsTruncated"):
+                break
+            token = r["NextContinuationToken"]
+        for i in range(0, len(keys), 1000):
+            self._call("DELETE", self.client.delete_objects,
+                       Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        return len(keys)
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        crc = integrity.crc64nvme_b64(integrity.crc64nvme_bytes(data))
+        self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **self.extra_args)
+
+    def _start(self, run: str, step: int, rel: str, f: dict, path: Path) -> dict:
+        """Plan one object's upload: a single PUT below the part size, else a multipart upload."""
+        key = self.step_key(run, step, rel)
+        n = max(1, -(-f["size"] // self.part_size))
+        up = {"key": key, "path": path, "size": f["size"], "crc": f["crc64nvme"], "n": n, "done": {}, "id": None}
+        if n > 1:
+            r = self._call("CREATE-MULTIPART", self.client.create_multipart_upload, Key=key,
+                           ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT", **self.extra_args)
+            up["id"] = r["UploadId"]
+        return up
+
+    def _upload_part(self, up: dict, i: int) -> tuple[int, dict]:
+        with open(up["path"], "rb") as fh:
+            data = os.pread(fh.fileno(), self.part_size, i * self.part_size)
+        crc = integrity.crc64nvme_b64(integrity.crc64nvme_bytes(data))
+        if up["id"] is None:
+            if crc != up["crc"] or len(data) != up["size"]:
+                raise CheckpointError(f"{up['path']} changed since validation (CRC64NVME differs from the manifest)",
+                                      "validate the checkpoint again; never publish a file that changed")
+            self._call("PUT", self.client.put_object, Key=up["key"], Body=data, ChecksumCRC64NVME=crc,
+                       **self.extra_args)
+            return i, {}
+        r = self._call("UPLOAD-PART", self.client.upload_part, Key=up["key"], UploadId=up["id"], PartNumber=i + 1,
+                       Body=data, ChecksumCRC64NVME=crc)
+        return i, {"PartNumber": i + 1, "ETag": r["ETag"], "ChecksumCRC64NVME": crc}
+
+    def _finish(self, up: dict) -> None:
+        if up["id"] is None:
+            return
+        parts = [up["done"][i] for i in range(up["n"])]
+        # S3 checks the whole object's CRC64NVME against the manifest's: a file that changed is refused.
+        self._call("COMPLETE-MULTIPART", self.client.complete_multipart_upload, Key=up["key"], UploadId=up["id"],
+                   MultipartUpload={"Parts": parts}, ChecksumCRC64NVME=up["crc"], ChecksumType="FULL_OBJECT")
+
+    def abort_incomplete_uploads(self, run: str) -> int:
+        """Abort multipart uploads a killed publish left under the run's prefix."""
+        r = self._call("LIST-MULTIPART", self.client.list_multipart_uploads, Prefix=self.run_key(run) + "/") or {}
+        uploads = r.get("Uploads", [])
+        for u in uploads:
+            self._call("ABORT-MULTIPART", self.client.abort_multipart_upload, Key=u["Key"], UploadId=u["UploadId"])
+        return len(uploads)
+
+    def verify(self, run: str, m: manifest.Manifest) -> None:
+        """Every object exists with the size and CRC64NVME the manifest records."""
+        bad = []
+        for rel, f in m.files.items():
+            head = self.head(self.step_key(run, m.step, rel))
+            if not self._matches(head, f):
+                got = "missing" if head is None else f"{head.get('ContentLength')} bytes, {head.get('ChecksumCRC64NVME')}"
+                bad.append(f"{rel} ({got}; manifest: {f['size']} bytes, {f['crc64nvme']})")
+        if bad:
+            raise StoreError(f"publication of step {m.step} does not match its manifest: {'; '.join(bad[:5])}",
+                             "publish again: objects that match are skipped, the others are uploaded again")
+
+    # ------------------------------------------------------------------------------ restore
+    def download(self, run: str, m: manifest.Manifest, dest: Path) -> None:
+        """Download a published checkpoint into dest, verifying each file's size and CRC64NVME."""
+        def one(rel: str) -> str | None:
+            try:
+                self.download_object(self.step_key(run, m.step, rel), dest / rel, m.files[rel])
+            except (StoreError, CheckpointError) as e:
+                return f"{rel}: {e.what}"
+            return None
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            problems = [p for p in pool.map(one, sorted(m.files)) if p]
+        if problems:
+            raise CheckpointError(f"download of {self.step_uri(run, m.step)} is damaged: {'; '.join(problems[:5])}",
+                                  "an older published checkpoint is tried next")
+        layout.atomic_write(dest / manifest.NAME, m.to_json().encode())
+
+    def restore(self, run: str, run_dir: Path, *, step: int | None = None,
+                log: Callable[[str], None] = print) -> tuple[int, str] | None:
+        """Restore the newest valid published checkpoint (at most `step`) into run_dir; set the tracker.
+
+        Candidates are tried newest first; one that fails its checksums or its validation is skipped.
+        Returns (step, uri), or None when nothing valid is published.
+        """
+        from relay.validate import validate_checkpoint
+
+        run_dir = Path(run_dir)
+        for m in sorted(self.published(run), key=lambda m: m.step, reverse=True):
+            if step is not None and m.step > step:
+                continue
+            uri = self.step_uri(run, m.step)
+            staging = layout.relay_dir(run_dir, "staging", f"restore-global_step_{m.step}")
+            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                self.download(run, m, staging)
+            except CheckpointError as e:
+                log(f"skipping {uri}: {e.what}")
+                continue
+            final = layout.step_dir(run_dir, m.step)
+            if final.exists():
+                aside = layout.relay_dir(run_dir, "superseded", f"{final.name}.{int(time.time() * 1e3)}")
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                final.rename(aside)
+            staging.rename(final)
+            report = validate_checkpoint(run_dir, m.step)
+            if not report.ok:
+                from relay.resume import quarantine
+
+                quarantine(run_dir, report)
+                log(f"skipping {uri}: {report.failed.name}: {report.failed.detail}")
+                continue
+            layout.write_tracker(run_dir, m.step)
+            from relay.metrics import record_event
+
+            record_event(run_dir, "restore", step=m.step, uri=uri)
+            return m.step, uri
+        return None
+
+
+def store_for_spec(spec, client=None) -> CheckpointStore:
+    s3 = spec.s3
+    extra = {k: v for k, v in (("ServerSideEncryption", s3.server_side_encryption), ("SSEKMSKeyId", s3.kms_key_id),
+                                ("ACL", s3.acl)) if v}
+    return CheckpointStore(client or s3_client(), s3.uri, part_size=s3.part_size_mb << 20,
+                           concurrency=s3.concurrency, extra_args=extra)
+
+
+def restore_for_resume(spec, run: str, run_dir: Path) -> tuple[int, str] | None:
+    """Called by a trainer whose run has no valid local checkpoint: restore from S3 if one is published."""
+    store = store_for_spec(spec)
+    return store.restore(run, run_dir, log=lambda msg: print(f"[relay] {msg}", flush=True))

@@ -1,0 +1,163 @@
+"""Checkpoint validation: verl's own checkpoints pass at every world size and FSDP version; each defect
+is refused with the right check named, quarantined, and never published."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, relay_cli
+from relay import layout, manifest
+from relay.gate import admit_dir
+from relay.resume import find_resume_point
+from relay.validate import validate_checkpoint
+
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+import verl_checkpoint  # noqa: E402
+
+KINDS = [(1, 1), (1, 2), (2, 1), (2, 2)]  # (FSDP version, world size)
+
+
+@pytest.fixture(scope="session")
+def verl_checkpoints(tmp_path_factory):
+    """Run folders holding global_step_1, written by verl's FSDPCheckpointManager in gloo processes."""
+    root = tmp_path_factory.mktemp("verl_checkpoints")
+    return {(f, w): verl_checkpoint.make(root / f"fsdp{f}_ws{w}", world_size=w, fsdp=f).parent for f, w in KINDS}
+
+
+def copy_run(verl_checkpoints, tmp_path, fsdp=2, ws=1) -> Path:
+    dest = tmp_path / f"run_fsdp{fsdp}_ws{ws}"
+    shutil.copytree(verl_checkpoints[(fsdp, ws)], dest)
+    return dest
+
+
+@pytest.mark.parametrize("fsdp,ws", KINDS, ids=[f"FSDP{f}-ws{w}" for f, w in KINDS])
+def test_verl_checkpoints_validate_at_every_world_size(verl_checkpoints, tmp_path, fsdp, ws):
+    run = copy_run(verl_checkpoints, tmp_path, fsdp, ws)
+    admission = admit_dir(run)
+    assert admission.ok, admission.explain()
+    assert [c.name for c in admission.report.checks] == ["structure", "consistency", "integrity", "loadability",
+                                                         "numerics"]
+    assert admission.report.world_size == ws and admission.report.fsdp_version == fsdp
+    m = manifest.read(run / "global_step_1")
+    assert m.world_size == ws and set(m.files) == set(manifest.checkpoint_files(run / "global_step_1"))
+    # Global parameter shapes, whatever the sharding.
+    assert m.params["model.embed_tokens.weight"] == [64, 32, "float32"]
+
+
+def _truncate(p):
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _flip(p):
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    p.write_bytes(bytes(b))
+
+
+def _nan(p):
+    import torch
+
+    sd = torch.load(p, weights_only=True)
+    sd["model.embed_tokens.weight"][0, 0] = float("nan")
+    torch.save(sd, p)
+
+
+def _runs_code(p):
+    import torch
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, (f"open({str(p.parent / 'PWNED')!r}, 'w').write('ran')",))
+
+    torch.save({"rng": Evil()}, p)
+
+
+ACTOR = "global_step_1/actor"
+DEFECTS = {
+    "missing optim": (lambda r: (r / ACTOR / "optim_world_size_1_rank_0.pt").unlink(), "structure", "optim_world"),
+    "missing extra_state": (lambda r: (r / ACTOR / "extra_state_world_size_1_rank_0.pt").unlink(), "structure",
+                            "extra_state"),
+    "missing data.pt": (lambda r: (r / "global_step_1/data.pt").unlink(), "structure", "data.pt"),
+    "truncated shard": (lambda r: _truncate(r / ACTOR / "model_world_size_1_rank_0.pt"), "integrity", "truncated"),
+    "zero-byte shard": (lambda r: (r / ACTOR / "model_world_size_1_rank_0.pt").write_bytes(b""), "structure",
+                        "(empty)"),
+    "flipped byte": (lambda r: _flip(r / ACTOR / "optim_world_size_1_rank_0.pt"), "integrity", "CRC32"),
+    "NaN weights": (lambda r: _nan(r / ACTOR / "model_world_size_1_rank_0.pt"), "numerics", "NaN"),
+    "pickle runs code": (lambda r: _runs_code(r / ACTOR / "extra_state_world_size_1_rank_0.pt"), "loadability",
+                         "unsafe"),
+}
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_each_defect_is_refused_quarantined_and_never_published(verl_checkpoints, tmp_path, defect):
+    breaks, check, words = DEFECTS[defect]
+    run = copy_run(verl_checkpoints, tmp_path, fsdp=1, ws=1)
+    breaks(run)
+    uri = f"s3://relay/test-defect-{tmp_path.name}"
+    r = relay_cli("checkpoint", "publish", str(run), uri)
+    assert r.returncode == 1, r.stdout + r.stderr
+    admission_text = r.stderr
+    assert f"✘ {check}:" in admission_text and words in admission_text, admission_text
+    assert "quarantined to" in admission_text
+    assert not (run / "global_step_1").exists() and list((run / ".relay" / "quarantine").glob("global_step_1.*"))
+    assert not (run / ACTOR / "PWNED").exists() and not list(run.rglob("PWNED")), "the pickle's code ran"
+    listing = relay_cli("checkpoint", "ls", uri, "--json")
+    assert listing.returncode == 0 and listing.stdout.strip() == "[]", "nothing of it was published"
+
+
+def test_tracker_defects(verl_checkpoints, tmp_path):
+    run = copy_run(verl_checkpoints, tmp_path)
+    layout.write_tracker(run, 7)
+    report = validate_checkpoint(run)
+    assert report.failed.name == "structure" and "global_step_7 does not exist" in report.failed.detail
+    layout.tracker_path(run).write_bytes(b"\x00garbage")
+    report = validate_checkpoint(run)
+    assert report.failed.name == "structure" and "not a step number" in report.failed.detail
+    # The resume falls back to the newest valid checkpoint instead of starting again at step 0.
+    point = find_resume_point(run)
+    assert point.step == 1 and layout.read_tracker(run) == 1
+
+
+def test_a_changed_world_size_is_refused(verl_checkpoints, tmp_path):
+    run = copy_run(verl_checkpoints, tmp_path, fsdp=2, ws=2)
+    shutil.copytree(verl_checkpoints[(2, 1)] / "global_step_1", run / "global_step_2")
+    layout.write_tracker(run, 2)
+    report = validate_checkpoint(run)
+    assert report.failed.name == "consistency"
+    assert "world size 1, but the run's earlier checkpoint (step 1) has world size 2" in report.failed.detail
+
+
+def test_consistency_with_the_expected_chunk_end(verl_checkpoints, tmp_path):
+    run = copy_run(verl_checkpoints, tmp_path)
+    report = validate_checkpoint(run, 1, expected_step=20)
+    assert report.failed.name == "consistency" and "the chunk ends at step 20" in report.failed.detail
+
+
+def test_rotation_leftovers_are_recognised(verl_checkpoints, tmp_path):
+    run = copy_run(verl_checkpoints, tmp_path)
+    (run / "global_step_2").mkdir()
+    (run / "global_step_2" / "data.pt").write_bytes(b"x")
+    layout.write_tracker(run, 2)
+    assert "rotation leftover" in validate_checkpoint(run).failed.detail
+    assert find_resume_point(run).step == 1
+
+
+def test_a_file_changed_after_validation_is_caught_before_use(verl_checkpoints, tmp_path):
+    run = copy_run(verl_checkpoints, tmp_path)
+    assert admit_dir(run).ok
+    cfg = run / ACTOR / "huggingface" / "config.json"
+    cfg.write_text(cfg.read_text().replace('"vocab_size": 64', '"vocab_size": 65'))
+    report = validate_checkpoint(run)
+    assert report.failed.name == "integrity" and "changed since validation" in report.failed.detail
+
+
+def test_parameter_shapes_must_match_the_previous_checkpoint(verl_checkpoints, tmp_path):
+    run = copy_run(verl_checkpoints, tmp_path)
+    assert admit_dir(run).ok
+    other = verl_checkpoint.make(tmp_path / "wider", hidden=48)
+    shutil.copytree(other, run / "global_step_2")
+    layout.write_tracker(run, 2)
+    report = validate_checkpoint(run)
+    assert report.failed.name == "numerics" and "at step 1 it had" in report.failed.detail

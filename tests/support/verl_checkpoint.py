@@ -1,0 +1,92 @@
+"""Write real verl checkpoints: verl's FSDPCheckpointManager in W gloo processes on CPU (FSDP1 or FSDP2),
+plus data.pt (a StatefulDataLoader state, as verl's trainer saves it) and the tracker.
+
+    python tests/support/verl_checkpoint.py RUN_DIR --step N --world-size W --fsdp 1|2 [--hidden H --layers L]
+
+Used by the tests (every world size and FSDP version) and by the benchmark (a checkpoint of GBs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, args) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world_size)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                      architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    mesh = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("fsdp",))
+    if args.fsdp == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(model, device_mesh=mesh, use_orig_params=True, device_id=torch.device("cpu"))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.randint(0, args.vocab, (2, 4))).logits.float().mean().backward()
+    optim.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    step_dir = Path(args.run_dir) / f"global_step_{args.step}"
+    FSDPCheckpointManager(model=model, optimizer=optim, lr_scheduler=sched, checkpoint_config=None) \
+        .save_checkpoint(str(step_dir / "actor"), global_step=args.step)
+    if rank == 0:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(list(range(64)), batch_size=8)
+        it = iter(loader)
+        next(it)
+        torch.save(loader.state_dict(), step_dir / "data.pt")
+        (Path(args.run_dir) / "latest_checkpointed_iteration.txt").write_text(str(args.step))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make(run_dir: Path, step: int = 1, world_size: int = 1, fsdp: int = 2, hidden: int = 32, layers: int = 1,
+         vocab: int = 64) -> Path:
+    """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes)."""
+    subprocess.run([sys.executable, __file__, str(run_dir), "--step", str(step), "--world-size", str(world_size),
+                    "--fsdp", str(fsdp), "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab)],
+                   check=True, capture_output=True, text=True)
+    return Path(run_dir) / f"global_step_{step}"
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, default=1)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--fsdp", type=int, choices=[1, 2], default=2)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=64)
+    a = p.parse_args()
+    a.port = _free_port()
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(a,), nprocs=a.world_size)
