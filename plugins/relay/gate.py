@@ -51,14 +51,16 @@ def smoke_check(spec):
 def admit(spec, run: str, step: int, *, expected_step: int | None = None) -> Admission:
     """Validate global_step_<step> of a spec's run (with the trainer's smoke check)."""
     return admit_dir(spec.run_dir(run), step, expected_step=expected_step, smoke=smoke_check(spec), run=run,
-                     fingerprint=spec.settings_fingerprint())
+                     fingerprint=spec.settings_fingerprint(), expect_critic=spec.settings.has_critic)
 
 
 def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | None = None, smoke=None,
-              run: str | None = None, fingerprint: str | None = None) -> Admission:
+              run: str | None = None, fingerprint: str | None = None,
+              expect_critic: bool | None = None) -> Admission:
     """Validate a checkpoint (default: the tracker's); write its manifest, or quarantine it and fall back."""
     run_dir = Path(run_dir)
-    report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke)
+    report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke,
+                                 expect_critic=expect_critic)
     if report.ok:
         step_dir = layout.step_dir(run_dir, report.step)
         return Admission(report, manifest.read(step_dir) or write_manifest(report, run or run_dir.name, fingerprint))

@@ -127,6 +127,19 @@ def test_a_changed_world_size_is_refused(verl_checkpoints, tmp_path):
     report = validate_checkpoint(run)
     assert report.failed.name == "consistency"
     assert "world size 1, but the run's earlier checkpoint (step 1) has world size 2" in report.failed.detail
+    uri = f"s3://relay/test-ws-{tmp_path.name}"
+    r = relay_cli("checkpoint", "publish", str(run), uri)
+    assert r.returncode == 1 and "✘ consistency" in r.stderr and "quarantined to" in r.stderr
+    assert layout.read_tracker(run) == 1, "the tracker falls back to the newest valid checkpoint"
+    assert relay_cli("checkpoint", "ls", uri, "--json").stdout.strip() == "[]"
+
+
+def test_a_critic_is_required_when_the_algorithm_has_one(verl_checkpoints, tmp_path):
+    run = copy_run(verl_checkpoints, tmp_path)
+    report = validate_checkpoint(run, expect_critic=True)
+    assert report.failed.name == "structure" and "critic/ (the algorithm has a critic)" in report.failed.detail
+    shutil.copytree(run / ACTOR, run / "global_step_1" / "critic")
+    assert validate_checkpoint(run, expect_critic=True).ok
 
 
 def test_consistency_with_the_expected_chunk_end(verl_checkpoints, tmp_path):

@@ -62,6 +62,11 @@ class TinyGRPOSettings(StrictModel):
             )
         return self
 
+    @property
+    def has_critic(self) -> bool:
+        """GRPO has no critic: its checkpoints hold actor/ only (GAE-based PPO adds critic/)."""
+        return False
+
     def steps_available(self, train_rows: int) -> int:
         """Training steps the data can supply: full batches per epoch (drop_last) times epochs, as verl counts."""
         return (train_rows // self.train_batch_size) * self.total_epochs
