@@ -15,4 +15,5 @@ else
   trap '$PY -m relay stack down >/dev/null 2>&1 || true' EXIT
 fi
 
-$PY -m pytest "$@"
+# Two workers, one test file each at a time: most tests wait on Ray, Airflow or S3 as much as on the CPU.
+$PY -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile "$@"

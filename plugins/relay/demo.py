@@ -39,7 +39,7 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
         return 0 if state == "success" else 1
     finally:
         if keep_running:
-            say(f"the stack keeps running; stop it with `.venv/bin/python -m relay stack down`")
+            say("the stack keeps running; stop it with `.venv/bin/python -m relay stack down`")
         else:
             say("stopping the local stack")
             stack.down()

@@ -51,8 +51,9 @@ def baseline(ray_address: str, spec_path: Path) -> Path:
     return req.run_dir
 
 
-def test_killed_chunk_job_is_retried_and_resumes_bitwise(airflow_home, ray_address, spec_path):
-    base = baseline(ray_address, spec_path)
+@pytest.fixture(scope="module")
+def killed_run(airflow_home, ray_address, spec_path) -> dict:
+    """Run "killed" of spec t through `airflow dags test`, its chunk-2 job stopped at a random step."""
     rd = run_dir(spec_path, "killed")
     kill_at = random.Random(os.environ.get("RELAY_TEST_SEED")).randint(8, 11)  # inside chunk 2 (steps 7..12)
     proc = start_dags_test(airflow_home, "relay_t", {"run": "killed"})
@@ -67,9 +68,14 @@ def test_killed_chunk_job_is_retried_and_resumes_bitwise(airflow_home, ray_addre
             break
         time.sleep(0.05)
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-5000:]
-    assert "ended STOPPED" in out, "chunk 2's first try must fail because its job was stopped"
+    return {"run_dir": rd, "returncode": proc.returncode, "out": out}
 
+
+def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, ray_address, spec_path):
+    assert killed_run["returncode"] == 0, killed_run["out"][-5000:]
+    assert "ended STOPPED" in killed_run["out"], "chunk 2's first try must fail because its job was stopped"
+    rd = killed_run["run_dir"]
+    base = baseline(ray_address, spec_path)
     assert layout.read_tracker(rd) == STEPS
     assert_bitwise_equal(model_state(rd / f"global_step_{STEPS}"), model_state(base / f"global_step_{STEPS}"))
     rows = read_metrics(rd)
@@ -80,8 +86,8 @@ def test_killed_chunk_job_is_retried_and_resumes_bitwise(airflow_home, ray_addre
     assert starts[2]["lease_token"] > starts[1]["lease_token"]
 
 
-def test_checkpoints_are_validated_published_and_announced(airflow_home, spec_path):
-    """Runs after the test above: its run "killed" was validated, published and announced per chunk."""
+def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_home, spec_path):
+    """The interrupted run was validated, published and announced, chunk by chunk."""
     spec = load_spec(spec_path, check_environment=False)
     store = store_for_spec(spec)
     assert [m.step for m in store.published("killed")] == [6, 12]
@@ -110,14 +116,13 @@ def asset_events(airflow_home, asset_name: str) -> list[dict]:
     return [json.loads(r[0]) for r in rows]
 
 
-def test_retriggering_a_finished_run_trains_nothing(airflow_home, spec_path):
-    rd = run_dir(spec_path, "twice")
-    assert dags_test(airflow_home, "relay_t", {"run": "twice"}).returncode == 0
+def test_retriggering_a_finished_run_trains_nothing(killed_run, airflow_home):
+    rd = killed_run["run_dir"]
     events_before = read_events(rd)
-    again = dags_test(airflow_home, "relay_t", {"run": "twice"})
+    again = dags_test(airflow_home, "relay_t", {"run": "killed"})
     assert again.returncode == 0, again.stdout[-3000:]
-    assert "nothing to train" in again.stdout
-    assert read_events(rd) == events_before, "no job ran: no chunk started"
+    assert "nothing to train" in again.stdout and "already published" in again.stdout
+    assert read_events(rd) == events_before, "no job ran, nothing was published again"
     assert [r["step"] for r in read_metrics(rd)] == list(range(1, STEPS + 1))
 
 
