@@ -127,3 +127,44 @@ def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900)
     env = airflow_home["env"]
     return subprocess.run([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c", json.dumps(conf)],
                           env=env, cwd=env["AIRFLOW_HOME"], capture_output=True, text=True, timeout=timeout)
+
+
+def ray_baseline(ray_address: str, spec_path: Path, run: str, to_step: int) -> Path:
+    """A run trained uninterrupted, 0 -> to_step, in one Ray job through the chunk entrypoint."""
+    import time
+
+    from relay.ray_jobs import RayJobs
+    from relay.spec import load_spec
+    from relay.trainers.contract import ChunkRequest
+
+    req = ChunkRequest(spec=load_spec(spec_path), run_name=run, to_step=to_step, chunk=1, attempt="baseline")
+    jobs = RayJobs(ray_address)
+    sub_id = f"relay-test-{run}-{uuid.uuid4().hex[:8]}"
+    jobs.submit(req, sub_id, {})
+    deadline = time.time() + 300
+    while (status := jobs.get(sub_id).status) not in ("SUCCEEDED", "FAILED", "STOPPED") and time.time() < deadline:
+        time.sleep(0.5)
+    assert status == "SUCCEEDED", jobs.logs(sub_id)[-3000:]
+    return req.run_dir
+
+
+class BackgroundDagTest:
+    """`airflow dags test` in the background. Its output goes to a file: a pipe nobody reads while the
+    test waits fills up and blocks Airflow's logging, which stalls the DAG run itself."""
+
+    def __init__(self, airflow_home: dict, dag_id: str, conf: dict):
+        env = airflow_home["env"]
+        self.log = Path(airflow_home["home"]) / f"dags-test-{dag_id}-{uuid.uuid4().hex[:8]}.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c",
+                                          json.dumps(conf)], env=env, cwd=env["AIRFLOW_HOME"], stdout=out,
+                                         stderr=subprocess.STDOUT, text=True)
+
+    def wait(self, timeout: float = 600) -> tuple[int, str]:
+        """(return code, output) once the DAG run has ended."""
+        rc = self.proc.wait(timeout=timeout)
+        return rc, self.log.read_text(errors="replace")
+
+
+def start_dags_test(airflow_home: dict, dag_id: str, conf: dict) -> BackgroundDagTest:
+    return BackgroundDagTest(airflow_home, dag_id, conf)

@@ -129,6 +129,33 @@ def cmd_checkpoint_ls(args) -> int:
     return 0
 
 
+def cmd_data_check(args) -> int:
+    from relay.data import quality
+
+    extra = [e for f in (args.suite or []) for e in quality.load_expectations(Path(f))]
+    report = quality.check(args.parquet, min_rows=args.min_rows, extra=extra)
+    print(report.to_json() if args.json else report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_data_freeze(args) -> int:
+    from relay.data.fingerprint import fingerprint
+
+    fp = fingerprint(args.parquet)
+    store = _store(args.uri)
+    uri = store.put_file("/".join(p for p in (store.prefix, "data", f"{fp.sha256}.parquet") if p), Path(args.parquet))
+    print(json.dumps({"sha256": fp.sha256, "size": fp.size, "rows": fp.rows, "frozen_uri": uri}, indent=2))
+    return 0
+
+
+def cmd_data_diff(args) -> int:
+    from relay.data.diff import diff
+
+    d = diff(args.a, args.b)
+    print(d.summary())
+    return 0 if d.identical else 1
+
+
 def cmd_stack(args) -> int:
     from relay import stack
 
@@ -205,7 +232,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_ls)
 
-    s = sub.add_parser("stack", help="the local stack: Ray head and Airflow (ports: include/stack.env)")
+    s = sub.add_parser("data", help="training data: quality checks, freeze, diff")
+    ds = s.add_subparsers(dest="data_command", required=True)
+    c = ds.add_parser("check", help="run the verl RL data-quality suite (great-expectations) on a parquet file")
+    c.add_argument("parquet")
+    c.add_argument("--suite", action="append", help="extra expectations file (YAML), repeatable")
+    c.add_argument("--min-rows", type=int, default=1, help="fewest rows acceptable (a run uses train_batch_size)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_data_check)
+    c = ds.add_parser("freeze", help="fingerprint a parquet file and upload it to s3://BUCKET/PREFIX/data/<sha256>")
+    c.add_argument("parquet")
+    c.add_argument("uri")
+    c.set_defaults(func=cmd_data_freeze)
+    c = ds.add_parser("diff", help="what changed from PARQUET_A to PARQUET_B (exit 0 when identical)")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.set_defaults(func=cmd_data_diff)
+
+    s = sub.add_parser("stack", help="the local stack: S3, Ray head and Airflow (ports: include/stack.env)")
     s.add_argument("action", choices=["up", "down", "status"])
     s.add_argument("--no-airflow", action="store_true", help="only the Ray head")
     s.add_argument("--db", help="Airflow metadata DB URL (default: SQLite in the stack's state folder)")

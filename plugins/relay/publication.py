@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from relay import integrity, layout, retention
+from relay import layout, retention
 from relay.errors import CheckpointError
 from relay.metrics import record_event
 from relay.store import CheckpointStore
@@ -58,10 +58,7 @@ def export_hf(run_dir: Path, step: int) -> Path:
 def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str:
     """Upload a plain folder (the HF model) with checksums; skip files already there and equal."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        scan = integrity.scan(path, zip_crc=False)
-        key = f"{key_prefix}/{path.relative_to(folder)}"
-        if not store._matches(store.head(key), {"size": scan.size, "crc64nvme": scan.crc64nvme}):
-            store._put_bytes(key, path.read_bytes())
+        store.put_file(f"{key_prefix}/{path.relative_to(folder)}", path)
     return f"s3://{store.bucket}/{key_prefix}/"
 
 

@@ -63,6 +63,23 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
     return run_state(spec, name, archived)
 
 
+def read_record(run_dir: Path) -> dict:
+    """The run record (.relay/run.json): settings, frozen data, drift decisions. {} before the first trigger."""
+    import json
+
+    try:
+        return json.loads(layout.relay_dir(run_dir, RECORD).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def update_record(run_dir: Path, **fields) -> dict:
+    """Set fields of the run record (atomic write; only the Airflow side writes it)."""
+    record = {**read_record(run_dir), **fields}
+    layout.atomic_write_json(layout.relay_dir(run_dir, RECORD), record)
+    return record
+
+
 def run_state(spec: RunSpec, name: str, archived: Path | None = None) -> RunState:
     run_dir = spec.run_dir(name)
     latest, problem = latest_step_or_problem(run_dir)

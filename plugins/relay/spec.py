@@ -47,6 +47,11 @@ class TrainerSpec(StrictModel):
 class DataSpec(StrictModel):
     train_files: list[str] = critical(min_length=1)
     val_files: list[str] = critical(default_factory=list)
+    on_source_change: Literal["fail", "use_frozen"] = Field(
+        "fail", description="when a source file changes under a run: fail (say what changed), or continue on "
+                            "the frozen copy with a warning and an alert")
+    expectations: list[str] = Field(default_factory=list, description="extra great-expectations files, from "
+                                                                      "include/expectations/")
 
 
 class CheckpointPolicy(StrictModel):
@@ -194,16 +199,25 @@ def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool 
     updates: dict[str, Any] = {"trainer": spec.trainer.model_copy(update={"settings": settings.model_dump()})}
     if resolve:
         updates["checkpoint_dir"] = str(_resolve(source, "checkpoint_dir", spec.checkpoint_dir))
-        updates["data"] = DataSpec(
+        updates["data"] = spec.data.model_copy(update=dict(
             train_files=[str(_resolve(source, f"data.train_files[{i}]", f))
                          for i, f in enumerate(spec.data.train_files)],
             val_files=[str(_resolve(source, f"data.val_files[{i}]", f)) for i, f in enumerate(spec.data.val_files)],
-        )
+            expectations=[str(_resolve_expectations(source, i, f)) for i, f in enumerate(spec.data.expectations)],
+        ))
     spec = spec.model_copy(update=updates)
     spec._source = source
     if check_environment:
         check_spec_environment(spec)
     return spec
+
+
+def _resolve_expectations(source: str, i: int, value: str) -> Path:
+    """An expectations file: a path, or a bare name looked up in include/expectations/."""
+    p = Path(value)
+    if not p.suffix and len(p.parts) == 1:
+        p = project.root() / "include" / "expectations" / f"{value}.yaml"
+    return _resolve(source, f"data.expectations[{i}]", str(p))
 
 
 def _resolve(source: str, key: str, value: str) -> Path:
@@ -272,6 +286,10 @@ def check_spec_environment(spec: RunSpec) -> None:
     for i, f in enumerate(spec.data.val_files):
         if not is_templated(f) and not Path(f).is_file():
             raise SpecError(src, f"data.val_files[{i}]", f"file not found: {f}", "fix the path")
+    for i, f in enumerate(spec.data.expectations):
+        if not Path(f).is_file():
+            raise SpecError(src, f"data.expectations[{i}]", f"file not found: {f}",
+                            "put the file in include/expectations/ or fix the name")
     available = spec.settings.steps_available(rows)
     if available < spec.total_steps:
         raise SpecError(

@@ -218,6 +218,17 @@ class CheckpointStore:
     def _matches(head: dict | None, f: dict) -> bool:
         return bool(head) and head.get("ContentLength") == f["size"] and head.get("ChecksumCRC64NVME") == f["crc64nvme"]
 
+    def put_file(self, key: str, path: Path) -> str:
+        """Upload a file (frozen data, a report) unless an equal object is there; return its URI."""
+        scan = integrity.scan(path, zip_crc=False)
+        if not self._matches(self.head(key), {"size": scan.size, "crc64nvme": scan.crc64nvme}):
+            up = self._start_key(key, Path(path), scan.size, scan.crc64nvme)
+            with ThreadPoolExecutor(self.concurrency) as pool:
+                for i, part in pool.map(lambda i: self._upload_part(up, i), range(up["n"])):
+                    up["done"][i] = part
+            self._finish(up)
+        return f"s3://{self.bucket}/{key}"
+
     def put_json(self, key: str, obj) -> None:
         self._put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
@@ -242,10 +253,12 @@ class CheckpointStore:
         self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **self.extra_args)
 
     def _start(self, run: str, step: int, rel: str, f: dict, path: Path) -> dict:
+        return self._start_key(self.step_key(run, step, rel), path, f["size"], f["crc64nvme"])
+
+    def _start_key(self, key: str, path: Path, size: int, crc: str) -> dict:
         """Plan one object's upload: a single PUT below the part size, else a multipart upload."""
-        key = self.step_key(run, step, rel)
-        n = max(1, -(-f["size"] // self.part_size))
-        up = {"key": key, "path": path, "size": f["size"], "crc": f["crc64nvme"], "n": n, "done": {}, "id": None}
+        n = max(1, -(-size // self.part_size))
+        up = {"key": key, "path": path, "size": size, "crc": crc, "n": n, "done": {}, "id": None}
         if n > 1:
             r = self._call("CREATE-MULTIPART", self.client.create_multipart_upload, Key=key,
                            ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT", **self.extra_args)

@@ -45,7 +45,10 @@ def test_one_dag_per_spec_without_heavy_imports(tmp_path):
     assert beta["groups"] == ["chunk_01", "chunk_02", "chunk_03", "finish", "preflight"]
     assert beta["tasks"] == ["chunk_01.publish", "chunk_01.train", "chunk_01.validate", "chunk_02.publish",
                              "chunk_02.train", "chunk_02.validate", "chunk_03.publish", "chunk_03.train",
-                             "chunk_03.validate", "finish", "preflight"]
+                             "chunk_03.validate", "finish", "preflight.data", "preflight.run",
+                             "preflight.settings"]
+    assert beta["downstream"]["preflight.run"] == ["preflight.settings"], "cheap checks first"
+    assert beta["downstream"]["preflight.data"] == ["chunk_01.train"]
     assert beta["downstream"]["chunk_01.validate"] == ["chunk_01.publish", "chunk_02.train"], \
         "chunk 1 publishes while chunk 2 trains"
     assert beta["downstream"]["chunk_01.publish"] == ["chunk_02.publish"]
@@ -55,7 +58,7 @@ def test_one_dag_per_spec_without_heavy_imports(tmp_path):
 def test_params_form_is_typed_and_described(tmp_path):
     write_spec(tmp_path, name="alpha")
     params = parse(tmp_path)["dags"]["relay_alpha"]["params"]
-    assert set(params) == {"run", "fresh_start", "confirm_fresh_start", "alert_emails"}
+    assert set(params) == {"run", "fresh_start", "confirm_fresh_start", "allow_drift", "alert_emails"}
     assert all(p.get("description") for p in params.values())
     assert params["run"]["type"] == "string" and "pattern" in params["run"]
     assert params["fresh_start"]["type"] == "boolean"

@@ -3,20 +3,20 @@
 import json
 import os
 import random
-import subprocess
+import signal
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_bitwise_equal, dags_test, model_state, read_metrics, write_spec
+from conftest import (assert_bitwise_equal, dags_test, model_state, ray_baseline, read_metrics, relay_cli,
+                      start_dags_test, write_spec)
 from relay import layout
+from relay.lease import Lease
 from relay.metrics import read_events
 from relay.ray_jobs import RayJobs
 from relay.spec import load_spec
 from relay.store import store_for_spec
-from relay.trainers.contract import ChunkRequest
 
 STEPS = 12  # 2 chunks of 6
 
@@ -30,52 +30,35 @@ def run_dir(spec_path: Path, run: str) -> Path:
     return load_spec(spec_path, check_environment=False).run_dir(run)
 
 
-def start_dags_test(airflow_home, dag_id: str, conf: dict) -> subprocess.Popen:
-    env = airflow_home["env"]
-    return subprocess.Popen([str(Path(os.sys.executable).parent / "airflow"), "dags", "test", dag_id, "-c",
-                             json.dumps(conf)], env=env, cwd=env["AIRFLOW_HOME"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def baseline(ray_address: str, spec_path: Path) -> Path:
-    """The same run uninterrupted: one job 0 -> 12 through the same Ray entrypoint."""
-    spec = load_spec(spec_path)
-    req = ChunkRequest(spec=spec, run_name="baseline", to_step=STEPS, chunk=1, attempt="baseline")
-    jobs = RayJobs(ray_address)
-    sub_id = f"relay-test-baseline-{uuid.uuid4().hex[:8]}"
-    jobs.submit(req, sub_id, {})
-    deadline = time.time() + 300
-    while (status := jobs.get(sub_id).status) not in ("SUCCEEDED", "FAILED", "STOPPED") and time.time() < deadline:
-        time.sleep(0.5)
-    assert status == "SUCCEEDED", jobs.logs(sub_id)[-3000:]
-    return req.run_dir
-
-
 @pytest.fixture(scope="module")
 def killed_run(airflow_home, ray_address, spec_path) -> dict:
     """Run "killed" of spec t through `airflow dags test`, its chunk-2 job stopped at a random step."""
     rd = run_dir(spec_path, "killed")
-    kill_at = random.Random(os.environ.get("RELAY_TEST_SEED")).randint(8, 11)  # inside chunk 2 (steps 7..12)
-    proc = start_dags_test(airflow_home, "relay_t", {"run": "killed"})
+    kill_at = random.Random(os.environ.get("RELAY_TEST_SEED")).randint(8, 10)  # inside chunk 2 (steps 7..12)
+    dag_test = start_dags_test(airflow_home, "relay_t", {"run": "killed"})
     jobs = RayJobs(ray_address)
     deadline = time.time() + 600
     while time.time() < deadline:
         steps = [r["step"] for r in read_metrics(rd)] if (rd / "metrics.jsonl").exists() else []
         if steps and max(steps) >= kill_at:
+            # Freeze the trainer first (its pid is in the run's lease): a CPU step takes a few tens of
+            # milliseconds, so the chunk would otherwise often commit step 12 before the stop lands.
+            # A stopped process still dies of the SIGKILL that follows Ray's SIGTERM.
+            os.kill(Lease(rd).current()["pid"], signal.SIGSTOP)
             live = jobs.live_jobs_of_run("t", "killed")
             assert len(live) == 1, live
             jobs.stop(live[0].submission_id)
             break
         time.sleep(0.05)
-    out, _ = proc.communicate(timeout=600)
-    return {"run_dir": rd, "returncode": proc.returncode, "out": out}
+    returncode, out = dag_test.wait()
+    return {"run_dir": rd, "returncode": returncode, "out": out}
 
 
 def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, ray_address, spec_path):
     assert killed_run["returncode"] == 0, killed_run["out"][-5000:]
     assert "ended STOPPED" in killed_run["out"], "chunk 2's first try must fail because its job was stopped"
     rd = killed_run["run_dir"]
-    base = baseline(ray_address, spec_path)
+    base = ray_baseline(ray_address, spec_path, "baseline", STEPS)
     assert layout.read_tracker(rd) == STEPS
     assert_bitwise_equal(model_state(rd / f"global_step_{STEPS}"), model_state(base / f"global_step_{STEPS}"))
     rows = read_metrics(rd)
@@ -124,6 +107,21 @@ def test_retriggering_a_finished_run_trains_nothing(killed_run, airflow_home):
     assert "nothing to train" in again.stdout and "already published" in again.stdout
     assert read_events(rd) == events_before, "no job ran, nothing was published again"
     assert [r["step"] for r in read_metrics(rd)] == list(range(1, STEPS + 1))
+
+
+def test_checkpoints_that_skipped_the_gate_are_validated_before_publication(airflow_home, spec_path):
+    """A job stopped just after its commit, or a run trained with `relay train`, leaves checkpoints
+    that no gate saw: a DAG run that finds the chunks done validates them before publishing them."""
+    rd = run_dir(spec_path, "outside")
+    trained = relay_cli("train", str(spec_path), "--to-step", str(STEPS), "--run", "outside", "--offline")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert not (rd / "global_step_12" / "relay_manifest.json").exists()
+    r = dags_test(airflow_home, "relay_t", {"run": "outside"})
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "nothing to train" in r.stdout and "checkpoint valid" in r.stdout
+    assert (rd / "global_step_12" / "relay_manifest.json").is_file()
+    spec = load_spec(spec_path, check_environment=False)
+    assert [m.step for m in store_for_spec(spec).published("outside")] == [12], "step 6 was never saved"
 
 
 def test_unconfirmed_fresh_start_is_refused_and_keeps_checkpoints(airflow_home, spec_path):

@@ -1,11 +1,12 @@
 """One DAG per run spec in include/runs/:
 
-    preflight >> chunk_01.train >> chunk_01.validate >> chunk_02.train >> ... >> finish
-                                   chunk_01.validate >> chunk_01.publish >> chunk_02.publish >> ...
+    preflight.run >> preflight.settings >> preflight.data >> chunk_01.train >> chunk_01.validate
+        >> chunk_02.train >> ... >> finish;   chunk_k.validate >> chunk_k.publish >> chunk_k+1.publish
 
 Step counts and chunk sizes come from the spec: task groups are fixed when the DAG is parsed.
 Params carry only what may change per trigger without changing the DAG's shape or the run's
-resume-critical settings: which run, a guarded fresh start, and alert overrides.
+resume-critical settings: which run, a guarded fresh start, alert overrides, and allow_drift (an
+explicit, recorded exception to the settings guard).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from airflow.providers.standard.operators.python import PythonOperator
 
 from relay import project
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
-from relay.airflow.tasks import finish, preflight
+from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
 from relay.errors import SpecError
 from relay.plan import ChunkPlan
 from relay.spec import RUN_NAME_PATTERN, RunSpec, load_spec
@@ -42,6 +43,11 @@ def params_for(spec: RunSpec) -> dict[str, Param]:
         "confirm_fresh_start": Param(
             "", type="string", title="Confirm fresh start",
             description="Type the run's name to confirm a fresh start of a run that has checkpoints.",
+        ),
+        "allow_drift": Param(
+            [], type="array", items={"type": "string"}, title="Allow drift",
+            description="Resume-critical settings (dotted keys, e.g. trainer.settings.rollout_n) this DAG run may "
+                        "change on purpose. The change is recorded in the run record with who and when.",
         ),
         "alert_emails": Param(
             list(spec.alerts.email), type="array", items={"type": "string", "format": "email"},
@@ -66,8 +72,16 @@ def build_dag(spec: RunSpec) -> DAG:
         doc_md=f"**{spec.name}** ({spec.source}): {spec.total_steps} steps in {len(plan.chunks)} chunks of "
                f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job.",
     ) as dag:
-        upstream = PythonOperator(task_id="preflight", python_callable=preflight,
-                                  op_kwargs={"spec_path": spec.source}, retries=0)
+        kw = {"op_kwargs": {"spec_path": spec.source}, "retries": 0}
+        with TaskGroup("preflight", tooltip="before any GPU time: the run, its settings, its data"):
+            run = PythonOperator(task_id="run", python_callable=preflight, doc_md="Spec, run, fresh-start guard.", **kw)
+            settings = PythonOperator(task_id="settings", python_callable=settings_guard,
+                                      doc_md="Resume-critical settings against the run's recorded ones.", **kw)
+            data = PythonOperator(task_id="data", python_callable=data_freeze,
+                                  doc_md="First chunk: data quality, then freeze. Later: the sources against "
+                                         "their frozen fingerprints.", **kw)
+            run >> settings >> data
+        upstream = data
         publish_before = None
         for chunk in plan.chunks:
             with TaskGroup(chunk.task_group_id, tooltip=str(chunk)):

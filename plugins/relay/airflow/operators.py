@@ -19,6 +19,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.airflow.hooks import RayJobsHook
+from relay.airflow.tasks import RUN_TASK
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.plan import ChunkPlan
 from relay.ray_jobs import LIVE, job_metadata, submission_id
@@ -30,7 +31,7 @@ from relay.validate import latest_step_or_problem, latest_valid_step
 class RayChunkOperator(BaseOperator):
     ui_color = "#e8f0fe"
 
-    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = "preflight", **kwargs):
+    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.chunk_index = chunk_index
@@ -54,6 +55,19 @@ class RayChunkOperator(BaseOperator):
         return {"run_name": run, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest,
                 "how": how}
 
+    def _checks_before_chunk(self, context, spec, run: str, chunk) -> None:
+        """Settings drift and changed sources are caught before the chunk's job starts, every chunk."""
+        from relay.errors import RelayError
+        from relay.preflight import before_chunk
+
+        try:
+            checked = before_chunk(spec, run, allow_drift=context["params"].get("allow_drift") or [],
+                                   dag_run=context["dag_run"].run_id)
+        except RelayError as e:
+            raise AirflowFailException(f"{chunk} of run {run} not started: {e}") from None
+        for change in checked["source_changes"]:
+            self.log.warning("training continues on the frozen copy (data.on_source_change: use_frozen):\n%s", change)
+
     # ---------------------------------------------------------------------------- execute
     def execute(self, context) -> dict:
         spec, run = self._spec_and_run(context)
@@ -65,6 +79,7 @@ class RayChunkOperator(BaseOperator):
         if chunk.done_by(latest):
             return self._done(spec, run, chunk, f"already reached step {latest}; nothing to train")
 
+        self._checks_before_chunk(context, spec, run, chunk)
         ti = context["ti"]
         dag_run_id = context["dag_run"].run_id
         sub_id = submission_id(spec.name, run, dag_run_id, chunk.index, ti.try_number)
@@ -123,7 +138,7 @@ class ValidateCheckpointOperator(BaseOperator):
 
     ui_color = "#e6f4ea"
 
-    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = "preflight",
+    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK,
                  train_task: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.spec_path = spec_path
@@ -137,13 +152,16 @@ class ValidateCheckpointOperator(BaseOperator):
         return spec, run, ChunkPlan.from_spec(spec).chunk(self.chunk_index)
 
     def execute(self, context) -> dict:
-        from relay.layout import checkpoint_reached
+        from relay import manifest
+        from relay.layout import checkpoint_reached, step_dir
 
         spec, run, chunk = self._context(context)
         trained = (context["ti"].xcom_pull(task_ids=self.train_task) or {}) if self.train_task else {}
-        if trained.get("how", "").startswith("already reached"):
-            # Done by an earlier DAG run: it was admitted then (and may since be pruned by retention).
-            self.log.info("%s of run %s was done before this DAG run: admitted then", chunk, run)
+        here = step_dir(spec.run_dir(run), chunk.end_step)
+        if trained.get("how", "").startswith("already reached") and (not here.is_dir() or manifest.read(here)):
+            # Admitted by an earlier gate (and perhaps pruned by retention since). A checkpoint that
+            # reached its end step without one (its job was stopped after the commit) is validated now.
+            self.log.info("%s of run %s was done and admitted before this try", chunk, run)
             return {"ok": True, "step": chunk.end_step, "already": True}
         if checkpoint_reached(spec.run_dir(run), chunk.end_step):
             return self._validate(context, spec, run, chunk)
@@ -217,7 +235,7 @@ class PublishCheckpointOperator(BaseOperator):
 
     ui_color = "#fef7e0"
 
-    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = "preflight", **kwargs):
+    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.chunk_index = chunk_index
@@ -237,6 +255,14 @@ class PublishCheckpointOperator(BaseOperator):
         if self._already_published(spec, run, chunk.end_step, store):
             self.log.info("%s of run %s: already published to %s", chunk, run, store.step_uri(run, chunk.end_step))
             return {"step": chunk.end_step, "uri": store.step_uri(run, chunk.end_step), "already": True}
+        if not (spec.run_dir(run) / f"global_step_{chunk.end_step}").is_dir():
+            # Trained past this chunk's end without saving there (with `relay train`, say): its
+            # later chunk's checkpoint is the one to publish.
+            self.log.warning("%s of run %s: no checkpoint at step %s and none published; nothing to publish",
+                             chunk, run, chunk.end_step)
+            for asset in self.outlets:
+                context["outlet_events"][asset].extra = {"run": run, "step": chunk.end_step, "skipped": True}
+            return {"step": chunk.end_step, "skipped": True}
         pub = publish_checkpoint(spec, run, chunk.end_step, store)
         self.log.info("%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
                       chunk, run, pub.uri, pub.uploaded, pub.skipped, pub.bytes_uploaded, pub.seconds,

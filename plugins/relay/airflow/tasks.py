@@ -15,6 +15,62 @@ from relay.spec import load_spec
 log = logging.getLogger(__name__)
 
 
+RUN_TASK = "preflight.run"
+
+
+def _who(context) -> str:
+    dr = context["dag_run"]
+    return getattr(dr, "triggering_user_name", None) or str(getattr(dr, "run_type", "") or "unknown")
+
+
+def _store(spec):
+    """The spec's checkpoint store, through the Amazon provider's connection (None without an s3 section)."""
+    if spec.s3 is None:
+        return None
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    from relay.store import client_config, store_for_spec
+
+    return store_for_spec(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=client_config()).get_conn())
+
+
+def settings_guard(spec_path: str, **context) -> list[str]:
+    """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded)."""
+    from relay.preflight import check_settings
+
+    spec = load_spec(spec_path, check_environment=False)
+    run = context["ti"].xcom_pull(task_ids=RUN_TASK)["run_name"]
+    try:
+        allowed = check_settings(spec, run, allow_drift=context["params"].get("allow_drift") or [],
+                                 by=_who(context), dag_run=context["dag_run"].run_id)
+    except RelayError as e:
+        raise AirflowFailException(str(e)) from None
+    if allowed:
+        log.warning("run %s: drift allowed by allow_drift and recorded: %s", run, "; ".join(allowed))
+    else:
+        log.info("run %s: resume-critical settings match the run's recorded ones", run)
+    return allowed
+
+
+def data_freeze(spec_path: str, **context) -> dict:
+    """First chunk: check the data's quality, freeze it, record the settings. Later: guard the sources."""
+    from relay.preflight import prepare_data
+
+    spec = load_spec(spec_path, check_environment=False)
+    run = context["ti"].xcom_pull(task_ids=RUN_TASK)["run_name"]
+    try:
+        state = prepare_data(spec, run, store=_store(spec), by=_who(context))
+    except RelayError as e:
+        raise AirflowFailException(str(e)) from None
+    for summary in state.quality:
+        log.info("%s", summary)
+    for change in state.source_changes:
+        log.warning("data.on_source_change is use_frozen: training continues on the frozen copy.\n%s", change)
+    log.info("run %s trains on frozen data: %s", run,
+             ", ".join(f"{f['role']} {f['sha256'][:12]} ({f['rows']} rows, from {f['source']})" for f in state.frozen))
+    return {"froze_now": state.froze_now, "frozen": state.frozen, "source_changes": state.source_changes}
+
+
 def preflight(spec_path: str, **context) -> dict:
     """Validate the spec with its data and checkpoint dir, resolve the training run, guard a fresh start.
 
@@ -45,7 +101,7 @@ def preflight(spec_path: str, **context) -> dict:
 def finish(spec_path: str, **context) -> dict:
     """Report where the run's checkpoints and metrics are."""
     spec = load_spec(spec_path, check_environment=False)
-    run = context["ti"].xcom_pull(task_ids="preflight")["run_name"]
+    run = context["ti"].xcom_pull(task_ids=RUN_TASK)["run_name"]
     state = run_state(spec, run)
     resumes = [e for e in read_events(spec.run_dir(run)) if e["event"] == "chunk_start" and e["resumed_from"]]
     log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
@@ -66,7 +122,8 @@ def evaluate_published(spec_path: str, **context) -> list[dict]:
 
     spec = load_spec(spec_path, check_environment=False)
     store = store_for_spec(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=client_config()).get_conn())
-    events = [e.extra for events in (context.get("triggering_asset_events") or {}).values() for e in events]
+    events = [e.extra for events in (context.get("triggering_asset_events") or {}).values() for e in events
+              if e.extra.get("manifest")]  # a chunk with nothing to publish announces no checkpoint
     if conf_manifest := (context["dag_run"].conf or {}).get("manifest"):
         events.append({"manifest": conf_manifest})
     results = []

@@ -17,6 +17,7 @@ class TrainerKind:
     train_chunk: str  # "module:function" implementing the chunk contract (see contract.py)
     description: str
     smoke: str | None = None  # "module:function(spec, step_dir) -> str": a forward pass on a checkpoint
+    resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
 
     def settings_model(self) -> type:
         return _load(self.settings)
@@ -27,6 +28,9 @@ class TrainerKind:
     def smoke_function(self) -> Callable[..., str] | None:
         return _load(self.smoke) if self.smoke else None
 
+    def resolved_settings(self, spec, train_rows: int | None = None) -> dict:
+        return _load(self.resolved)(spec, train_rows) if self.resolved else {}
+
 
 KINDS: dict[str, TrainerKind] = {
     "tiny_grpo": TrainerKind(
@@ -35,6 +39,7 @@ KINDS: dict[str, TrainerKind] = {
         train_chunk="relay.trainers.tiny_grpo.trainer:train_chunk",
         description="a small, real GRPO trainer on CPU built from verl's parts (demo and CI)",
         smoke="relay.trainers.tiny_grpo.trainer:smoke",
+        resolved="relay.trainers.tiny_grpo.trainer:resolved_settings",
     ),
 }
 

@@ -51,6 +51,24 @@ class ChunkSession:
         """The folder to resume from (validated when the session started), or None for step 0."""
         return layout.step_dir(self.run_dir, self.resume_step) if self.resume_step else None
 
+    def data_files(self) -> dict[str, list[str]]:
+        """The files to train on: the run's frozen copies, verified by sha256 just before use (fetched
+        from S3 if this host lacks them); the spec's sources only for a run never frozen (the CLI)."""
+        from relay.data.freeze import frozen_files, verify_frozen
+
+        files = frozen_files(self.run_dir)
+        if files is None:
+            self.say("this run has no frozen data (never started by its DAG): reading the spec's source files")
+            return {"train": list(self.spec.data.train_files), "val": list(self.spec.data.val_files)}
+        store = None
+        if self.spec.s3 is not None and self.req.restore:
+            from relay.store import store_for_spec
+
+            store = store_for_spec(self.spec)
+        paths = verify_frozen(self.run_dir, files, store)
+        self.say(f"training on frozen data: {', '.join(f'{f.role} {f.sha256[:12]} ({f.rows} rows)' for f in files)}")
+        return paths
+
     def begin(self) -> None:
         """Record the attempt; supersede metrics rows written after the resume point."""
         dropped = self.metrics.resume_at(self.resume_step, self.req.attempt)

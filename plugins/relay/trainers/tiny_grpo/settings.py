@@ -36,7 +36,7 @@ class TinyGRPOSettings(StrictModel):
 
     model: ModelSettings = critical(default_factory=ModelSettings)
     optim: OptimSettings = critical(default_factory=OptimSettings)
-    adv_estimator: Literal["grpo"] = critical("grpo")
+    adv_estimator: Literal["grpo", "rloo"] = critical("grpo", description="verl's advantage estimator")
     train_batch_size: int = critical(16, gt=0, description="prompts per step")
     rollout_n: int = critical(8, ge=2, description="GRPO group size: responses per prompt")
     ppo_mini_batch_size: int = critical(8, gt=0, description="prompts per optimizer step")
@@ -49,7 +49,8 @@ class TinyGRPOSettings(StrictModel):
     total_epochs: int = critical(1, gt=0)
     shuffle: bool = critical(True)
     fsdp_version: Literal[1, 2] = critical(2)
-    world_size: Literal[1] = critical(1, description="one gloo process; its shard names carry it")
+    world_size: int = critical(1, ge=1, description="FSDP world size; its shard names carry it (this trainer "
+                                                  "runs one gloo process: 1)")
     # Not resume-critical: how often a chunk saves inside itself (0: only at the chunk's end).
     save_freq: int = Field(0, ge=0)
 

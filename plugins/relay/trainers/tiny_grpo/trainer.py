@@ -1,7 +1,7 @@
 """A small, real GRPO trainer on CPU, built from verl's own parts.
 
-- verl: compute_grpo_outcome_advantage, the "vanilla" (clipped PPO) policy loss, kl_penalty and
-  agg_loss from core_algos; its LR schedules; FSDPCheckpointManager to save (FSDP1 or FSDP2 over a
+- verl: the GRPO (or RLOO) outcome advantage from verl's estimator registry, the "vanilla" (clipped
+  PPO) policy loss, kl_penalty and agg_loss from core_algos; its LR schedules; FSDPCheckpointManager to save (FSDP1 or FSDP2 over a
   gloo group of world size 1), so checkpoints are in verl's exact layout.
 - torchdata's StatefulDataLoader with its RandomSampler, as verl uses, so data.pt is verl's.
 - Resume goes through Relay's safe loader (weights_only), never verl's load_checkpoint, which
@@ -31,9 +31,26 @@ def _quiet_verl() -> None:
     os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
 
 
+def resolved_settings(spec, train_rows: int | None = None) -> dict:
+    """What the trainer derives from the spec and would run with, beyond the spec's own keys."""
+    s = spec.settings
+    out = {"resolved.world_size": s.world_size, "resolved.fsdp_version": s.fsdp_version,
+           "resolved.lr_horizon": spec.total_steps, "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
+           "resolved.lr_schedule": f"{s.optim.schedule} (warmup {s.optim.warmup_steps} steps)"}
+    if train_rows is not None:
+        out["resolved.steps_per_epoch"] = train_rows // s.train_batch_size
+    return out
+
+
 def train_chunk(req: ChunkRequest) -> ChunkResult:
     _quiet_verl()
     spec = req.spec
+    if spec.settings.world_size != 1:
+        from relay.errors import SpecError
+
+        raise SpecError(spec.source, "trainer.settings.world_size",
+                        f"the CPU trainer runs at world size 1, not {spec.settings.world_size}",
+                        "use world_size: 1 (verl's main_ppo trainer runs at any world size)")
     pin_threads(spec.threads)
     session = ChunkSession(req)
     start = session.resume_step
@@ -43,7 +60,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     resume_from = session.resume_checkpoint()
 
     t0 = time.time()
-    trainer = _TinyGRPO(spec)
+    trainer = _TinyGRPO(spec, session.data_files()["train"])
     if resume_from is not None:
         trainer.restore(resume_from)
     session.begin()
@@ -106,7 +123,7 @@ def smoke(spec, step_dir) -> str:
 class _TinyGRPO:
     """Model, optimizer, schedule and data of one chunk's process."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, train_files: list[str]):
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -134,7 +151,7 @@ class _TinyGRPO:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=s.optim.lr, weight_decay=s.optim.weight_decay)
         self.scheduler = self._schedule()
 
-        rows = task.load_rows(spec.data.train_files)
+        rows = task.load_rows(train_files)
         self.prompts = torch.tensor([task.encode_prompt(p) for p, _ in rows])
         self.truths = [t for _, t in rows]
         if s.shuffle:
@@ -197,8 +214,7 @@ class _TinyGRPO:
 
     def train_step(self, batch: list[int]) -> dict[str, float]:
         import numpy as np
-        from verl.trainer.ppo.core_algos import (agg_loss, compute_grpo_outcome_advantage, get_policy_loss_fn,
-                                                 kl_penalty)
+        from verl.trainer.ppo.core_algos import agg_loss, get_adv_estimator_fn, get_policy_loss_fn, kl_penalty
 
         torch, s = self.torch, self.s
         n = s.rollout_n
@@ -222,7 +238,8 @@ class _TinyGRPO:
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(rewards)), mask.sum(1).long() - 1] = rewards
 
-        adv, _ = compute_grpo_outcome_advantage(token_rewards, mask, group)
+        adv, _ = get_adv_estimator_fn(s.adv_estimator)(token_level_rewards=token_rewards, response_mask=mask,
+                                                       index=group)
         with torch.no_grad():
             old_lp = self._logprobs(self.model, seq, plen)
             ref_lp = self._logprobs(self.ref, seq, plen)

@@ -1,0 +1,2 @@
+"""Training data: quality checks (great-expectations), content-addressed frozen copies, and what
+changed between a frozen copy and its source."""

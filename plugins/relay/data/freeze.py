@@ -1,0 +1,137 @@
+"""Frozen training data: at a run's first chunk, each train and val file is fingerprinted and copied,
+content-addressed, next to the run (<run_dir>/data/<sha256>.parquet, and S3 …/<run>/data/<sha256>.parquet).
+The trainer reads only the frozen copy, verified by hash before each chunk, never the mutable source.
+
+verl restores its dataloader position as an offset into the parquet: rows added, removed or
+reordered between chunks make that offset point at other samples, silently. Before every chunk the
+source is compared with its frozen fingerprint; the spec's data.on_source_change decides: `fail`
+(say what changed) or `use_frozen` (continue on the frozen copy, warn and alert).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from relay import layout
+from relay.data.diff import DataDiff, diff
+from relay.data.fingerprint import DataError, fingerprint, sha256_file
+from relay.runs import read_record, update_record
+
+FROZEN_DIR = "data"
+
+
+@dataclass
+class FrozenFile:
+    role: str  # train | val
+    source: str
+    sha256: str
+    size: int
+    rows: int
+    schema: str
+    frozen: str  # path relative to the run folder
+    uri: str | None = None  # the S3 copy
+
+    def path(self, run_dir: Path) -> Path:
+        return Path(run_dir) / self.frozen
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def frozen_files(run_dir: Path) -> list[FrozenFile] | None:
+    """The run's frozen data, or None before its first chunk."""
+    data = read_record(run_dir).get("data")
+    return [FrozenFile(**f) for f in data["files"]] if data else None
+
+
+def freeze(spec, run: str, store=None, quality: dict | None = None) -> list[FrozenFile]:
+    """Fingerprint and copy every data file of the spec into the run (and S3); record it in the run record."""
+    run_dir = spec.run_dir(run)
+    out = []
+    for role, files in (("train", spec.data.train_files), ("val", spec.data.val_files)):
+        for src in files:
+            fp = fingerprint(src)
+            rel = f"{FROZEN_DIR}/{fp.sha256}.parquet"
+            dest = run_dir / rel
+            if not dest.is_file() or sha256_file(dest)[0] != fp.sha256:
+                _copy_verified(Path(src), dest, fp.sha256)
+            uri = store.put_file(store.run_key(run, rel), dest) if store is not None else None
+            out.append(FrozenFile(role, str(src), fp.sha256, fp.size, fp.rows, fp.schema, rel, uri))
+    update_record(run_dir, data={"frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                 "files": [f.to_dict() for f in out], "quality": quality or {}})
+    if store is not None:
+        store.put_json(store.run_key(run, "run.json"), read_record(run_dir))
+    return out
+
+
+def _copy_verified(src: Path, dest: Path, sha256: str) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(f".tmp{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    if sha256_file(tmp)[0] != sha256:
+        tmp.unlink()
+        raise DataError(f"{src} changed while it was being frozen", "trigger again once the file is stable")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    layout.fsync_dir(dest.parent)
+
+
+def verify_frozen(run_dir: Path, files: list[FrozenFile], store=None) -> dict[str, list[str]]:
+    """Paths of the frozen copies by role, each verified by sha256 (fetched from S3 when missing here)."""
+    out: dict[str, list[str]] = {"train": [], "val": []}
+    for f in files:
+        path = f.path(run_dir)
+        if not path.is_file() and store is not None and f.uri:
+            store.download_object(f.uri, path)
+        if not path.is_file():
+            raise DataError(f"frozen copy {path} of {f.source} is missing" + (f" (and {f.uri})" if f.uri else ""),
+                            "restore the run folder, or start the run again with fresh_start")
+        got = sha256_file(path)[0]
+        if got != f.sha256:
+            raise DataError(f"frozen copy {path} does not match its sha256 {f.sha256[:12]} (now {got[:12]})",
+                            "the frozen data was altered; restore it from " + (f.uri or "a backup"))
+        out[f.role].append(str(path))
+    return out
+
+
+@dataclass
+class SourceChange:
+    file: FrozenFile
+    diff: DataDiff | None  # None: the source file is gone
+
+    def summary(self) -> str:
+        if self.diff is None:
+            return f"{self.file.role} source {self.file.source} is gone (frozen copy: {self.file.frozen})"
+        return f"{self.file.role} source changed since the freeze:\n" + self.diff.summary()
+
+
+def source_changes(run_dir: Path, files: list[FrozenFile]) -> list[SourceChange]:
+    """Source files whose bytes differ from their frozen fingerprint, with what changed."""
+    out = []
+    for f in files:
+        src = Path(f.source)
+        if not src.is_file():
+            out.append(SourceChange(f, None))
+        elif sha256_file(src)[0] != f.sha256:
+            out.append(SourceChange(f, diff(f.path(run_dir), src)))
+    return out
+
+
+def check_sources(spec, run: str) -> list[SourceChange]:
+    """Apply the spec's data.on_source_change to the run's sources; return the changes tolerated."""
+    files = frozen_files(spec.run_dir(run))
+    if not files:
+        return []
+    changes = source_changes(spec.run_dir(run), files)
+    if changes and spec.data.on_source_change == "fail":
+        raise DataError(
+            "the training data changed under run " + run + ":\n" + "\n".join(c.summary() for c in changes),
+            "restore the source files, or set data.on_source_change: use_frozen to continue on the frozen copy "
+            "(a new dataset is a new run: trigger with another run name or fresh_start)",
+        )
+    return changes

@@ -1,0 +1,198 @@
+"""Data-quality checks with great-expectations 1.x for verl's RL parquet schema.
+
+great-expectations cannot address nested struct fields (reward_model.ground_truth,
+extra_info.index): it reports them as missing columns, so valid data would fail. The table is
+flattened with pyarrow first (struct fields become `parent.child` columns), and the prompt, a chat
+list of {role, content} or a string, is summarised into a `prompt.valid` column the suite checks.
+
+A missing required column is bad data (a column renamed, say). An exception inside
+great-expectations is a Relay error, never reported as bad data.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from relay.data.fingerprint import DataError
+from relay.errors import RelayError
+
+REQUIRED = ("data_source", "prompt", "reward_model.ground_truth", "extra_info.index")
+EXAMPLES = 5
+
+
+class QualityCheckError(RelayError):
+    """great-expectations itself failed (not the data): the check could not be made."""
+
+
+@dataclass
+class Failure:
+    expectation: str
+    column: str | None
+    unexpected_count: int | None
+    unexpected_percent: float | None
+    examples: list
+    observed: object = None
+    note: str = ""
+
+
+@dataclass
+class QualityReport:
+    file: str
+    rows: int
+    suite: list[str] = field(default_factory=list)  # every expectation that ran
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        head = f"data quality of {self.file} ({self.rows} rows, {len(self.suite)} expectations): " + (
+            "PASS" if self.ok else f"FAIL ({len(self.failures)} failed)")
+        lines = [head]
+        for f in self.failures:
+            where = f" on {f.column}" if f.column else ""
+            count = (f": {f.unexpected_count} rows ({f.unexpected_percent:.2f}%)"
+                     if f.unexpected_count is not None else f": observed {f.observed!r}" if f.observed is not None
+                     else "")
+            lines.append(f"  ✘ {f.expectation}{where}{count}" + (f"; e.g. {f.examples}" if f.examples else "")
+                         + (f" ({f.note})" if f.note else ""))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), ok=self.ok)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+
+def flatten(path: str | Path):
+    """The parquet file as a pandas DataFrame: struct fields flattened, prompt summarised."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # not parquet, truncated...
+        raise DataError(f"{path} is not a readable parquet file ({e})", "check the file") from None
+    df = table.flatten().to_pandas()
+    if "prompt" in df.columns:
+        df["prompt.valid"] = [_prompt_ok(p) for p in df["prompt"]]
+    return df
+
+
+def _prompt_ok(p) -> bool:
+    if isinstance(p, str):
+        return bool(p.strip())
+    try:
+        msgs = list(p)
+    except TypeError:
+        return False
+    return bool(msgs) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
+                              and isinstance(m.get("content"), str) and m["content"] for m in msgs)
+
+
+def builtin_expectations(min_rows: int) -> list[tuple[str, dict, str]]:
+    """(expectation type, kwargs, what it means) for verl's RL schema."""
+    return [
+        ("expect_column_values_to_not_be_null", {"column": "data_source"}, "data_source is set"),
+        ("expect_column_values_to_be_of_type", {"column": "data_source", "type_": "str"}, "data_source is a string"),
+        ("expect_column_values_to_be_in_set", {"column": "prompt.valid", "value_set": [True]},
+         "prompt is a non-empty chat list of {role, content}, or a non-empty string"),
+        ("expect_column_values_to_not_be_null", {"column": "reward_model.ground_truth"}, "ground_truth is set"),
+        ("expect_column_values_to_be_unique", {"column": "extra_info.index"}, "extra_info.index is unique"),
+        ("expect_table_row_count_to_be_between", {"min_value": min_rows}, f"at least {min_rows} rows "
+                                                                          "(train_batch_size)"),
+    ]
+
+
+def load_expectations(path: Path) -> list[tuple[str, dict, str]]:
+    """A spec's own expectations: a YAML list of {type: expect_..., kwargs: {...}, meaning: "..."}."""
+    try:
+        items = yaml.safe_load(Path(path).read_text()) or []
+    except (OSError, yaml.YAMLError) as e:
+        raise DataError(f"cannot read expectations file {path}: {e}", "fix the file in include/expectations/")
+    if not isinstance(items, list) or not all(isinstance(i, dict) and "type" in i for i in items):
+        raise DataError(f"{path} must be a list of {{type: expect_..., kwargs: {{...}}}}", "see the README")
+    return [(i["type"], i.get("kwargs", {}), i.get("meaning", "")) for i in items]
+
+
+def check(path: str | Path, *, min_rows: int = 1, extra: list[tuple[str, dict, str]] = ()) -> QualityReport:
+    """Run the verl RL suite (and `extra` expectations) on a parquet file."""
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+    df = flatten(path)
+    report = QualityReport(str(path), len(df))
+    columns = set(df.columns)
+    for col in REQUIRED:
+        if col not in columns:
+            near = difflib.get_close_matches(col, sorted(columns), n=1)
+            report.failures.append(Failure("required column present", col, None, None, [], note=(
+                f"column missing; renamed to {near[0]!r}?" if near else "column missing")))
+    expectations = [e for e in [*builtin_expectations(min_rows), *extra]
+                    if e[1].get("column") in (None, *columns)]
+    report.suite = [f"{t}({e.get('column', '')})" for t, e, _ in expectations]
+    for result in _run_suite(df, expectations):
+        if not result["success"]:
+            report.failures.append(result["failure"])
+    return report
+
+
+def _run_suite(df, expectations):
+    try:
+        import great_expectations as gx
+        import great_expectations.expectations as gxe
+        from great_expectations.data_context.types.base import ProgressBarsConfig
+
+        ctx = gx.get_context(mode="ephemeral")
+        ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
+        batch = ctx.data_sources.add_pandas("relay").add_dataframe_asset("data") \
+            .add_batch_definition_whole_dataframe("all")
+        suite = ctx.suites.add(gx.ExpectationSuite(name="verl_rl"))
+        for type_, kwargs, meaning in expectations:
+            cls = getattr(gxe, "".join(p.capitalize() for p in type_.split("_")), None)
+            if cls is None:
+                raise QualityCheckError(f"unknown expectation {type_!r}",
+                                        "use a great-expectations 1.x expectation name (expect_...)")
+            suite.add_expectation(cls(**kwargs, meta={"meaning": meaning}))
+        vd = ctx.validation_definitions.add(gx.ValidationDefinition(name="relay", data=batch, suite=suite))
+        index = ["extra_info.index"] if "extra_info.index" in df.columns else []
+        res = vd.run(batch_parameters={"dataframe": df},
+                     result_format={"result_format": "SUMMARY", "partial_unexpected_count": EXAMPLES,
+                                    "unexpected_index_column_names": index})
+    except RelayError:
+        raise
+    except Exception as e:  # great-expectations' own failure: not a verdict on the data
+        raise QualityCheckError(f"great-expectations failed while checking the data: {type(e).__name__}: {e}",
+                                "this is not a data problem; check the expectations files and the GE version") \
+            from None
+    out = []
+    for r in res.results:
+        raised = _raised(r.exception_info)
+        cfg = r.expectation_config
+        if raised:
+            raise QualityCheckError(f"great-expectations raised inside {cfg.type}: {raised}",
+                                    "this is not a data problem; check the expectation's arguments")
+        meaning = (cfg.meta or {}).get("meaning", "")
+        res_d = r.result or {}
+        # Examples name the offending rows by extra_info.index when GE can, else show their values.
+        rows = [x.get("extra_info.index") if isinstance(x, dict) else x
+                for x in (res_d.get("partial_unexpected_index_list") or [])][:EXAMPLES]
+        examples = [f"extra_info.index={i}" for i in rows] or list(res_d.get("partial_unexpected_list") or [])[:EXAMPLES]
+        out.append({"success": r.success, "failure": Failure(
+            cfg.type, cfg.kwargs.get("column"), res_d.get("unexpected_count"), res_d.get("unexpected_percent"),
+            examples, res_d.get("observed_value"), meaning)})
+    return out
+
+
+def _raised(info) -> str | None:
+    if not isinstance(info, dict):
+        return None
+    if "raised_exception" in info:
+        return info.get("exception_message") if info["raised_exception"] else None
+    return next((v.get("exception_message") for v in info.values()
+                 if isinstance(v, dict) and v.get("raised_exception")), None)

@@ -1,0 +1,85 @@
+"""Frozen data and settings through real Airflow runs: a source changed between chunks stops the next
+chunk before its job; with use_frozen the run finishes on the frozen bytes, bitwise; settings drift is
+refused at preflight and accepted only through allow_drift, which is recorded."""
+
+import shutil
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import (ROOT, assert_bitwise_equal, dags_test, model_state, ray_baseline, read_metrics,
+                      start_dags_test, write_spec)
+from relay import layout
+from relay.ray_jobs import RayJobs
+from relay.runs import read_record
+from relay.spec import load_spec
+
+DATA = ROOT / "include" / "data" / "arith_train.parquet"
+STEPS = 12
+
+
+def append_a_row_after_chunk_1(dag_test, run_dir, source):
+    deadline = time.time() + 600
+    while time.time() < deadline and (layout.read_tracker(run_dir) or 0) < 6:
+        time.sleep(0.05)
+    table = pq.read_table(source)
+    rows = table.to_pylist()
+    rows.append(dict(rows[0], extra_info={"split": "train", "index": 99999}))
+    pq.write_table(table.from_pylist(rows, schema=table.schema), source)
+    return dag_test.wait()
+
+
+def test_a_source_changed_between_chunks_stops_the_next_chunk_before_its_job(airflow_home, ray_address, tmp_path):
+    source = shutil.copy(DATA, tmp_path / "prompts.parquet")
+    spec = write_spec(airflow_home["runs"], name="dchanged", **{"data.train_files": [str(source)],
+                                                               "data.val_files": []})
+    run_dir = load_spec(spec, check_environment=False).run_dir("dchanged")
+    rc, out = append_a_row_after_chunk_1(start_dags_test(airflow_home, "relay_dchanged", {}), run_dir, source)
+    assert rc != 0, out[-6000:]
+    assert "chunk 2/2 (steps 7..12) of run dchanged not started" in out
+    assert "1 row(s) added (extra_info.index: 99999)" in out and "use_frozen" in out
+    jobs = [j for j in RayJobs(ray_address).client.list_jobs() if (j.metadata or {}).get("relay_run") == "dchanged"]
+    assert {(j.metadata or {}).get("relay_chunk") for j in jobs} == {"1"}, "no job ran for chunk 2"
+    assert layout.read_tracker(run_dir) == 6
+
+
+@pytest.fixture(scope="module")
+def frozen_run(airflow_home, tmp_path_factory):
+    """Run "dfrozen" (data.on_source_change: use_frozen), its source appended to after chunk 1."""
+    source = shutil.copy(DATA, tmp_path_factory.mktemp("src") / "prompts.parquet")
+    spec = write_spec(airflow_home["runs"], name="dfrozen", **{"data.train_files": [str(source)],
+                                                              "data.val_files": [],
+                                                              "data.on_source_change": "use_frozen"})
+    run_dir = load_spec(spec, check_environment=False).run_dir("dfrozen")
+    rc, out = append_a_row_after_chunk_1(start_dags_test(airflow_home, "relay_dfrozen", {}), run_dir, source)
+    return {"spec": spec, "source": source, "run_dir": run_dir, "rc": rc, "out": out}
+
+
+def test_use_frozen_finishes_on_the_frozen_bytes_and_resumes_exactly(frozen_run, ray_address, airflow_home):
+    assert frozen_run["rc"] == 0, frozen_run["out"][-4000:]
+    assert "training continues on the frozen copy" in frozen_run["out"]
+    original = write_spec(airflow_home["runs"].parent / "orig", name="orig", **{"data.train_files": [str(DATA)],
+                                                                             "data.val_files": []})
+    base = ray_baseline(ray_address, original, "orig", STEPS)
+    rd = frozen_run["run_dir"]
+    assert_bitwise_equal(model_state(rd / "global_step_12"), model_state(base / "global_step_12"))
+    assert [r["step"] for r in read_metrics(rd)] == list(range(1, STEPS + 1))
+    files = read_record(rd)["data"]["files"]
+    assert [f["rows"] for f in files] == [1000], "trained on the frozen 1000 rows, not the 1001 of the source"
+
+
+def test_settings_drift_is_refused_and_allow_drift_is_recorded(frozen_run, airflow_home):
+    assert frozen_run["rc"] == 0
+    same_target = load_spec(frozen_run["spec"], check_environment=False).s3.uri  # its asset stays the same
+    write_spec(airflow_home["runs"], name="dfrozen", **{"data.train_files": [str(frozen_run["source"])],
+                                                        "data.val_files": [], "data.on_source_change": "use_frozen",
+                                                        "s3.uri": same_target, "trainer.settings.rollout_n": 4})
+    refused = dags_test(airflow_home, "relay_dfrozen", {})
+    assert refused.returncode != 0
+    assert "trainer.settings.rollout_n: 8 -> 4" in refused.stdout and "allow_drift" in refused.stdout
+    allowed = dags_test(airflow_home, "relay_dfrozen", {"allow_drift": ["trainer.settings.rollout_n"]})
+    assert allowed.returncode == 0, allowed.stdout[-3000:]
+    drift = read_record(frozen_run["run_dir"])["drift"][-1]
+    assert drift["by"] and drift["at"] and drift["allowed"] == ["trainer.settings.rollout_n"]
+    assert {"key": "trainer.settings.rollout_n", "was": 8, "now": 4} in drift["changes"]
