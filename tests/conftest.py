@@ -168,3 +168,27 @@ class BackgroundDagTest:
 
 def start_dags_test(airflow_home: dict, dag_id: str, conf: dict) -> BackgroundDagTest:
     return BackgroundDagTest(airflow_home, dag_id, conf)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """Run "r": its data frozen and its settings recorded at the first chunk, trained to step 6 of 12
+    (checkpoints at 3 and 6) and stopped there, as a run between two chunks is."""
+    import shutil
+
+    from relay.preflight import prepare_data
+    from relay.runs import prepare_run
+    from relay.spec import load_spec
+
+    base = tmp_path_factory.mktemp("interrupted")
+    source = Path(shutil.copy(ROOT / "include" / "data" / "arith_train.parquet", base / "source.parquet"))
+    overrides = {"checkpoint_dir": str(base / "ckpt"), "s3.uri": f"s3://relay/test-{uuid.uuid4().hex[:12]}",
+                 "data.train_files": [str(source)], "data.val_files": [], "trainer.settings.save_freq": 3}
+    spec_path = write_spec(base, **overrides)
+    spec = load_spec(spec_path)
+    prepare_run(spec, "r")
+    prepare_data(spec, "r")
+    trained = relay_cli("train", str(spec_path), "--to-step", "6", "--run", "r", "--offline")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return {"base": base, "spec_path": spec_path, "spec": spec, "run_dir": spec.run_dir("r"), "source": source,
+            "overrides": overrides}

@@ -129,6 +129,54 @@ def cmd_checkpoint_ls(args) -> int:
     return 0
 
 
+def cmd_checkpoint_inspect(args) -> int:
+    from relay import preview
+    from relay.store import parse_uri
+
+    if args.source.startswith("s3://"):
+        bucket, key = parse_uri(args.source)
+        parts = key.rstrip("/").split("/")
+        step = args.step
+        if parts and parts[-1].startswith("global_step_"):
+            step, parts = step or int(parts[-1].removeprefix("global_step_")), parts[:-1]
+        if not parts or not parts[-1]:
+            print("give s3://BUCKET/PREFIX/RUN[/global_step_N]", file=sys.stderr)
+            return 2
+        store = _store(f"s3://{bucket}/{'/'.join(parts[:-1])}")
+        result = preview.inspect_uri(store, parts[-1], step)
+    else:
+        result = preview.inspect_dir(Path(args.source), args.step)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
+    return 0 if result.checksums_ok is not False else 1
+
+
+def cmd_doctor(args) -> int:
+    import os
+
+    from relay import doctor, stack
+    from relay.ray_jobs import RayJobs
+    from relay.spec import load_spec
+    from relay.store import store_for_spec
+
+    try:
+        spec = load_spec(args.spec, check_environment=False)
+    except RelayError as e:
+        print(f"relay: {e}", file=sys.stderr)
+        return 2
+    run = args.run or spec.name
+    store = jobs = None
+    if not args.offline:
+        store = store_for_spec(spec) if spec.s3 is not None else None
+        jobs = RayJobs(args.ray_address or os.environ.get("RAY_ADDRESS") or stack.ray_address())
+    findings = doctor.diagnose(spec, run, store=store, jobs=jobs)
+    if args.json:
+        print(json.dumps({"run": run, "safe": all(f.ok for f in findings),
+                          "checks": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        print(doctor.report(findings, spec, run))
+    return 0 if all(f.ok for f in findings) else 1
+
+
 def cmd_data_check(args) -> int:
     from relay.data import quality
 
@@ -231,6 +279,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--run")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_ls)
+
+    c = cs.add_parser("inspect", help="what a resume would load: step, epoch, dataloader position, LR, RNG, "
+                                      "parallelism, parameters, files and checksums (nothing is unpickled)")
+    c.add_argument("source", help="a run folder, a global_step_N folder, or s3://BUCKET/PREFIX/RUN[/global_step_N]")
+    c.add_argument("--step", type=int, help="default: the tracker's (the published latest for S3)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_checkpoint_inspect)
+
+    s = sub.add_parser("doctor", help="the pre-resume checklist of a run: exit 0 safe to resume, 1 not, 2 usage")
+    s.add_argument("spec")
+    s.add_argument("--run", help="training run name (default: the spec's name)")
+    s.add_argument("--ray-address", help="Ray dashboard (default: RAY_ADDRESS, else the local stack's)")
+    s.add_argument("--offline", action="store_true", help="skip the S3 and Ray checks")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_doctor)
 
     s = sub.add_parser("data", help="training data: quality checks, freeze, diff")
     ds = s.add_subparsers(dest="data_command", required=True)

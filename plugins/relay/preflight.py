@@ -16,6 +16,7 @@ from relay.data import freeze as frozen
 from relay.data import quality
 from relay.data.fingerprint import DataError
 from relay.metrics import record_event
+from relay.runs import RECORD, read_record
 
 
 @dataclass
@@ -56,8 +57,15 @@ def prepare_data(spec, run: str, *, store=None, by: str = "") -> DataState:
                         "fix the rows named above in the source files (or the expectations), then trigger again")
     files = frozen.freeze(spec, run, store, quality={r.file: r.ok for r in reports})
     guard.record(spec, run, by=by)
+    publish_record(spec, run, store)
     record_event(run_dir, "freeze", files=[{"source": f.source, "sha256": f.sha256, "rows": f.rows} for f in files])
     return DataState([f.to_dict() for f in files], froze_now=True, quality=summaries)
+
+
+def publish_record(spec, run: str, store) -> None:
+    """Keep the run record (frozen data, settings snapshot, drift decisions) beside the run in S3."""
+    if store is not None:
+        store.put_json(store.run_key(run, RECORD), read_record(spec.run_dir(run)))
 
 
 def _keep_report(run_dir, report: quality.QualityReport, store, run: str) -> None:

@@ -57,6 +57,9 @@ def killed_run(airflow_home, ray_address, spec_path) -> dict:
 def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, ray_address, spec_path):
     assert killed_run["returncode"] == 0, killed_run["out"][-5000:]
     assert "ended STOPPED" in killed_run["out"], "chunk 2's first try must fail because its job was stopped"
+    assert "resume checklist (as `python -m relay doctor" in killed_run["out"]
+    assert "chunk 2/2 (steps 7..12) of run killed resumes from step 6: epoch 0, dataloader at 96 of 1000 samples " \
+           "(6 batches) into the epoch" in killed_run["out"], "each chunk's log starts with its resume preview"
     rd = killed_run["run_dir"]
     base = ray_baseline(ray_address, spec_path, "baseline", STEPS)
     assert layout.read_tracker(rd) == STEPS

@@ -68,6 +68,19 @@ class RayChunkOperator(BaseOperator):
         for change in checked["source_changes"]:
             self.log.warning("training continues on the frozen copy (data.on_source_change: use_frozen):\n%s", change)
 
+    def _log_resume_preview(self, spec, run: str, chunk, latest: int | None) -> None:
+        """What the job will load, as `python -m relay checkpoint inspect` shows it (small files only)."""
+        from relay.errors import RelayError
+        from relay.preview import inspect_dir
+
+        if not latest:
+            self.log.info("%s of run %s starts at step 0: no checkpoint to resume from", chunk, run)
+            return
+        try:
+            self.log.info("%s of run %s %s", chunk, run, inspect_dir(spec.run_dir(run), latest, verify=False).one_line())
+        except RelayError as e:  # the trainer validates again, quarantines and falls back
+            self.log.warning("%s of run %s: no resume preview: %s", chunk, run, e.what)
+
     # ---------------------------------------------------------------------------- execute
     def execute(self, context) -> dict:
         spec, run = self._spec_and_run(context)
@@ -79,6 +92,7 @@ class RayChunkOperator(BaseOperator):
         if chunk.done_by(latest):
             return self._done(spec, run, chunk, f"already reached step {latest}; nothing to train")
 
+        self._log_resume_preview(spec, run, chunk, latest)
         self._checks_before_chunk(context, spec, run, chunk)
         ti = context["ti"]
         dag_run_id = context["dag_run"].run_id

@@ -46,6 +46,9 @@ def settings_guard(spec_path: str, **context) -> list[str]:
     except RelayError as e:
         raise AirflowFailException(str(e)) from None
     if allowed:
+        from relay.preflight import publish_record
+
+        publish_record(spec, run, _store(spec))
         log.warning("run %s: drift allowed by allow_drift and recorded: %s", run, "; ".join(allowed))
     else:
         log.info("run %s: resume-critical settings match the run's recorded ones", run)
@@ -95,7 +98,24 @@ def preflight(spec_path: str, **context) -> dict:
     log.info("run %s (%s): latest valid checkpoint step %s of %s; alerts go to %s", state.run_name, state.run_dir,
              state.latest_step, spec.total_steps, ", ".join(alerts) or "nobody")
     log.info("chunk plan:\n%s", ChunkPlan.from_spec(spec).describe(state.latest_step))
+    _log_checklist(spec, state.run_name)
     return {**state.to_dict(), "alert_emails": list(alerts)}
+
+
+def _log_checklist(spec, run: str) -> None:
+    """`python -m relay doctor`'s checklist, by the same code (cheap checkpoint level): what the next
+    tasks enforce (settings, data), and what the chunks handle themselves (fallback, live jobs).
+    Informational here: a check that cannot run is logged, never fails the task."""
+    from relay import doctor
+    from relay.airflow.hooks import RayJobsHook
+
+    try:
+        findings = doctor.diagnose(spec, run, store=_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs, deep=False)
+    except Exception as e:  # a missing connection, say: the chunk's own submit says so, with what to do
+        log.warning("resume checklist not run: %s", e)
+        return
+    log.info("resume checklist (as `python -m relay doctor %s --run %s`):\n%s", spec.source, run,
+             "\n".join(f.line() for f in findings))
 
 
 def finish(spec_path: str, **context) -> dict:

@@ -63,8 +63,6 @@ def freeze(spec, run: str, store=None, quality: dict | None = None) -> list[Froz
             out.append(FrozenFile(role, str(src), fp.sha256, fp.size, fp.rows, fp.schema, rel, uri))
     update_record(run_dir, data={"frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                  "files": [f.to_dict() for f in out], "quality": quality or {}})
-    if store is not None:
-        store.put_json(store.run_key(run, "run.json"), read_record(run_dir))
     return out
 
 
