@@ -219,7 +219,8 @@ def settings(spec, run: str) -> Finding:
     try:
         guard.check(spec, run, persist=False)
     except guard.DriftError as e:
-        return Finding("settings", False, e.what.replace("\n", ";"), e.fix or "")
+        head, *rows = e.what.splitlines()
+        return Finding("settings", False, f"{head} {'; '.join(r.strip() for r in rows)}", e.fix or "")
     return Finding("settings", True, f"fingerprint {spec.settings_fingerprint()}; every resume-critical setting "
                                      "matches the run's recorded ones")
 

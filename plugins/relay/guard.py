@@ -90,13 +90,19 @@ def check(spec, run: str, *, allow_drift: list[str] = (), by: str = "", dag_run:
             f"run {run}: {len(refused)} resume-critical setting(s) differ from the run's recorded ones "
             f"(recorded {settings.get('recorded_at')}):\n{table}",
             "restore these settings in the spec; or, if the change is deliberate, trigger with allow_drift: "
-            f"{[c.key for c in refused]} (it is recorded); or start a new run",
+            f"{_to_allow(refused)} (it is recorded); or start a new run",
         )
     if changes and persist:
         drift = rec.get("drift", []) + [{"at": _now(), "by": by, "dag_run": dag_run, "allowed": list(allow_drift),
                                          "changes": [{"key": c.key, "was": c.was, "now": c.now} for c in changes]}]
         update_record(run_dir, settings={"values": current, "recorded_at": _now(), "by": by}, drift=drift)
     return changes
+
+
+def _to_allow(refused: list[Change]) -> list[str]:
+    """The keys a person changes: resolved.* follow an allowed spec key, so name them only alone."""
+    spec_keys = [c.key for c in refused if not c.key.startswith("resolved.")]
+    return spec_keys or [c.key for c in refused]
 
 
 def _now() -> str:
