@@ -128,7 +128,7 @@ def _params_of(preview: ResumePreview, m: manifest.Manifest | None, step_dir: Pa
     preview.dtypes = sorted({str(v[-1]).removeprefix("torch.") for v in params.values()})
 
 
-def _run_context(preview: ResumePreview, run_dir: Path, record: dict, metrics: list[dict] | None) -> None:
+def _run_context(preview: ResumePreview, record: dict, metrics: list[dict] | None) -> None:
     """What the checkpoint does not hold: the training set's size, steps per epoch, the LR used."""
     files = (record.get("data") or {}).get("files") or []
     rows = sum(f["rows"] for f in files if f.get("role") == "train") or None
@@ -189,7 +189,7 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
         preview.files = {rel: (step_dir / rel).stat().st_size for rel in manifest.checkpoint_files(step_dir)}
     _read_state(preview, step_dir, report.world_size)
     _params_of(preview, m, step_dir)
-    _run_context(preview, run_dir, read_record(run_dir), _metrics(run_dir))
+    _run_context(preview, read_record(run_dir), _metrics(run_dir))
     return preview
 
 
@@ -228,7 +228,7 @@ def inspect_uri(store, run: str, step: int | None = None) -> ResumePreview:
         _read_state(preview, Path(tmp), m.world_size)
     _params_of(preview, m, Path())
     record = store.get_json(store.run_key(run, "run.json")) or {}
-    _run_context(preview, Path(), record, None)
+    _run_context(preview, record, None)
     if preview.lr_now is None:
         preview.notes.append("LR now: metrics.jsonl is not published; the next step's LR is exact")
     return preview
