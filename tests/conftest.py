@@ -58,6 +58,23 @@ def relay_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subp
                           env={**os.environ, **(env or {})})
 
 
+def train(spec, run_dir, to_step) -> subprocess.CompletedProcess:
+    """`relay train` into run_dir, in a fresh process; asserts that it succeeded."""
+    r = relay_cli("train", str(spec), "--to-step", str(to_step), "--checkpoint-dir", str(run_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """An uninterrupted run of the test spec, 0 -> 12 in one process."""
+    folder = tmp_path_factory.mktemp("baseline")
+    spec = write_spec(folder)
+    run_dir = folder / "ckpt" / "straight"
+    train(spec, run_dir, 12)
+    return spec, run_dir
+
+
 @pytest.fixture(scope="session", autouse=True)
 def s3_server():
     """The session's S3 server (SeaweedFS, bucket `relay`); boto3 in tests and their subprocesses uses it."""

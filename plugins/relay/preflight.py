@@ -81,15 +81,5 @@ def _keep_report(run_dir, report: quality.QualityReport, store, run: str) -> Non
 def before_chunk(spec, run: str, *, allow_drift=(), by: str = "", dag_run: str = "") -> dict:
     """What every chunk re-checks just before its job: settings drift and the data sources."""
     allowed = check_settings(spec, run, allow_drift=allow_drift, by=by, dag_run=dag_run)
-    files = frozen.frozen_files(spec.run_dir(run))
-    changes = frozen.check_sources(spec, run) if files else []
-    return {"allowed_drift": allowed, "source_changes": [c.summary() for c in changes],
-            "data_files": data_files(spec, run)}
-
-
-def data_files(spec, run: str) -> dict | None:
-    """The frozen copies a chunk's trainer reads, with what to verify them against."""
-    files = frozen.frozen_files(spec.run_dir(run))
-    if files is None:
-        return None
-    return {"frozen": [f.to_dict() for f in files]}
+    changes = frozen.check_sources(spec, run)  # nothing before the freeze
+    return {"allowed_drift": allowed, "source_changes": [c.summary() for c in changes]}

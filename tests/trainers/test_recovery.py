@@ -3,29 +3,11 @@ latest, refusal of unsafe pickles, restore from S3 onto an empty checkpoint dir.
 
 import os
 
-import pytest
-
-from conftest import assert_bitwise_equal, model_state, read_metrics, relay_cli, write_spec
+from conftest import assert_bitwise_equal, model_state, read_metrics, relay_cli, train
 from relay import layout
 from relay.spec import load_spec
 
 STEPS = 12
-
-
-def train(spec, run_dir, to_step):
-    r = relay_cli("train", str(spec), "--to-step", str(to_step), "--checkpoint-dir", str(run_dir))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """An uninterrupted run of the test spec, 0 -> 12 in one process."""
-    folder = tmp_path_factory.mktemp("baseline")
-    spec = write_spec(folder)
-    run_dir = folder / "ckpt" / "straight"
-    train(spec, run_dir, STEPS)
-    return spec, run_dir
 
 
 def test_tracker_naming_a_missing_step_falls_back_instead_of_restarting(baseline, tmp_path):

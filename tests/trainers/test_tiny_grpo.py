@@ -6,34 +6,16 @@ import signal
 import subprocess
 import time
 
-import pytest
-
-from conftest import PY, ROOT, assert_bitwise_equal, model_state, read_metrics, relay_cli, write_spec
+from conftest import PY, ROOT, assert_bitwise_equal, model_state, read_metrics, train, write_spec
 from relay import layout
 from relay.trainers.tiny_grpo.task import make_dataset
 
 STEPS = 12  # the test spec: 12 steps in chunks of 6
 
 
-def train(spec, run_dir, to_step):
-    r = relay_cli("train", str(spec), "--to-step", str(to_step), "--checkpoint-dir", str(run_dir))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
 def comparable(rows):
     """Metric values that a deterministic resume must reproduce exactly."""
     return [(r["step"], r["reward_mean"], r["loss"], r["kl"], r["lr"]) for r in rows]
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """An uninterrupted run of the test spec, 0 -> 12 in one process."""
-    folder = tmp_path_factory.mktemp("baseline")
-    spec = write_spec(folder)
-    run_dir = folder / "ckpt" / "straight"
-    train(spec, run_dir, STEPS)
-    return spec, run_dir
 
 
 def test_chunked_run_equals_uninterrupted(baseline, tmp_path):
