@@ -139,9 +139,10 @@ def airflow_home(tmp_path_factory, ray_address):
     return {"env": env, "home": home, "runs": runs}
 
 
-def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     """`airflow dags test DAG -c CONF`: real Airflow code, the trigger run in line; returns the process."""
-    env = airflow_home["env"]
+    env = {**airflow_home["env"], **(env or {})}
     return subprocess.run([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c", json.dumps(conf)],
                           env=env, cwd=env["AIRFLOW_HOME"], capture_output=True, text=True, timeout=timeout)
 
@@ -169,8 +170,8 @@ class BackgroundDagTest:
     """`airflow dags test` in the background. Its output goes to a file: a pipe nobody reads while the
     test waits fills up and blocks Airflow's logging, which stalls the DAG run itself."""
 
-    def __init__(self, airflow_home: dict, dag_id: str, conf: dict):
-        env = airflow_home["env"]
+    def __init__(self, airflow_home: dict, dag_id: str, conf: dict, env: dict | None = None):
+        env = {**airflow_home["env"], **(env or {})}
         self.log = Path(airflow_home["home"]) / f"dags-test-{dag_id}-{uuid.uuid4().hex[:8]}.log"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c",
@@ -183,8 +184,19 @@ class BackgroundDagTest:
         return rc, self.log.read_text(errors="replace")
 
 
-def start_dags_test(airflow_home: dict, dag_id: str, conf: dict) -> BackgroundDagTest:
-    return BackgroundDagTest(airflow_home, dag_id, conf)
+def start_dags_test(airflow_home: dict, dag_id: str, conf: dict, env: dict | None = None) -> BackgroundDagTest:
+    return BackgroundDagTest(airflow_home, dag_id, conf, env)
+
+
+@pytest.fixture(scope="module")
+def receivers():
+    """A real SMTP server and HTTP receiver on 127.0.0.1, and the Airflow connections that name them."""
+    from support.receivers import HttpSink, MailSink, connections
+
+    mail, http = MailSink(), HttpSink()
+    yield {"mail": mail, "http": http, "env": connections(mail, http)}
+    mail.stop()
+    http.stop()
 
 
 @pytest.fixture(scope="module")

@@ -204,6 +204,24 @@ def cmd_data_diff(args) -> int:
     return 0 if d.identical else 1
 
 
+def cmd_report(args) -> int:
+    import tempfile
+
+    from relay import report
+
+    if args.source.startswith("s3://"):
+        with tempfile.TemporaryDirectory() as tmp:
+            rep = report.from_s3(args.source, Path(tmp))
+        out = Path(args.out or f"report-{rep.run}")
+    else:
+        rep = report.build(Path(args.source))
+        out = Path(args.out) if args.out else report.default_out(Path(args.source))
+    paths = report.write(rep, out)
+    print(rep.summary())
+    print(f"report: {paths['html']}\nplot:   {paths['png']}")
+    return 0
+
+
 def cmd_stack(args) -> int:
     from relay import stack
 
@@ -311,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("a")
     c.add_argument("b")
     c.set_defaults(func=cmd_data_diff)
+
+    s = sub.add_parser("report", help="a run's report: plots, chunk table, fingerprints (report.html + report.png)")
+    s.add_argument("source", help="a run folder (<checkpoint_dir>/<run>) or s3://BUCKET/PREFIX/RUN")
+    s.add_argument("--out", help="output folder (default: <run>/.relay/report/; ./report-<run>/ for S3)")
+    s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("stack", help="the local stack: S3, Ray head and Airflow (ports: include/stack.env)")
     s.add_argument("action", choices=["up", "down", "status"])

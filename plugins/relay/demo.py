@@ -91,3 +91,12 @@ def _summary(spec, run_dir: Path, state: str) -> None:
     if spec.s3:
         say(f"S3:          {spec.s3.uri}/{run_dir.name}/latest.json on {stack.s3_endpoint()}  "
             f"(`python -m relay checkpoint ls {spec.s3.uri} --run {run_dir.name}` with AWS_ENDPOINT_URL set)")
+    if rows:
+        from relay import report
+        from relay.plan import ChunkPlan
+
+        rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec))
+        paths = report.write(rep, report.default_out(run_dir))
+        for line in rep.summary().splitlines():
+            say(line)
+        say(f"report:      {paths['html']}  (plot: {paths['png']}; `python -m relay report {run_dir}`)")

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from relay import guard, layout
 from relay.data import freeze as frozen
 from relay.data import quality
-from relay.data.fingerprint import DataError
 from relay.metrics import record_event
 from relay.runs import RECORD, read_record
 
@@ -52,9 +51,10 @@ def prepare_data(spec, run: str, *, store=None, by: str = "") -> DataState:
     for r in reports:
         _keep_report(run_dir, r, store, run)
     if failed:
-        raise DataError("data quality checks failed; nothing was frozen and no chunk ran:\n"
-                        + "\n".join(r.summary() for r in failed),
-                        "fix the rows named above in the source files (or the expectations), then trigger again")
+        raise quality.DataQualityError("data quality checks failed; nothing was frozen and no chunk ran:\n"
+                                       + "\n".join(r.summary() for r in failed),
+                                       "fix the rows named above in the source files (or the expectations), then "
+                                       "trigger again", failed)
     files = frozen.freeze(spec, run, store, quality={r.file: r.ok for r in reports})
     guard.record(spec, run, by=by)
     publish_record(spec, run, store)

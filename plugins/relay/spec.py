@@ -92,10 +92,23 @@ class S3Spec(StrictModel):
 
 
 class AlertSpec(StrictModel):
+    """Who hears about a failure, and how. Secrets (webhook URLs, SMTP passwords) live in Airflow
+    connections: the spec names the connections, never what is in them."""
+
     email: list[str] = Field(default_factory=list, description="addresses mailed on an alert")
+    smtp_conn_id: str = Field("smtp_default", description="Airflow connection (SMTP provider) that mails alerts")
     slack_conn_id: str | None = Field(None, description="Airflow connection of a Slack incoming webhook")
-    webhook_conn_id: str | None = Field(None, description="Airflow connection of a JSON webhook")
+    webhook_conn_id: str | None = Field(None, description="Airflow connection (HTTP provider) of a JSON webhook")
     on_retry: bool = Field(False, description="also alert on each retry, not only once per failure event")
+    recovery: bool = Field(True, description="say so when a run that alerted succeeds again")
+    stall_minutes: float | None = Field(
+        None, gt=0, description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
+                                "retried. Empty: stall_factor x the run's median step time, at least "
+                                "stall_floor_minutes")
+    stall_factor: float = Field(20, gt=1, description="see stall_minutes")
+    stall_floor_minutes: float = Field(5, gt=0, description="see stall_minutes")
+    startup_minutes: float = Field(20, ge=0, description="allowed before a job's first step, on top of the stall "
+                                                         "limit (imports, model build, resume)")
 
 
 class AirflowSpec(StrictModel):

@@ -248,9 +248,15 @@ class CheckpointStore:
                        Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
         return len(keys)
 
-    def _put_bytes(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes, content_type: str | None = None) -> str:
+        """Upload small bytes in one PUT; a content type lets a browser show it (a report page). Returns its URI."""
+        self._put_bytes(key, data, **({"ContentType": content_type} if content_type else {}))
+        return f"s3://{self.bucket}/{key}"
+
+    def _put_bytes(self, key: str, data: bytes, **extra) -> None:
         crc = integrity.crc64nvme_b64(integrity.crc64nvme_bytes(data))
-        self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **self.extra_args)
+        self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **extra,
+                   **self.extra_args)
 
     def _start(self, run: str, step: int, rel: str, f: dict, path: Path) -> dict:
         return self._start_key(self.step_key(run, step, rel), path, f["size"], f["crc64nvme"])

@@ -39,6 +39,7 @@ def test_a_source_changed_between_chunks_stops_the_next_chunk_before_its_job(air
     assert rc != 0, out[-6000:]
     assert "chunk 2/2 (steps 7..12) of run dchanged not started" in out
     assert "1 row(s) added (extra_info.index: 99999)" in out and "use_frozen" in out
+    assert "[relay ERROR] dchanged: training data changed under the run (chunk 2)" in out, "alerted"
     jobs = [j for j in RayJobs(ray_address).client.list_jobs() if (j.metadata or {}).get("relay_run") == "dchanged"]
     assert {(j.metadata or {}).get("relay_chunk") for j in jobs} == {"1"}, "no job ran for chunk 2"
     assert layout.read_tracker(run_dir) == 6
@@ -59,6 +60,8 @@ def frozen_run(airflow_home, tmp_path_factory):
 def test_use_frozen_finishes_on_the_frozen_bytes_and_resumes_exactly(frozen_run, ray_address, airflow_home):
     assert frozen_run["rc"] == 0, frozen_run["out"][-4000:]
     assert "training continues on the frozen copy" in frozen_run["out"]
+    warned = "[relay WARNING] dfrozen: source data changed; training continues on the frozen copy"
+    assert frozen_run["out"].count(warned) == 1, "one warning for the change"
     original = write_spec(airflow_home["runs"].parent / "orig", name="orig", **{"data.train_files": [str(DATA)],
                                                                              "data.val_files": []})
     base = ray_baseline(ray_address, original, "orig", STEPS)
@@ -78,8 +81,10 @@ def test_settings_drift_is_refused_and_allow_drift_is_recorded(frozen_run, airfl
     refused = dags_test(airflow_home, "relay_dfrozen", {})
     assert refused.returncode != 0
     assert "trainer.settings.rollout_n: 8 -> 4" in refused.stdout and "allow_drift" in refused.stdout
+    assert "[relay ERROR] dfrozen: resume-critical settings changed" in refused.stdout
     allowed = dags_test(airflow_home, "relay_dfrozen", {"allow_drift": ["trainer.settings.rollout_n"]})
     assert allowed.returncode == 0, allowed.stdout[-3000:]
+    assert "[relay OK] dfrozen: run recovered" in allowed.stdout, "the alerted run succeeded again"
     drift = read_record(frozen_run["run_dir"])["drift"][-1]
     assert drift["by"] and drift["at"] and drift["allowed"] == ["trainer.settings.rollout_n"]
     assert {"key": "trainer.settings.rollout_n", "was": 8, "now": 4} in drift["changes"]

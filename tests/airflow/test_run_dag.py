@@ -86,6 +86,10 @@ def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_h
     assert [(e["run"], e["step"]) for e in events] == [("killed", 6), ("killed", 12)]
     assert events[1]["uri"] == store.step_uri("killed", 12) and events[1]["hf_model"].endswith("/hf/global_step_12/")
 
+    page = store.client.get_object(Bucket=store.bucket, Key=store.run_key("killed", "report", "report.html"))
+    assert page["ContentType"].startswith("text/html"), "the run report is published beside the checkpoints"
+    assert "data:image/png;base64," in page["Body"].read().decode()
+
     r = dags_test(airflow_home, "relay_eval_demo", {"manifest": events[1]["manifest"]})
     assert r.returncode == 0, r.stdout[-3000:]
     assert "evaluated run killed step 12" in r.stdout

@@ -19,6 +19,7 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup
 from airflow.providers.standard.operators.python import PythonOperator
 
 from relay import project
+from relay.airflow.notifiers import RelayAlertNotifier
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
 from relay.errors import SpecError
@@ -67,7 +68,11 @@ def build_dag(spec: RunSpec) -> DAG:
         catchup=False,
         max_active_runs=a.max_active_runs,
         params=params_for(spec),
-        default_args={"retries": a.retries, "retry_delay": timedelta(seconds=a.retry_delay_seconds)},
+        default_args={"retries": a.retries, "retry_delay": timedelta(seconds=a.retry_delay_seconds),
+                      # one alert per failure event (the ledger de-duplicates); retries alert only on request
+                      "on_failure_callback": [RelayAlertNotifier(spec.source)],
+                      "on_retry_callback": [RelayAlertNotifier(spec.source, retry=True)] if spec.alerts.on_retry
+                      else []},
         tags=["relay", spec.trainer.kind, *a.tags],
         doc_md=f"**{spec.name}** ({spec.source}): {spec.total_steps} steps in {len(plan.chunks)} chunks of "
                f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job.",

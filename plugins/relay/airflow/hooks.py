@@ -35,3 +35,21 @@ class RayJobsHook(BaseHook):
     @cached_property
     def jobs(self) -> RayJobs:
         return RayJobs(self.address)
+
+
+def checkpoint_store(spec, *, probe: bool = False):
+    """The spec's checkpoint store through the Amazon provider's connection (None without an s3 section).
+
+    probe: one quick try (an alert asking whether a step is published must not wait on a dead S3).
+    """
+    if spec.s3 is None:
+        return None
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from botocore.config import Config
+
+    from relay.store import client_config, store_for_spec
+
+    config = client_config()
+    if probe:
+        config = config.merge(Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "max_attempts": 1}))
+    return store_for_spec(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=config).get_conn())

@@ -18,8 +18,10 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from relay.airflow.hooks import RayJobsHook
-from relay.airflow.tasks import RUN_TASK
+from relay.airflow.hooks import RayJobsHook, checkpoint_store
+from relay.airflow.links import RunReportLink
+from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
+from relay.airflow.tasks import RUN_TASK, publish_report
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.plan import ChunkPlan
 from relay.ray_jobs import LIVE, job_metadata, submission_id
@@ -30,6 +32,7 @@ from relay.validate import latest_step_or_problem, latest_valid_step
 
 class RayChunkOperator(BaseOperator):
     ui_color = "#e8f0fe"
+    operator_extra_links = (RunReportLink(),)
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
@@ -44,7 +47,7 @@ class RayChunkOperator(BaseOperator):
         run = context["ti"].xcom_pull(task_ids=self.run_from_task)["run_name"]
         return spec, run
 
-    def _done(self, spec, run: str, chunk, how: str) -> dict:
+    def _done(self, context, spec, run: str, chunk, how: str) -> dict:
         latest = latest_valid_step(spec.run_dir(run))
         if not chunk.done_by(latest):
             raise AirflowException(
@@ -52,6 +55,8 @@ class RayChunkOperator(BaseOperator):
                 f"{chunk.end_step}. The retry resumes from step {latest or 0}."
             )
         self.log.info("%s of run %s: done (%s); latest checkpoint step %s", chunk, run, how, latest)
+        notify_recovery(context, spec, run, f"{chunk} of run {run} is done: step {latest}", chunk=chunk.index,
+                        step=latest)
         return {"run_name": run, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest,
                 "how": how}
 
@@ -64,9 +69,12 @@ class RayChunkOperator(BaseOperator):
             checked = before_chunk(spec, run, allow_drift=context["params"].get("allow_drift") or [],
                                    dag_run=context["dag_run"].run_id)
         except RelayError as e:
+            notify_error(context, spec, run, e, chunk=chunk.index,
+                         action=f"{chunk} not started (no retries); the run's checkpoints are untouched.")
             raise AirflowFailException(f"{chunk} of run {run} not started: {e}") from None
         for change in checked["source_changes"]:
             self.log.warning("training continues on the frozen copy (data.on_source_change: use_frozen):\n%s", change)
+            notify_use_frozen(context, spec, run, change)
 
     def _log_resume_preview(self, spec, run: str, chunk, latest: int | None) -> None:
         """What the job will load, as `python -m relay checkpoint inspect` shows it (small files only)."""
@@ -90,7 +98,7 @@ class RayChunkOperator(BaseOperator):
             self.log.warning("run %s: %s; the chunk's trainer quarantines it and falls back to the newest valid "
                              "checkpoint", run, problem)
         if chunk.done_by(latest):
-            return self._done(spec, run, chunk, f"already reached step {latest}; nothing to train")
+            return self._done(context, spec, run, chunk, f"already reached step {latest}; nothing to train")
 
         self._log_resume_preview(spec, run, chunk, latest)
         self._checks_before_chunk(context, spec, run, chunk)
@@ -110,7 +118,7 @@ class RayChunkOperator(BaseOperator):
             self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s to %s",
                           chunk, run, latest or 0, sub_id, hook.address)
         elif existing.status == "SUCCEEDED":
-            return self._done(spec, run, chunk, f"job {sub_id} had already succeeded")
+            return self._done(context, spec, run, chunk, f"job {sub_id} had already succeeded")
         elif existing.status in LIVE:
             self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one", sub_id,
                           existing.status)
@@ -118,22 +126,53 @@ class RayChunkOperator(BaseOperator):
             raise AirflowException(f"Ray job {sub_id} of this try already ended {existing.status}: "
                                    f"{existing.message}. The next try resumes from the latest checkpoint.")
 
+        from relay.alerts import stall_limit_s
+
         deadline = time.time() + spec.ray.chunk_timeout_minutes * 60
+        stall_after = stall_limit_s(spec, spec.run_dir(run))
+        self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step) is a stall: alerted, job "
+                      "stopped, retried", stall_after, spec.alerts.startup_minutes * 60)
         self.defer(
             trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
-                                       poll_seconds=spec.ray.poll_seconds),
+                                  poll_seconds=spec.ray.poll_seconds, stall_after_s=stall_after,
+                                  startup_s=spec.alerts.startup_minutes * 60),
             method_name="execute_complete",
         )
 
     def execute_complete(self, context, event: dict) -> dict:
         spec, run = self._spec_and_run(context)
         chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+        self._alert_fallback(context, spec, run, chunk, event["submission_id"])
+        if event["status"] == "STALLED":
+            ti = context["ti"]
+            latest = latest_valid_step(spec.run_dir(run))
+            then = (f"Airflow's retry (try {ti.try_number + 1} of {ti.max_tries + 1}) resumes from step {latest or 0}"
+                    if ti.try_number <= ti.max_tries else "no retries left: this DAG run stops; clear the task to "
+                                                          f"resume from step {latest or 0}")
+            notify(context, spec, run, "stall", f"{chunk}: {event['message']}", chunk=chunk.index,
+                   step=event.get("step"), details=event.get("log_tail", ""),
+                   action=f"stopped Ray job {event['submission_id']}; {then}")
         if event["status"] != "SUCCEEDED":
             raise AirflowException(
                 f"{chunk} of run {run}: Ray job {event['submission_id']} ended {event['status']}: "
                 f"{event['message']}\n--- last lines of the job's log ---\n{event.get('log_tail', '')}"
             )
-        return self._done(spec, run, chunk, f"job {event['submission_id']} succeeded")
+        return self._done(context, spec, run, chunk, f"job {event['submission_id']} succeeded")
+
+    def _alert_fallback(self, context, spec, run: str, chunk, attempt: str) -> None:
+        """The job's trainer quarantined checkpoints and resumed from an older one: people should know."""
+        from relay.layout import relay_dir
+        from relay.metrics import read_events
+        from relay.resume import QUARANTINE
+
+        for e in read_events(spec.run_dir(run)):
+            if e["event"] == "chunk_start" and e.get("attempt") == attempt and e.get("quarantined"):
+                notify(context, spec, run, "fallback",
+                       f"{chunk}: checkpoint(s) at step {', '.join(map(str, e['quarantined']))} failed validation "
+                       f"at resume; resumed from step {e['resumed_from']}", chunk=chunk.index,
+                       step=e["resumed_from"], quarantined_to=str(relay_dir(spec.run_dir(run), QUARANTINE)),
+                       action=f"quarantined them (never loaded, never published) and resumed from step "
+                              f"{e['resumed_from']}; the steps after it were trained again", scope=attempt)
 
     def on_kill(self) -> None:
         """The task was killed while in execute(): stop its job (a deferred task is the trigger's on_kill)."""
@@ -151,6 +190,7 @@ class ValidateCheckpointOperator(BaseOperator):
     """
 
     ui_color = "#e6f4ea"
+    operator_extra_links = (RunReportLink(),)
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK,
                  train_task: str | None = None, **kwargs):
@@ -195,15 +235,15 @@ class ValidateCheckpointOperator(BaseOperator):
         if event["status"] != "SUCCEEDED":
             raise AirflowException(f"{chunk} of run {run}: validation job {event['submission_id']} ended "
                                    f"{event['status']}: {event['message']}\n{event.get('log_tail', '')}")
-        return self._admitted(spec, run, chunk, self._ray_admission(spec, event))
+        return self._admitted(context, spec, run, chunk, self._ray_admission(spec, event))
 
     def _validate(self, context, spec, run: str, chunk) -> dict:
         if spec.checkpoints.validate_on == "ray":
             return self._validate_on_ray(context, spec, run, chunk)
         from relay.gate import admit
 
-        return self._admitted(spec, run, chunk, admit(spec, run, chunk.end_step, expected_step=chunk.end_step)
-                              .to_dict())
+        return self._admitted(context, spec, run, chunk,
+                              admit(spec, run, chunk.end_step, expected_step=chunk.end_step).to_dict())
 
     def _validate_on_ray(self, context, spec, run: str, chunk) -> None:
         from relay import gate
@@ -230,12 +270,19 @@ class ValidateCheckpointOperator(BaseOperator):
                                    f"{event.get('log_tail', '')}")
         return admission
 
-    def _admitted(self, spec, run: str, chunk, admission: dict) -> dict:
+    def _admitted(self, context, spec, run: str, chunk, admission: dict) -> dict:
+        report = "\n".join(f"  {'✔' if c['ok'] else '✘'} {c['name']}: {c['detail']}" for c in admission["checks"])
         if admission["ok"]:
-            self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run,
-                          "\n".join(f"  ✔ {c['name']}: {c['detail']}" for c in admission["checks"]))
+            self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run, report)
             return admission
         failed = next(c for c in admission["checks"] if not c["ok"])
+        notify(context, spec, run, "checkpoint_invalid",
+               f"checkpoint step {chunk.end_step} failed the {failed['name']} check: {failed['detail']}",
+               chunk=chunk.index, step=chunk.end_step, details=f"check report of step {chunk.end_step}:\n{report}",
+               quarantined_to=admission["quarantined_to"],
+               action=f"quarantined it (never published) and pointed the tracker at step "
+                      f"{admission['fell_back_to'] or 'none'}; this DAG run stops. Clear {chunk.task_group_id}.train "
+                      "to train the chunk again from there.")
         raise AirflowFailException(
             f"{chunk} of run {run}: checkpoint step {chunk.end_step} INVALID: {failed['name']}: {failed['detail']}; "
             f"quarantined to {admission['quarantined_to']} (never published); the tracker now names step "
@@ -248,6 +295,7 @@ class PublishCheckpointOperator(BaseOperator):
     Face model for milestones and the final step, apply retention, and emit the checkpoint asset event."""
 
     ui_color = "#fef7e0"
+    operator_extra_links = (RunReportLink(),)
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
@@ -256,18 +304,15 @@ class PublishCheckpointOperator(BaseOperator):
         self.run_from_task = run_from_task
 
     def execute(self, context) -> dict:
-        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
         from relay.publication import publish_checkpoint
-        from relay.store import client_config, store_for_spec
 
         spec = load_spec(self.spec_path, check_environment=False)
         run = context["ti"].xcom_pull(task_ids=self.run_from_task)["run_name"]
         chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
-        client = S3Hook(aws_conn_id=spec.s3.conn_id, config=client_config()).get_conn()
-        store = store_for_spec(spec, client)
+        store = checkpoint_store(spec)
         if self._already_published(spec, run, chunk.end_step, store):
             self.log.info("%s of run %s: already published to %s", chunk, run, store.step_uri(run, chunk.end_step))
+            publish_report(spec, run, store)
             return {"step": chunk.end_step, "uri": store.step_uri(run, chunk.end_step), "already": True}
         if not (spec.run_dir(run) / f"global_step_{chunk.end_step}").is_dir():
             # Trained past this chunk's end without saving there (with `relay train`, say): its
@@ -276,6 +321,7 @@ class PublishCheckpointOperator(BaseOperator):
                              chunk, run, chunk.end_step)
             for asset in self.outlets:
                 context["outlet_events"][asset].extra = {"run": run, "step": chunk.end_step, "skipped": True}
+            publish_report(spec, run, store)
             return {"step": chunk.end_step, "skipped": True}
         pub = publish_checkpoint(spec, run, chunk.end_step, store)
         self.log.info("%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
@@ -288,6 +334,7 @@ class PublishCheckpointOperator(BaseOperator):
             context["outlet_events"][asset].extra = {
                 "run": run, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
                 "hf_model": pub.hf_uri, "spec": spec.name, "dag_run": context["dag_run"].run_id}
+        publish_report(spec, run, store)
         return pub.to_dict()
 
     @staticmethod

@@ -6,6 +6,8 @@ import logging
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from relay.airflow.hooks import checkpoint_store
+from relay.airflow.notifiers import Channels, notify_error, notify_recovery, notify_use_frozen
 from relay.errors import RelayError
 from relay.metrics import read_events
 from relay.plan import ChunkPlan
@@ -23,17 +25,6 @@ def _who(context) -> str:
     return getattr(dr, "triggering_user_name", None) or str(getattr(dr, "run_type", "") or "unknown")
 
 
-def _store(spec):
-    """The spec's checkpoint store, through the Amazon provider's connection (None without an s3 section)."""
-    if spec.s3 is None:
-        return None
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
-    from relay.store import client_config, store_for_spec
-
-    return store_for_spec(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=client_config()).get_conn())
-
-
 def settings_guard(spec_path: str, **context) -> list[str]:
     """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded)."""
     from relay.preflight import check_settings
@@ -44,11 +35,12 @@ def settings_guard(spec_path: str, **context) -> list[str]:
         allowed = check_settings(spec, run, allow_drift=context["params"].get("allow_drift") or [],
                                  by=_who(context), dag_run=context["dag_run"].run_id)
     except RelayError as e:
+        notify_error(context, spec, run, e, action="no chunk started; the run's checkpoints are untouched.")
         raise AirflowFailException(str(e)) from None
     if allowed:
         from relay.preflight import publish_record
 
-        publish_record(spec, run, _store(spec))
+        publish_record(spec, run, checkpoint_store(spec))
         log.warning("run %s: drift allowed by allow_drift and recorded: %s", run, "; ".join(allowed))
     else:
         log.info("run %s: resume-critical settings match the run's recorded ones", run)
@@ -62,13 +54,15 @@ def data_freeze(spec_path: str, **context) -> dict:
     spec = load_spec(spec_path, check_environment=False)
     run = context["ti"].xcom_pull(task_ids=RUN_TASK)["run_name"]
     try:
-        state = prepare_data(spec, run, store=_store(spec), by=_who(context))
+        state = prepare_data(spec, run, store=checkpoint_store(spec), by=_who(context))
     except RelayError as e:
+        notify_error(context, spec, run, e, action="no chunk started; nothing was frozen or changed.")
         raise AirflowFailException(str(e)) from None
     for summary in state.quality:
         log.info("%s", summary)
     for change in state.source_changes:
         log.warning("data.on_source_change is use_frozen: training continues on the frozen copy.\n%s", change)
+        notify_use_frozen(context, spec, run, change)
     log.info("run %s trains on frozen data: %s", run,
              ", ".join(f"{f['role']} {f['sha256'][:12]} ({f['rows']} rows, from {f['source']})" for f in state.frozen))
     return {"froze_now": state.froze_now, "frozen": state.frozen, "source_changes": state.source_changes}
@@ -94,12 +88,14 @@ def preflight(spec_path: str, **context) -> dict:
     if state.archived_to:
         log.warning("fresh start: the previous folder of run %s was archived to %s", state.run_name,
                     state.archived_to)
-    alerts = params.get("alert_emails") or spec.alerts.email
+    channels = Channels.of(spec, params)
     log.info("run %s (%s): latest valid checkpoint step %s of %s; alerts go to %s", state.run_name, state.run_dir,
-             state.latest_step, spec.total_steps, ", ".join(alerts) or "nobody")
+             state.latest_step, spec.total_steps,
+             ", ".join(f"{name} {', '.join(channels.emails)}" if name.startswith("email") else name
+                       for name, _ in channels.senders()) or "nobody (no alert channel configured)")
     log.info("chunk plan:\n%s", ChunkPlan.from_spec(spec).describe(state.latest_step))
     _log_checklist(spec, state.run_name)
-    return {**state.to_dict(), "alert_emails": list(alerts)}
+    return {**state.to_dict(), "alert_emails": list(channels.emails)}
 
 
 def _log_checklist(spec, run: str) -> None:
@@ -110,7 +106,7 @@ def _log_checklist(spec, run: str) -> None:
     from relay.airflow.hooks import RayJobsHook
 
     try:
-        findings = doctor.diagnose(spec, run, store=_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs, deep=False)
+        findings = doctor.diagnose(spec, run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs, deep=False)
     except Exception as e:  # a missing connection, say: the chunk's own submit says so, with what to do
         log.warning("resume checklist not run: %s", e)
         return
@@ -126,7 +122,23 @@ def finish(spec_path: str, **context) -> dict:
     resumes = [e for e in read_events(spec.run_dir(run)) if e["event"] == "chunk_start" and e["resumed_from"]]
     log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
              run, state.latest_step, spec.total_steps, state.run_dir, state.run_dir, len(resumes))
+    notify_recovery(context, spec, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
+                    step=state.latest_step)
+    publish_report(spec, run, checkpoint_store(spec))
     return state.to_dict()
+
+
+def publish_report(spec, run: str, store) -> None:
+    """The run report (plots, chunk table, fingerprints) beside the run, and beside its checkpoints in S3
+    with a store. A report that cannot be made never fails the task that asked for it."""
+    from relay import report
+
+    try:
+        out = report.publish(spec, run, store)
+    except Exception as e:  # noqa: BLE001
+        log.warning("run report of %s not written: %s", run, e)
+        return
+    log.info("run report: %s\n%s", out.get("html_uri", out["html"]), out["summary"])
 
 
 def evaluate_published(spec_path: str, **context) -> list[dict]:
@@ -135,13 +147,10 @@ def evaluate_published(spec_path: str, **context) -> list[dict]:
     import tempfile
     from pathlib import Path
 
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
     from relay import layout, safeload
-    from relay.store import client_config, store_for_spec
 
     spec = load_spec(spec_path, check_environment=False)
-    store = store_for_spec(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=client_config()).get_conn())
+    store = checkpoint_store(spec)
     events = [e.extra for events in (context.get("triggering_asset_events") or {}).values() for e in events
               if e.extra.get("manifest")]  # a chunk with nothing to publish announces no checkpoint
     if conf_manifest := (context["dag_run"].conf or {}).get("manifest"):

@@ -2,7 +2,9 @@
 storage (CheckpointTrigger), so no worker slot is held while waiting.
 
 RayJobTrigger streams the job's new log lines (a chunk's per-step progress) into the task log, and
-fires one event when the job ends. It enforces the chunk's deadline itself, stopping the job: Airflow's own defer
+fires one event when the job ends. A running job that prints no new step for longer than its stall
+limit (relay.alerts.stall) is stopped, and the event says STALLED: a hung rollout never waits out
+the chunk's whole timeout. It enforces the chunk's deadline itself, stopping the job: Airflow's own defer
 timeout kills the trigger without calling on_kill. A user's mark-failed or clear calls on_kill,
 which stops the job; a triggerer restart does neither, and the new triggerer re-attaches.
 Failures come back as events with a message, never as exceptions.
@@ -16,6 +18,7 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from relay.alerts.stall import StallWatch
 from relay.ray_jobs import TERMINAL, AsyncRayJobs
 
 LOG_TAIL_LINES = 30
@@ -23,7 +26,8 @@ LOG_TAIL_LINES = 30
 
 class RayJobTrigger(BaseTrigger):
     def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
-                 log_offset: int = 0, unreachable_grace_s: float = 300.0):
+                 log_offset: int = 0, unreachable_grace_s: float = 300.0, stall_after_s: float | None = None,
+                 startup_s: float = 0.0):
         super().__init__()
         self.address = address
         self.submission_id = submission_id
@@ -31,6 +35,8 @@ class RayJobTrigger(BaseTrigger):
         self.poll_seconds = poll_seconds
         self.log_offset = log_offset
         self.unreachable_grace_s = unreachable_grace_s
+        self.stall_after_s = stall_after_s  # None: no stall detection (validation jobs)
+        self.startup_s = startup_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -42,16 +48,19 @@ class RayJobTrigger(BaseTrigger):
                 "poll_seconds": self.poll_seconds,
                 "log_offset": self.log_offset,
                 "unreachable_grace_s": self.unreachable_grace_s,
+                "stall_after_s": self.stall_after_s,
+                "startup_s": self.startup_s,
             },
         )
 
-    def _event(self, status: str, message: str, logs: str = "") -> TriggerEvent:
+    def _event(self, status: str, message: str, logs: str = "", **extra: Any) -> TriggerEvent:
         tail = "\n".join(logs.splitlines()[-LOG_TAIL_LINES:])
         return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message,
-                             "log_tail": tail})
+                             "log_tail": tail, **extra})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         jobs = AsyncRayJobs(self.address)
+        watch: StallWatch | None = None  # from the job's first RUNNING poll: PENDING is waiting, not stalling
         unreachable_since: float | None = None
         logs = ""
         while True:
@@ -74,12 +83,21 @@ class RayJobTrigger(BaseTrigger):
                 yield self._event("LOST", f"job {self.submission_id} is unknown to the cluster at {self.address} "
                                           "(the Ray head lost it, e.g. after a restart)", logs)
                 return
-            for line in logs[self.log_offset:].splitlines():
+            new = logs[self.log_offset:]
+            for line in new.splitlines():
                 self.log.info("%s", line)
             self.log_offset = len(logs)
             if state.status in TERMINAL:
                 yield self._event(state.status, state.message, logs)
                 return
+            if self.stall_after_s and state.status == "RUNNING":
+                watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time())
+                watch.saw(new, time.time())
+                if stalled := watch.stalled(time.time()):
+                    await jobs.stop(self.submission_id)
+                    yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped", logs,
+                                      step=watch.last_step)
+                    return
             if time.time() > self.deadline:
                 await jobs.stop(self.submission_id)
                 yield self._event("TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was "

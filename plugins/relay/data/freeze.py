@@ -97,6 +97,10 @@ def verify_frozen(run_dir: Path, files: list[FrozenFile], store=None) -> dict[st
     return out
 
 
+class SourceDriftError(DataError):
+    """A source file changed under a run whose data.on_source_change is fail."""
+
+
 @dataclass
 class SourceChange:
     file: FrozenFile
@@ -127,7 +131,7 @@ def check_sources(spec, run: str) -> list[SourceChange]:
         return []
     changes = source_changes(spec.run_dir(run), files)
     if changes and spec.data.on_source_change == "fail":
-        raise DataError(
+        raise SourceDriftError(
             "the training data changed under run " + run + ":\n" + "\n".join(c.summary() for c in changes),
             "restore the source files, or set data.on_source_change: use_frozen to continue on the frozen copy "
             "(a new dataset is a new run: trigger with another run name or fresh_start)",

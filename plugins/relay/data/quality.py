@@ -26,6 +26,14 @@ REQUIRED = ("data_source", "prompt", "reward_model.ground_truth", "extra_info.in
 EXAMPLES = 5
 
 
+class DataQualityError(DataError):
+    """The data failed its quality suite; `reports` name the failed expectations per file."""
+
+    def __init__(self, what: str, fix: str, reports: list):
+        super().__init__(what, fix)
+        self.reports = reports
+
+
 class QualityCheckError(RelayError):
     """great-expectations itself failed (not the data): the check could not be made."""
 

@@ -1,0 +1,280 @@
+"""Alerts delivered through Airflow: the channels (provider hooks), explicit notify calls, and the notifier.
+
+Channels: e-mail through the SMTP provider's SmtpHook, Slack through the Slack provider's
+SlackWebhookHook, and any JSON webhook through the HTTP provider's HttpHook. Each is an Airflow
+connection named in the spec (alerts.smtp_conn_id, slack_conn_id, webhook_conn_id); what is secret
+(the webhook URL, the SMTP password, an Authorization header in the HTTP connection's extra) stays
+in the connection. A send is retried briefly; a channel that still fails is logged, never raised:
+a broken alert channel must not fail the training task.
+
+Events that fail a task reach people through `RelayAlertNotifier`, the tasks' on_failure_callback
+(and on_retry_callback with alerts.on_retry). A task that knows more than the exception says (the
+check report, the failed expectations, the quarantine path) alerts itself just before failing, and
+the callback then stays quiet: the ledger holds one alert per failure event. Events that fail
+nothing (use_frozen, a fallback to an older checkpoint, a recovery) are explicit notify calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from airflow.sdk import BaseNotifier
+
+from relay.alerts import Alert, AlertLedger, kind_of
+from relay.errors import RelayError
+
+log = logging.getLogger(__name__)
+
+SEND_ATTEMPTS = 3
+SEND_BACKOFF_S = 1.0
+SEND_TIMEOUT_S = 10
+DEFAULT_FROM = "relay@localhost"
+
+
+@dataclass(frozen=True)
+class Channels:
+    emails: tuple[str, ...]
+    smtp_conn_id: str
+    slack_conn_id: str | None
+    webhook_conn_id: str | None
+
+    @classmethod
+    def of(cls, spec, params=None) -> Channels:
+        """The spec's channels; a DAG run's alert_emails Param overrides the spec's addresses."""
+        emails = (params or {}).get("alert_emails")
+        a = spec.alerts
+        return cls(tuple(a.email if emails is None else emails), a.smtp_conn_id, a.slack_conn_id, a.webhook_conn_id)
+
+    def senders(self) -> list[tuple[str, Callable[[Alert], None]]]:
+        out: list[tuple[str, Callable[[Alert], None]]] = []
+        if self.emails:
+            out.append((f"email:{self.smtp_conn_id}", lambda a: send_email(a, self.smtp_conn_id, self.emails)))
+        if self.slack_conn_id:
+            out.append((f"slack:{self.slack_conn_id}", lambda a: send_slack(a, self.slack_conn_id)))
+        if self.webhook_conn_id:
+            out.append((f"webhook:{self.webhook_conn_id}", lambda a: send_webhook(a, self.webhook_conn_id)))
+        return out
+
+
+# ------------------------------------------------------------------------------------- channels
+def send_email(alert: Alert, conn_id: str, to: tuple[str, ...]) -> None:
+    from airflow.providers.smtp.hooks.smtp import SmtpHook
+
+    with SmtpHook(smtp_conn_id=conn_id) as hook:
+        hook.send_email_smtp(to=list(to), subject=alert.subject(), html_content=alert.html(),
+                             from_email=hook.from_email or DEFAULT_FROM,
+                             custom_headers={"X-Relay-Alert": alert.kind, "X-Relay-Run": alert.run})
+
+
+def send_slack(alert: Alert, conn_id: str) -> None:
+    from airflow.providers.slack.hooks.slack_webhook import SlackWebhookHook
+
+    SlackWebhookHook(slack_webhook_conn_id=conn_id, timeout=SEND_TIMEOUT_S).send(**alert.slack())
+
+
+def send_webhook(alert: Alert, conn_id: str) -> None:
+    """POST the alert's JSON to the connection's URL (its host may be the whole URL, path included)."""
+    from airflow.providers.http.hooks.http import HttpHook
+
+    HttpHook(method="POST", http_conn_id=conn_id).run(
+        json=alert.payload(), headers={"Content-Type": "application/json"},
+        extra_options={"timeout": SEND_TIMEOUT_S, "check_response": True})
+
+
+def deliver(alert: Alert, channels: Channels) -> dict[str, str]:
+    """Send on every channel, each retried briefly; returns {channel: "sent" | "failed: why"}. Never raises."""
+    results: dict[str, str] = {}
+    for name, send in channels.senders():
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            try:
+                send(alert)
+                results[name] = "sent"
+                break
+            except Exception as e:  # any channel error: logged, the task goes on
+                results[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                if attempt == SEND_ATTEMPTS or _not_configured(e):
+                    break
+                time.sleep(SEND_BACKOFF_S * attempt)
+        level = logging.INFO if results[name] == "sent" else logging.ERROR
+        log.log(level, "alert %s via %s: %s", alert.kind, name, results[name])
+    if not results:
+        log.warning("alert %s: no channel configured (spec alerts.email / slack_conn_id / webhook_conn_id)",
+                    alert.kind)
+    return results
+
+
+def _not_configured(error: Exception) -> bool:
+    """A missing connection: trying again cannot help, the log says which one to add."""
+    from airflow.exceptions import AirflowNotFoundException
+
+    text = str(error).lower()
+    return isinstance(error, AirflowNotFoundException) or ("connection" in text and "not found" in text)
+
+
+# ------------------------------------------------------------------------------------- building alerts
+def run_of(context, spec) -> str:
+    """The training run of this DAG run: preflight.run's XCom, else the run Param, else the spec's name."""
+    from relay.airflow.tasks import RUN_TASK
+
+    try:
+        pushed = context["ti"].xcom_pull(task_ids=RUN_TASK)
+    except Exception:  # noqa: BLE001 - no XCom before preflight.run succeeded
+        pushed = None
+    return (pushed or {}).get("run_name") or (context.get("params") or {}).get("run") or spec.name
+
+
+def last_valid(spec, run: str) -> tuple[int | None, str | None]:
+    """The run's newest valid checkpoint and, when S3 holds it, its URI. Best effort: an alert about an
+    unreachable S3 must still go out."""
+    from relay.airflow.hooks import checkpoint_store
+    from relay.validate import latest_valid_step
+
+    try:
+        step = latest_valid_step(spec.run_dir(run))
+    except Exception as e:  # noqa: BLE001
+        log.warning("alert: cannot read run %s's latest checkpoint: %s", run, e)
+        return None, None
+    if not step or spec.s3 is None:
+        return step, None
+    try:
+        store = checkpoint_store(spec, probe=True)
+        return step, store.step_uri(run, step) if store.manifest(run, step) else None
+    except Exception as e:  # noqa: BLE001
+        log.warning("alert: cannot ask S3 whether step %s is published: %s", step, e)
+        return step, None
+
+
+def alert_for(context, spec, run: str, kind: str, what: str, **fields) -> Alert:
+    ti = context["ti"]
+    step, uri = last_valid(spec, run)
+    return Alert(kind=kind, run=run, what=what, spec=spec.name, dag_id=ti.dag_id,
+                 dag_run=context["dag_run"].run_id, task=ti.task_id, try_number=ti.try_number,
+                 log_url=getattr(ti, "log_url", ""), last_valid_step=step, last_valid_uri=uri, **fields)
+
+
+def send_once(context, spec, run: str, alert: Alert, key: str) -> bool:
+    """Deliver `alert` unless the event `key` was alerted before; what is delivered is also in the task log."""
+    ledger, fresh = None, True
+    try:
+        if spec.run_dir(run).is_dir():  # a run refused before it had a folder gets none from its alert
+            ledger = AlertLedger(spec.run_dir(run))
+            fresh = ledger.claim(key, alert)
+    except Exception as e:  # noqa: BLE001 - an unreadable ledger: alert anyway
+        log.warning("alert ledger of run %s unavailable (%s): sending without de-duplication", run, e)
+    if not fresh:
+        log.info("alert %s already sent for this event (%s); not sent again", alert.kind, key)
+        return False
+    log.warning("ALERT\n%s", alert.text())
+    results = deliver(alert, Channels.of(spec, context.get("params")))
+    if ledger is not None:
+        ledger.delivered(key, results)
+    return True
+
+
+def event_key(context, spec, kind: str, scope: str = "") -> str:
+    """One failure event: this DAG run's task and kind; each try is its own event only with alerts.on_retry."""
+    ti = context["ti"]
+    key = f"{context['dag_run'].run_id}|{ti.task_id}|{kind}"
+    if scope:
+        return f"{key}|{scope}"
+    return f"{key}|try{ti.try_number}" if spec.alerts.on_retry else key
+
+
+def notify(context, spec, run: str, kind: str, what: str, *, scope: str = "", **fields) -> Alert:
+    """An explicit alert from inside a task."""
+    alert = alert_for(context, spec, run, kind, what, **fields)
+    send_once(context, spec, run, alert, event_key(context, spec, kind, scope))
+    return alert
+
+
+def notify_error(context, spec, run: str, error: RelayError, *, default_kind: str = "task_failed",
+                 action: str = "", **fields) -> Alert:
+    """Alert on a Relay error: its first line is what failed, the rest the details, its fix what to do."""
+    first, _, rest = error.what.partition("\n")
+    todo = f"What to do: {error.fix}" if error.fix else ""
+    return notify(context, spec, run, kind_of(error, default_kind), first, details=rest.strip(),
+                  action=" ".join(x for x in (action, todo) if x), **fields)
+
+
+def notify_use_frozen(context, spec, run: str, change: str) -> None:
+    """A source changed under a use_frozen run: once per distinct change, not once per chunk."""
+    digest = hashlib.sha256(change.encode()).hexdigest()[:16]
+    alert = alert_for(context, spec, run, "use_frozen", change.partition("\n")[0], details=change,
+                      action="training continues on the frozen copy (data.on_source_change: use_frozen)")
+    send_once(context, spec, run, alert, f"use_frozen|{digest}")
+
+
+def notify_recovery(context, spec, run: str, what: str, **fields) -> None:
+    """The run succeeded again after failure alerts: one message that closes them."""
+    if not spec.alerts.recovery:
+        return
+    try:
+        ledger = AlertLedger(spec.run_dir(run))
+        open_failures = ledger.open_failures()
+    except Exception as e:  # noqa: BLE001
+        log.warning("alert ledger of run %s unavailable: %s", run, e)
+        return
+    if not open_failures:
+        return
+    ledger.close([e["key"] for e in open_failures])
+    resolves = [f"{e['kind']}" + (f" at step {e['step']}" if e.get("step") is not None else "") + f" ({e['at']})"
+                for e in open_failures]
+    ti = context["ti"]
+    alert = alert_for(context, spec, run, "recovered", what, resolves=resolves,
+                      action="nothing to do; the run goes on", **fields)
+    send_once(context, spec, run, alert, f"recovered|{context['dag_run'].run_id}|{ti.task_id}|{ti.try_number}")
+
+
+# ------------------------------------------------------------------------------------- the notifier
+class RelayAlertNotifier(BaseNotifier):
+    """on_failure_callback of every task of a run DAG (and on_retry_callback with alerts.on_retry).
+
+    Quiet when the failing try already alerted with its own details; otherwise one alert built from
+    the exception: a chunk that failed after its last retry, a publication that failed after its
+    retries, or any other task.
+    """
+
+    def __init__(self, spec_path: str, *, retry: bool = False):
+        super().__init__()
+        self.spec_path = spec_path
+        self.retry = retry
+
+    def notify(self, context) -> None:
+        from relay.spec import load_spec
+
+        ti = context["ti"]
+        spec = load_spec(self.spec_path, check_environment=False)
+        run = run_of(context, spec)
+        try:
+            if AlertLedger(spec.run_dir(run)).alerted_in_try(context["dag_run"].run_id, ti.task_id, ti.try_number):
+                return
+        except Exception:  # noqa: BLE001 - no ledger: alert
+            pass
+        error = context.get("exception")
+        text = str(error) if error is not None else "the task failed (no exception was passed to the callback)"
+        first, _, rest = text.partition("\n")
+        step, _ = last_valid(spec, run)
+        resume = f"the run resumes from step {step or 0}"
+        if self.retry:
+            kind = "retry"
+            action = f"Airflow retries the task (try {ti.try_number + 1} of {ti.max_tries + 1}); {resume}"
+        else:
+            kind = kind_of(error, _failure_kind(ti.task_id)) if error is not None else _failure_kind(ti.task_id)
+            action = (f"Airflow gave up after try {ti.try_number}; this DAG run stops here, nothing is lost. "
+                      f"Clear the task (or trigger with run={run}) and {resume}")
+        chunk = _chunk_of(ti.task_id)
+        notify(context, spec, run, kind, first, details=rest.strip(), action=action, chunk=chunk,
+               scope=f"try{ti.try_number}" if self.retry else "")
+
+
+def _failure_kind(task_id: str) -> str:
+    return {"train": "chunk_failed", "publish": "publish_failed"}.get(task_id.rpartition(".")[2], "task_failed")
+
+
+def _chunk_of(task_id: str) -> int | None:
+    group = task_id.partition(".")[0]
+    return int(group[6:]) if group.startswith("chunk_") and group[6:].isdigit() else None

@@ -1,0 +1,52 @@
+"""Stalls: a chunk whose job is alive but makes no new step (a rollout hang, a deadlocked collective).
+
+The limit is the spec's alerts.stall_minutes, or else stall_factor x the run's median step time
+(from metrics.jsonl), at least stall_floor_minutes. A job gets startup_minutes more before its first
+step: imports, model build and resume come before it.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from relay.metrics import MetricsLog
+
+# The progress line every trainer prints per step (trainers/session.py: ChunkSession.step_done).
+STEP_LINE = re.compile(r"^\[relay\] step (\d+)/\d+", re.MULTILINE)
+
+
+def stall_limit_s(spec, run_dir: Path) -> float:
+    """Seconds without a new step after which a chunk is stalled."""
+    a = spec.alerts
+    if a.stall_minutes:
+        return a.stall_minutes * 60
+    seconds = [r["seconds"] for r in MetricsLog(run_dir).rows() if isinstance(r.get("seconds"), (int, float))]
+    floor = a.stall_floor_minutes * 60
+    return max(floor, a.stall_factor * statistics.median(seconds)) if seconds else floor
+
+
+class StallWatch:
+    """Follows a job's log and says when it has gone `limit_s` without a new step."""
+
+    def __init__(self, limit_s: float, startup_s: float, started_at: float):
+        self.limit_s = limit_s
+        self.startup_s = startup_s
+        self.last_step: int | None = None
+        self.since = started_at  # when the last step was seen, or the watch started
+
+    def saw(self, new_log_text: str, now: float) -> None:
+        steps = STEP_LINE.findall(new_log_text)
+        if steps and int(steps[-1]) != self.last_step:
+            self.last_step = int(steps[-1])
+            self.since = now
+
+    def stalled(self, now: float) -> str | None:
+        """None while the job makes progress; else why it is stalled, in words."""
+        allowed = self.limit_s + (self.startup_s if self.last_step is None else 0)
+        idle = now - self.since
+        if idle <= allowed:
+            return None
+        after = f"after step {self.last_step}" if self.last_step is not None else "since the job started"
+        return f"no new step for {idle:.0f}s {after} (limit {allowed:.0f}s)"

@@ -1,0 +1,112 @@
+"""Alerts in the core: what an alert says, one alert per failure event, recovery, and when a chunk is stalled."""
+
+import json
+
+import pytest
+
+from conftest import write_spec
+from relay.alerts import Alert, AlertLedger, StallWatch, kind_of, stall_limit_s
+from relay.data.freeze import SourceDriftError
+from relay.data.quality import DataQualityError
+from relay.errors import CheckpointError, RelayError
+from relay.guard import DriftError
+from relay.spec import load_spec
+from relay.store import StoreError
+
+
+def an_alert(**kw) -> Alert:
+    fields = dict(kind="checkpoint_invalid", run="r1", what="checkpoint step 12 failed the integrity check",
+                  details="✘ integrity: actor/model_world_size_1_rank_0.pt: CRC32 mismatch", chunk=2, step=12,
+                  last_valid_step=6, last_valid_uri="s3://relay/runs/r1/global_step_6", dag_id="relay_t",
+                  dag_run="manual__1", task="chunk_02.validate", try_number=1,
+                  quarantined_to="/ckpt/r1/.relay/quarantine/global_step_12",
+                  action="quarantined it; the tracker names step 6",
+                  log_url="http://127.0.0.1:8080/dags/relay_t/runs/manual__1/tasks/chunk_02.validate?try_number=1")
+    return Alert(**{**fields, **kw})
+
+
+def test_every_channel_says_the_same_facts():
+    a = an_alert()
+    facts = ["r1", "manual__1", "chunk_02.validate", "step 6", "s3://relay/runs/r1/global_step_6",
+             "quarantine/global_step_12", "integrity", "the tracker names step 6", a.log_url]
+    slack = json.dumps(a.slack())
+    for rendered in (a.text(), a.html(), slack):
+        missing = [f for f in facts if f not in rendered]
+        assert not missing, (missing, rendered)
+    assert a.subject() == "[relay ERROR] r1: checkpoint failed validation (chunk 2, step 12)"
+    body = a.payload()
+    assert body["relay_alert_version"] == 1 and body["severity"] == "error"
+    assert {k: body[k] for k in ("run", "dag_run", "chunk", "step", "last_valid_step", "last_valid_uri")} == {
+        "run": "r1", "dag_run": "manual__1", "chunk": 2, "step": 12, "last_valid_step": 6,
+        "last_valid_uri": "s3://relay/runs/r1/global_step_6"}
+
+
+def test_an_unknown_kind_is_a_programming_error():
+    with pytest.raises(ValueError, match="unknown alert kind"):
+        an_alert(kind="oops")
+
+
+def test_unpublished_last_checkpoint_is_said_not_hidden():
+    assert "step 6 (not published to S3)" in an_alert(last_valid_uri=None).text()
+
+
+@pytest.mark.parametrize("error, kind", [
+    (DataQualityError("bad rows", "fix them", []), "data_quality"),
+    (SourceDriftError("changed", "restore"), "data_drift"),
+    (DriftError("rollout_n 8 -> 4", "allow_drift"), "settings_drift"),
+    (CheckpointError("torn", "resume"), "checkpoint_invalid"),
+    (StoreError("S3 down", "start it"), "publish_failed"),
+    (RelayError("other"), "chunk_failed"),
+    (RuntimeError("job failed"), "chunk_failed"),
+])
+def test_errors_map_to_the_alert_a_person_needs(error, kind):
+    assert kind_of(error, "chunk_failed") == kind
+
+
+def test_one_alert_per_failure_event_and_one_recovery(tmp_path):
+    ledger = AlertLedger(tmp_path / "run")
+    stall = an_alert(kind="stall", task="chunk_02.train", try_number=1)
+    assert ledger.claim("dr|chunk_02.train|stall", stall)
+    retried = an_alert(kind="stall", task="chunk_02.train", try_number=2)
+    assert not ledger.claim("dr|chunk_02.train|stall", retried), "a retry of the same event alerts again"
+    assert ledger.alerted_in_try("manual__1", "chunk_02.train", 1)
+    assert not ledger.alerted_in_try("manual__1", "chunk_02.train", 2)
+    assert ledger.claim("use_frozen|abc", an_alert(kind="use_frozen"))
+    assert [e["kind"] for e in ledger.open_failures()] == ["stall"], "warnings are not failures to recover from"
+    ledger.delivered("dr|chunk_02.train|stall", {"email:relay_smtp": "sent"})
+    ledger.close([e["key"] for e in ledger.open_failures()])
+    assert ledger.open_failures() == []
+    assert AlertLedger(tmp_path / "run").entries()[0]["delivered"] == {"email:relay_smtp": "sent"}
+
+
+def test_a_torn_ledger_is_set_aside_not_fatal(tmp_path):
+    ledger = AlertLedger(tmp_path / "run")
+    ledger.path.parent.mkdir(parents=True)
+    ledger.path.write_text('{"version": 1, "alerts": [')
+    assert ledger.claim("k", an_alert())
+    assert ledger.path.with_suffix(".json.unreadable").exists()
+
+
+def test_stall_limit_comes_from_the_spec_or_the_runs_median_step_time(tmp_path):
+    spec = load_spec(write_spec(tmp_path, "s", **{"alerts.stall_factor": 10, "alerts.stall_floor_minutes": 0.5}),
+                     check_environment=False)
+    run_dir = spec.run_dir("r")
+    assert stall_limit_s(spec, run_dir) == 30, "no steps yet: the floor"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "seconds": s}) + "\n"
+                                                   for i, s in enumerate([2.0, 5.0, 6.0, 100.0], 1)))
+    assert stall_limit_s(spec, run_dir) == 55, "10 x the median 5.5 s: one slow step does not move it"
+    fixed = load_spec(write_spec(tmp_path, "f", **{"alerts.stall_minutes": 2}), check_environment=False)
+    assert stall_limit_s(fixed, run_dir) == 120
+
+
+def test_a_job_without_new_steps_is_stalled_after_its_limit():
+    watch = StallWatch(limit_s=60, startup_s=300, started_at=0)
+    assert watch.stalled(now=350) is None, "before the first step, startup time is allowed"
+    watch.saw("[relay] run r: chunk 2 resumes from step 6\n[relay] step 7/12 chunk 2 reward=0.1\n", now=100)
+    watch.saw("[relay] step 8/12 chunk 2 reward=0.2\n", now=110)
+    assert watch.stalled(now=169) is None
+    watch.saw("some other output\n", now=150)
+    assert watch.stalled(now=171) == "no new step for 61s after step 8 (limit 60s)"
+    never = StallWatch(limit_s=60, startup_s=300, started_at=0)
+    assert never.stalled(now=361) == "no new step for 361s since the job started (limit 360s)"
