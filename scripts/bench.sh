@@ -16,4 +16,5 @@ if ! $PY -c 'import sys, relay.stack as s; sys.exit(0 if s._http_ok(s.s3_endpoin
   trap '$PY -c "import relay.stack as s; s.stop_process(\"s3\", timeout=2)"; rm -rf "$RELAY_STACK_DIR"' EXIT
 fi
 what=${1:-checkpoints}; shift || true
+# overhead starts the whole local stack itself (Airflow, Ray, S3) unless it runs.
 $PY "bench/$what.py" "$@"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: install (.venv), start the services the tests need, run pytest, stop what it started.
+# The test command: install (.venv), start the services the tests need (PostgreSQL if it is down, a Ray
+# head; the tests start S3 and Airflow themselves), run pytest, stop what it started.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/core -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,12 +8,24 @@ cd "$(dirname "$0")/.."
 export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 PY=.venv/bin/python
 
+# What this script started is stopped at the end, and only that.
+stop=()
+trap 'for c in "${stop[@]}"; do eval "$c" >/dev/null 2>&1 || true; done' EXIT
+
+# PostgreSQL for the real-scheduler tests (tests/e2e make a database of their own on it).
+if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+  pg=$(ls /usr/lib/postgresql | sort -V | tail -1)
+  pg_ctlcluster "$pg" main start
+  stop+=("pg_ctlcluster $pg main stop")
+  for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+fi
+
 # One Ray head for the whole session (ports: include/stack.env). Stopped at the end only if started here.
 if $PY -c 'import sys; sys.path.insert(0, "plugins"); import relay.stack as s; sys.exit(0 if s._http_ok(s.ray_address() + "/api/version") else 1)'; then
   echo "[test] using the Ray head already running"
 else
   $PY -m relay stack up --no-airflow
-  trap '$PY -m relay stack down >/dev/null 2>&1 || true' EXIT
+  stop+=("$PY -m relay stack down")
 fi
 
 # Two workers, one test file each at a time: most tests wait on Ray, Airflow or S3 as much as on the CPU.

@@ -19,6 +19,20 @@ PY = sys.executable
 DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
 
 
+# The slowest files first: xdist hands out files in collection order, so a long file collected last
+# would run alone at the end while the other worker idles (longest-first scheduling).
+SLOW_FIRST = ("e2e/test_real_airflow.py", "airflow/test_run_dag.py", "airflow/test_data_dag.py",
+              "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "trainers/test_verl_chunk.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, name in enumerate(SLOW_FIRST) if path.endswith(name)), len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+
+
 DELETE = object()  # an override value that removes the key
 
 

@@ -66,3 +66,20 @@ class AirflowAPI:
 
     def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+
+    def dag_runs(self, dag_id: str) -> list[dict]:
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns?order_by=logical_date&limit=100")["dag_runs"]
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float = 600) -> dict:
+        """Wait until a DAG run has ended (success or failed); return it."""
+        deadline = time.time() + timeout
+        while True:
+            run = self.dag_run(dag_id, run_id)
+            if run["state"] in ("success", "failed") or time.time() > deadline:
+                return run
+            time.sleep(1)
+
+    def asset_events(self, **filters) -> list[dict]:
+        """Asset events, e.g. source_dag_id=..., oldest first."""
+        query = "&".join(f"{k}={v}" for k, v in {**filters, "order_by": "timestamp", "limit": 100}.items())
+        return self.get(f"/api/v2/assets/events?{query}")["asset_events"]

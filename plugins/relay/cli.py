@@ -72,10 +72,20 @@ def cmd_checkpoint_validate(args) -> int:
     return 0 if report.ok else 1
 
 
-def _store(uri: str):
+def _store(uri: str, args=None):
+    """A store on uri; an upload command's --sse, --kms-key-id and --acl go with every object it writes."""
     from relay.store import CheckpointStore, s3_client
 
-    return CheckpointStore(s3_client(), uri)
+    extra = {k: v for k, v in (("ServerSideEncryption", getattr(args, "sse", None)),
+                                ("SSEKMSKeyId", getattr(args, "kms_key_id", None)), ("ACL", getattr(args, "acl", None)))
+             if v}
+    return CheckpointStore(s3_client(), uri, extra_args=extra)
+
+
+def _upload_options(c) -> None:
+    c.add_argument("--sse", choices=["AES256", "aws:kms"], help="ask S3 for server-side encryption of every object")
+    c.add_argument("--kms-key-id", help="the KMS key of --sse aws:kms")
+    c.add_argument("--acl", choices=["bucket-owner-full-control", "private"], help="canned ACL of every object")
 
 
 def cmd_checkpoint_publish(args) -> int:
@@ -91,7 +101,7 @@ def cmd_checkpoint_publish(args) -> int:
     if not admission.ok:
         print(admission.explain(), file=sys.stderr)
         return 1
-    result = _store(args.uri).publish(args.run or run_dir.name, run_dir, step)
+    result = _store(args.uri, args).publish(args.run or run_dir.name, run_dir, step)
     print(f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
           f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "
           f"{result.seconds:.1f}s; latest {'-> ' + str(step) if result.latest_moved else 'unchanged'}")
@@ -190,7 +200,7 @@ def cmd_data_freeze(args) -> int:
     from relay.data.fingerprint import fingerprint
 
     fp = fingerprint(args.parquet)
-    store = _store(args.uri)
+    store = _store(args.uri, args)
     uri = store.put_file("/".join(p for p in (store.prefix, "data", f"{fp.sha256}.parquet") if p), Path(args.parquet))
     print(json.dumps({"sha256": fp.sha256, "size": fp.size, "rows": fp.rows, "frozen_uri": uri}, indent=2))
     return 0
@@ -285,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("uri", help="s3://BUCKET/PREFIX")
     c.add_argument("--step", type=int, help="default: the tracker's")
     c.add_argument("--run", help="run name (default: the folder's name)")
+    _upload_options(c)
     c.set_defaults(func=cmd_checkpoint_publish)
     c = cs.add_parser("restore", help="restore the newest valid published checkpoint into DIR")
     c.add_argument("uri", help="s3://BUCKET/PREFIX")
@@ -324,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = ds.add_parser("freeze", help="fingerprint a parquet file and upload it to s3://BUCKET/PREFIX/data/<sha256>")
     c.add_argument("parquet")
     c.add_argument("uri")
+    _upload_options(c)
     c.set_defaults(func=cmd_data_freeze)
     c = ds.add_parser("diff", help="what changed from PARQUET_A to PARQUET_B (exit 0 when identical)")
     c.add_argument("a")

@@ -9,8 +9,10 @@ class RelayError(Exception):
     exit_code = 1
 
     def __init__(self, what: str, fix: str | None = None):
-        self.what = what
-        self.fix = fix
+        from relay.redaction import redact  # a registered secret that a message carries shows as ***
+
+        self.what = what = redact(what)
+        self.fix = fix = redact(fix) if fix else fix
         super().__init__(what if not fix else f"{what}\n  What to do: {fix}")
 
 

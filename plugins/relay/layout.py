@@ -27,8 +27,10 @@ from pathlib import Path
 from relay.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
-SHARD = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+STEP_DIR = re.compile(r"^global_step_([0-9]{1,18})\Z")
+STEP_NUMBER = re.compile(r"[0-9]{1,18}")
+TRACKER_MAX_BYTES = 64
+SHARD = re.compile(r"^(model|optim|extra_state)_world_size_([0-9]+)_rank_([0-9]+)\.pt\Z")
 SHARD_KINDS = ("model", "optim", "extra_state")
 ROLES = ("actor", "critic")
 RELAY_DIR = ".relay"
@@ -48,6 +50,32 @@ def relay_dir(run_dir: Path, *parts: str) -> Path:
     return Path(run_dir, RELAY_DIR, *parts)
 
 
+def relpath_problem(rel) -> str | None:
+    """Why `rel` is not a plain relative path inside a folder (a checkpoint file named by a manifest, a
+    frozen data file named by a run record, a part of an S3 key), or None. Such names are read back from
+    disk and S3, so they must never reach outside the folder or the prefix they are joined to."""
+    if not isinstance(rel, str) or not rel:
+        return "it is empty or not a string"
+    if len(rel) > 1024:
+        return "it is longer than 1024 characters"
+    if rel.startswith("/"):
+        return "it is absolute"
+    if any(c == "\\" or ord(c) < 32 or ord(c) == 127 for c in rel):
+        return "it holds a backslash or a control character"
+    if any(p in ("", ".", "..") for p in rel.split("/")):
+        return "it has an empty, '.' or '..' part"
+    return None
+
+
+def check_relpath(rel, what: str) -> str:
+    """`rel` if it is a plain relative path (see relpath_problem), else a CheckpointError naming `what`."""
+    if problem := relpath_problem(rel):
+        raise CheckpointError(f"{what} names the path {rel!r}, which Relay refuses: {problem}",
+                              "it was altered or written by something else than Relay; do not use it, validate "
+                              "and publish the checkpoint again")
+    return rel
+
+
 def tracker_path(run_dir: Path) -> Path:
     return Path(run_dir) / TRACKER
 
@@ -56,11 +84,17 @@ def read_tracker(run_dir: Path) -> int | None:
     """The step the tracker names, or None without a tracker. Garbage in the tracker is an error."""
     path = tracker_path(run_dir)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(TRACKER_MAX_BYTES + 1)  # a step number is short: never read a huge file whole
     except FileNotFoundError:
         return None
+    except OSError as e:  # a folder, or unreadable
+        raise CheckpointError(f"tracker {path} cannot be read ({e.strerror or e})",
+                              f"move it aside; `python -m relay checkpoint validate {run_dir}` finds the newest "
+                              "valid checkpoint") from None
     text = raw.decode("utf-8", "replace").strip()
-    if not text.isdigit():
+    # ASCII digits only: str.isdigit() also accepts '²' or '١', which int() refuses or reads as another number.
+    if len(raw) > TRACKER_MAX_BYTES or not STEP_NUMBER.fullmatch(text):
         raise CheckpointError(
             f"tracker {path} holds {text[:40]!r}, not a step number (a half-written or corrupted tracker)",
             f"run `python -m relay checkpoint validate {run_dir}` to find the newest valid checkpoint",

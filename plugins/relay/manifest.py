@@ -43,28 +43,60 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: str = "manifest") -> "Manifest":
+    def from_json(cls, text: str | bytes, where: str = "manifest") -> "Manifest":
+        """Parse and check a manifest read back from disk or S3: a malformed one is a CheckpointError, and
+        every file it names must be a plain relative path (a manifest naming "../x" is refused)."""
+        fix = "re-validate the checkpoint to rewrite it (`python -m relay checkpoint validate RUN_DIR --quarantine`)"
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
         try:
             d = json.loads(text)
-        except ValueError as e:
-            raise CheckpointError(f"{where} is not valid JSON ({e})", "re-validate the checkpoint to rewrite it")
-        if not isinstance(d, dict) or d.get("version") != VERSION:
-            raise CheckpointError(f"{where} has version {d.get('version') if isinstance(d, dict) else '?'}, "
-                                  f"this Relay reads version {VERSION}", "re-validate the checkpoint to rewrite it")
+        except (ValueError, RecursionError) as e:  # json raises RecursionError on very deep nesting
+            raise CheckpointError(f"{where} is not valid JSON ({str(e)[:200]})", fix) from None
+        if not isinstance(d, dict) or d.get("version") != VERSION or isinstance(d.get("version"), bool):
+            got = _short(d.get("version")) if isinstance(d, dict) else f"? (a JSON {type(d).__name__}, not an object)"
+            raise CheckpointError(f"{where} has version {got}, this Relay reads version {VERSION}", fix)
         try:
             m = cls(**d)
-            if not isinstance(m.step, int) or not isinstance(m.files, dict) or not all(
-                    isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("crc64nvme"), str)
-                    for v in m.files.values()):
-                raise TypeError("malformed fields")
-            return m
         except TypeError as e:
-            raise CheckpointError(f"{where} is malformed ({e})", "re-validate the checkpoint to rewrite it") from None
+            raise CheckpointError(f"{where} is malformed ({str(e)[:200]})", fix) from None
+        if problem := _problem(m):
+            raise CheckpointError(f"{where} is malformed: {problem}", fix)
+        return m
 
     def write(self, step_dir: Path) -> Path:
         path = Path(step_dir) / NAME
         layout.atomic_write(path, self.to_json().encode())
         return path
+
+
+def _is_int(v, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _problem(m: Manifest) -> str | None:
+    """What is wrong with a parsed manifest's fields, or None."""
+    if not isinstance(m.run, str):
+        return f"run is {_short(m.run)}, not a name"
+    if not _is_int(m.step):
+        return f"step is {_short(m.step)}, not a step number"
+    if not _is_int(m.world_size, 1):
+        return f"world_size is {_short(m.world_size)}, not a positive number"
+    if m.fsdp_version is not None and not _is_int(m.fsdp_version):
+        return f"fsdp_version is {_short(m.fsdp_version)}"
+    if not isinstance(m.files, dict) or not isinstance(m.params, dict) or not isinstance(m.checks, list):
+        return "files, params or checks has the wrong type"
+    for rel, f in m.files.items():
+        if problem := layout.relpath_problem(rel):
+            return f"the file {_short(rel)} is refused: {problem}"
+        if not (isinstance(f, dict) and _is_int(f.get("size")) and isinstance(f.get("crc64nvme"), str)):
+            return f"the entry of {_short(rel)} is {_short(f)}, not {{size, crc64nvme}}"
+    return None
 
 
 def path_of(step_dir: Path) -> Path:
@@ -74,9 +106,11 @@ def path_of(step_dir: Path) -> Path:
 def read(step_dir: Path) -> Manifest | None:
     p = path_of(step_dir)
     try:
-        text = p.read_text()
+        text = p.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise CheckpointError(f"{p} cannot be read ({e.strerror or e})", "re-validate the checkpoint") from None
     return Manifest.from_json(text, str(p))
 
 

@@ -72,10 +72,13 @@ def _keep_report(run_dir, report: quality.QualityReport, store, run: str) -> Non
     """Keep a quality report with the run: in its folder, and in S3 beside the checkpoints."""
     from relay.data.fingerprint import sha256_file
 
+    from relay.redaction import redact
+
     name = f"quality-{sha256_file(report.file)[0][:16]}.json"
-    layout.atomic_write(layout.relay_dir(run_dir, "data", name), report.to_json().encode())
+    text = redact(report.to_json())  # observed values are the data's own: a registered secret among them is not kept
+    layout.atomic_write(layout.relay_dir(run_dir, "data", name), text.encode())
     if store is not None:
-        store.put_json(store.run_key(run, "data", name), json.loads(report.to_json()))
+        store.put_json(store.run_key(run, "data", name), json.loads(text))
 
 
 def before_chunk(spec, run: str, *, allow_drift=(), by: str = "", dag_run: str = "") -> dict:

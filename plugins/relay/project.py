@@ -44,6 +44,11 @@ def expand(value: str) -> str:
     return _VAR.sub(sub, value)
 
 
+def variables(value: str) -> list[str]:
+    """Names of the environment variables that `value` expands (${VAR} or ${VAR:-default})."""
+    return [m.group(1) for m in _VAR.finditer(value)]
+
+
 def resolve_path(value: str) -> Path:
     """Expand variables and make a spec path absolute; relative paths start at the project root."""
     p = Path(os.path.expanduser(expand(value)))

@@ -46,6 +46,7 @@ def export_hf(run_dir: Path, step: int) -> Path:
     dest = Path(run_dir) / HF_DIR / f"global_step_{step}"
     if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
         return dest
+    unchanged_since_validation(layout.step_dir(run_dir, step), "actor/")
     cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(src),
            "--target_dir", str(dest)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -53,6 +54,30 @@ def export_hf(run_dir: Path, step: int) -> Path:
         raise CheckpointError(f"verl's model merger failed on {src}: {r.stderr.strip().splitlines()[-1:]}",
                               f"run `{' '.join(cmd)}` to see the whole error")
     return dest
+
+
+def unchanged_since_validation(step_dir: Path, under: str = "") -> None:
+    """The files under `under` are byte for byte those the gate proved safe (its manifest's sizes and
+    CRC64NVME, zip CRCs), read just before a loader that unpickles (verl's) gets them; else CheckpointError."""
+    from relay import integrity, manifest
+
+    m = manifest.read(step_dir)
+    if m is None:
+        raise CheckpointError(f"{step_dir} has no {manifest.NAME}: it never passed validation, so verl's loader "
+                              "must not read it", f"run `python -m relay checkpoint validate {step_dir.parent} "
+                                                  f"--quarantine` first")
+    recorded = {rel for rel in m.files if rel.startswith(under)}
+    present = {rel for rel in manifest.checkpoint_files(step_dir) if rel.startswith(under)}
+    changed = sorted(recorded ^ present)
+    for rel in sorted(recorded & present):
+        scan = integrity.scan(step_dir / rel)
+        if scan.problem or scan.size != m.files[rel]["size"] or scan.crc64nvme != m.files[rel]["crc64nvme"]:
+            changed.append(rel)
+    if changed:
+        raise CheckpointError(f"{step_dir}: {', '.join(changed[:5])} changed since validation; verl's loader "
+                              "(which unpickles) is not run on it", "validate the checkpoint again "
+                                                                     "(`python -m relay checkpoint validate RUN_DIR "
+                                                                     "--quarantine`)")
 
 
 def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str:

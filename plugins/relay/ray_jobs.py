@@ -40,11 +40,39 @@ def entrypoint(req: ChunkRequest) -> str:
     return f"{req.spec.ray.python} -m {ENTRYPOINT_MODULE}"
 
 
+def job_env_vars(spec) -> dict[str, str]:
+    """The spec's ray.env_vars with ${VAR} and ${VAR:-default} expanded from this process's environment.
+
+    Expanded only here, when a job is submitted, so a secret never sits in the spec, the DAG, XCom or
+    the chunk request; what the environment brings in is registered as a secret (redacted in alerts and
+    reports, masked in Airflow's task logs)."""
+    import os
+
+    from relay import redaction
+
+    out = {}
+    for key, value in spec.ray.env_vars.items():
+        try:
+            out[key] = project.expand(value)
+        except KeyError as e:
+            raise RayJobError(f"ray.env_vars.{key} names the environment variable {e.args[0]}, which is not set "
+                              f"where the job is submitted",
+                              f"set {e.args[0]} in the Airflow worker's environment (or the shell of the CLI), or "
+                              f"give a default as ${{{e.args[0]}:-value}}") from None
+        for name in project.variables(value):
+            if name in os.environ:
+                redaction.register(os.environ[name], key)
+    return out
+
+
 def runtime_env(req: ChunkRequest) -> dict:
     """Relay's code travels as a py_module; nothing is installed on the cluster by hand."""
+    from relay.trainers import KINDS
+
     threads = str(req.spec.threads)
     env = {
-        **req.spec.ray.env_vars,
+        **KINDS[req.spec.trainer.kind].job_environment(req),  # the trainer kind's own (verl_ppo: tracking ids)
+        **job_env_vars(req.spec),
         ENV_VAR: req.to_json(),
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
@@ -102,7 +130,7 @@ class RayJobs:
         return self.client.submit_job(
             entrypoint=f"{spec.ray.python} -m {module}", submission_id=sub_id, metadata=metadata,
             runtime_env={"py_modules": [str(project.package_dir())],
-                         "env_vars": {**spec.ray.env_vars, **env, "PYTHONUNBUFFERED": "1"}},
+                         "env_vars": {**job_env_vars(spec), **env, "PYTHONUNBUFFERED": "1"}},
             entrypoint_num_cpus=spec.ray.entrypoint_num_cpus,
         )
 

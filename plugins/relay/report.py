@@ -29,6 +29,7 @@ from relay import layout, manifest
 from relay.errors import RelayError
 from relay.metrics import SUPERSEDED, read_jsonl
 from relay.resume import quarantined
+from relay.redaction import redact
 from relay.runs import RECORD, read_record
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
@@ -476,7 +477,9 @@ def write(report: Report, out_dir: Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     png = report.plot_png()
     layout.atomic_write(out_dir / PNG, png)
-    layout.atomic_write(out_dir / HTML, report.html(png).encode())
+    # The report holds no environment values (no ray.env_vars, no connection); any registered secret that an
+    # error message or a drift note carried in is redacted all the same.
+    layout.atomic_write(out_dir / HTML, redact(report.html(png)).encode())
     return {"png": out_dir / PNG, "html": out_dir / HTML}
 
 
@@ -490,7 +493,7 @@ def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str
     run_dir = spec.run_dir(run)
     report = build(run_dir, store=store, run=run, plan=ChunkPlan.from_spec(spec))
     paths = write(report, out_dir or default_out(run_dir))
-    out = {"summary": report.summary(), "html": str(paths["html"]), "png": str(paths["png"])}
+    out = {"summary": redact(report.summary()), "html": str(paths["html"]), "png": str(paths["png"])}
     if store is None:
         return out
     for name in (layout.METRICS, SUPERSEDED, layout.EVENTS):

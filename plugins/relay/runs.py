@@ -67,10 +67,18 @@ def read_record(run_dir: Path) -> dict:
     """The run record (.relay/run.json): settings, frozen data, drift decisions. {} before the first trigger."""
     import json
 
+    path = layout.relay_dir(run_dir, RECORD)
     try:
-        return json.loads(layout.relay_dir(run_dir, RECORD).read_text())
+        record = json.loads(path.read_bytes().decode("utf-8", "replace"))
     except FileNotFoundError:
         return {}
+    except (ValueError, RecursionError, OSError) as e:
+        raise RunError(f"run record {path} cannot be read ({str(e)[:120]})",
+                       "restore it from the run's S3 copy (<prefix>/<run>/run.json) or a backup") from None
+    if not isinstance(record, dict):
+        raise RunError(f"run record {path} holds a JSON {type(record).__name__}, not an object",
+                       "restore it from the run's S3 copy (<prefix>/<run>/run.json) or a backup")
+    return record
 
 
 def update_record(run_dir: Path, **fields) -> dict:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import tempfile
+from datetime import date, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,10 @@ from relay.trainers import KINDS
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SCHEDULE_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
+CRON_PATTERN = r"(\S+\s+){4}\S+"
+DATE_TEMPLATES = {"ds": "%Y-%m-%d", "ds_nodash": "%Y%m%d"}  # the logical date, as Airflow names it
+TEMPLATE = re.compile(r"\{\{\s*([A-Za-z_]\w*)\s*\}\}")
 S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/-]*)?$"
 
 
@@ -78,7 +83,9 @@ class RaySpec(StrictModel):
     entrypoint_num_cpus: float = Field(1, ge=0)
     chunk_timeout_minutes: float = Field(120, gt=0, description="a chunk's job is stopped after this long")
     poll_seconds: float = Field(2.0, gt=0)
-    env_vars: dict[str, str] = Field(default_factory=dict, description="extra environment for the chunk's job")
+    env_vars: dict[str, str] = Field(default_factory=dict, description=(
+        "extra environment for the chunk's job; a secret is written as ${VAR} (or ${VAR:-default}), expanded "
+        "from the submitting worker's environment only when the job is submitted, and masked in logs and alerts"))
 
 
 class S3Spec(StrictModel):
@@ -89,6 +96,22 @@ class S3Spec(StrictModel):
     server_side_encryption: Literal["AES256", "aws:kms"] | None = None
     kms_key_id: str | None = None
     acl: Literal["bucket-owner-full-control", "private"] | None = None
+
+    @field_validator("uri")
+    @classmethod
+    def _plain_prefix(cls, v: str) -> str:
+        prefix = v[len("s3://"):].partition("/")[2].rstrip("/")
+        if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+            raise ValueError(f"the prefix of {v} has an empty, '.' or '..' part, which an S3 server that maps keys "
+                             f"to paths may resolve outside the prefix; write the prefix without them")
+        return v
+
+    @field_validator("kms_key_id")
+    @classmethod
+    def _kms_needs_sse_kms(cls, v: str | None, info) -> str | None:
+        if v is not None and info.data.get("server_side_encryption") != "aws:kms":
+            raise ValueError("kms_key_id is only used with server_side_encryption: aws:kms; set both, or neither")
+        return v
 
 
 class AlertSpec(StrictModel):
@@ -114,8 +137,26 @@ class AlertSpec(StrictModel):
 class AirflowSpec(StrictModel):
     retries: int = Field(2, ge=0)
     retry_delay_seconds: float = Field(30, ge=0)
-    max_active_runs: int = Field(1, gt=0)
+    max_active_runs: int = Field(1, gt=0, description="DAG runs at once (one GPU cluster is shared); a backfill "
+                                                      "has its own --max-active-runs")
+    schedule: str | None = Field(
+        None, description="cron expression or preset (@daily, @weekly...): each DAG run is then a training run "
+                          "of its own, <name>-<logical date>, with its own checkpoints and frozen data; data "
+                          "paths may name the date as {{ ds }} or {{ ds_nodash }}")
+    start_date: date = Field(date(2025, 1, 1), description="the first interval of a schedule")
+    catchup: bool = Field(False, description="create the runs of past intervals when the DAG appears")
+    pool: str | None = Field("relay_trainers", description="Airflow pool of the train tasks: its slots, with "
+                                                           "deferred tasks counted, are the trainers a cluster runs "
+                                                           "at once, whatever triggered the runs")
     tags: list[str] = Field(default_factory=list)
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron_or_preset(cls, v: str | None) -> str | None:
+        if v is None or v in SCHEDULE_PRESETS or re.fullmatch(CRON_PATTERN, v.strip()):
+            return v
+        raise ValueError(f"not a cron expression or preset: {v!r}; use five cron fields ('0 3 * * 1') or one of "
+                         f"{', '.join(SCHEDULE_PRESETS)}")
 
 
 class RunSpec(StrictModel):
@@ -171,7 +212,8 @@ class RunSpec(StrictModel):
 
 
 def check_run_name(run_name: str) -> str:
-    if not isinstance(run_name, str) or not re.match(RUN_NAME_PATTERN, run_name) or ".." in run_name:
+    # fullmatch: re.match's `$` also matches before a trailing newline ("run\n" would pass).
+    if not isinstance(run_name, str) or not re.fullmatch(RUN_NAME_PATTERN, run_name) or ".." in run_name:
         raise SpecError(
             "run", "run", f"invalid run name {run_name!r}",
             "use letters, digits, '.', '_' or '-' (at most 128, starting with a letter or digit, no '..')",
@@ -185,20 +227,30 @@ def load_spec(path: str | os.PathLike, *, check_environment: bool = True) -> Run
     """Load and validate a spec file. With check_environment, also check data and checkpoint dir."""
     source = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(source, "", f"cannot read the file: {e.strerror}", "check the path") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(source, "", f"not UTF-8 text (byte {e.start})", "save the spec as UTF-8 YAML") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError(source, "", f"not valid YAML: {e}", "fix the YAML syntax at the position shown") from None
+    except RecursionError:  # PyYAML recurses once per nesting level
+        raise SpecError(source, "", "nested too deeply to be a run spec",
+                        "start from include/runs/demo.yaml") from None
     return spec_from_dict(raw, source=source, check_environment=check_environment)
 
 
 def spec_from_json(blob: str) -> RunSpec:
     """Inverse of RunSpec.to_json (on the cluster: no environment checks, paths are already resolved)."""
-    data = json.loads(blob)
-    return spec_from_dict(data["spec"], source=data["source"], check_environment=False, resolve=False)
+    try:
+        data = json.loads(blob)
+        raw, source = data["spec"], data["source"]
+    except (ValueError, RecursionError, TypeError, KeyError) as e:
+        raise SpecError("<chunk request>", "", f"not a spec as RunSpec.to_json writes it ({type(e).__name__}: "
+                                                f"{str(e)[:120]})", "submit the chunk through Relay") from None
+    return spec_from_dict(raw, source=str(source), check_environment=False, resolve=False)
 
 
 def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool = True,
@@ -220,9 +272,22 @@ def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool 
         ))
     spec = spec.model_copy(update=updates)
     spec._source = source
+    _check_templates(spec)
+    _register_secrets(spec)
     if check_environment:
         check_spec_environment(spec)
     return spec
+
+
+def _register_secrets(spec: RunSpec) -> None:
+    """What ray.env_vars take from the environment (${VAR}) is secret: registered as soon as a process
+    loads the spec, so that an error, a log line or an alert that carries it shows *** (relay.redaction)."""
+    from relay import redaction
+
+    for value in spec.ray.env_vars.values():
+        for name in project.variables(value):
+            if name in os.environ:
+                redaction.register(os.environ[name], name)
 
 
 def _resolve_expectations(source: str, i: int, value: str) -> Path:
@@ -234,6 +299,9 @@ def _resolve_expectations(source: str, i: int, value: str) -> Path:
 
 
 def _resolve(source: str, key: str, value: str) -> Path:
+    if any(ord(c) < 32 for c in value):
+        raise SpecError(source, key, f"the path {value!r} holds a control character (a NUL, a newline...)",
+                        "write the path without it")
     try:
         return project.resolve_path(value)
     except KeyError as e:
@@ -257,7 +325,19 @@ def _validate(model: type[BaseModel], raw: Any, source: str, prefix: str) -> Any
         if err["type"] == "missing":
             raise SpecError(source, key, "required key is missing", "add it (see include/runs/demo.yaml)") from None
         msg = err["msg"].removeprefix("Value error, ")
-        raise SpecError(source, key, f"{msg} (got {err.get('input')!r})") from None
+        raise SpecError(source, key, f"{msg} (got {_brief(err.get('input'))})") from None
+    except RecursionError:
+        raise SpecError(source, prefix.rstrip("."), "nested too deeply to be a run spec",
+                        "start from include/runs/demo.yaml") from None
+
+
+def _brief(value: Any) -> str:
+    """A short repr of a bad value for an error message (bounded in depth and length)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlist, r.maxdict = 3, 80, 80, 6, 6
+    return r.repr(value)
 
 
 def _dotted(prefix: str, loc: tuple) -> str:
@@ -282,11 +362,46 @@ def _submodel(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+# ---------------------------------------------------------------------------------- dated runs
+
+def _data_paths(spec: RunSpec):
+    for field in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(spec.data, field)):
+            yield f"data.{field}[{i}]", f
+
+
+def _check_templates(spec: RunSpec) -> None:
+    for key, f in _data_paths(spec):
+        for name in TEMPLATE.findall(f):
+            if name not in DATE_TEMPLATES:
+                raise SpecError(spec.source, key, f"unknown template {{{{ {name} }}}} in {f}",
+                                f"a data path may name the DAG run's logical date as "
+                                f"{' or '.join('{{ ' + k + ' }}' for k in DATE_TEMPLATES)}")
+
+
+def dated(spec: RunSpec, when: datetime) -> RunSpec:
+    """The spec of the DAG run whose logical date is `when`: its data paths' dates filled in."""
+    def fill(path: str) -> str:
+        return TEMPLATE.sub(lambda m: when.strftime(DATE_TEMPLATES[m.group(1)]), path)
+
+    data = spec.data.model_copy(update={"train_files": [fill(f) for f in spec.data.train_files],
+                                        "val_files": [fill(f) for f in spec.data.val_files]})
+    out = spec.model_copy(update={"data": data})
+    out._source = spec.source
+    return out
+
+
+def dated_run_name(spec: RunSpec, when: datetime) -> str:
+    """A scheduled spec's training run for one logical date: <name>-YYYYMMDD (THHMM below a day)."""
+    stamp = when.strftime("%Y%m%d") + ("" if (when.hour, when.minute) == (0, 0) else when.strftime("T%H%M"))
+    return f"{spec.name}-{stamp}"
+
+
 # ---------------------------------------------------------------------------------- environment
 
 def is_templated(path: str) -> bool:
-    """A data path filled in per DAG run (scheduled runs): checked when the run starts."""
-    return "{{" in path or "{ds" in path
+    """A data path filled in per DAG run (see dated): checked when that run starts."""
+    return bool(TEMPLATE.search(path))
 
 
 def check_spec_environment(spec: RunSpec) -> None:

@@ -216,11 +216,31 @@ def airflow_cli(env: dict[str, str], *args: str, check: bool = True, timeout: fl
 def airflow_start(env: dict[str, str], components=AIRFLOW_COMPONENTS) -> dict[str, int]:
     home = Path(env["AIRFLOW_HOME"])
     airflow_cli(env, "db", "migrate")
+    ensure_pools(env)
     pids = {}
     for comp in components:
         pids[comp] = start_process(f"airflow-{comp}", [str(bin_dir() / "airflow"), comp], env, cwd=home)
     _wait_http(f"{airflow_url()}/api/v2/monitor/health", 120, "Airflow API server")
     return pids
+
+
+def ensure_pools(env: dict[str, str], runs_dir: Path | None = None) -> list[str]:
+    """The train tasks' pools of every spec, one slot each, deferred tasks counted: one trainer per
+    cluster at a time, whether a trigger, the schedule or a backfill made the DAG run. A pool that
+    exists keeps its slots (an operator may have raised them for a bigger cluster)."""
+    from relay.errors import SpecError
+    from relay.spec import load_spec
+
+    pools = {"relay_trainers"}
+    for path in sorted((runs_dir or Path(env.get("RELAY_RUNS_DIR") or project.runs_dir())).glob("*.yaml")):
+        try:
+            pools.add(load_spec(path, check_environment=False).airflow.pool or "")
+        except SpecError:
+            continue  # its error shows as the relay_spec_errors DAG
+    existing = {p["pool"] for p in json.loads(airflow_cli(env, "pools", "list", "-o", "json").stdout or "[]")}
+    for pool in sorted(pools - existing - {""}):
+        airflow_cli(env, "pools", "set", pool, "1", "Relay: trainers at once on one Ray cluster", "--include-deferred")
+    return sorted(pools - {""})
 
 
 def airflow_password(home: Path) -> str:
@@ -244,16 +264,24 @@ def start_process(name: str, cmd: list[str], env: dict[str, str], cwd: Path) -> 
     return proc.pid
 
 
-def stop_process(name: str, timeout: float = 20) -> bool:
-    """SIGTERM the service's process group, then SIGKILL what is left after `timeout`."""
+def _take_group(name: str) -> int | None:
+    """The process group of a service the stack started, forgetting its pid file (so that it can be
+    started again under the same name); None when it is not running."""
     f = _pid_file(name)
     if not f.exists():
-        return False
+        return None
     pid = int(f.read_text())
     f.unlink()
     try:
-        pgid = os.getpgid(pid)
+        return os.getpgid(pid)
     except ProcessLookupError:
+        return None
+
+
+def stop_process(name: str, timeout: float = 20) -> bool:
+    """SIGTERM the service's process group, then SIGKILL what is left after `timeout`."""
+    pgid = _take_group(name)
+    if pgid is None:
         return False
     _signal_group(pgid, signal.SIGTERM)
     deadline = time.time() + timeout
@@ -261,6 +289,14 @@ def stop_process(name: str, timeout: float = 20) -> bool:
         time.sleep(0.2)
     _signal_group(pgid, signal.SIGKILL)
     return True
+
+
+def kill_process(name: str) -> bool:
+    """SIGKILL the service's process group at once, as a crash or an OOM kill would."""
+    pgid = _take_group(name)
+    if pgid is not None:
+        _signal_group(pgid, signal.SIGKILL)
+    return pgid is not None
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from relay import integrity, layout, manifest
 from relay.errors import CheckpointError, RelayError
 
-STEP_PREFIX = re.compile(r"global_step_(\d+)/$")
+STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/\Z")
 LATEST = "latest.json"
 
 
@@ -35,10 +35,16 @@ class StoreError(RelayError):
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
-    m = re.match(r"^s3://([^/]+)/?(.*)$", uri)
+    """(bucket, key) of s3://bucket/key. A key with an empty, '.' or '..' part or a control character is
+    refused: S3 servers that map keys to paths (SeaweedFS, MinIO on a filesystem) may resolve it elsewhere."""
+    m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?", uri, re.S) if isinstance(uri, str) else None
     if not m:
-        raise StoreError(f"not an S3 URI: {uri!r}", "use s3://bucket/prefix")
-    return m.group(1), m.group(2).strip("/")
+        raise StoreError(f"not an S3 URI: {uri!r}", "use s3://bucket/prefix (a bucket name is 3-63 characters "
+                                                    "of a-z, 0-9, '.' and '-')")
+    key = (m.group(2) or "").strip("/")
+    if key and (problem := layout.relpath_problem(key)):
+        raise StoreError(f"S3 URI {uri!r} refused: its key {key!r}: {problem}", "write the URI without such parts")
+    return m.group(1), key
 
 
 def s3_client(max_pool_connections: int = 16):
@@ -84,9 +90,20 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------------------ naming
     def run_key(self, run: str, *parts: str) -> str:
+        """prefix/run/parts...: the run name is checked as a run name and every part as a relative path, so
+        a name read back from a manifest, a record or a command line cannot reach another run's keys."""
+        from relay.spec import check_run_name
+
+        check_run_name(run)
+        for p in parts:
+            if p and (problem := layout.relpath_problem(p)):
+                raise StoreError(f"S3 key part {p!r} under run {run} refused: {problem}",
+                                 "it was read from an altered manifest or record; do not use it")
         return "/".join(p for p in (self.prefix, run, *parts) if p)
 
     def step_key(self, run: str, step: int, rel: str = "") -> str:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StoreError(f"not a step number: {step!r}", "give a step as a whole number >= 0")
         return self.run_key(run, f"global_step_{step}", rel)
 
     def step_uri(self, run: str, step: int) -> str:
@@ -101,9 +118,14 @@ class CheckpointStore:
             code = e.response.get("Error", {}).get("Code", "?")
             if code in ("404", "NoSuchKey", "NotFound"):
                 return None
+            fix = "check the bucket, the credentials and the S3 connection"
+            if self.extra_args and what in ("PUT", "CREATE-MULTIPART", "UPLOAD-PART", "COMPLETE-MULTIPART"):
+                fix = (f"this request asked for {', '.join(f'{k}={v}' for k, v in sorted(self.extra_args.items()))} "
+                       f"(spec s3.server_side_encryption / kms_key_id / acl): check that the S3 server supports "
+                       f"and is configured for it (SeaweedFS needs s3.sse.kek or s3.sse.key in security.toml for "
+                       f"AES256, a KMS for aws:kms), or remove it from the spec; " + fix)
             raise StoreError(f"S3 {what} on s3://{self.bucket}/{kwargs.get('Key', kwargs.get('Prefix', ''))} "
-                             f"failed: {code}: {e}", "check the bucket, the credentials and the S3 connection") \
-                from None
+                             f"failed: {code}: {e}", fix) from None
         except BotoCoreError as e:
             raise StoreError(f"S3 at {self.client.meta.endpoint_url} unreachable during {what}: {e}",
                              "start the S3 server or fix the connection's endpoint_url; nothing was lost, "
@@ -115,16 +137,38 @@ class CheckpointStore:
 
     def get_json(self, key: str) -> dict | None:
         r = self._call("GET", self.client.get_object, Key=key)
-        return None if r is None else json.loads(r["Body"].read())
+        if r is None:
+            return None
+        try:
+            return json.loads(r["Body"].read().decode("utf-8", "replace"))
+        except (ValueError, RecursionError) as e:
+            raise StoreError(f"s3://{self.bucket}/{key} is not valid JSON ({str(e)[:120]})",
+                             "it was damaged or written by something else than Relay; delete it, or publish "
+                             "again to rewrite it") from None
 
     def latest(self, run: str) -> dict | None:
-        return self.get_json(self.run_key(run, LATEST))
+        """The run's latest.json, checked: its step is a step number (it is used to build keys)."""
+        d = self.get_json(self.run_key(run, LATEST))
+        if d is None:
+            return None
+        step = d.get("step") if isinstance(d, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StoreError(f"s3://{self.bucket}/{self.run_key(run, LATEST)} is malformed: its step is "
+                             f"{str(step)[:40]!r}, not a step number",
+                             "publish the run's newest checkpoint again (`python -m relay checkpoint publish`): "
+                             "that rewrites latest.json")
+        return d
 
     def manifest(self, run: str, step: int) -> manifest.Manifest | None:
+        where = f"{self.step_uri(run, step)}{manifest.NAME}"
         r = self._call("GET", self.client.get_object, Key=self.step_key(run, step, manifest.NAME))
         if r is None:
             return None
-        return manifest.Manifest.from_json(r["Body"].read().decode(), f"{self.step_uri(run, step)}{manifest.NAME}")
+        m = manifest.Manifest.from_json(r["Body"].read(), where)
+        if m.step != step:
+            raise CheckpointError(f"{where} names step {m.step}, not {step}: it was copied or altered",
+                                  "publish the checkpoint of that step again")
+        return m
 
     def manifest_at(self, uri: str) -> manifest.Manifest:
         """A manifest by its S3 URI (what asset events carry)."""
@@ -138,7 +182,13 @@ class CheckpointStore:
         """Download one object; with expect ({size, crc64nvme}), verify it."""
         from awscrt import checksums
 
-        key = parse_uri(key_or_uri)[1] if key_or_uri.startswith("s3://") else key_or_uri
+        if key_or_uri.startswith("s3://"):
+            bucket, key = parse_uri(key_or_uri)
+            if bucket != self.bucket:
+                raise StoreError(f"{key_or_uri} is not in this store's bucket {self.bucket}",
+                                 f"use an s3://{self.bucket}/... URI")
+        else:
+            key = key_or_uri
         r = self._call("GET", self.client.get_object, Key=key)
         if r is None:
             raise StoreError(f"s3://{self.bucket}/{key} does not exist", "check the URI")
@@ -169,9 +219,13 @@ class CheckpointStore:
             token = r["NextContinuationToken"]
 
     def runs(self) -> list[str]:
+        """Run names under the prefix (a folder there whose name is no run name is left out)."""
+        from relay.spec import RUN_NAME_PATTERN
+
         r = self._call("LIST", self.client.list_objects_v2, Prefix=(self.prefix + "/") if self.prefix else "",
                        Delimiter="/") or {}
-        return sorted(cp["Prefix"].rstrip("/").rsplit("/", 1)[-1] for cp in r.get("CommonPrefixes", []))
+        names = (cp["Prefix"].rstrip("/").rsplit("/", 1)[-1] for cp in r.get("CommonPrefixes", []))
+        return sorted(n for n in names if re.fullmatch(RUN_NAME_PATTERN, n) and ".." not in n)
 
     def published(self, run: str) -> list[manifest.Manifest]:
         """Checkpoints whose manifest is in place (complete publications), ascending by step."""
@@ -205,8 +259,11 @@ class CheckpointStore:
             result.bytes_uploaded += m.files[rel]["size"]
         self.verify(run, m)
         self._put_bytes(self.step_key(run, step, manifest.NAME), m.to_json().encode())
-        current = self.latest(run)
-        if current is None or int(current.get("step", -1)) <= step:
+        try:
+            current = self.latest(run)
+        except StoreError:  # a damaged latest.json names nothing: this publication replaces it
+            current = None
+        if current is None or current["step"] <= step:
             self._put_bytes(self.run_key(run, LATEST), json.dumps({
                 "step": step, "uri": result.uri, "manifest": f"{result.uri}{manifest.NAME}",
                 "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode())
@@ -318,8 +375,11 @@ class CheckpointStore:
     def download(self, run: str, m: manifest.Manifest, dest: Path) -> None:
         """Download a published checkpoint into dest, verifying each file's size and CRC64NVME."""
         def one(rel: str) -> str | None:
+            target = dest / layout.check_relpath(rel, f"the manifest of {self.step_uri(run, m.step)}")
+            if not target.resolve().is_relative_to(dest.resolve()):
+                return f"{rel}: resolves outside {dest}"
             try:
-                self.download_object(self.step_key(run, m.step, rel), dest / rel, m.files[rel])
+                self.download_object(self.step_key(run, m.step, rel), target, m.files[rel])
             except (StoreError, CheckpointError) as e:
                 return f"{rel}: {e.what}"
             return None
@@ -341,9 +401,16 @@ class CheckpointStore:
         from relay.validate import validate_checkpoint
 
         run_dir = Path(run_dir)
-        for m in sorted(self.published(run), key=lambda m: m.step, reverse=True):
-            if step is not None and m.step > step:
+        for s in sorted(self.steps(run), reverse=True):
+            if step is not None and s > step:
                 continue
+            try:
+                m = self.manifest(run, s)
+            except CheckpointError as e:  # a damaged or altered manifest: never followed, an older one is tried
+                log(f"skipping {self.step_uri(run, s)}: {e.what}")
+                continue
+            if m is None:
+                continue  # an incomplete publication
             uri = self.step_uri(run, m.step)
             staging = layout.relay_dir(run_dir, "staging", f"restore-global_step_{m.step}")
             shutil.rmtree(staging, ignore_errors=True)

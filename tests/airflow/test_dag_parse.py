@@ -20,6 +20,8 @@ for dag_id, dag in dags.items():
                    for k in dag.params}},
         "retries": dag.task_dict.get("chunk_01.train").retries if "chunk_01.train" in dag.task_dict else None,
         "max_active_runs": dag.max_active_runs,
+        "schedule": str(dag.schedule), "catchup": dag.catchup, "start_date": dag.start_date.isoformat(),
+        "pool": dag.task_dict["chunk_01.train"].pool if "chunk_01.train" in dag.task_dict else None,
         "downstream": {{t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}},
     }}
 print(json.dumps({{"heavy": heavy, "dags": out}}))
@@ -55,14 +57,36 @@ def test_one_dag_per_spec_without_heavy_imports(tmp_path):
     assert beta["max_active_runs"] == 1 and beta["retries"] == 2
 
 
+def test_a_scheduled_spec_is_a_scheduled_dag_with_one_trainer_pool(tmp_path):
+    write_spec(tmp_path, name="weekly", **{"airflow.schedule": "@weekly", "airflow.start_date": "2025-01-06",
+                                           "data.train_files": ["/data/prompts-{{ ds_nodash }}.parquet"]})
+    write_spec(tmp_path, name="manual")
+    dags = parse(tmp_path)["dags"]
+    weekly, manual = dags["relay_weekly"], dags["relay_manual"]
+    assert (weekly["schedule"], weekly["catchup"], weekly["start_date"]) == ("@weekly", False,
+                                                                             "2025-01-06T00:00:00+00:00")
+    assert weekly["max_active_runs"] == 1, "one GPU cluster is shared"
+    assert manual["schedule"] == "None"
+    assert weekly["pool"] == manual["pool"] == "relay_trainers"
+
+
+def test_an_unknown_date_template_makes_no_dag(tmp_path):
+    write_spec(tmp_path, name="typo", **{"airflow.schedule": "@daily",
+                                         "data.train_files": ["/data/prompts-{{ ts }}.parquet"]})
+    dags = parse(tmp_path)["dags"]
+    assert "relay_typo" not in dags and dags["relay_spec_errors"]
+
+
 def test_params_form_is_typed_and_described(tmp_path):
     write_spec(tmp_path, name="alpha")
     params = parse(tmp_path)["dags"]["relay_alpha"]["params"]
-    assert set(params) == {"run", "fresh_start", "confirm_fresh_start", "allow_drift", "alert_emails"}
+    assert set(params) == {"run", "fresh_start", "confirm_fresh_start", "allow_drift", "alert_emails",
+                           "alert_channels"}
     assert all(p.get("description") for p in params.values())
     assert params["run"]["type"] == "string" and "pattern" in params["run"]
     assert params["fresh_start"]["type"] == "boolean"
     assert params["alert_emails"]["items"] == {"type": "string", "format": "email"}
+    assert params["alert_channels"]["items"] == {"type": "string", "enum": ["email", "slack", "webhook"]}
     # Step counts and chunk sizes are not Params: they shape the DAG and come from the spec.
     assert not {"total_steps", "chunk_steps"} & set(params)
 

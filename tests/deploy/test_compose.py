@@ -349,6 +349,14 @@ def test_demo_bucket_is_created_at_start(compose):
     assert init["depends_on"]["s3"]["condition"] == "service_healthy"
 
 
+def test_the_trainer_pool_of_the_specs_is_created_counting_deferred_tasks(compose):
+    from relay.spec import load_spec
+
+    pool = load_spec(DEMO_SPEC, check_environment=False).airflow.pool
+    script = service(compose, "airflow-init")["command"][0]
+    assert f"airflow pools set {pool} 1 " in script and "--include-deferred" in script
+
+
 def test_checkpoint_volume_is_one_path_on_ray_and_airflow(compose, monkeypatch):
     """A chunk's request carries absolute paths resolved in Airflow; the Ray nodes must see the same ones."""
     assert "checkpoints" in compose["volumes"]

@@ -12,14 +12,15 @@ explicit, recorded exception to the settings guard).
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from airflow.sdk import DAG, Asset, Param, TaskGroup
 from airflow.providers.standard.operators.python import PythonOperator
 
 from relay import project
-from relay.airflow.notifiers import RelayAlertNotifier
+from relay.airflow.notifiers import CHANNELS, RelayAlertNotifier
+from relay.airflow.supervised import is_supervised, supervise_task, validate_task
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
 from relay.errors import SpecError
@@ -54,6 +55,12 @@ def params_for(spec: RunSpec) -> dict[str, Param]:
             list(spec.alerts.email), type="array", items={"type": "string", "format": "email"},
             title="Alert e-mails", description="Who is alerted for this DAG run (default: the spec's alerts.email).",
         ),
+        "alert_channels": Param(
+            list(CHANNELS), type="array", items={"type": "string", "enum": list(CHANNELS)}, uniqueItems=True,
+            title="Alert channels",
+            description="Channels this DAG run alerts on, among those its spec configures (alerts.email with "
+                        "alerts.smtp_conn_id, alerts.slack_conn_id, alerts.webhook_conn_id). Empty: none.",
+        ),
     }
 
 
@@ -63,9 +70,9 @@ def build_dag(spec: RunSpec) -> DAG:
     with DAG(
         dag_id=spec.dag_id,
         description=spec.description or f"Relay run spec {spec.name}",
-        schedule=None,
-        start_date=datetime(2025, 1, 1),
-        catchup=False,
+        schedule=a.schedule,
+        start_date=datetime.combine(a.start_date, datetime.min.time(), tzinfo=timezone.utc),
+        catchup=a.catchup,
         max_active_runs=a.max_active_runs,
         params=params_for(spec),
         default_args={"retries": a.retries, "retry_delay": timedelta(seconds=a.retry_delay_seconds),
@@ -75,7 +82,10 @@ def build_dag(spec: RunSpec) -> DAG:
                       else []},
         tags=["relay", spec.trainer.kind, *a.tags],
         doc_md=f"**{spec.name}** ({spec.source}): {spec.total_steps} steps in {len(plan.chunks)} chunks of "
-               f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job.",
+               f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job"
+               + (f"; pool `{a.pool}` bounds the trainers on the cluster." if a.pool else ".")
+               + (f" Scheduled `{a.schedule}`: each DAG run trains run `{spec.name}-<logical date>`."
+                  if a.schedule else ""),
     ) as dag:
         kw = {"op_kwargs": {"spec_path": spec.source}, "retries": 0}
         with TaskGroup("preflight", tooltip="before any GPU time: the run, its settings, its data"):
@@ -88,15 +98,25 @@ def build_dag(spec: RunSpec) -> DAG:
             run >> settings >> data
         upstream = data
         publish_before = None
+        pool = {"pool": a.pool} if a.pool else {}
+        # Supervised (verl_ppo): one long job for the run; the chunk tasks only wait for its checkpoints.
+        supervisor = supervise_task(spec, **pool) if is_supervised(spec) else None
+        if supervisor is not None:
+            data >> supervisor
         for chunk in plan.chunks:
             with TaskGroup(chunk.task_group_id, tooltip=str(chunk)):
-                train = RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index,
-                                         doc_md=f"Train {chunk}: one Ray job that resumes from the latest checkpoint.")
-                validate = ValidateCheckpointOperator(
-                    task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=train.task_id,
-                    retries=0, doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine it if "
-                                      "it is not whole.")
-                upstream >> train >> validate
+                if supervisor is not None:
+                    validate = validate_task(spec, chunk)
+                    upstream >> validate
+                else:
+                    train = RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index, **pool,
+                                             doc_md=f"Train {chunk}: one Ray job that resumes from the latest "
+                                                    "checkpoint.")
+                    validate = ValidateCheckpointOperator(
+                        task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=train.task_id,
+                        retries=0, doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine "
+                                          "it if it is not whole.")
+                    upstream >> train >> validate
                 if spec.s3 is not None:
                     # Chunk k publishes while chunk k+1 trains; publications stay in step order.
                     publish = PublishCheckpointOperator(
@@ -110,6 +130,8 @@ def build_dag(spec: RunSpec) -> DAG:
             upstream = validate
         done = PythonOperator(task_id="finish", python_callable=finish, op_kwargs={"spec_path": spec.source})
         upstream >> done
+        if supervisor is not None:
+            supervisor >> done
         if publish_before is not None:
             publish_before >> done
     return dag

@@ -26,6 +26,7 @@ from airflow.sdk import BaseNotifier
 
 from relay.alerts import Alert, AlertLedger, kind_of
 from relay.errors import RelayError
+from relay.redaction import redact
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ SEND_ATTEMPTS = 3
 SEND_BACKOFF_S = 1.0
 SEND_TIMEOUT_S = 10
 DEFAULT_FROM = "relay@localhost"
+
+
+CHANNELS = ("email", "slack", "webhook")
 
 
 @dataclass(frozen=True)
@@ -44,10 +48,14 @@ class Channels:
 
     @classmethod
     def of(cls, spec, params=None) -> Channels:
-        """The spec's channels; a DAG run's alert_emails Param overrides the spec's addresses."""
-        emails = (params or {}).get("alert_emails")
+        """The spec's channels, narrowed by a DAG run's Params: alert_channels picks among them,
+        alert_emails replaces the spec's addresses."""
+        params = params or {}
+        on = set(CHANNELS if params.get("alert_channels") is None else params["alert_channels"])
+        emails = params.get("alert_emails")
         a = spec.alerts
-        return cls(tuple(a.email if emails is None else emails), a.smtp_conn_id, a.slack_conn_id, a.webhook_conn_id)
+        return cls(tuple(a.email if emails is None else emails) if "email" in on else (), a.smtp_conn_id,
+                   a.slack_conn_id if "slack" in on else None, a.webhook_conn_id if "webhook" in on else None)
 
     def senders(self) -> list[tuple[str, Callable[[Alert], None]]]:
         out: list[tuple[str, Callable[[Alert], None]]] = []
@@ -95,7 +103,7 @@ def deliver(alert: Alert, channels: Channels) -> dict[str, str]:
                 results[name] = "sent"
                 break
             except Exception as e:  # any channel error: logged, the task goes on
-                results[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                results[name] = redact(f"failed: {type(e).__name__}: {str(e)[:300]}")
                 if attempt == SEND_ATTEMPTS or _not_configured(e):
                     break
                 time.sleep(SEND_BACKOFF_S * attempt)
@@ -156,8 +164,20 @@ def alert_for(context, spec, run: str, kind: str, what: str, **fields) -> Alert:
                  log_url=getattr(ti, "log_url", ""), last_valid_step=step, last_valid_uri=uri, **fields)
 
 
+def register_spec_secrets(spec) -> None:
+    """Register what the spec's ray.env_vars expand from the environment as secrets in this process."""
+    from relay.ray_jobs import job_env_vars
+
+    try:
+        job_env_vars(spec)
+    except RelayError:  # an unset variable: nothing to register; the submission says so
+        pass
+
+
 def send_once(context, spec, run: str, alert: Alert, key: str) -> bool:
     """Deliver `alert` unless the event `key` was alerted before; what is delivered is also in the task log."""
+    register_spec_secrets(spec)  # this process may not have submitted the job (a resumed or retried task)
+    alert = alert.redacted()  # secrets (masked connections, expanded ray.env_vars) never leave as text
     ledger, fresh = None, True
     try:
         if spec.run_dir(run).is_dir():  # a run refused before it had a folder gets none from its alert

@@ -21,7 +21,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RunReportLink
 from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
-from relay.airflow.tasks import RUN_TASK, publish_report
+from relay.airflow.tasks import RUN_TASK, publish_report, run_spec
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.plan import ChunkPlan
 from relay.ray_jobs import LIVE, job_metadata, submission_id
@@ -43,9 +43,7 @@ class RayChunkOperator(BaseOperator):
 
     # ---------------------------------------------------------------------------- helpers
     def _spec_and_run(self, context) -> tuple[Any, str]:
-        spec = load_spec(self.spec_path, check_environment=False)
-        run = context["ti"].xcom_pull(task_ids=self.run_from_task)["run_name"]
-        return spec, run
+        return run_spec(self.spec_path, context, self.run_from_task)
 
     def _done(self, context, spec, run: str, chunk, how: str) -> dict:
         latest = latest_valid_step(spec.run_dir(run))
@@ -191,6 +189,12 @@ class ValidateCheckpointOperator(BaseOperator):
 
     ui_color = "#e6f4ea"
     operator_extra_links = (RunReportLink(),)
+    # The chunk's job ended at its end step, so the tracker names it; a supervised run's one long job
+    # trains on past it (relay.airflow.supervised), and only the step's own folder is judged.
+    tracker_at_end_step = True
+
+    def _expected_step(self, chunk) -> int | None:
+        return chunk.end_step if self.tracker_at_end_step else None
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK,
                  train_task: str | None = None, **kwargs):
@@ -201,8 +205,7 @@ class ValidateCheckpointOperator(BaseOperator):
         self.train_task = train_task
 
     def _context(self, context):
-        spec = load_spec(self.spec_path, check_environment=False)
-        run = context["ti"].xcom_pull(task_ids=self.run_from_task)["run_name"]
+        spec, run = run_spec(self.spec_path, context, self.run_from_task)
         return spec, run, ChunkPlan.from_spec(spec).chunk(self.chunk_index)
 
     def execute(self, context) -> dict:
@@ -243,7 +246,7 @@ class ValidateCheckpointOperator(BaseOperator):
         from relay.gate import admit
 
         return self._admitted(context, spec, run, chunk,
-                              admit(spec, run, chunk.end_step, expected_step=chunk.end_step).to_dict())
+                              admit(spec, run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict())
 
     def _validate_on_ray(self, context, spec, run: str, chunk) -> None:
         from relay import gate
@@ -252,8 +255,8 @@ class ValidateCheckpointOperator(BaseOperator):
         ti = context["ti"]
         sub_id = submission_id(spec.name, run, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
         if hook.jobs.get(sub_id) is None:
-            hook.jobs.submit_module(spec, "relay.gate", {gate.ENV_VAR: gate.request_json(spec, run, chunk.end_step,
-                                                                                          chunk.end_step)},
+            hook.jobs.submit_module(spec, "relay.gate", {gate.ENV_VAR: gate.request_json(
+                spec, run, chunk.end_step, self._expected_step(chunk))},
                                     sub_id, {"relay_spec": spec.name, "relay_run": run, "relay_role": "validate"})
         self.defer(trigger=RayJobTrigger(address=hook.address, submission_id=sub_id,
                                          deadline=time.time() + spec.ray.chunk_timeout_minutes * 60,
@@ -306,8 +309,7 @@ class PublishCheckpointOperator(BaseOperator):
     def execute(self, context) -> dict:
         from relay.publication import publish_checkpoint
 
-        spec = load_spec(self.spec_path, check_environment=False)
-        run = context["ti"].xcom_pull(task_ids=self.run_from_task)["run_name"]
+        spec, run = run_spec(self.spec_path, context, self.run_from_task)
         chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
         store = checkpoint_store(spec)
         if self._already_published(spec, run, chunk.end_step, store):

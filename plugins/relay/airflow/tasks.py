@@ -20,6 +20,26 @@ log = logging.getLogger(__name__)
 RUN_TASK = "preflight.run"
 
 
+def run_spec(spec_path: str, context, run_from_task: str = RUN_TASK):
+    """(spec, run) of this DAG run, as preflight.run resolved them: the spec's data paths dated with
+    the DAG run's logical date, and the training run's name."""
+    from datetime import datetime
+
+    from relay.spec import dated
+
+    spec = load_spec(spec_path, check_environment=False)
+    resolved = context["ti"].xcom_pull(task_ids=run_from_task)
+    if resolved.get("logical_date"):
+        spec = dated(spec, datetime.fromisoformat(resolved["logical_date"]))
+    return spec, resolved["run_name"]
+
+
+def logical_date(context):
+    """The DAG run's logical date; a manual trigger in Airflow 3 may have none: then when it was run."""
+    dr = context["dag_run"]
+    return getattr(dr, "logical_date", None) or dr.run_after
+
+
 def _who(context) -> str:
     dr = context["dag_run"]
     return getattr(dr, "triggering_user_name", None) or str(getattr(dr, "run_type", "") or "unknown")
@@ -29,8 +49,7 @@ def settings_guard(spec_path: str, **context) -> list[str]:
     """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded)."""
     from relay.preflight import check_settings
 
-    spec = load_spec(spec_path, check_environment=False)
-    run = context["ti"].xcom_pull(task_ids=RUN_TASK)["run_name"]
+    spec, run = run_spec(spec_path, context)
     try:
         allowed = check_settings(spec, run, allow_drift=context["params"].get("allow_drift") or [],
                                  by=_who(context), dag_run=context["dag_run"].run_id)
@@ -51,8 +70,7 @@ def data_freeze(spec_path: str, **context) -> dict:
     """First chunk: check the data's quality, freeze it, record the settings. Later: guard the sources."""
     from relay.preflight import prepare_data
 
-    spec = load_spec(spec_path, check_environment=False)
-    run = context["ti"].xcom_pull(task_ids=RUN_TASK)["run_name"]
+    spec, run = run_spec(spec_path, context)
     try:
         state = prepare_data(spec, run, store=checkpoint_store(spec), by=_who(context))
     except RelayError as e:
@@ -74,10 +92,16 @@ def preflight(spec_path: str, **context) -> dict:
     A RelayError fails the task without retries: retrying a bad spec or an unconfirmed fresh start
     cannot help, and no chunk starts.
     """
+    from relay.spec import check_spec_environment, dated, dated_run_name
+
     params = context["params"]
+    when = logical_date(context)
     try:
-        spec = load_spec(spec_path)
-        state = prepare_run(spec, params.get("run"), fresh_start=bool(params.get("fresh_start")),
+        spec = dated(load_spec(spec_path, check_environment=False), when)
+        check_spec_environment(spec)
+        # A scheduled spec: each logical date is a training run of its own, in its own folder.
+        run_name = params.get("run") or (dated_run_name(spec, when) if spec.airflow.schedule else None)
+        state = prepare_run(spec, run_name, fresh_start=bool(params.get("fresh_start")),
                             confirm=params.get("confirm_fresh_start") or "",
                             started_by=f"{context['dag_run'].run_id}")
     except RelayError as e:
@@ -95,7 +119,8 @@ def preflight(spec_path: str, **context) -> dict:
                        for name, _ in channels.senders()) or "nobody (no alert channel configured)")
     log.info("chunk plan:\n%s", ChunkPlan.from_spec(spec).describe(state.latest_step))
     _log_checklist(spec, state.run_name)
-    return {**state.to_dict(), "alert_emails": list(channels.emails)}
+    return {**state.to_dict(), "alert_emails": list(channels.emails), "logical_date": when.isoformat(),
+            "data_files": list(spec.data.train_files)}
 
 
 def _log_checklist(spec, run: str) -> None:
@@ -116,8 +141,7 @@ def _log_checklist(spec, run: str) -> None:
 
 def finish(spec_path: str, **context) -> dict:
     """Report where the run's checkpoints and metrics are."""
-    spec = load_spec(spec_path, check_environment=False)
-    run = context["ti"].xcom_pull(task_ids=RUN_TASK)["run_name"]
+    spec, run = run_spec(spec_path, context)
     state = run_state(spec, run)
     resumes = [e for e in read_events(spec.run_dir(run)) if e["event"] == "chunk_start" and e["resumed_from"]]
     log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",

@@ -84,6 +84,17 @@ class Alert:
     def headline(self) -> str:
         return KINDS[self.kind][1]
 
+    def redacted(self) -> "Alert":
+        """This alert with every known secret (relay.redaction: Airflow's masked connections, ray.env_vars
+        expanded from the environment) replaced by ***: what every channel, the ledger and the log get."""
+        from dataclasses import fields as dc_fields
+        from dataclasses import replace
+
+        from relay.redaction import redact
+
+        return replace(self, **{f.name: redact(getattr(self, f.name)) for f in dc_fields(self)
+                                if isinstance(getattr(self, f.name), (str, list)) and f.name != "kind"})
+
     # ------------------------------------------------------------------------------ rendering
     def subject(self) -> str:
         where = ", ".join(x for x in (f"chunk {self.chunk}" if self.chunk else "",

@@ -11,6 +11,7 @@ source is compared with its frozen fingerprint; the spec's data.on_source_change
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -43,9 +44,26 @@ class FrozenFile:
 
 
 def frozen_files(run_dir: Path) -> list[FrozenFile] | None:
-    """The run's frozen data, or None before its first chunk."""
+    """The run's frozen data, or None before its first chunk. The record is read back from disk (or S3):
+    each entry must name its copy as data/<its sha256>.parquet, so an altered record cannot make a
+    verification or a download write or read outside the run folder."""
     data = read_record(run_dir).get("data")
-    return [FrozenFile(**f) for f in data["files"]] if data else None
+    if not data:
+        return None
+    where = layout.relay_dir(run_dir, "run.json")
+    try:
+        files = [FrozenFile(**f) for f in data["files"]]
+    except (TypeError, KeyError) as e:
+        raise DataError(f"the frozen data in {where} is malformed ({e})",
+                        "restore the run folder's .relay/run.json, or start the run again with fresh_start") from None
+    for f in files:
+        if not (isinstance(f.sha256, str) and re.fullmatch(r"[0-9a-f]{64}", f.sha256)
+                and f.frozen == f"{FROZEN_DIR}/{f.sha256}.parquet" and f.role in ("train", "val")):
+            raise DataError(f"{where} names the frozen copy {str(f.frozen)[:80]!r} (sha256 {str(f.sha256)[:80]!r}, "
+                            f"role {str(f.role)[:20]!r}); Relay only reads {FROZEN_DIR}/<sha256>.parquet in the run "
+                            "folder", "the run record was altered: restore it, or start the run again with "
+                                      "fresh_start")
+    return files
 
 
 def freeze(spec, run: str, store=None, quality: dict | None = None) -> list[FrozenFile]:

@@ -66,9 +66,11 @@ class QualityReport:
         lines = [head]
         for f in self.failures:
             where = f" on {f.column}" if f.column else ""
-            count = (f": {f.unexpected_count} rows ({f.unexpected_percent:.2f}%)"
-                     if f.unexpected_count is not None else f": observed {f.observed!r}" if f.observed is not None
-                     else "")
+            # An aggregate expectation (distinct values, a mean...) may give a count without a percent.
+            pct = f" ({f.unexpected_percent:.2f}%)" if f.unexpected_percent is not None else ""
+            count = (f": {f.unexpected_count} rows{pct}" if f.unexpected_count is not None and pct
+                     else f": observed {f.observed!r}" if f.observed is not None
+                     else f": {f.unexpected_count} rows" if f.unexpected_count is not None else "")
             lines.append(f"  ✘ {f.expectation}{where}{count}" + (f"; e.g. {f.examples}" if f.examples else "")
                          + (f" ({f.note})" if f.note else ""))
         return "\n".join(lines)

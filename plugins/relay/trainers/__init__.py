@@ -18,6 +18,7 @@ class TrainerKind:
     description: str
     smoke: str | None = None  # "module:function(spec, step_dir) -> str": a forward pass on a checkpoint
     resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
+    job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
 
     def settings_model(self) -> type:
         return _load(self.settings)
@@ -31,6 +32,9 @@ class TrainerKind:
     def resolved_settings(self, spec, train_rows: int | None = None) -> dict:
         return _load(self.resolved)(spec, train_rows) if self.resolved else {}
 
+    def job_environment(self, req) -> dict[str, str]:
+        return _load(self.job_env)(req) if self.job_env else {}
+
 
 KINDS: dict[str, TrainerKind] = {
     "tiny_grpo": TrainerKind(
@@ -40,6 +44,14 @@ KINDS: dict[str, TrainerKind] = {
         description="a small, real GRPO trainer on CPU built from verl's parts (demo and CI)",
         smoke="relay.trainers.tiny_grpo.trainer:smoke",
         resolved="relay.trainers.tiny_grpo.trainer:resolved_settings",
+    ),
+    "verl_ppo": TrainerKind(
+        name="verl_ppo",
+        settings="relay.trainers.verl_ppo.settings:VerlPPOSettings",
+        train_chunk="relay.trainers.verl_ppo.trainer:train_chunk",
+        description="verl's main_ppo (v1 sync trainer) on a GPU Ray cluster, one chunk per job or one supervised job",
+        resolved="relay.trainers.verl_ppo.trainer:resolved_settings",
+        job_env="relay.trainers.verl_ppo.trainer:job_env",
     ),
 }
 

@@ -100,6 +100,7 @@ class ChunkSession:
         shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
         self.say(f"step {step}/{self.spec.total_steps} chunk {self.req.chunk or '-'} {shown} "
                  f"s/step={per:.3f} eta_chunk={eta_chunk:.0f}s eta_run={eta_run:.0f}s")
+        fault_point("after_step", step)
 
     # ------------------------------------------------------------------------------ checkpoints
     def staging_dir(self, step: int) -> Path:
@@ -117,9 +118,11 @@ class ChunkSession:
 
     def commit(self, step: int, staged: Path) -> Path:
         """Publish a staged checkpoint as global_step_<step> and point the tracker at it (lease-fenced)."""
+        fault_point("before_fsync", step)
         layout.fsync_tree(staged)
         final = layout.step_dir(self.run_dir, step)
         with self.lease.commit(self.token):
+            fault_point("before_rename", step)
             if final.exists():
                 # Left by an attempt killed after its rename but before its tracker write: never
                 # named by the tracker, so never resumed from. Kept aside, not deleted.
@@ -128,7 +131,9 @@ class ChunkSession:
                 final.rename(aside)
             staged.rename(final)
             layout.fsync_dir(self.run_dir)
+            fault_point("after_rename", step)
             layout.write_tracker(self.run_dir, step)
+            fault_point("after_tracker", step)
         record_event(self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt)
         self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
         return final
@@ -137,6 +142,25 @@ class ChunkSession:
         self.metrics.close()
         record_event(self.run_dir, "chunk_end", chunk=self.req.chunk, attempt=self.req.attempt, end_step=end_step,
                      seconds=round(time.time() - self._t0, 3))
+
+
+FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
+FAULT_PHASES = ("after_step", "mid_save", "before_fsync", "before_rename", "after_rename", "after_tracker")
+
+
+def fault_point(phase: str, step: int) -> None:
+    """A test hook. With RELAY_FAULT_PAUSE_AT=<phase>@<step> (or just <phase>) in the environment, print a
+    marker line and sleep here (RELAY_FAULT_PAUSE_S, default 600 s), so that a fault test's SIGKILL lands
+    exactly at this point: after a step's row, inside a checkpoint's save (mid_save), before its fsync,
+    before or after its rename, after its tracker write. Without the variable: one dict lookup."""
+    want = os.environ.get(FAULT_ENV)
+    if not want:
+        return
+    name, _, at = want.partition("@")
+    if name != phase or (at and at != str(step)):
+        return
+    print(f"[relay-fault] paused at {phase} step {step} pid {os.getpid()}", flush=True)
+    time.sleep(float(os.environ.get("RELAY_FAULT_PAUSE_S", "600")))
 
 
 def restore_function(req: ChunkRequest):

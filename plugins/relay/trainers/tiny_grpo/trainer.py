@@ -265,7 +265,10 @@ class _TinyGRPO:
     # --------------------------------------------------------------------------------- checkpoints
     def save(self, folder, step: int) -> None:
         """verl's layout: actor/ via verl's FSDPCheckpointManager, then data.pt as verl's trainer saves it."""
+        from relay.trainers.session import fault_point
+
         self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
+        fault_point("mid_save", step)  # a test hook: a kill here leaves a half-written staging folder
         self.torch.save(self.loader.state_dict(), folder / "data.pt")
 
     def restore(self, folder) -> None:

@@ -1,0 +1,10 @@
+"""The production trainer: verl's main_ppo (v1 sync trainer, FSDP/FSDP2, vLLM or SGLang) on a GPU Ray cluster.
+
+settings (pydantic only), overrides (Hydra overrides from the spec; compose verl's own config),
+horizon (the LR horizon across chunks; verl's contract), chunk_trainer (the subclass of verl's
+sync trainer that stops at a chunk's end), runner (verl's TaskRunner with the trainer installed in
+the actor), hygiene (before a resume), tracking (one tracking run per training run), trainer (the
+job's driver), supervised (one long job whose checkpoints the chunk tasks wait for).
+Only settings, tracking and supervised are imported on the Airflow side; nothing here imports verl,
+torch or ray at module level.
+"""

@@ -1,0 +1,153 @@
+"""Settings of the production trainer (verl's main_ppo), as written under `trainer.settings` in a run spec.
+
+Imports only pydantic, so a spec can be validated where verl is not installed (the DAG processor).
+Every key here becomes a Hydra override of verl's own ppo_trainer.yaml (see overrides.py); what a
+spec does not name keeps verl's default. `overrides` passes any other key of verl's config through,
+except the keys Relay owns (the loop bound, the horizon, the checkpoint folder, resume, saving).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from relay.specmodel import StrictModel, critical
+
+# Hydra override keys Relay sets from the spec and the chunk; a spec's `overrides` may not name them.
+RELAY_OWNED_KEYS = (
+    "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.save_freq",
+    "trainer.total_training_steps", "trainer.total_epochs", "trainer.val_before_train", "trainer.test_freq",
+    "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.nnodes",
+    "trainer.n_gpus_per_node", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
+    "trainer.remove_previous_ckpt_in_save", "trainer.del_local_ckpt_after_load", "trainer.default_hdfs_dir",
+    "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.val_only",
+    "data.train_files", "data.val_files", "data.train_batch_size", "data.shuffle", "data.seed",
+    "data.max_prompt_length", "data.max_response_length", "data.train_max_samples",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.actor.strategy", "actor_rollout_ref.actor.optim",
+    "actor_rollout_ref.actor.checkpoint.async_save", "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.n", "algorithm.adv_estimator", "critic.optim.total_training_steps",
+    "ray_kwargs.ray_init.address",
+)
+_OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)=(.*)$", re.DOTALL)
+
+
+class VerlOptimSettings(StrictModel):
+    """The actor's optimizer and LR schedule (verl's FSDPOptimizerConfig). The schedule's horizon is
+    always the run's total_steps, whatever the chunk."""
+
+    lr: float = Field(1e-6, gt=0)
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(-1, description="absolute warmup steps; <= 0 uses lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0, le=1, description="warmup as a share of the run's total steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    num_cycles: float = Field(0.5, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    clip_grad: float = Field(1.0, gt=0)
+
+    @property
+    def horizon_dependent(self) -> bool:
+        """Whether the LR at a step depends on the schedule's horizon (the total number of steps)."""
+        return self.lr_scheduler_type == "cosine" or (self.lr_warmup_steps <= 0 and self.lr_warmup_steps_ratio > 0)
+
+
+class VerlPPOSettings(StrictModel):
+    """verl's main_ppo (v1 sync trainer) on a GPU Ray cluster, one Ray job per chunk or one supervised job."""
+
+    mode: Literal["chunked", "supervised"] = Field(
+        "chunked", description="chunked: one Ray job per chunk, each stops at the chunk's end step; supervised: "
+                               "one long job saving every chunk_steps, each chunk task waits for its checkpoint")
+    model_path: str = critical(min_length=1, description="Hugging Face model folder on shared storage")
+    rollout_name: Literal["vllm", "sglang"] = critical("vllm")
+    fsdp_version: Literal[1, 2] = critical(2, description="1: strategy fsdp, 2: fsdp2")
+    nnodes: int = critical(1, ge=1)
+    n_gpus_per_node: int = critical(8, ge=1)
+    adv_estimator: str = critical("grpo", min_length=1, description="verl's algorithm.adv_estimator (gae has a critic)")
+    rollout_n: int = critical(5, ge=1, description="responses per prompt")
+    train_batch_size: int = critical(1024, gt=0, description="prompts per step")
+    ppo_mini_batch_size: int = critical(256, gt=0)
+    max_prompt_length: int = critical(512, gt=0)
+    max_response_length: int = critical(1024, gt=0)
+    temperature: float = critical(1.0, gt=0)
+    clip_ratio: float = critical(0.2, gt=0)
+    entropy_coeff: float = critical(0.0, ge=0)
+    use_kl_loss: bool = critical(True)
+    kl_loss_coef: float = critical(0.001, ge=0)
+    kl_loss_type: str = critical("low_var_kl")
+    use_kl_in_reward: bool = critical(False)
+    total_epochs: int = critical(15, gt=0)
+    shuffle: bool = critical(True)
+    optim: VerlOptimSettings = critical(default_factory=VerlOptimSettings)
+    project_name: str | None = critical(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                        description="tracking project; default relay-<spec name>")
+    experiment_name: str | None = critical(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                           description="tracking experiment; default the run's name")
+    overrides: list[str] = critical(default_factory=list, description="more Hydra overrides of verl's config "
+                                                                       "(key=value, keys that exist in verl's "
+                                                                       "ppo_trainer.yaml)")
+    # Not resume-critical: speed and memory knobs, logging, validation, saving.
+    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0)
+    log_prob_micro_batch_size_per_gpu: int = Field(32, gt=0)
+    tensor_model_parallel_size: int = Field(2, ge=1, description="rollout tensor parallelism")
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    logger: list[Literal["console", "wandb", "mlflow", "tensorboard", "file"]] = Field(
+        default_factory=lambda: ["console"], description="verl's tracking backends")
+    test_freq: int = Field(-1, description="validate every N steps (verl's test_freq); <= 0: only at the run's end")
+    validate_every_chunk: bool = Field(False, description="also validate at every chunk's end (verl validates on "
+                                                          "its last step; only the run's real end does by default)")
+    val_before_train: bool = Field(True, description="validate before the first step (only ever in chunk 1)")
+    save_freq: int = Field(0, ge=0, description="also save every N steps inside a chunk (0: at each chunk's "
+                                                "end). In supervised mode it must divide chunk_steps")
+    ray_address: str = Field("auto", min_length=1, description="what the job's ray.init attaches to: the cluster "
+                                                               "the job runs on ('auto'), never a new local one")
+
+    @field_validator("model_path")
+    @classmethod
+    def _model_path_is_plain(cls, v: str) -> str:
+        if "${" in v or not v.startswith("/"):
+            raise ValueError("give the model's absolute path on shared storage (settings are not expanded, and verl "
+                             "would read ${...} as an interpolation)")
+        return v
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides_are_plain(cls, v: list[str]) -> list[str]:
+        for item in v:
+            m = _OVERRIDE.match(item.strip())
+            if not m:
+                raise ValueError(f"override {item!r} is not key=value with a key of verl's ppo_trainer.yaml (no +, ~ "
+                                 "or ++: every key must already exist in verl's config)")
+            key = m.group(1)
+            owned = next((k for k in RELAY_OWNED_KEYS if key == k or key.startswith(k + ".") or k.startswith(key + ".")),
+                         None)
+            if owned:
+                raise ValueError(f"override {item!r} sets {owned}, which Relay sets from the spec and the chunk "
+                                 "(use the spec's own keys: total_steps, chunk_steps, checkpoint_dir, data, "
+                                 "trainer.settings)")
+        return v
+
+    @model_validator(mode="after")
+    def _batches(self) -> "VerlPPOSettings":
+        if self.train_batch_size % self.ppo_mini_batch_size:
+            raise ValueError(f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide train_batch_size "
+                             f"({self.train_batch_size})")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """The actor's FSDP world size: its shard names carry it, so it may not change within a run."""
+        return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def strategy(self) -> str:
+        return "fsdp2" if self.fsdp_version == 2 else "fsdp"
+
+    @property
+    def has_critic(self) -> bool:
+        """GAE needs a critic (critic/ in every checkpoint); GRPO, RLOO and the like do not."""
+        return self.adv_estimator == "gae"
+
+    def steps_available(self, train_rows: int) -> int:
+        """Training steps the data can supply: full batches per epoch (drop_last) times epochs, as verl counts."""
+        return (train_rows // self.train_batch_size) * self.total_epochs

@@ -1,0 +1,191 @@
+"""verl's main_ppo as one Relay chunk: the job's driver.
+
+`python -m relay.trainers.job` (the Ray job's entrypoint) -> run_chunk -> train_chunk here:
+
+1. take the run's lease; move rollout-engine state out of the step folders (hygiene);
+2. find the resume point (every validation level, quarantine, fallback, restore from S3: the
+   same ChunkSession as every trainer); refuse a world-size or FSDP-version change; check that
+   verl's own lookup names the same checkpoint;
+3. check verl's contract (where its TaskRunner looks the trainer up; what keeps the LR horizon)
+   and choose how the chunk ends (horizon.chunk_strategy);
+4. build the Hydra overrides from the spec, compose verl's ppo_trainer.yaml, run verl's own
+   config validation, add the chunk for the TaskRunner;
+5. run verl's run_ppo() with Relay's TaskRunner (the chunk trainer is installed inside the actor),
+   printing a progress line per step from metrics.jsonl (the actor writes the rows; Ray prefixes
+   an actor's own output, so the driver prints the lines the stall watch reads);
+6. succeed only when the tracker has reached the chunk's end step.
+
+In supervised mode the same driver runs the whole run as one job (to the run's last step, saving
+every chunk_steps); an Airflow retry of that job resumes it the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+from relay import layout
+from relay.errors import CheckpointError, RelayError
+from relay.trainers.contract import ChunkRequest, ChunkResult
+
+
+def resolved_settings(spec, train_rows: int | None = None) -> dict:
+    """What the trainer derives from the spec and would run with, beyond the spec's own keys."""
+    from relay.trainers.verl_ppo.horizon import describe_schedule
+
+    s = spec.settings
+    out = {"resolved.world_size": s.world_size, "resolved.fsdp_version": s.fsdp_version,
+           "resolved.lr_horizon": spec.total_steps, "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
+           "resolved.lr_schedule": describe_schedule(s.optim, spec.total_steps)}
+    if train_rows is not None:
+        out["resolved.steps_per_epoch"] = train_rows // s.train_batch_size
+    return out
+
+
+def job_env(req: ChunkRequest) -> dict[str, str]:
+    """Environment of a verl chunk's Ray job, on top of Relay's own (ray_jobs.runtime_env).
+
+    RAY_OVERRIDE_JOB_RUNTIME_ENV=1: verl's run_ppo calls ray.init with its own runtime_env inside the
+    job; Ray merges it with the job's and, without this, refuses any key both name.
+    """
+    from relay.trainers.verl_ppo import tracking
+
+    return {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
+            **tracking.job_env(req.spec, req.run_name, req.run_dir)}
+
+
+def tracking_env(req: ChunkRequest) -> dict[str, str]:
+    """The ids this job's tracking uses: the job's environment first (set at submission), else derived."""
+    env = job_env(req)
+    return {k: os.environ.get(k, v) for k, v in env.items() if k.startswith(("WANDB_", "MLFLOW_"))}
+
+
+def train_chunk(req: ChunkRequest) -> ChunkResult:
+    from relay.lease import Lease
+    from relay.trainers.session import ChunkSession
+    from relay import manifest
+    from relay.trainers.verl_ppo import chunk_trainer, hygiene, horizon, overrides
+    from relay.validate import write_manifest
+
+    spec = req.spec
+    s = spec.settings
+    run_dir = req.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if req.lease_token is None:
+        req.lease_token = Lease(run_dir).acquire(f"local:{socket.gethostname()}:{os.getpid()}")
+    moved = hygiene.remove_rollout_state(run_dir)  # before anything validates or loads the folders
+    session = ChunkSession(req)
+    if moved:
+        session.say(f"moved rollout-engine state out of the checkpoints (kept in .relay/{hygiene.ASIDE}/): "
+                    + ", ".join(moved))
+    start = session.resume_step
+    if start >= req.to_step:
+        session.say(f"run {req.run_name} already reached step {start} >= {req.to_step}: nothing to train")
+        return ChunkResult(req.run_name, start, start, 0, 0.0, str(layout.step_dir(run_dir, start)))
+    hygiene.check_parallelism(spec, run_dir, start, session.resume.report)
+    hygiene.check_tracker_agrees(run_dir, start)
+    if start and session.resume.report is not None and manifest.read(layout.step_dir(run_dir, start)) is None:
+        # A checkpoint no gate saw (a mid-chunk save, a restore): the resume just validated it at every
+        # level; its manifest lets the trainer re-check the bytes right before verl's loader reads them.
+        write_manifest(session.resume.report, req.run_name, spec.settings_fingerprint())
+
+    problems = horizon.registry_problems()
+    if problems:
+        raise horizon.VerlContractError("Relay cannot install its chunk trainer where verl looks for it: "
+                                        + "; ".join(problems), "pin verl 0.9.1 in the cluster image")
+    strategy = horizon.LOOP_BOUND if s.mode == "supervised" else horizon.chunk_strategy(spec)
+    if strategy != horizon.LOOP_BOUND:
+        session.say(f"verl's loop bound cannot be lowered safely here; the schedule "
+                    f"{horizon.describe_schedule(s.optim, spec.total_steps)} does not depend on the horizon, so "
+                    f"the chunk ends through total_training_steps={req.to_step}")
+    data = session.data_files()
+    config = overrides.compose(overrides.chunk_overrides(spec, req.run_name, first_step_of_run=start == 0, data=data,
+                                                         strategy=strategy, end_step=req.to_step))
+    from verl.utils.device import auto_set_device
+
+    auto_set_device(config)
+    overrides.check_config(config)
+    chunk_trainer.attach(config, chunk_trainer.VerlChunk(
+        request=req.to_json(), resume_step=start, end_step=req.to_step, total_steps=spec.total_steps,
+        strategy=strategy, validate_chunk_end=s.validate_every_chunk, test_freq=s.test_freq,
+        tracking_env=tracking_env(req), run_dir=str(run_dir)))
+
+    session.begin()
+    watcher = ProgressWatcher(session, start, req.to_step)
+    t0 = time.time()
+    try:
+        run_verl(config)
+    finally:
+        watcher.stop()
+        latest = _tracker(run_dir)
+        session.finish(latest or start)
+    if latest is None or latest < req.to_step:
+        raise CheckpointError(f"verl ended at step {latest or start}, before the chunk's end step {req.to_step}",
+                              "the retry resumes from the latest valid checkpoint")
+    return ChunkResult(req.run_name, start, req.to_step, req.to_step - start, time.time() - t0,
+                       str(layout.step_dir(run_dir, req.to_step)))
+
+
+def run_verl(config) -> None:
+    """verl's run_ppo with Relay's TaskRunner. A Relay error raised in the actor keeps its exit code."""
+    from verl.trainer.main_ppo import run_ppo
+
+    from relay.trainers.verl_ppo.runner import task_runner_class
+
+    try:
+        run_ppo(config, task_runner_class=task_runner_class())
+    except Exception as e:  # ray.exceptions.RayTaskError wraps what the actor raised, as .cause
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, RelayError):
+            raise cause from None
+        raise
+
+
+def _tracker(run_dir) -> int | None:
+    try:
+        return layout.read_tracker(run_dir)
+    except RelayError:
+        return None
+
+
+class ProgressWatcher:
+    """Print `[relay] step N/T ...` for every metrics row the actor writes (the stall watch reads these)."""
+
+    def __init__(self, session, start: int, end: int, poll_s: float = 2.0):
+        from relay.metrics import MetricsLog
+
+        self.session, self.last, self.end, self.poll_s = session, start, end, poll_s
+        self.metrics = MetricsLog(session.run_dir)
+        self._times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="relay-progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> list[int]:
+        printed = []
+        for row in self.metrics.rows():
+            step = row.get("step", 0)
+            if step <= self.last or row.get("attempt") != self.session.req.attempt:
+                continue
+            self.last = step
+            self._times.append(float(row.get("seconds") or 0.0))
+            recent = self._times[-20:]
+            per = sum(recent) / len(recent)
+            total = self.session.spec.total_steps
+            shown = " ".join(f"{k}={row[k]:.4g}" for k in ("reward_mean", "loss", "kl", "lr", "response_length")
+                             if isinstance(row.get(k), (int, float)))
+            self.session.say(f"step {step}/{total} chunk {self.session.req.chunk or '-'} {shown} s/step={per:.3f} "
+                             f"eta_chunk={per * (self.end - step):.0f}s eta_run={per * (total - step):.0f}s")
+            printed.append(step)
+        return printed
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()

@@ -1,0 +1,147 @@
+"""Relay on a real Airflow: the api-server, scheduler, dag-processor and triggerer as separate
+processes on the machine's PostgreSQL (a database of its own, made here), with the session's Ray head
+and S3 server. Runs are triggered through the REST API v2 as the UI does; a backfill goes through
+the CLI; the scheduler and triggerer are killed in the middle of a chunk and started again."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT, write_spec
+from relay import stack
+from relay.airflow_api import AirflowAPI, AirflowAPIError
+from relay.data.fingerprint import sha256_file
+from relay.ray_jobs import RayJobs
+from relay.runs import read_record
+from relay.spec import load_spec
+from relay.store import store_for_spec
+from support.receivers import free_port
+
+PG = dict(host="127.0.0.1", port=5432, user="postgres")
+DATA = ROOT / "include" / "data" / "arith_train.parquet"
+MONDAYS = ("20250106", "20250113")
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory, ray_address):
+    """Airflow's four processes on a fresh PostgreSQL database, reading this module's run specs."""
+    import psycopg2
+
+    base = tmp_path_factory.mktemp("e2e")
+    runs, data = base / "runs", base / "data"
+    data.mkdir()
+    write_spec(runs, name="e2e", total_steps=40, chunk_steps=20)
+    for i, day in enumerate(MONDAYS):  # each week's prompts differ: its run freezes its own
+        table = pq.read_table(DATA)
+        pq.write_table(table.slice(i), data / f"prompts-{day}.parquet")
+    write_spec(runs, name="weekly", total_steps=6, chunk_steps=6, **{
+        "airflow.schedule": "0 0 * * 1", "airflow.start_date": "2025-01-06",
+        "data.train_files": [str(data / "prompts-{{ ds_nodash }}.parquet")], "data.val_files": []})
+
+    db = f"relay_e2e_{uuid.uuid4().hex[:8]}"
+    con = psycopg2.connect(dbname="postgres", **PG)
+    con.autocommit = True
+    con.cursor().execute(f"CREATE DATABASE {db}")
+    saved = {k: os.environ.get(k) for k in ("RELAY_STACK_DIR", "RELAY_AIRFLOW_API_PORT")}
+    os.environ.update(RELAY_STACK_DIR=str(base / "stack"), RELAY_AIRFLOW_API_PORT=str(free_port()))
+    env = stack.airflow_env(base / "home", f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}", parallelism=4)
+    env.update(RELAY_RUNS_DIR=str(runs), AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60")
+    try:
+        stack.airflow_start(env)
+        api = AirflowAPI(stack.airflow_url(), "admin", stack.airflow_password(base / "home"))
+        yield {"api": api, "env": env, "runs": runs, "data": data, "home": base / "home"}
+    finally:
+        for comp in stack.AIRFLOW_COMPONENTS:
+            stack.stop_process(f"airflow-{comp}")
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        con.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        con.close()
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_chunk(airflow, ray_address):
+    api = airflow["api"]
+    api.wait_for_dag("relay_e2e")
+    run_id = api.trigger("relay_e2e", {"run": "ui", "alert_channels": []})["dag_run_id"]
+
+    def chunk_2_deferred():
+        states = {t["task_id"]: t["state"] for t in api.task_instances("relay_e2e", run_id)}
+        return states.get("chunk_02.train") == "deferred"
+
+    wait_for(chunk_2_deferred, 300, "chunk 2's train task to defer to its Ray job")
+    jobs = RayJobs(ray_address)
+    assert [j.status for j in jobs.live_jobs_of_run("e2e", "ui")], "chunk 2's job is training"
+    for comp in ("scheduler", "triggerer"):
+        assert stack.kill_process(f"airflow-{comp}")
+    time.sleep(3)
+    for comp in ("scheduler", "triggerer"):
+        stack.start_process(f"airflow-{comp}", [str(stack.bin_dir() / "airflow"), comp], airflow["env"],
+                            cwd=airflow["home"])
+
+    run = api.wait_for_run("relay_e2e", run_id, timeout=300)
+    assert run["state"] == "success", api.task_instances("relay_e2e", run_id)
+    chunk_2 = [j for j in jobs.client.list_jobs()
+               if (j.metadata or {}).get("relay_run") == "ui" and (j.metadata or {}).get("relay_chunk") == "2"]
+    assert [str(j.status) for j in chunk_2] == ["SUCCEEDED"], "re-attached to its job, not a second one"
+
+    spec = load_spec(airflow["runs"] / "e2e.yaml", check_environment=False)
+    assert [m.step for m in store_for_spec(spec).published("ui")] == [20, 40]
+    events = api.asset_events(source_dag_id="relay_e2e")
+    assert [(e["extra"]["run"], e["extra"]["step"]) for e in events] == [("ui", 20), ("ui", 40)]
+
+
+def test_the_api_server_listens_on_loopback_only(airflow):
+    from security.test_bind import is_loopback, listening
+
+    ips = listening(stack.ports()["RELAY_AIRFLOW_API_PORT"])
+    assert ips and all(is_loopback(ip) for ip in ips), f"the Airflow API listens on {ips}"
+
+
+def test_an_invalid_form_creates_no_run(airflow):
+    api = airflow["api"]
+    api.wait_for_dag("relay_e2e")
+    before = len(api.dag_runs("relay_e2e"))
+    for conf in ({"run": "../../etc"}, {"fresh_start": "yes"}, {"alert_channels": ["pager"]}):
+        with pytest.raises(AirflowAPIError) as refused:
+            api.trigger("relay_e2e", conf)
+        assert refused.value.status == 400, refused.value.body
+    assert len(api.dag_runs("relay_e2e")) == before
+
+
+def test_a_backfill_trains_each_week_in_order_in_its_own_namespace(airflow):
+    api = airflow["api"]
+    api.wait_for_dag("relay_weekly")
+    r = stack.airflow_cli(airflow["env"], "backfill", "create", "--dag-id", "relay_weekly", "--from-date",
+                          "2025-01-06", "--to-date", "2025-01-13", "--max-active-runs", "1", check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+    def ended():
+        runs = [x for x in api.dag_runs("relay_weekly") if x["run_type"] == "backfill"]
+        return runs if len(runs) == 2 and all(x["state"] in ("success", "failed") for x in runs) else None
+
+    runs = sorted(wait_for(ended, 400, "both backfill runs to end"), key=lambda x: x["logical_date"])
+    assert [x["state"] for x in runs] == ["success", "success"]
+    assert [x["logical_date"][:10] for x in runs] == ["2025-01-06", "2025-01-13"]
+    assert runs[0]["end_date"] <= runs[1]["start_date"], "one run at a time, oldest first"
+
+    spec = load_spec(airflow["runs"] / "weekly.yaml", check_environment=False)
+    for day in MONDAYS:
+        run_dir = spec.run_dir(f"weekly-{day}")
+        frozen = read_record(run_dir)["data"]["files"]
+        assert [f["sha256"] for f in frozen] == [sha256_file(airflow["data"] / f"prompts-{day}.parquet")[0]]
+        assert (run_dir / "global_step_6" / "relay_manifest.json").is_file()
+        assert [m.step for m in store_for_spec(spec).published(f"weekly-{day}")] == [6]
