@@ -28,5 +28,6 @@ else
   stop+=("$PY -m relay stack down")
 fi
 
-# Two workers, one test file each at a time: most tests wait on Ray, Airflow or S3 as much as on the CPU.
-$PY -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile "$@"
+# Three workers on two cores, one test file each at a time: most tests wait on Ray, Airflow or S3 as
+# much as on the CPU (the slowest files are collected first: tests/conftest.py).
+$PY -m pytest -n "${RELAY_TEST_WORKERS:-3}" --dist loadfile "$@"

@@ -22,7 +22,8 @@ DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
 # The slowest files first: xdist hands out files in collection order, so a long file collected last
 # would run alone at the end while the other worker idles (longest-first scheduling).
 SLOW_FIRST = ("e2e/test_real_airflow.py", "airflow/test_run_dag.py", "airflow/test_data_dag.py",
-              "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "trainers/test_verl_chunk.py")
+              "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "trainers/test_verl_chunk.py",
+              "faults/test_s3_faults.py", "core/test_report.py")
 
 
 def pytest_collection_modifyitems(config, items):
