@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Benchmarks: ./scripts/bench.sh checkpoints [args]. Each prints ratios against a named baseline,
+# Benchmarks: ./scripts/bench.sh checkpoints|data|overhead [args]. Each prints ratios against a named baseline,
 # measured in the same run. Starts the S3 server it needs; stops it at the end if it started it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 PY=.venv/bin/python
-if [ ! -x .venv-bench/bin/aws ]; then
+what=${1:-checkpoints}; shift || true
+if [ "$what" = checkpoints ] && [ ! -x .venv-bench/bin/aws ]; then
   # The aws CLI pins its own botocore, which conflicts with boto3's: it gets a venv of its own.
   python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -q awscli==1.46.3
 fi
@@ -15,6 +16,5 @@ if ! $PY -c 'import sys, relay.stack as s; sys.exit(0 if s._http_ok(s.s3_endpoin
   $PY -c 'import relay.stack as s; s.s3_start()'
   trap '$PY -c "import relay.stack as s; s.stop_process(\"s3\", timeout=2)"; rm -rf "$RELAY_STACK_DIR"' EXIT
 fi
-what=${1:-checkpoints}; shift || true
 # overhead starts the whole local stack itself (Airflow, Ray, S3) unless it runs.
 $PY "bench/$what.py" "$@"
