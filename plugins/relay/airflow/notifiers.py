@@ -277,18 +277,16 @@ class RelayAlertNotifier(BaseNotifier):
         error = context.get("exception")
         text = str(error) if error is not None else "the task failed (no exception was passed to the callback)"
         first, _, rest = text.partition("\n")
-        step, _ = last_valid(spec, run)
-        resume = f"the run resumes from step {step or 0}"
+        kind = "retry" if self.retry else kind_of(error, _failure_kind(ti.task_id))
+        alert = alert_for(context, spec, run, kind, first, details=rest.strip(), chunk=_chunk_of(ti.task_id))
+        resume = f"the run resumes from step {alert.last_valid_step or 0}"  # last_valid read once, S3 included
         if self.retry:
-            kind = "retry"
-            action = f"Airflow retries the task (try {ti.try_number + 1} of {ti.max_tries + 1}); {resume}"
+            alert.action = f"Airflow retries the task (try {ti.try_number + 1} of {ti.max_tries + 1}); {resume}"
         else:
-            kind = kind_of(error, _failure_kind(ti.task_id)) if error is not None else _failure_kind(ti.task_id)
-            action = (f"Airflow gave up after try {ti.try_number}; this DAG run stops here, nothing is lost. "
-                      f"Clear the task (or trigger with run={run}) and {resume}")
-        chunk = _chunk_of(ti.task_id)
-        notify(context, spec, run, kind, first, details=rest.strip(), action=action, chunk=chunk,
-               scope=f"try{ti.try_number}" if self.retry else "")
+            alert.action = (f"Airflow gave up after try {ti.try_number}; this DAG run stops here, nothing is lost. "
+                            f"Clear the task (or trigger with run={run}) and {resume}")
+        scope = f"try{ti.try_number}" if self.retry else ""
+        send_once(context, spec, run, alert, event_key(context, spec, kind, scope))
 
 
 def _failure_kind(task_id: str) -> str:
