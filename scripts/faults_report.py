@@ -57,7 +57,7 @@ def cases(paths: list[Path]) -> list[dict]:
     return out
 
 
-def render(rows: list[dict], sources: list[Path]) -> str:
+def render(rows: list[dict], sources: list[Path], wall: int | None = None, workers: int | None = None) -> str:
     passed = sum(r["outcome"] == "passed" for r in rows)
     lost = [r for r in rows if str(r.get("data_lost")) != "no"]
     seeds = sorted({str(r["test_seed"]) for r in rows if "test_seed" in r})
@@ -71,7 +71,9 @@ def render(rows: list[dict], sources: list[Path]) -> str:
         "",
         f"**{len(rows)} cases: {passed} passed, {len(rows) - passed} not passed. Data lost: "
         f"{'none' if not lost else f'{len(lost)} cases (see below)'}.**"
-        + (f" Kill points drawn with RELAY_TEST_SEED={', '.join(seeds)}." if seeds else ""),
+        + (f" Kill points drawn with RELAY_TEST_SEED={', '.join(seeds)}." if seeds else "")
+        + (f" The suite ran in {wall // 60} min {wall % 60:02d} s (install and services included) on {workers} "
+           "pytest workers." if wall is not None else ""),
         "",
         "Each case asserts that the run finishes, that its final weights are bitwise those of an "
         "uninterrupted run with the same seed, and that the steps lost are at most the steps since the last "
@@ -111,12 +113,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("junit", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "FAULTS.md")
+    p.add_argument("--wall", type=int, help="the suite's wall time in seconds (scripts/faults.sh measures it)")
+    p.add_argument("--workers", type=int, help="pytest workers it ran on")
     args = p.parse_args(argv)
     rows = ordered(cases(args.junit))
     if not rows:
         print(f"no fault cases in {', '.join(map(str, args.junit))}", file=sys.stderr)
         return 2
-    args.out.write_text(render(rows, args.junit))
+    args.out.write_text(render(rows, args.junit, args.wall, args.workers))
     bad = [r for r in rows if r["outcome"] != "passed" or str(r.get("data_lost")) != "no"]
     print(f"{args.out}: {len(rows)} cases, {len(rows) - len(bad)} passed with no data lost")
     return 1 if bad else 0

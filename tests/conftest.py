@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from support.faults import fault_row  # noqa: F401 (a fixture: a fault case's row of docs/FAULTS.md)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
@@ -21,9 +23,12 @@ DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
 
 # The slowest files first: xdist hands out files in collection order, so a long file collected last
 # would run alone at the end while the other worker idles (longest-first scheduling).
-SLOW_FIRST = ("e2e/test_real_airflow.py", "airflow/test_run_dag.py", "airflow/test_data_dag.py",
-              "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "trainers/test_verl_chunk.py",
-              "faults/test_s3_faults.py", "core/test_report.py")
+SLOW_FIRST = ("e2e/test_real_airflow.py", "airflow/test_run_dag.py", "faults/test_ray_head_orphan.py",
+              "faults/test_ray_head_restart.py", "airflow/test_data_dag.py", "airflow/test_alerts_dag.py",
+              "faults/test_kill_points.py", "faults/test_s3_outage.py", "faults/test_disk_full.py",
+              "trainers/test_verl_chunk.py", "faults/test_corruption_stack.py", "core/test_validate.py",
+              "faults/test_s3_faults.py", "faults/test_corruption.py", "faults/test_data_change.py",
+              "core/test_report.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,6 +37,9 @@ def pytest_collection_modifyitems(config, items):
         return next((i for i, name in enumerate(SLOW_FIRST) if path.endswith(name)), len(SLOW_FIRST))
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+    for item in items:  # the fault suite (`-m fault`): tests/faults/, and the cases marked elsewhere
+        if "/tests/faults/" in item.path.as_posix():
+            item.add_marker(pytest.mark.fault)
 
 
 DELETE = object()  # an override value that removes the key

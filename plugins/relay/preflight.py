@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from relay import guard, layout
 from relay.data import freeze as frozen
 from relay.data import quality
+from relay.errors import RelayError
 from relay.metrics import record_event
 from relay.runs import RECORD, read_record
 
@@ -84,5 +85,22 @@ def _keep_report(run_dir, report: quality.QualityReport, store, run: str) -> Non
 def before_chunk(spec, run: str, *, allow_drift=(), by: str = "", dag_run: str = "") -> dict:
     """What every chunk re-checks just before its job: settings drift and the data sources."""
     allowed = check_settings(spec, run, allow_drift=allow_drift, by=by, dag_run=dag_run)
-    changes = frozen.check_sources(spec, run)  # nothing before the freeze
+    try:
+        changes = frozen.check_sources(spec, run)  # nothing before the freeze
+    except frozen.SourceDriftError as e:
+        raise _with_quality(spec, e) from None
     return {"allowed_drift": allowed, "source_changes": [c.summary() for c in changes]}
+
+
+def _with_quality(spec, e: frozen.SourceDriftError) -> frozen.SourceDriftError:
+    """A changed source that also fails the data-quality suite says so: "1 row(s) changed" alone does not
+    tell a null ground_truth or a duplicated index from an edited prompt."""
+    changed = [str(c.file.source) for c in e.changes if c.diff is not None]
+    try:
+        bad = [r for r in check_quality(spec, changed) if not r.ok]
+    except RelayError:  # the suite itself failed: the change alone is reported, as before
+        return e
+    if not bad:
+        return e
+    return frozen.SourceDriftError(e.what + "\nthe changed source also fails the data-quality suite:\n"
+                                   + "\n".join(r.summary() for r in bad), e.fix, e.changes)

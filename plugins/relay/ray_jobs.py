@@ -123,6 +123,7 @@ class RayJobs:
         return self.client.submit_job(
             entrypoint=entrypoint(req), submission_id=sub_id, runtime_env=runtime_env(req), metadata=metadata,
             entrypoint_num_cpus=req.spec.ray.entrypoint_num_cpus,
+            entrypoint_resources=req.spec.ray.entrypoint_resources or None,
         )
 
     def submit_module(self, spec, module: str, env: dict[str, str], sub_id: str, metadata: dict[str, str]) -> str:
@@ -132,6 +133,7 @@ class RayJobs:
             runtime_env={"py_modules": [str(project.package_dir())],
                          "env_vars": {**job_env_vars(spec), **env, "PYTHONUNBUFFERED": "1"}},
             entrypoint_num_cpus=spec.ray.entrypoint_num_cpus,
+            entrypoint_resources=spec.ray.entrypoint_resources or None,
         )
 
     def live_jobs_of_run(self, spec_name: str, run_name: str) -> list[JobState]:

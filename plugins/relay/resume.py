@@ -38,7 +38,11 @@ def quarantine(run_dir: Path, report: CheckReport) -> Path:
     """Move an invalid checkpoint aside with its report; re-point nothing (see fall_back)."""
     run_dir = Path(run_dir)
     src = layout.step_dir(run_dir, report.step)
-    dest = layout.relay_dir(run_dir, QUARANTINE, f"{src.name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+    dest = layout.relay_dir(run_dir, QUARANTINE, f"{src.name}.{stamp}")
+    n = 1
+    while dest.exists():  # the same step quarantined again within the second: never overwrite the first
+        dest, n = layout.relay_dir(run_dir, QUARANTINE, f"{src.name}.{stamp}-{n}"), n + 1
     dest.parent.mkdir(parents=True, exist_ok=True)
     src.rename(dest)
     (dest.parent / f"{dest.name}.report.json").write_text(report.to_json())
@@ -59,11 +63,14 @@ def quarantined(run_dir: Path) -> list[dict]:
     return out
 
 
-def find_resume_point(run_dir: Path, *, restore: Callable[[Path], tuple[int, str] | None] | None = None,
+def find_resume_point(run_dir: Path, *,
+                      restore: Callable[..., tuple[int, str] | None] | None = None,
                       smoke=None) -> ResumePoint:
     """Validate candidates newest first (the tracker's, then older step folders); quarantine the
-    invalid ones; point the tracker at the first valid one. Fall back to `restore` (from the store)
-    when no local checkpoint is valid. Raises when checkpoints existed and none is valid anywhere.
+    invalid ones; point the tracker at the first valid one. `restore(run_dir, above=N)` (from the store)
+    is asked first for a published checkpoint newer than that one when a newer local one was refused
+    (its published copy is whole: no step is trained twice), and for any when no local checkpoint is
+    valid. Raises when checkpoints existed and none is valid anywhere.
     """
     run_dir = Path(run_dir)
     point = ResumePoint(0)
@@ -83,6 +90,9 @@ def find_resume_point(run_dir: Path, *, restore: Callable[[Path], tuple[int, str
             continue  # written after the tracker last moved: never committed (e.g. killed mid-publish)
         report = validate_checkpoint(run_dir, step, smoke=smoke)
         if report.ok:
+            if point.quarantined and restore is not None and (restored := _restore_newer(restore, run_dir, step)):
+                point.step, point.restored_from = restored
+                return point
             if tracker != step:
                 layout.write_tracker(run_dir, step)
                 record_event(run_dir, "fallback", step=step, tracker_was=tracker)
@@ -106,6 +116,19 @@ def find_resume_point(run_dir: Path, *, restore: Callable[[Path], tuple[int, str
             f"`python -m relay checkpoint restore`, or trigger with fresh_start to start from step 0",
         )
     return point
+
+
+def _restore_newer(restore, run_dir: Path, step: int) -> tuple[int, str] | None:
+    """A published checkpoint newer than local `step`, or None; an unreachable store is no reason to fail
+    when a valid local checkpoint is there."""
+    from relay.errors import RelayError
+
+    try:
+        return restore(run_dir, above=step)
+    except RelayError as e:
+        print(f"[relay] no newer published checkpoint looked at ({e.what}); resuming from local step {step}",
+              flush=True)
+        return None
 
 
 def _set_aside_tracker(run_dir: Path) -> None:

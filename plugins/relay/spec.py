@@ -81,6 +81,9 @@ class RaySpec(StrictModel):
     conn_id: str = Field("relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
     python: str = Field("python", description="interpreter the job's entrypoint runs on the cluster")
     entrypoint_num_cpus: float = Field(1, ge=0)
+    entrypoint_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "custom Ray resources the job's entrypoint (the trainer's driver) needs, e.g. {trainer_node: 1} to "
+        "keep it off the head node"))
     chunk_timeout_minutes: float = Field(120, gt=0, description="a chunk's job is stopped after this long")
     poll_seconds: float = Field(2.0, gt=0)
     env_vars: dict[str, str] = Field(default_factory=dict, description=(

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from relay import integrity, layout, manifest
 from relay.errors import CheckpointError, RelayError
+from relay.faultpoint import fault_point
 
 STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/\Z")
 LATEST = "latest.json"
@@ -257,6 +258,7 @@ class CheckpointStore:
             self._finish(up)
             result.uploaded.append(rel)
             result.bytes_uploaded += m.files[rel]["size"]
+        fault_point("publish_files", step)
         self.verify(run, m)
         self._put_bytes(self.step_key(run, step, manifest.NAME), m.to_json().encode())
         try:
@@ -391,9 +393,10 @@ class CheckpointStore:
                                   "an older published checkpoint is tried next")
         layout.atomic_write(dest / manifest.NAME, m.to_json().encode())
 
-    def restore(self, run: str, run_dir: Path, *, step: int | None = None,
+    def restore(self, run: str, run_dir: Path, *, step: int | None = None, above: int = 0,
                 log: Callable[[str], None] = print) -> tuple[int, str] | None:
-        """Restore the newest valid published checkpoint (at most `step`) into run_dir; set the tracker.
+        """Restore the newest valid published checkpoint (at most `step`, newer than `above`) into run_dir;
+        set the tracker.
 
         Candidates are tried newest first; one that fails its checksums or its validation is skipped.
         Returns (step, uri), or None when nothing valid is published.
@@ -402,7 +405,7 @@ class CheckpointStore:
 
         run_dir = Path(run_dir)
         for s in sorted(self.steps(run), reverse=True):
-            if step is not None and s > step:
+            if (step is not None and s > step) or s <= above:
                 continue
             try:
                 m = self.manifest(run, s)
@@ -448,7 +451,8 @@ def store_for_spec(spec, client=None) -> CheckpointStore:
                            concurrency=s3.concurrency, extra_args=extra)
 
 
-def restore_for_resume(spec, run: str, run_dir: Path) -> tuple[int, str] | None:
-    """Called by a trainer whose run has no valid local checkpoint: restore from S3 if one is published."""
+def restore_for_resume(spec, run: str, run_dir: Path, above: int = 0) -> tuple[int, str] | None:
+    """Called by a trainer whose run has no valid local checkpoint newer than `above`: restore from S3 if
+    one is published."""
     store = store_for_spec(spec)
-    return store.restore(run, run_dir, log=lambda msg: print(f"[relay] {msg}", flush=True))
+    return store.restore(run, run_dir, above=above, log=lambda msg: print(f"[relay] {msg}", flush=True))

@@ -57,7 +57,8 @@ def frozen_run(airflow_home, tmp_path_factory):
     return {"spec": spec, "source": source, "run_dir": run_dir, "rc": rc, "out": out}
 
 
-def test_use_frozen_finishes_on_the_frozen_bytes_and_resumes_exactly(frozen_run, ray_address, airflow_home):
+@pytest.mark.fault
+def test_use_frozen_finishes_on_the_frozen_bytes_and_resumes_exactly(frozen_run, ray_address, airflow_home, fault_row):
     assert frozen_run["rc"] == 0, frozen_run["out"][-4000:]
     assert "training continues on the frozen copy" in frozen_run["out"]
     warned = "[relay WARNING] dfrozen: source data changed; training continues on the frozen copy"
@@ -70,6 +71,12 @@ def test_use_frozen_finishes_on_the_frozen_bytes_and_resumes_exactly(frozen_run,
     assert [r["step"] for r in read_metrics(rd)] == list(range(1, STEPS + 1))
     files = read_record(rd)["data"]["files"]
     assert [f["rows"] for f in files] == [1000], "trained on the frozen 1000 rows, not the 1001 of the source"
+    fault_row(case="data-change", layer="full stack (Airflow, Ray, S3)",
+              fault="a row is appended to the source parquet between chunk 1 and chunk 2 of a run whose spec says "
+                    "data.on_source_change: use_frozen",
+              action="chunk 2's preflight found the change, alerted once (a warning) and went on: the trainer read "
+                     "the frozen copy, verified by sha256, so chunk 2 resumed from step 6 on the same 1000 rows",
+              steps_lost=0)
 
 
 def test_settings_drift_is_refused_and_allow_drift_is_recorded(frozen_run, airflow_home):

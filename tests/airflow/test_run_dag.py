@@ -13,7 +13,7 @@ from conftest import (assert_bitwise_equal, dags_test, model_state, ray_baseline
                       start_dags_test, write_spec)
 from relay import layout
 from relay.lease import Lease
-from relay.metrics import read_events
+from relay.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.ray_jobs import RayJobs
 from relay.spec import load_spec
 from relay.store import store_for_spec
@@ -54,7 +54,8 @@ def killed_run(airflow_home, ray_address, spec_path) -> dict:
     return {"run_dir": rd, "returncode": returncode, "out": out}
 
 
-def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, ray_address, spec_path):
+@pytest.mark.fault
+def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, ray_address, spec_path, fault_row):
     assert killed_run["returncode"] == 0, killed_run["out"][-5000:]
     assert "ended STOPPED" in killed_run["out"], "chunk 2's first try must fail because its job was stopped"
     assert "resume checklist (as `python -m relay doctor" in killed_run["out"]
@@ -70,6 +71,14 @@ def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, ray_address
     assert [(e["chunk"], e["resumed_from"]) for e in starts] == [(1, 0), (2, 6), (2, 6)]
     assert starts[1]["attempt"].endswith("-c02-t1") and starts[2]["attempt"].endswith("-c02-t2")
     assert starts[2]["lease_token"] > starts[1]["lease_token"]
+    retrained = [r["step"] for r in read_jsonl(rd / SUPERSEDED) if r["attempt"] == starts[1]["attempt"]]
+    assert retrained and min(retrained) == 7, "steps after checkpoint 6 only"
+    fault_row(case="trainer-kill", layer="full stack (Airflow, Ray, S3)",
+              fault=f"chunk 2's Ray job is stopped after step {max(retrained)} (its trainer frozen, then Ray's stop: "
+                    "SIGTERM, SIGKILL), as a preemption or a lost node ends it",
+              action="the try failed (job STOPPED) with the job's log tail; Airflow's retry stopped any live job of "
+                     "the run, took a newer lease and resumed from checkpoint 6 (rows 7.. of the killed try kept in "
+                     "metrics.superseded.jsonl)", steps_lost=len(retrained))
 
 
 def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_home, spec_path):

@@ -12,6 +12,7 @@ from relay import layout, manifest
 from relay.gate import admit_dir
 from relay.resume import find_resume_point
 from relay.validate import validate_checkpoint
+from support.corrupt import DEFECTS
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 import verl_checkpoint  # noqa: E402
@@ -46,55 +47,14 @@ def test_verl_checkpoints_validate_at_every_world_size(verl_checkpoints, tmp_pat
     assert m.params["model.embed_tokens.weight"] == [64, 32, "float32"]
 
 
-def _truncate(p):
-    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
-
-
-def _flip(p):
-    b = bytearray(p.read_bytes())
-    b[len(b) // 2] ^= 0x01
-    p.write_bytes(bytes(b))
-
-
-def _nan(p):
-    import torch
-
-    sd = torch.load(p, weights_only=True)
-    sd["model.embed_tokens.weight"][0, 0] = float("nan")
-    torch.save(sd, p)
-
-
-def _runs_code(p):
-    import torch
-
-    class Evil:
-        def __reduce__(self):
-            return (exec, (f"open({str(p.parent / 'PWNED')!r}, 'w').write('ran')",))
-
-    torch.save({"rng": Evil()}, p)
-
-
 ACTOR = "global_step_1/actor"
-DEFECTS = {
-    "missing optim": (lambda r: (r / ACTOR / "optim_world_size_1_rank_0.pt").unlink(), "structure", "optim_world"),
-    "missing extra_state": (lambda r: (r / ACTOR / "extra_state_world_size_1_rank_0.pt").unlink(), "structure",
-                            "extra_state"),
-    "missing data.pt": (lambda r: (r / "global_step_1/data.pt").unlink(), "structure", "data.pt"),
-    "truncated shard": (lambda r: _truncate(r / ACTOR / "model_world_size_1_rank_0.pt"), "integrity", "truncated"),
-    "zero-byte shard": (lambda r: (r / ACTOR / "model_world_size_1_rank_0.pt").write_bytes(b""), "structure",
-                        "(empty)"),
-    "flipped byte": (lambda r: _flip(r / ACTOR / "optim_world_size_1_rank_0.pt"), "integrity", "CRC32"),
-    "NaN weights": (lambda r: _nan(r / ACTOR / "model_world_size_1_rank_0.pt"), "numerics", "NaN"),
-    "pickle runs code": (lambda r: _runs_code(r / ACTOR / "extra_state_world_size_1_rank_0.pt"), "loadability",
-                         "unsafe"),
-}
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_each_defect_is_refused_quarantined_and_never_published(verl_checkpoints, tmp_path, defect):
     breaks, check, words = DEFECTS[defect]
     run = copy_run(verl_checkpoints, tmp_path, fsdp=1, ws=1)
-    breaks(run)
+    breaks(run / "global_step_1")
     uri = f"s3://relay/test-defect-{tmp_path.name}"
     r = relay_cli("checkpoint", "publish", str(run), uri)
     assert r.returncode == 1, r.stdout + r.stderr

@@ -2,7 +2,7 @@
 one uninterrupted baseline. Each case: the run finishes, its final weights are bitwise those of the
 baseline, and the steps lost are at most the steps since the last committed (valid) checkpoint.
 
-The kill lands exactly where it is meant to: the trainer's fault hook (relay.trainers.session.fault_point,
+The kill lands exactly where it is meant to: the trainer's fault hook (relay.faultpoint.fault_point,
 RELAY_FAULT_PAUSE_AT=<phase>@<step>) prints a marker and sleeps there, and the test SIGKILLs it then.
 Points are drawn from every (phase, step) of a 12-step run saving every 3 steps, with RELAY_TEST_SEED
 (default: the checked-out commit, so each CI run of a new commit tries other points);
@@ -23,8 +23,8 @@ import pytest
 
 from conftest import ROOT, assert_bitwise_equal, model_state, read_metrics, train, write_spec
 from relay import layout
-from relay.trainers.session import FAULT_ENV, FAULT_PHASES
-from support.faults import ForkServer, fault_row, kill, wait_for_line  # noqa: F401 (fault_row: a fixture)
+from relay.faultpoint import FAULT_ENV, FAULT_PHASES
+from support.faults import ForkServer, kill, wait_for_line
 
 STEPS, SAVE_FREQ, POINTS_PER_RUN, INSIDE_CHECKPOINT = 12, 3, 20, 12
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_bitwise_equal, model_state, write_spec
 from relay.spec import load_spec
 from relay.store import CheckpointStore, s3_client
-from support.faults import ForkServer, fault_row  # noqa: F401 (fault_row: a fixture)
+from support.faults import ForkServer
 from support.s3proxy import FaultyS3Proxy
 
 STEPS = 12

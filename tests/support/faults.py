@@ -1,11 +1,9 @@
-"""Helpers of the fault suite (tests/faults/): the fork server client, and `fault_row`, the fixture
+"""Helpers of the fault suite (`pytest -m fault`): the fork server client, and `fault_row`, the fixture
 through which each fault case records its row of docs/FAULTS.md (the fault, what Relay did, the
 steps lost, whether data was lost). Rows travel as a junit property (`relay_fault`), so
 `scripts/faults_report.py JUNIT.xml` builds docs/FAULTS.md from the test results alone, with each
-case's outcome: a row is never written by hand.
-
-Full-stack cases added later (Ray head death, scheduler kill, S3 stopped, disk full...) record
-their row the same way: `fault_row(case="s3-stopped", fault=..., action=..., steps_lost=..., layer="full stack")`.
+case's outcome: a row is never written by hand. tests/conftest.py makes `fault_row` every test's fixture;
+a case outside tests/faults/ is marked `@pytest.mark.fault`.
 """
 
 from __future__ import annotations
@@ -80,13 +78,14 @@ def wait_for_line(log: Path, marker: str, pid: int, timeout: float = 120) -> str
         for line in text.splitlines():
             if marker in line:
                 return line
-        if not _alive(pid):
+        if not alive(pid):
             raise AssertionError(f"process {pid} ended before printing {marker!r}:\n{text[-3000:]}")
         time.sleep(0.02)
     raise AssertionError(f"no {marker!r} from process {pid} within {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Is the process running? A zombie (ended, not yet reaped) counts as ended."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -99,3 +98,17 @@ def _alive(pid: int) -> bool:
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def wait_until(predicate, what: str, timeout: float = 300, dag_test=None):
+    """Poll until predicate() is truthy (and return it). Fails naming `what`, with the DAG run's output
+    when the background `airflow dags test` ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        if dag_test is not None and dag_test.proc.poll() is not None:
+            raise AssertionError(f"the DAG run ended before {what}:\n{dag_test.log.read_text()[-5000:]}")
+        time.sleep(0.05)
+    tail = dag_test.log.read_text()[-5000:] if dag_test is not None else ""
+    raise AssertionError(f"no {what} within {timeout}s\n{tail}")

@@ -164,13 +164,22 @@ class RayChunkOperator(BaseOperator):
         from relay.resume import QUARANTINE
 
         for e in read_events(spec.run_dir(run)):
-            if e["event"] == "chunk_start" and e.get("attempt") == attempt and e.get("quarantined"):
-                notify(context, spec, run, "fallback",
-                       f"{chunk}: checkpoint(s) at step {', '.join(map(str, e['quarantined']))} failed validation "
-                       f"at resume; resumed from step {e['resumed_from']}", chunk=chunk.index,
-                       step=e["resumed_from"], quarantined_to=str(relay_dir(spec.run_dir(run), QUARANTINE)),
-                       action=f"quarantined them (never loaded, never published) and resumed from step "
-                              f"{e['resumed_from']}; the steps after it were trained again", scope=attempt)
+            if e["event"] != "chunk_start" or e.get("attempt") != attempt:
+                continue
+            step, bad = e["resumed_from"], e.get("quarantined")
+            if bad:
+                what = f"checkpoint(s) at step {', '.join(map(str, bad))} failed validation"
+                action = (f"quarantined them (never loaded, never published) and resumed from step {step}"
+                          + (f", restored from its published copy {e['restored_from']}" if e.get("restored_from")
+                             else "; the steps after it were trained again"))
+            elif e.get("tracker_refused"):
+                what = f"the tracker was refused ({'; '.join(e['tracker_refused'])})"
+                action = f"set the tracker aside and resumed from the newest valid checkpoint, step {step}"
+            else:
+                continue
+            notify(context, spec, run, "fallback", f"{chunk}: {what} at resume; resumed from step {step}",
+                   chunk=chunk.index, step=step, quarantined_to=str(relay_dir(spec.run_dir(run), QUARANTINE)),
+                   action=action, scope=attempt)
 
     def on_kill(self) -> None:
         """The task was killed while in execute(): stop its job (a deferred task is the trigger's on_kill)."""

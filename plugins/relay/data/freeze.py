@@ -118,6 +118,10 @@ def verify_frozen(run_dir: Path, files: list[FrozenFile], store=None) -> dict[st
 class SourceDriftError(DataError):
     """A source file changed under a run whose data.on_source_change is fail."""
 
+    def __init__(self, what: str, fix: str | None = None, changes: list[SourceChange] | None = None):
+        super().__init__(what, fix)
+        self.changes = changes or []
+
 
 @dataclass
 class SourceChange:
@@ -153,5 +157,6 @@ def check_sources(spec, run: str) -> list[SourceChange]:
             "the training data changed under run " + run + ":\n" + "\n".join(c.summary() for c in changes),
             "restore the source files, or set data.on_source_change: use_frozen to continue on the frozen copy "
             "(a new dataset is a new run: trigger with another run name or fresh_start)",
+            changes,
         )
     return changes

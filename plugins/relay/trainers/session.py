@@ -9,14 +9,19 @@ any point leaves either the previous checkpoint or the new one as latest, never 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from relay import layout
+from relay.errors import CheckpointError
+from relay.faultpoint import fault_point
 from relay.lease import Lease
 from relay.metrics import MetricsLog, record_event
 from relay.resume import find_resume_point
@@ -39,7 +44,10 @@ class ChunkSession:
         self.resume = find_resume_point(self.run_dir, restore=restore_function(req))
         self.resume_step = self.resume.step
         for q in self.resume.quarantined:
-            self.say(f"quarantined checkpoint step {q['step']}: {q['check']} failed: {q['detail']}")
+            if q["path"]:
+                self.say(f"quarantined checkpoint step {q['step']}: {q['check']} failed: {q['detail']}")
+            else:  # a tracker that names nothing valid: set aside or re-pointed, no checkpoint moved
+                self.say(f"refused the tracker: {q['check']} failed: {q['detail']}")
         if self.resume.restored_from:
             self.say(f"restored step {self.resume_step} from {self.resume.restored_from}")
         self.metrics = MetricsLog(self.run_dir)
@@ -75,7 +83,8 @@ class ChunkSession:
         record_event(self.run_dir, "chunk_start", chunk=self.req.chunk, attempt=self.req.attempt,
                      resumed_from=self.resume_step, to_step=self.req.to_step, lease_token=self.token,
                      superseded_rows=dropped, restored_from=self.resume.restored_from,
-                     quarantined=[q["step"] for q in self.resume.quarantined])
+                     quarantined=[q["step"] for q in self.resume.quarantined if q["path"]],
+                     tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]])
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
         self.say(f"run {self.req.run_name}: chunk {self.req.chunk or '-'} resumes from {where}, "
                  f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "
@@ -116,6 +125,28 @@ class ChunkSession:
                 shutil.rmtree(old, ignore_errors=True)
         return mine
 
+    @contextmanager
+    def saving(self, step: int) -> Iterator[Path]:
+        """The staging folder to write checkpoint <step> into (see staging_dir). A write that fails removes
+        it, so a failed save never leaves the disk fuller than before; a full disk is said plainly, with
+        the checkpoint the run still has and what to do."""
+        staged = self.staging_dir(step)
+        try:
+            yield staged
+        except BaseException as e:
+            free = _free_bytes(self.run_dir)
+            shutil.rmtree(staged, ignore_errors=True)
+            if not _disk_full(e, free):
+                raise
+            last = layout.read_tracker(self.run_dir)
+            raise CheckpointError(
+                f"the checkpoint disk is full: saving step {step} under {self.run_dir} failed ({e.__class__.__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else 'no space left'}; {free / 2**20:.1f} MiB free when it "
+                f"failed). The partial checkpoint was removed; the tracker still names "
+                f"{f'step {last}' if last else 'no checkpoint'}, which is intact",
+                f"free space on that volume (or lower checkpoints.keep_local), then retry the chunk: it resumes from "
+                f"{f'step {last}' if last else 'step 0'}") from e
+
     def commit(self, step: int, staged: Path) -> Path:
         """Publish a staged checkpoint as global_step_<step> and point the tracker at it (lease-fenced)."""
         fault_point("before_fsync", step)
@@ -144,23 +175,30 @@ class ChunkSession:
                      seconds=round(time.time() - self._t0, 3))
 
 
-FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
-FAULT_PHASES = ("after_step", "mid_save", "before_fsync", "before_rename", "after_rename", "after_tracker")
+def _disk_full(e: BaseException, free: int) -> bool:
+    """Did this write fail for lack of space? Python says OSError ENOSPC (or EDQUOT, a quota); torch.save's
+    zip writer says only "unexpected pos" or "file write failed", so that counts when the disk is near full."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(m in str(e) for m in ("No space left on device", "Disk quota exceeded")):
+            return True
+        if free < NEAR_FULL and any(m in str(e) for m in ("unexpected pos", "file write failed")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
-def fault_point(phase: str, step: int) -> None:
-    """A test hook. With RELAY_FAULT_PAUSE_AT=<phase>@<step> (or just <phase>) in the environment, print a
-    marker line and sleep here (RELAY_FAULT_PAUSE_S, default 600 s), so that a fault test's SIGKILL lands
-    exactly at this point: after a step's row, inside a checkpoint's save (mid_save), before its fsync,
-    before or after its rename, after its tracker write. Without the variable: one dict lookup."""
-    want = os.environ.get(FAULT_ENV)
-    if not want:
-        return
-    name, _, at = want.partition("@")
-    if name != phase or (at and at != str(step)):
-        return
-    print(f"[relay-fault] paused at {phase} step {step} pid {os.getpid()}", flush=True)
-    time.sleep(float(os.environ.get("RELAY_FAULT_PAUSE_S", "600")))
+NEAR_FULL = 64 * 2**20
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0
 
 
 def restore_function(req: ChunkRequest):
@@ -169,7 +207,7 @@ def restore_function(req: ChunkRequest):
         return None
     from relay.store import restore_for_resume
 
-    return lambda run_dir: restore_for_resume(req.spec, req.run_name, run_dir)
+    return lambda run_dir, above=0: restore_for_resume(req.spec, req.run_name, run_dir, above)
 
 
 def pin_threads(threads: int) -> None:

@@ -74,9 +74,9 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
             session.step_done(step, time.time() - t, epoch=trainer.epoch, **values)
             s = spec.settings
             if step == req.to_step or (s.save_freq and step % s.save_freq == 0):
-                staged = session.staging_dir(step)
-                trainer.save(staged, step)
-                checkpoint = session.commit(step, staged)
+                with session.saving(step) as staged:
+                    trainer.save(staged, step)
+                    checkpoint = session.commit(step, staged)
             if step == req.to_step:
                 break
     finally:
@@ -265,7 +265,7 @@ class _TinyGRPO:
     # --------------------------------------------------------------------------------- checkpoints
     def save(self, folder, step: int) -> None:
         """verl's layout: actor/ via verl's FSDPCheckpointManager, then data.pt as verl's trainer saves it."""
-        from relay.trainers.session import fault_point
+        from relay.faultpoint import fault_point
 
         self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
         fault_point("mid_save", step)  # a test hook: a kill here leaves a half-written staging folder

@@ -167,18 +167,18 @@ def trainer_class():
 
             step = self.global_steps
             session = self.relay_session
-            staging_root = session.staging_dir(step)  # checks the lease
             real_dir = self.config.trainer.default_local_dir
-            with open_dict(self.config):
-                self.config.trainer.default_local_dir = str(staging_root)
-            try:
-                super()._save_checkpoint()
-            finally:
+            with session.saving(step) as staging_root:  # checks the lease; a failed save is removed
                 with open_dict(self.config):
-                    self.config.trainer.default_local_dir = real_dir
-            staged = staging_root / f"global_step_{step}"
-            remove_rollout_state(staged)
-            session.commit(step, staged)
+                    self.config.trainer.default_local_dir = str(staging_root)
+                try:
+                    super()._save_checkpoint()
+                finally:
+                    with open_dict(self.config):
+                        self.config.trainer.default_local_dir = real_dir
+                staged = staging_root / f"global_step_{step}"
+                remove_rollout_state(staged)
+                session.commit(step, staged)
             import shutil
 
             shutil.rmtree(staging_root, ignore_errors=True)
