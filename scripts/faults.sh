@@ -10,8 +10,8 @@ rc=0
 t0=$(date +%s)
 # scripts/test.sh starts what the cases need (PostgreSQL, the session's Ray head) and stops it after.
 # xunit1 keeps each case's properties (its FAULTS.md row) in the junit XML.
-RELAY_TEST_WORKERS="${RELAY_TEST_WORKERS:-3}" ./scripts/test.sh -m fault -o junit_family=xunit1 \
+RELAY_TEST_WORKERS="${RELAY_TEST_WORKERS:-4}" ./scripts/test.sh -m fault -o junit_family=xunit1 \
   --junitxml=.relay/faults/junit.xml "$@" || rc=$?
 .venv/bin/python scripts/faults_report.py .relay/faults/junit.xml --out docs/FAULTS.md \
-  --wall "$(( $(date +%s) - t0 ))" --workers "${RELAY_TEST_WORKERS:-3}" || { r=$?; [ "$rc" -ne 0 ] || rc=$r; }
+  --wall "$(( $(date +%s) - t0 ))" --workers "${RELAY_TEST_WORKERS:-4}" || { r=$?; [ "$rc" -ne 0 ] || rc=$r; }
 exit $rc

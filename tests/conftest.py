@@ -4,11 +4,14 @@ it), an Airflow home on SQLite for `airflow dags test`, and small run specs writ
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -89,13 +92,10 @@ def train(spec, run_dir, to_step) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """An uninterrupted run of the test spec, 0 -> 12 in one process."""
-    folder = tmp_path_factory.mktemp("baseline")
-    spec = write_spec(folder)
-    run_dir = folder / "ckpt" / "straight"
-    train(spec, run_dir, 12)
-    return spec, run_dir
+def baseline(tmp_path_factory, uninterrupted_run):
+    """A test spec of the module's own (its own S3 prefix), and the uninterrupted run of that spec's
+    settings, 0 -> 12 in one process (shared, read only)."""
+    return write_spec(tmp_path_factory.mktemp("baseline")), uninterrupted_run
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -158,8 +158,44 @@ def airflow_home(tmp_path_factory, ray_address):
     runs = tmp_path_factory.mktemp("runs")
     env = stack.airflow_env(home)
     env.update({"RELAY_RUNS_DIR": str(runs), "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False"})
-    stack.airflow_cli(env, "db", "migrate")
+    with session_shared(tmp_path_factory, "airflow-db") as shared:  # one migration for all workers
+        if not (shared / "airflow.db").exists():
+            stack.airflow_cli({**env, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{shared / 'airflow.db'}"},
+                              "db", "migrate")
+    shutil.copyfile(shared / "airflow.db", home / "airflow.db")
     return {"env": env, "home": home, "runs": runs}
+
+
+@contextmanager
+def session_shared(tmp_path_factory, name: str):
+    """A folder shared by every xdist worker of this test session (one session's, never an earlier
+    one's), held under a lock while in the `with`: what one worker builds there, the others reuse."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # /tmp/pytest-of-USER/pytest-N/popen-gwK -> the session's pytest-N
+    folder = base / f"shared-{name}"
+    folder.mkdir(exist_ok=True)
+    with open(base / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield folder
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(tmp_path_factory) -> Path:
+    """The test spec's run trained 0 -> 12 in one plain `relay train` process (read only): the baseline
+    every bitwise test compares with. Built once per session for all workers. Chunking, resumes and
+    save_freq do not change a bit of it: that is what those tests assert."""
+    with session_shared(tmp_path_factory, "uninterrupted") as shared:
+        run_dir = shared / "ckpt" / "straight"
+        if not (run_dir / "global_step_12").exists():
+            train(write_spec(shared), run_dir, 12)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(uninterrupted_run) -> dict:
+    """Its final weights."""
+    return model_state(uninterrupted_run / "global_step_12")
 
 
 def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900,
@@ -170,23 +206,13 @@ def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900,
                           env=env, cwd=env["AIRFLOW_HOME"], capture_output=True, text=True, timeout=timeout)
 
 
-def ray_baseline(ray_address: str, spec_path: Path, run: str, to_step: int) -> Path:
-    """A run trained uninterrupted, 0 -> to_step, in one Ray job through the chunk entrypoint."""
-    import time
-
+def jobs_of_run(ray_address: str, run: str, since: float) -> list:
+    """The Ray jobs (JobDetails) of run `run` submitted since `since` (epoch seconds): a Ray head left
+    running keeps the jobs of earlier test sessions, whose runs had the same names."""
     from relay.ray_jobs import RayJobs
-    from relay.spec import load_spec
-    from relay.trainers.contract import ChunkRequest
 
-    req = ChunkRequest(spec=load_spec(spec_path), run_name=run, to_step=to_step, chunk=1, attempt="baseline")
-    jobs = RayJobs(ray_address)
-    sub_id = f"relay-test-{run}-{uuid.uuid4().hex[:8]}"
-    jobs.submit(req, sub_id, {})
-    deadline = time.time() + 300
-    while (status := jobs.get(sub_id).status) not in ("SUCCEEDED", "FAILED", "STOPPED") and time.time() < deadline:
-        time.sleep(0.5)
-    assert status == "SUCCEEDED", jobs.logs(sub_id)[-3000:]
-    return req.run_dir
+    return [j for j in RayJobs(ray_address).client.list_jobs()
+            if (j.metadata or {}).get("relay_run") == run and (j.start_time or 0) / 1000 >= since - 1]
 
 
 class BackgroundDagTest:

@@ -12,7 +12,7 @@ import uuid
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, assert_bitwise_equal, model_state, read_metrics, train, write_spec
+from conftest import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, train, write_spec
 from relay import stack
 from relay.airflow_api import AirflowAPI, AirflowAPIError
 from relay.data.fingerprint import sha256_file
@@ -78,6 +78,7 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
                                                                                    fault_row):
     api = airflow["api"]
     api.wait_for_dag("relay_e2e")
+    t0 = time.time()
     run_id = api.trigger("relay_e2e", {"run": "ui", "alert_channels": []})["dag_run_id"]
 
     def chunk_2_deferred():
@@ -96,8 +97,7 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
 
     run = api.wait_for_run("relay_e2e", run_id, timeout=300)
     assert run["state"] == "success", api.task_instances("relay_e2e", run_id)
-    chunk_2 = [j for j in jobs.client.list_jobs()
-               if (j.metadata or {}).get("relay_run") == "ui" and (j.metadata or {}).get("relay_chunk") == "2"]
+    chunk_2 = [j for j in jobs_of_run(ray_address, "ui", t0) if (j.metadata or {}).get("relay_chunk") == "2"]
     assert [str(j.status) for j in chunk_2] == ["SUCCEEDED"], "re-attached to its job, not a second one"
 
     spec = load_spec(airflow["runs"] / "e2e.yaml", check_environment=False)

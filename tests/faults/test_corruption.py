@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_bitwise_equal, model_state, read_metrics, train, write_spec
+from conftest import assert_bitwise_equal, model_state, read_metrics, write_spec
 from relay import layout
 from relay.gate import admit_dir
 from relay.metrics import SUPERSEDED, read_jsonl
@@ -87,21 +87,18 @@ def action(way: str, check: str, resumed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, uninterrupted):
     folder = tmp_path_factory.mktemp("corruption")
     spec = write_spec(folder, **{"trainer.settings.save_freq": SAVE_FREQ})
-    server = ForkServer()  # it imports torch and verl while the baseline trains
+    server = ForkServer()
     try:
-        straight = folder / "straight"
-        train(spec, straight, STEPS)  # the baseline: one plain `relay train` process, never interrupted
         nine = folder / "nine"
         log = folder / "nine.log"
         rc = server.run(["train", str(spec), "--to-step", str(DAMAGED), "--checkpoint-dir", str(nine), "--offline"],
                         log)
         assert rc == 0, log.read_text()[-3000:]
         assert sorted(layout.step_dirs(nine)) == [3, 6, 9] and layout.read_tracker(nine) == DAMAGED
-        yield {"spec": spec, "folder": folder, "server": server, "nine": nine,
-               "baseline": model_state(straight / f"global_step_{STEPS}")}
+        yield {"spec": spec, "folder": folder, "server": server, "nine": nine, "baseline": uninterrupted}
     finally:
         server.close()
 

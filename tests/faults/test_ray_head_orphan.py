@@ -9,25 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from conftest import start_dags_test
 from relay.lease import Lease
 from relay.spec import load_spec
 from support.faults import alive, wait_until
 from support.private_stack import PrivateRay
-from support.ray_head import PAUSED_AFTER, RESUMED_FROM, baseline, finished_as_uninterrupted, spec_for
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    return baseline(tmp_path_factory.mktemp("ray-baseline"))
+from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupted, spec_for
 
 
 TRAINER_NODE = {"relay_trainer_node": 1}
 
 
-def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(airflow_home, tmp_path, straight,
+def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(airflow_home, tmp_path, uninterrupted,
                                                                               fault_row):
     cluster = PrivateRay(tmp_path / "ray")
     cluster.start_head()
@@ -56,7 +49,7 @@ def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(
     assert rc == 0, out[-5000:]
     assert "refusing to write" in orphan_log, orphan_log[-3000:]
     assert f"step {PAUSED_AFTER + 1}/" not in orphan_log, "the orphan logged no step after the takeover"
-    starts = finished_as_uninterrupted(run_dir, straight, out)
+    starts = finished_as_uninterrupted(run_dir, uninterrupted, out)
     assert [s for s, _ in starts] == [0, RESUMED_FROM] and starts[1][1] > token, starts
     fault_row(case="ray-orphan", layer="full stack (Airflow, Ray, S3)",
               fault=f"the Ray head node is killed after step {PAUSED_AFTER} while the trainer runs on a worker "

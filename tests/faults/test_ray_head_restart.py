@@ -7,21 +7,14 @@ from checkpoint 6)."""
 
 from __future__ import annotations
 
-import pytest
-
 from conftest import start_dags_test
 from relay.spec import load_spec
 from support.faults import alive, wait_until
 from support.private_stack import PrivateRay
-from support.ray_head import PAUSED_AFTER, RESUMED_FROM, baseline, finished_as_uninterrupted, spec_for
+from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupted, spec_for
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    return baseline(tmp_path_factory.mktemp("ray-baseline"))
-
-
-def test_the_ray_head_dies_mid_chunk_and_comes_back(airflow_home, tmp_path, straight, fault_row):
+def test_the_ray_head_dies_mid_chunk_and_comes_back(airflow_home, tmp_path, uninterrupted, fault_row):
     cluster = PrivateRay(tmp_path / "ray")
     cluster.start_head()
     marker = tmp_path / "paused"
@@ -39,7 +32,7 @@ def test_the_ray_head_dies_mid_chunk_and_comes_back(airflow_home, tmp_path, stra
         cluster.stop()
     assert rc == 0, out[-5000:]
     assert "unreachable" in out and "unknown to the cluster" in out, "the trigger waited for the head, then saw the job lost"
-    starts = finished_as_uninterrupted(run_dir, straight, out)
+    starts = finished_as_uninterrupted(run_dir, uninterrupted, out)
     assert [s for s, _ in starts] == [0, RESUMED_FROM], starts
     fault_row(case="ray-head-restart", layer="full stack (Airflow, Ray, S3)",
               fault=f"the Ray head node is killed (SIGKILL, every process) with the trainer on it, after step "

@@ -18,16 +18,13 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, s3_server):
+def world(tmp_path_factory, s3_server, uninterrupted):
     folder = tmp_path_factory.mktemp("s3faults")
     spec_path = write_spec(folder, **{"trainer.settings.save_freq": 3})
     server = ForkServer()
     proxy = FaultyS3Proxy(s3_server)
     w = {"folder": folder, "spec_path": spec_path, "spec": load_spec(spec_path, check_environment=False),
-         "server": server, "proxy": proxy}
-    straight = folder / "straight"
-    assert _train(w, straight, STEPS, offline=True) == 0
-    w["baseline"] = model_state(straight / f"global_step_{STEPS}")
+         "server": server, "proxy": proxy, "baseline": uninterrupted}
     yield w
     proxy.stop()
     server.close()

@@ -130,14 +130,16 @@ class PrivateRay:
         return {pid for pid in pids if _running(pid)}
 
     def kill_node(self, temp_dir: str) -> None:
-        for pid in self.node_pids(temp_dir):
+        """SIGKILL a node's processes and all they started; return once every one of them is gone."""
+        pids = self.node_pids(temp_dir)
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         deadline = time.time() + 20
-        while self.node_pids(temp_dir) and time.time() < deadline:
-            time.sleep(0.2)
+        while any(_running(p) for p in pids | self.node_pids(temp_dir)) and time.time() < deadline:
+            time.sleep(0.1)
 
     def kill_head(self) -> None:
         self.kill_node(self.head)

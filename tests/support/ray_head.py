@@ -1,12 +1,12 @@
 """What the Ray head fault cases (tests/faults/test_ray_head_*.py) share: a run spec whose trainer pauses
 once after step 8 at a fault point, so the head dies exactly mid-chunk, between checkpoints 6 and 9;
-its uninterrupted baseline; and the check that a run finished as if nothing had happened."""
+and the check that a run finished as if nothing had happened."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import assert_bitwise_equal, model_state, read_metrics, train, write_spec
+from conftest import assert_bitwise_equal, model_state, read_metrics, write_spec
 from relay import layout
 from relay.metrics import read_events
 
@@ -19,12 +19,6 @@ def spec_for(folder: Path, name: str, marker: Path, **overrides) -> Path:
         "trainer.settings.save_freq": 3,
         "ray.env_vars": {"RELAY_FAULT_PAUSE_AT": f"after_step@{PAUSED_AFTER}", "RELAY_FAULT_ONCE": str(marker),
                          "RELAY_FAULT_PAUSE_S": "300"}, **overrides})
-
-
-def baseline(folder: Path) -> dict:
-    spec = spec_for(folder, "raybase", folder / "unused")
-    train(spec, folder / "straight", STEPS)  # plain `relay train`: the fault point is only in the job's env
-    return model_state(folder / "straight" / f"global_step_{STEPS}")
 
 
 def finished_as_uninterrupted(run_dir: Path, baseline: dict, out: str) -> list[tuple[int, int]]:
