@@ -74,11 +74,9 @@ def cmd_checkpoint_validate(args) -> int:
 
 def _store(uri: str, args=None):
     """A store on uri; an upload command's --sse, --kms-key-id and --acl go with every object it writes."""
-    from relay.store import CheckpointStore, s3_client
+    from relay.store import CheckpointStore, s3_client, upload_args
 
-    extra = {k: v for k, v in (("ServerSideEncryption", getattr(args, "sse", None)),
-                                ("SSEKMSKeyId", getattr(args, "kms_key_id", None)), ("ACL", getattr(args, "acl", None)))
-             if v}
+    extra = upload_args(getattr(args, "sse", None), getattr(args, "kms_key_id", None), getattr(args, "acl", None))
     return CheckpointStore(s3_client(), uri, extra_args=extra)
 
 

@@ -44,12 +44,8 @@ def job_env_vars(spec) -> dict[str, str]:
     """The spec's ray.env_vars with ${VAR} and ${VAR:-default} expanded from this process's environment.
 
     Expanded only here, when a job is submitted, so a secret never sits in the spec, the DAG, XCom or
-    the chunk request; what the environment brings in is registered as a secret (redacted in alerts and
-    reports, masked in Airflow's task logs)."""
-    import os
-
-    from relay import redaction
-
+    the chunk request; what the environment brings in was registered as a secret when the spec loaded
+    (spec._register_secrets: redacted in alerts and reports, masked in Airflow's task logs)."""
     out = {}
     for key, value in spec.ray.env_vars.items():
         try:
@@ -59,9 +55,6 @@ def job_env_vars(spec) -> dict[str, str]:
                               f"where the job is submitted",
                               f"set {e.args[0]} in the Airflow worker's environment (or the shell of the CLI), or "
                               f"give a default as ${{{e.args[0]}:-value}}") from None
-        for name in project.variables(value):
-            if name in os.environ:
-                redaction.register(os.environ[name], key)
     return out
 
 

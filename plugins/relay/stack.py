@@ -224,7 +224,7 @@ def airflow_start(env: dict[str, str], components=AIRFLOW_COMPONENTS) -> dict[st
     return pids
 
 
-def ensure_pools(env: dict[str, str], runs_dir: Path | None = None) -> list[str]:
+def ensure_pools(env: dict[str, str]) -> list[str]:
     """The train tasks' pools of every spec, one slot each, deferred tasks counted: one trainer per
     cluster at a time, whether a trigger, the schedule or a backfill made the DAG run. A pool that
     exists keeps its slots (an operator may have raised them for a bigger cluster)."""
@@ -232,7 +232,7 @@ def ensure_pools(env: dict[str, str], runs_dir: Path | None = None) -> list[str]
     from relay.spec import load_spec
 
     pools = {"relay_trainers"}
-    for path in sorted((runs_dir or Path(env.get("RELAY_RUNS_DIR") or project.runs_dir())).glob("*.yaml")):
+    for path in sorted(Path(env.get("RELAY_RUNS_DIR") or project.runs_dir()).glob("*.yaml")):
         try:
             pools.add(load_spec(path, check_environment=False).airflow.pool or "")
         except SpecError:

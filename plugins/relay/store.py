@@ -443,12 +443,16 @@ class CheckpointStore:
         return None
 
 
+def upload_args(sse: str | None, kms_key_id: str | None, acl: str | None) -> dict[str, str]:
+    """What every upload asks of S3: server-side encryption (and its KMS key), a canned ACL; unset: nothing."""
+    return {k: v for k, v in (("ServerSideEncryption", sse), ("SSEKMSKeyId", kms_key_id), ("ACL", acl)) if v}
+
+
 def store_for_spec(spec, client=None) -> CheckpointStore:
     s3 = spec.s3
-    extra = {k: v for k, v in (("ServerSideEncryption", s3.server_side_encryption), ("SSEKMSKeyId", s3.kms_key_id),
-                                ("ACL", s3.acl)) if v}
     return CheckpointStore(client or s3_client(), s3.uri, part_size=s3.part_size_mb << 20,
-                           concurrency=s3.concurrency, extra_args=extra)
+                           concurrency=s3.concurrency,
+                           extra_args=upload_args(s3.server_side_encryption, s3.kms_key_id, s3.acl))
 
 
 def restore_for_resume(spec, run: str, run_dir: Path, above: int = 0) -> tuple[int, str] | None:

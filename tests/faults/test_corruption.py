@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_bitwise_equal, model_state, read_metrics, write_spec
+from conftest import read_metrics, write_spec
 from relay import layout
 from relay.gate import admit_dir
 from relay.metrics import SUPERSEDED, read_jsonl
 from relay.resume import QUARANTINE
 from relay.validate import validate_checkpoint
 from support.corrupt import DEFECTS, MARKER, change_world_size
-from support.faults import ForkServer
+from support.faults import ForkServer, assert_finished_as
 
 STEPS, SAVE_FREQ, DAMAGED = 12, 3, 9
 
@@ -164,9 +164,7 @@ def test_a_corrupted_checkpoint_is_refused_quarantined_and_the_run_resumes_bitwi
     # The run finished, bitwise the uninterrupted run, losing only the steps since the last valid checkpoint.
     lost = reached - resumed
     assert lost == reached - last_valid
-    assert layout.read_tracker(run) == STEPS
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
-    assert_bitwise_equal(model_state(layout.step_dir(run, STEPS)), world["baseline"])
+    assert_finished_as(run, world["baseline"], STEPS)
     # No data lost: every checkpoint left in the run folder is valid.
     for s in layout.step_dirs(run):
         report = validate_checkpoint(run, s)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import ROOT, assert_bitwise_equal, model_state, read_metrics, write_spec
+from conftest import ROOT, write_spec
 from relay import layout
 from relay.data.fingerprint import sha256_file
 from relay.data.freeze import SourceDriftError
@@ -31,7 +31,7 @@ from relay.preflight import before_chunk, prepare_data
 from relay.runs import prepare_run, read_record
 from relay.spec import load_spec
 from relay.validate import validate_checkpoint
-from support.faults import ForkServer
+from support.faults import ForkServer, assert_finished_as
 
 STEPS, CHUNK_END, SAVE_FREQ = 12, 6, 3
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
@@ -170,9 +170,7 @@ def test_a_source_changed_between_chunks_is_refused_and_the_run_ends_bitwise(wor
     resumed = int(re.search(r"resumes from step (\d+)", out).group(1))
     lost = CHUNK_END - resumed  # steps trained in chunk 1 and trained again
     assert lost == 0 and not (run_dir / SUPERSEDED).exists()
-    assert layout.read_tracker(run_dir) == STEPS
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
-    assert_bitwise_equal(model_state(layout.step_dir(run_dir, STEPS)), world["baseline"])
+    assert_finished_as(run_dir, world["baseline"], STEPS)
     for s in layout.step_dirs(run_dir):  # no data lost: every checkpoint left is valid
         report = validate_checkpoint(run_dir, s)
         assert report.ok, report.summary()

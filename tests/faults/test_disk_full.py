@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_bitwise_equal, jobs_of_run, model_state, read_metrics, start_dags_test, write_spec
+from conftest import jobs_of_run, start_dags_test, write_spec
 from relay import layout
 from relay.metrics import read_events
 from relay.ray_jobs import RayJobs
 from relay.spec import load_spec
 from relay.validate import validate_checkpoint
-from support.faults import alive, wait_until
+from support.faults import alive, assert_finished_as, wait_until
 
 STEPS, LAST_SAVED = 12, 9
 
@@ -83,8 +83,7 @@ def test_the_checkpoint_disk_fills_during_a_save(airflow_home, ray_address, smal
     assert "the checkpoint disk is full" in out, "the task log says why the try failed"
     starts = [(e["chunk"], e["resumed_from"]) for e in read_events(run_dir) if e["event"] == "chunk_start"]
     assert starts == [(1, 0), (2, 6), (2, LAST_SAVED)], starts
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
-    assert_bitwise_equal(model_state(run_dir / f"global_step_{STEPS}"), uninterrupted)
+    assert_finished_as(run_dir, uninterrupted, STEPS, out)
     fault_row(case="disk-full", layer="full stack (Airflow, Ray, S3)",
               fault=f"the checkpoint disk (a 48 MiB tmpfs) fills up in the middle of step {STEPS}'s save",
               action="the trainer removed the partial checkpoint and failed the chunk with \"the checkpoint disk is "

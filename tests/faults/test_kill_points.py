@@ -21,10 +21,10 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, assert_bitwise_equal, model_state, read_metrics, write_spec
+from conftest import ROOT, read_metrics, write_spec
 from relay import layout
 from relay.faultpoint import FAULT_ENV, FAULT_PHASES
-from support.faults import ForkServer, kill, wait_for_line
+from support.faults import ForkServer, assert_finished_as, kill, wait_for_line
 
 STEPS, SAVE_FREQ, POINTS_PER_RUN, INSIDE_CHECKPOINT = 12, 3, 20, 12
 
@@ -123,9 +123,7 @@ def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fau
     lost = reached - resumed
     assert 0 <= lost <= reached - committed
     # The run finished, and is bitwise the uninterrupted run.
-    assert layout.read_tracker(run_dir) == STEPS
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
-    assert_bitwise_equal(model_state(run_dir / f"global_step_{STEPS}"), matrix["baseline"])
+    assert_finished_as(run_dir, matrix["baseline"], STEPS)
     # No data lost: every checkpoint left in the run folder is whole.
     for s in layout.step_dirs(run_dir):
         report = validate_checkpoint(run_dir, s, upto="integrity")

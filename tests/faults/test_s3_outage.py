@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import assert_bitwise_equal, model_state, read_metrics, start_dags_test, write_spec
-from relay import layout
+from conftest import start_dags_test, write_spec
 from relay.metrics import read_events
 from relay.spec import load_spec
 from relay.store import CheckpointStore, StoreError, s3_client
-from support.faults import wait_until
+from support.faults import assert_finished_as, wait_until
 from support.private_stack import PrivateS3, stack_env
 
 STEPS = 12
@@ -73,9 +72,7 @@ def test_s3_stopped_during_a_publish_and_restarted_later(airflow_home, tmp_path,
     retried = [e for e in read_events(run_dir) if e["event"] == "publish" and e["step"] == 6]
     assert len(retried) == 1 and retried[0]["uploaded"] == 0, "the retry re-uploaded nothing already there"
     # Training never waited for S3: chunk 2 ran through the outage, and the run is the uninterrupted one.
-    assert layout.read_tracker(run_dir) == STEPS
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
-    assert_bitwise_equal(model_state(run_dir / f"global_step_{STEPS}"), uninterrupted)
+    assert_finished_as(run_dir, uninterrupted, STEPS)
     fault_row(case="s3-stopped", layer="full stack (Airflow, Ray, S3)",
               fault="the S3 server (SeaweedFS) is SIGKILLed in the middle of checkpoint 6's publish (its files "
                     "uploaded, its manifest and latest not yet) and started again later",

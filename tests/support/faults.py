@@ -100,6 +100,17 @@ def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def assert_finished_as(run_dir: Path, baseline: dict, steps: int, out: str = "") -> None:
+    """The run finished as an uninterrupted one: its tracker at the last step, one metrics row per step,
+    and its final weights bitwise `baseline`'s."""
+    from conftest import assert_bitwise_equal, model_state, read_metrics  # (conftest imports this module)
+    from relay import layout
+
+    assert layout.read_tracker(run_dir) == steps, out[-5000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1)), "each step once"
+    assert_bitwise_equal(model_state(layout.step_dir(run_dir, steps)), baseline)
+
+
 def wait_until(predicate, what: str, timeout: float = 300, dag_test=None):
     """Poll until predicate() is truthy (and return it). Fails naming `what`, with the DAG run's output
     when the background `airflow dags test` ended first."""

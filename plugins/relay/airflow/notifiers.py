@@ -164,19 +164,8 @@ def alert_for(context, spec, run: str, kind: str, what: str, **fields) -> Alert:
                  log_url=getattr(ti, "log_url", ""), last_valid_step=step, last_valid_uri=uri, **fields)
 
 
-def register_spec_secrets(spec) -> None:
-    """Register what the spec's ray.env_vars expand from the environment as secrets in this process."""
-    from relay.ray_jobs import job_env_vars
-
-    try:
-        job_env_vars(spec)
-    except RelayError:  # an unset variable: nothing to register; the submission says so
-        pass
-
-
 def send_once(context, spec, run: str, alert: Alert, key: str) -> bool:
     """Deliver `alert` unless the event `key` was alerted before; what is delivered is also in the task log."""
-    register_spec_secrets(spec)  # this process may not have submitted the job (a resumed or retried task)
     alert = alert.redacted()  # secrets (masked connections, expanded ray.env_vars) never leave as text
     ledger, fresh = None, True
     try:
