@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# The test command: install (.venv), start the services the tests need (PostgreSQL if it is down, a Ray
-# head; the tests start S3 and Airflow themselves), run pytest, stop what it started.
+# The test command: install (.venv, and Debian's chromium for the browser tests), start the services the
+# tests need (PostgreSQL if it is down, a Ray head; the tests start S3 and Airflow themselves), run
+# pytest, stop what it started.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/core -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+
+# Debian's chromium for the browser tests (tests/e2e/test_ui.py): Playwright drives it, nothing is downloaded
+# by Playwright itself. About 10 s on these machines.
+if ! command -v chromium >/dev/null; then
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  t0=$SECONDS
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    chromium >/dev/null
+  echo "[test] installed Debian's chromium in $((SECONDS - t0)) s"
+fi
 PY=.venv/bin/python
 
 # What this script started is stopped at the end, and only that.

@@ -79,6 +79,17 @@ class AirflowAPI:
                 return run
             time.sleep(1)
 
+    def unfinished_dag_runs(self) -> list[dict]:
+        """Every DAG run that is queued or running, of any DAG."""
+        return self.get("/api/v2/dags/~/dagRuns?state=queued&state=running&limit=100")["dag_runs"]
+
+    def update_dag_run(self, dag_id: str, run_id: str, **fields) -> dict:
+        """Set fields of a DAG run (state, note) as the UI's buttons do."""
+        from urllib.parse import quote
+
+        mask = "&".join(f"update_mask={k}" for k in fields)
+        return self._call("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}?{mask}", fields)
+
     def asset_events(self, **filters) -> list[dict]:
         """Asset events, e.g. source_dag_id=..., oldest first."""
         query = "&".join(f"{k}={v}" for k, v in {**filters, "order_by": "timestamp", "limit": 100}.items())

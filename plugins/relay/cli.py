@@ -238,7 +238,7 @@ def cmd_stack(args) -> int:
         for k, v in info.items():
             print(f"{k:>12}: {v}")
     elif args.action == "down":
-        print("stopped: " + ", ".join(stack.down()))
+        print("stopped: " + ", ".join(stack.down(wait_s=args.wait)))
     else:
         print(f"state folder: {stack.state_dir()}")
         print("running: " + (", ".join(stack.running_services()) or "nothing started by relay"))
@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=["up", "down", "status"])
     s.add_argument("--no-airflow", action="store_true", help="only the Ray head")
     s.add_argument("--db", help="Airflow metadata DB URL (default: SQLite in the stack's state folder)")
+    s.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                   help="down: wait this long for unfinished DAG runs to end first; those still unfinished are "
+                        "marked failed with a note saying the stack was stopped under them (default 0)")
     s.set_defaults(func=cmd_stack)
 
     s = sub.add_parser("demo", help="run the demo spec's DAG end to end on the local stack")

@@ -41,8 +41,8 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
         if keep_running:
             say("the stack keeps running; stop it with `.venv/bin/python -m relay stack down`")
         else:
-            say("stopping the local stack")
-            stack.down()
+            say("stopping the local stack (after the DAG runs that the run's publications triggered)")
+            stack.down(wait_s=180, say=say)
 
 
 def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, provoke_resume: bool, timeout_s: float) -> str:

@@ -28,8 +28,10 @@ class DataState:
 
 
 def check_settings(spec, run: str, *, allow_drift=(), by: str = "", dag_run: str = "") -> list[str]:
-    """Raise DriftError on unallowed drift; return the allowed changes (recorded)."""
-    return [str(c) for c in guard.check(spec, run, allow_drift=list(allow_drift), by=by, dag_run=dag_run)]
+    """Raise DriftError on unallowed drift; return the allowed changes (recorded). Blank entries (the
+    trigger form's text box sends one per empty line) are ignored."""
+    keys = [k.strip() for k in allow_drift or () if isinstance(k, str) and k.strip()]
+    return [str(c) for c in guard.check(spec, run, allow_drift=keys, by=by, dag_run=dag_run)]
 
 
 def check_quality(spec, files: list[str]) -> list[quality.QualityReport]:

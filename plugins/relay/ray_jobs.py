@@ -21,6 +21,7 @@ from relay.trainers.contract import ENV_VAR, ChunkRequest
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 LIVE = {"PENDING", "RUNNING"}
+LOG_TAIL_LINES = 30  # the job's last log lines that a failure's message and alert carry
 ENTRYPOINT_MODULE = "relay.trainers.job"
 
 
@@ -95,6 +96,8 @@ class RayJobs:
         if self._client is None:
             from ray.job_submission import JobSubmissionClient
 
+            _ray_logs_through_logging()
+
             try:
                 self._client = JobSubmissionClient(self.address)
             except Exception as e:  # ConnectionError, or ray's own wrappers of it
@@ -154,6 +157,26 @@ class RayJobs:
 
     def logs(self, sub_id: str) -> str:
         return self.client.get_job_logs(sub_id)
+
+    def log_tail(self, sub_id: str, lines: int = LOG_TAIL_LINES) -> str:
+        """The job's last lines, for an error message or an alert; '' when they cannot be read."""
+        try:
+            return "\n".join(self.logs(sub_id).splitlines()[-lines:])
+        except Exception as e:  # noqa: BLE001 - the failure being reported matters more
+            return f"(the job's log could not be read: {e})"
+
+
+def _ray_logs_through_logging() -> None:
+    """Ray's client logs INFO lines ("Package ... already exists, skipping upload") to stderr through a
+    handler of its own; Airflow labels a task's stderr ERROR. Hand them to the process's logging, at
+    their own level, instead."""
+    import logging
+
+    ray_log = logging.getLogger("ray")
+    for handler in list(ray_log.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            ray_log.removeHandler(handler)
+    ray_log.propagate = True
 
 
 class AsyncRayJobs:

@@ -205,7 +205,7 @@ class Report:
             return f"<td>{'—' if v is None or v == '' else e(str(v))}</td>"
 
         rows = "\n".join(
-            f'<tr class="chunk" data-chunk="{c.chunk}">' + "".join(cell(v) for v in (
+            f'<tr class="chunk" id="step-{c.end_step}" data-chunk="{c.chunk}">' + "".join(cell(v) for v in (
                 c.chunk, c.start_step, c.end_step, c.attempts, _duration(c.wall_seconds),
                 _duration(c.trainer_seconds), _size(c.checkpoint_bytes), c.validation))
             + (f'<td><a href="{e(c.s3_uri)}">{e(c.s3_uri)}</a></td>' if c.s3_uri else "<td>—</td>") + "</tr>"
@@ -504,23 +504,26 @@ def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str
     out["png_uri"] = store.put_bytes(store.run_key(run, REPORT_DIR, PNG), paths["png"].read_bytes(), "image/png")
     out["html_uri"] = store.put_bytes(store.run_key(run, REPORT_DIR, HTML), paths["html"].read_bytes(),
                                       "text/html; charset=utf-8")
-    out["url"] = page_url(store, run)
     return out
 
 
-def page_url(store, run: str) -> str:
-    """A browser URL of the run's report.html. On AWS, the S3 console's page of the object (objects
-    are private; the console has the user's login). On another S3 server (SeaweedFS, MinIO), a
-    presigned GET valid 7 days, SigV4's longest: the tasks of every chunk store a fresh one."""
-    from urllib.parse import quote, urlparse
+def current_html(spec, run: str, store) -> str:
+    """The run's report as it is now: from its folder where this process sees it, else from S3 (the
+    Airflow UI's "Run report" link is served through this, so it never expires)."""
+    import tempfile
 
-    key = store.run_key(run, REPORT_DIR, HTML)
-    host = urlparse(store.client.meta.endpoint_url or "").hostname or ""
-    if not host or host.endswith((".amazonaws.com", ".amazonaws.com.cn")):
-        region = store.client.meta.region_name or "us-east-1"
-        return f"https://s3.console.aws.amazon.com/s3/object/{store.bucket}?region={region}&prefix={quote(key)}"
-    return store.client.generate_presigned_url("get_object", Params={"Bucket": store.bucket, "Key": key},
-                                               ExpiresIn=7 * 24 * 3600)
+    from relay.plan import ChunkPlan
+
+    run_dir = spec.run_dir(run)
+    if (run_dir / layout.METRICS).is_file() or (run_dir / layout.EVENTS).is_file():
+        report = build(run_dir, store=store, run=run, plan=ChunkPlan.from_spec(spec))
+    elif store is not None:
+        with tempfile.TemporaryDirectory(prefix="relay-report-") as tmp:
+            report = from_s3(f"{store.uri}/{run}", Path(tmp), store.client)
+    else:
+        raise ReportError(f"run {run} has no metrics or events in {run_dir} and its spec publishes nowhere",
+                          "the report exists once a chunk of the run has trained")
+    return redact(report.html(report.plot_png()))
 
 
 # ---------------------------------------------------------------------------------------- from S3

@@ -245,6 +245,19 @@ def load_spec(path: str | os.PathLike, *, check_environment: bool = True) -> Run
     return spec_from_dict(raw, source=source, check_environment=check_environment)
 
 
+def spec_for_dag(dag_id: str, runs_dir: Path | None = None) -> RunSpec | None:
+    """The spec in runs_dir (default include/runs) whose DAG is `dag_id`; None for another DAG or a
+    spec that does not load (its error shows as the relay_spec_errors DAG)."""
+    for path in sorted((runs_dir or project.runs_dir()).glob("*.yaml")):
+        try:
+            spec = load_spec(path, check_environment=False)
+        except SpecError:
+            continue
+        if spec.dag_id == dag_id:
+            return spec
+    return None
+
+
 def spec_from_json(blob: str) -> RunSpec:
     """Inverse of RunSpec.to_json (on the cluster: no environment checks, paths are already resolved)."""
     try:

@@ -280,15 +280,20 @@ def _take_group(name: str) -> int | None:
 
 def stop_process(name: str, timeout: float = 20) -> bool:
     """SIGTERM the service's process group, then SIGKILL what is left after `timeout`."""
-    pgid = _take_group(name)
-    if pgid is None:
-        return False
-    _signal_group(pgid, signal.SIGTERM)
+    return bool(stop_processes([name], timeout))
+
+
+def stop_processes(names, timeout: float = 20) -> list[str]:
+    """stop_process for several services at once: all are signalled together and share the wait."""
+    groups = {name: pgid for name in names if (pgid := _take_group(name)) is not None}
+    for pgid in groups.values():
+        _signal_group(pgid, signal.SIGTERM)
     deadline = time.time() + timeout
-    while time.time() < deadline and _group_alive(pgid):
+    while time.time() < deadline and any(_group_alive(g) for g in groups.values()):
         time.sleep(0.2)
-    _signal_group(pgid, signal.SIGKILL)
-    return True
+    for pgid in groups.values():
+        _signal_group(pgid, signal.SIGKILL)
+    return list(groups)
 
 
 def kill_process(name: str) -> bool:
@@ -352,10 +357,47 @@ def up(with_airflow: bool = True, db_url: str | None = None) -> dict:
     return info
 
 
-def down() -> list[str]:
-    """Stop everything the stack started."""
+def settle_dag_runs(wait_s: float, say=print) -> list[str]:
+    """Before Airflow stops: wait up to wait_s for its unfinished DAG runs to end, then mark those still
+    unfinished failed with a note that says why, so that no failed run is left unexplained (an
+    evaluation DAG that a publication triggered just before the stop, say). Returns what was marked."""
+    from relay.airflow_api import AirflowAPI
+
+    if "airflow-api-server" not in running_services() or not _http_ok(f"{airflow_url()}/api/v2/monitor/health"):
+        return []
+    try:
+        api = AirflowAPI(airflow_url(), "admin", airflow_password(state_dir() / "airflow"))
+        deadline = time.time() + wait_s
+        while (runs := api.unfinished_dag_runs()) and time.time() < deadline:
+            time.sleep(1)
+    except Exception as e:  # noqa: BLE001 - an API that does not answer must not keep the stack up
+        say(f"could not ask Airflow for unfinished DAG runs ({e}); stopping anyway")
+        return []
+    marked = []
+    when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
+    for r in runs:
+        note = (f"Stopped by `relay stack down` at {when}: the local stack was stopped while this DAG run was "
+                f"{r['state']}. Nothing failed on its own; trigger it again (a run DAG resumes from its latest "
+                "valid checkpoint).")
+        try:
+            api.update_dag_run(r["dag_id"], r["dag_run_id"], state="failed")
+            api.update_dag_run(r["dag_id"], r["dag_run_id"], note=note)
+            marked.append(f"{r['dag_id']}/{r['dag_run_id']}")
+        except Exception as e:  # noqa: BLE001
+            say(f"could not mark {r['dag_id']}/{r['dag_run_id']}: {e}")
+    if marked:
+        say(f"marked {len(marked)} unfinished DAG run(s) failed, each with a note saying the stack was stopped "
+            f"under it: {', '.join(marked)}")
+    return marked
+
+
+def down(wait_s: float = 0, say=print) -> list[str]:
+    """Stop everything the stack started; first let unfinished DAG runs end (up to wait_s), and mark and
+    explain those that did not (settle_dag_runs)."""
+    settle_dag_runs(wait_s, say)
     # SeaweedFS hangs on SIGTERM: it gets a short grace before SIGKILL.
-    stopped = [n for n in running_services() if stop_process(n, timeout=2 if n == "s3" else 20)]
+    stopped = stop_processes([n for n in running_services() if n != "s3"]) + stop_processes(
+        [n for n in running_services() if n == "s3"], timeout=2)
     ray_stop()
     return stopped + ["ray"]
 

@@ -91,7 +91,9 @@ def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_h
     for step in (6, 12):
         assert (run_dir(spec_path, "killed") / f"global_step_{step}" / "relay_manifest.json").is_file()
     events = asset_events(airflow_home, "relay_t_checkpoints")
-    assert [(e["run"], e["step"]) for e in events] == [("killed", 6), ("killed", 12)]
+    assert [(e["asset"], e["run"], e["step"]) for e in events] == [
+        (f"{spec.s3.uri}/killed", "killed", 6), (f"{spec.s3.uri}/killed", "killed", 12)], \
+        "each event on the run's own asset, its S3 prefix, through the spec's alias"
     assert events[1]["uri"] == store.step_uri("killed", 12) and events[1]["hf_model"].endswith("/hf/global_step_12/")
 
     page = store.client.get_object(Bucket=store.bucket, Key=store.run_key("killed", "report", "report.html"))
@@ -103,15 +105,18 @@ def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_h
     assert "evaluated run killed step 12" in r.stdout
 
 
-def asset_events(airflow_home, asset_name: str) -> list[dict]:
-    """Asset events as the metadata DB holds them."""
+def asset_events(airflow_home, alias: str) -> list[dict]:
+    """Asset events through an asset alias as the metadata DB holds them: each event's extra, and its
+    asset's URI as "asset"."""
     import sqlite3
 
     db = airflow_home["env"]["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].removeprefix("sqlite:///")
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                           "WHERE a.name = ? ORDER BY e.id", (asset_name,)).fetchall()
-    return [json.loads(r[0]) for r in rows]
+        rows = con.execute("SELECT e.extra, a.uri FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+                           "JOIN asset_alias_asset_event x ON x.event_id = e.id "
+                           "JOIN asset_alias al ON al.id = x.alias_id WHERE al.name = ? ORDER BY e.id",
+                           (alias,)).fetchall()
+    return [{**json.loads(extra), "asset": uri} for extra, uri in rows]
 
 
 def test_retriggering_a_finished_run_trains_nothing(killed_run, airflow_home):

@@ -5,7 +5,6 @@ the CLI; the scheduler and triggerer are killed in the middle of a chunk and sta
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
@@ -14,13 +13,13 @@ import pytest
 
 from conftest import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, train, write_spec
 from relay import stack
-from relay.airflow_api import AirflowAPI, AirflowAPIError
+from relay.airflow_api import AirflowAPIError
 from relay.data.fingerprint import sha256_file
 from relay.ray_jobs import RayJobs
 from relay.runs import read_record
 from relay.spec import load_spec
 from relay.store import store_for_spec
-from support.receivers import free_port
+from support.airflow_procs import airflow_processes
 
 PG = dict(host="127.0.0.1", port=5432, user="postgres")
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
@@ -47,19 +46,11 @@ def airflow(tmp_path_factory, ray_address):
     con = psycopg2.connect(dbname="postgres", **PG)
     con.autocommit = True
     con.cursor().execute(f"CREATE DATABASE {db}")
-    saved = {k: os.environ.get(k) for k in ("RELAY_STACK_DIR", "RELAY_AIRFLOW_API_PORT")}
-    os.environ.update(RELAY_STACK_DIR=str(base / "stack"), RELAY_AIRFLOW_API_PORT=str(free_port()))
-    env = stack.airflow_env(base / "home", f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}", parallelism=4)
-    env.update(RELAY_RUNS_DIR=str(runs), AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60")
     try:
-        stack.airflow_start(env)
-        api = AirflowAPI(stack.airflow_url(), "admin", stack.airflow_password(base / "home"))
-        yield {"api": api, "env": env, "runs": runs, "data": data, "home": base / "home"}
+        with airflow_processes(base, runs, f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
+                               AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60") as af:
+            yield {**af, "runs": runs, "data": data}
     finally:
-        for comp in stack.AIRFLOW_COMPONENTS:
-            stack.stop_process(f"airflow-{comp}")
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         con.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         con.close()
 
@@ -131,6 +122,8 @@ def test_an_invalid_form_creates_no_run(airflow):
         with pytest.raises(AirflowAPIError) as refused:
             api.trigger("relay_e2e", conf)
         assert refused.value.status == 400, refused.value.body
+        assert refused.value.body.startswith('{"detail": "Nothing was triggered. ') and "e.g." in refused.value.body
+        assert "Failed validating" not in refused.value.body, "plain words, not jsonschema's dump"
     assert len(api.dag_runs("relay_e2e")) == before
 
 

@@ -15,53 +15,25 @@ import logging
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from airflow.sdk import DAG, Asset, Param, TaskGroup
+from airflow.sdk import DAG, Asset, AssetAlias, Param, TaskGroup
 from airflow.providers.standard.operators.python import PythonOperator
 
-from relay import project
-from relay.airflow.notifiers import CHANNELS, RelayAlertNotifier
+from relay import form, project
+from relay.airflow.notifiers import RelayAlertNotifier
 from relay.airflow.supervised import is_supervised, supervise_task, validate_task
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
 from relay.errors import SpecError
 from relay.plan import ChunkPlan
-from relay.spec import RUN_NAME_PATTERN, RunSpec, load_spec
+from relay.spec import RunSpec, load_spec
 
 log = logging.getLogger(__name__)
 
 
 def params_for(spec: RunSpec) -> dict[str, Param]:
-    return {
-        "run": Param(
-            "", type="string", pattern=f"^$|{RUN_NAME_PATTERN}", title="Run",
-            description=f"Training run to continue or start. Empty: the spec's run, '{spec.name}'. An existing "
-                        "run continues from its latest valid checkpoint; finished chunks are not trained again.",
-        ),
-        "fresh_start": Param(
-            False, type="boolean", title="Fresh start",
-            description="Start the run again from step 0. Needs confirm_fresh_start; the old checkpoints are "
-                        "archived under <checkpoint_dir>/.archive, never deleted.",
-        ),
-        "confirm_fresh_start": Param(
-            "", type="string", title="Confirm fresh start",
-            description="Type the run's name to confirm a fresh start of a run that has checkpoints.",
-        ),
-        "allow_drift": Param(
-            [], type="array", items={"type": "string"}, title="Allow drift",
-            description="Resume-critical settings (dotted keys, e.g. trainer.settings.rollout_n) this DAG run may "
-                        "change on purpose. The change is recorded in the run record with who and when.",
-        ),
-        "alert_emails": Param(
-            list(spec.alerts.email), type="array", items={"type": "string", "format": "email"},
-            title="Alert e-mails", description="Who is alerted for this DAG run (default: the spec's alerts.email).",
-        ),
-        "alert_channels": Param(
-            list(CHANNELS), type="array", items={"type": "string", "enum": list(CHANNELS)}, uniqueItems=True,
-            title="Alert channels",
-            description="Channels this DAG run alerts on, among those its spec configures (alerts.email with "
-                        "alerts.smtp_conn_id, alerts.slack_conn_id, alerts.webhook_conn_id). Empty: none.",
-        ),
-    }
+    """The trigger form: every field may be left empty (relay.form)."""
+    return {name: Param(field["default"], **{k: v for k, v in field.items() if k != "default"})
+            for name, field in form.fields(spec).items()}
 
 
 def build_dag(spec: RunSpec) -> DAG:
@@ -121,7 +93,7 @@ def build_dag(spec: RunSpec) -> DAG:
                     # Chunk k publishes while chunk k+1 trains; publications stay in step order.
                     publish = PublishCheckpointOperator(
                         task_id="publish", spec_path=spec.source, chunk_index=chunk.index,
-                        outlets=[checkpoint_asset(spec)],
+                        outlets=[checkpoint_alias(spec)],
                         doc_md=f"Publish step {chunk.end_step} to {spec.s3.uri}: files, manifest, then latest.")
                     validate >> publish
                     if publish_before is not None:
@@ -137,9 +109,17 @@ def build_dag(spec: RunSpec) -> DAG:
     return dag
 
 
-def checkpoint_asset(spec: RunSpec) -> Asset:
-    """The asset a spec's published checkpoints update; each event's extra names the run and step."""
-    return Asset(name=f"relay_{spec.name}_checkpoints", uri=f"{spec.s3.uri.rstrip('/')}/{spec.name}/")
+def checkpoint_alias(spec: RunSpec) -> AssetAlias:
+    """The spec's published checkpoints: each publication's asset event goes to its run's asset
+    (run_checkpoints) through this alias, and DAGs that evaluate them are scheduled on the alias."""
+    return AssetAlias(name=f"relay_{spec.name}_checkpoints")
+
+
+def run_checkpoints(spec: RunSpec, run: str) -> Asset:
+    """One training run's published checkpoints: its S3 prefix, named by it (its URI is the truth;
+    Airflow keeps URIs without a trailing slash)."""
+    uri = f"{spec.s3.uri.rstrip('/')}/{run}"
+    return Asset(name=uri, uri=uri, group="relay")
 
 
 def build_dags(runs_dir: Path | None = None) -> dict[str, DAG]:

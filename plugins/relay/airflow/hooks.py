@@ -12,7 +12,8 @@ from relay.ray_jobs import RayJobs
 class RayJobsHook(BaseHook):
     """Reach a Ray cluster's Jobs API. Connection: `http://HOST:PORT` of the Ray dashboard.
 
-    The connection's extra may carry {"address": "http://..."} to give the address whole.
+    The connection's extra may carry {"address": "http://..."} to give the address whole, and
+    {"dashboard_url": "https://..."} for the links people follow to a job's page.
     """
 
     conn_name_attr = "ray_conn_id"
@@ -31,6 +32,12 @@ class RayJobsHook(BaseHook):
             return address
         scheme = "https" if conn.conn_type == "https" or conn.schema == "https" else "http"
         return f"{scheme}://{conn.host}:{conn.port or 8265}"
+
+    @cached_property
+    def dashboard_url(self) -> str:
+        """The Ray dashboard as a person's browser reaches it: the extra's "dashboard_url" where the
+        workers reach the Jobs API by another address (a cluster-internal name), else the same address."""
+        return self.get_connection(self.ray_conn_id).extra_dejson.get("dashboard_url") or self.address
 
     @cached_property
     def jobs(self) -> RayJobs:

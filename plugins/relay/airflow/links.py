@@ -1,35 +1,88 @@
-"""The "Run report" button of a chunk's tasks: an operator extra link to the run's report.html in S3.
+"""The buttons on a chunk's tasks (operator extra links): its Ray job, its checkpoint, the run report.
 
-How Airflow 3.3 shows it (read in airflow/sdk/execution_time/task_runner.py::finalize and
-airflow/serialization/serialized_objects.py): when a task ends, the worker calls get_link() of each
-link its operator class declares and stores the URL as an XCom under the link's xcom_key; the DAG
-is serialized with {link name: xcom_key}, and the API server reads that XCom back. So a link
-declared on the operator class needs no AirflowPlugin registration (a plugin only attaches links
-to operators that do not declare them).
+How Airflow 3.3 shows them (read in airflow/sdk/execution_time/task_runner.py::finalize and
+airflow/api_fastapi/core_api/routes/public/extra_links.py): whenever a try of the task stops running
+in its worker (it ends, or it defers), the worker calls get_link() of each link its operator class
+declares and stores the URL as an XCom under the link's xcom_key; the API server reads that XCom
+back. So a deferred train task already shows its Ray job's link while the job trains. A link
+declared on the operator class needs no AirflowPlugin registration.
+
+The report and checkpoint links point at Relay's pages in the API server (relay.airflow.api_plugin),
+which build the report when clicked: the links never expire while the run exists.
 """
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 from airflow.sdk import BaseOperatorLink
+
+RELAY_APP_PREFIX = "/relay"  # where relay.airflow.api_plugin mounts Relay's pages in the API server
+RAY_JOB_XCOM = "ray_job"  # {"submission_id", "url"}: pushed by the train task when it submits or re-attaches
+
+
+def relay_page(path: str) -> str:
+    """A Relay page's URL as people open it: [api] base_url (AIRFLOW__API__BASE_URL), else a path on
+    the page's own server."""
+    from airflow.configuration import conf
+
+    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+    return f"{base}{RELAY_APP_PREFIX}{path}"
+
+
+def report_page(dag_id: str, run: str) -> str:
+    return relay_page(f"/dags/{quote(dag_id)}/runs/{quote(run)}/report")
+
+
+def ray_job_page(dashboard: str, submission_id: str) -> str:
+    """The Ray dashboard's page of one job (its status, driver log, workers)."""
+    return f"{dashboard.rstrip('/')}/#/jobs/{quote(submission_id)}"
+
+
+def _run_of(operator, ti_key) -> str | None:
+    """The training run this DAG run's preflight.run resolved (None before it succeeded)."""
+    from airflow.sdk.execution_time.xcom import XCom
+
+    resolved = XCom.get_one(key="return_value", task_id=operator.run_from_task, dag_id=ti_key.dag_id,
+                            run_id=ti_key.run_id)
+    return (resolved or {}).get("run_name")
 
 
 class RunReportLink(BaseOperatorLink):
-    """For operators with `spec_path` and `run_from_task` (the chunk operators): the run is the one
-    the DAG run's preflight task resolved, the URL that of its published report.html."""
+    """The run report: curves, chunks, resumes, fingerprints, built fresh when clicked."""
 
     name = "Run report"
 
     def get_link(self, operator, *, ti_key) -> str:
-        from airflow.sdk.execution_time.xcom import XCom
+        run = _run_of(operator, ti_key)
+        return report_page(ti_key.dag_id, run) if run else ""
 
-        from relay import report
-        from relay.airflow.hooks import checkpoint_store
+
+class CheckpointLink(BaseOperatorLink):
+    """The chunk's checkpoint: its row of the run report's checkpoint table (size, validation, S3 URI)."""
+
+    name = "Checkpoint"
+
+    def get_link(self, operator, *, ti_key) -> str:
+        from relay.plan import ChunkPlan
         from relay.spec import load_spec
 
-        resolved = XCom.get_one(key="return_value", task_id=operator.run_from_task, dag_id=ti_key.dag_id,
-                                run_id=ti_key.run_id)
-        spec = load_spec(operator.spec_path, check_environment=False)
-        if not resolved or spec.s3 is None:
-            return ""  # no run resolved (preflight failed), or a spec that publishes nowhere: no button
-        return report.page_url(checkpoint_store(spec), resolved["run_name"])
+        run = _run_of(operator, ti_key)
+        if not run:
+            return ""
+        step = ChunkPlan.from_spec(load_spec(operator.spec_path, check_environment=False)).chunk(
+            operator.chunk_index).end_step
+        return f"{report_page(ti_key.dag_id, run)}#step-{step}"
 
+
+class RayJobLink(BaseOperatorLink):
+    """The Ray dashboard's page of the job this try submitted or re-attached to (none: no job ran)."""
+
+    name = "Ray job"
+
+    def get_link(self, operator, *, ti_key) -> str:
+        from airflow.sdk.execution_time.xcom import XCom
+
+        job = XCom.get_one(key=RAY_JOB_XCOM, task_id=ti_key.task_id, dag_id=ti_key.dag_id, run_id=ti_key.run_id,
+                           map_index=ti_key.map_index)
+        return (job or {}).get("url", "")

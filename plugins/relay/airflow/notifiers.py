@@ -26,6 +26,7 @@ from airflow.sdk import BaseNotifier
 
 from relay.alerts import Alert, AlertLedger, kind_of
 from relay.errors import RelayError
+from relay.form import CHANNELS
 from relay.redaction import redact
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,6 @@ SEND_ATTEMPTS = 3
 SEND_BACKOFF_S = 1.0
 SEND_TIMEOUT_S = 10
 DEFAULT_FROM = "relay@localhost"
-
-
-CHANNELS = ("email", "slack", "webhook")
 
 
 @dataclass(frozen=True)
@@ -48,13 +46,14 @@ class Channels:
 
     @classmethod
     def of(cls, spec, params=None) -> Channels:
-        """The spec's channels, narrowed by a DAG run's Params: alert_channels picks among them,
-        alert_emails replaces the spec's addresses."""
+        """The spec's channels, narrowed by a DAG run's Params (relay.form): alert_channels picks among
+        them (absent: all of them; empty or null, as the form sends a cleared field: none), alert_emails
+        replaces the spec's addresses (empty: the spec's; blank lines of the text box are ignored)."""
         params = params or {}
-        on = set(CHANNELS if params.get("alert_channels") is None else params["alert_channels"])
-        emails = params.get("alert_emails")
+        on = set(params.get("alert_channels", CHANNELS) or ())
+        emails = tuple(e.strip() for e in params.get("alert_emails") or () if e and e.strip())
         a = spec.alerts
-        return cls(tuple(a.email if emails is None else emails) if "email" in on else (), a.smtp_conn_id,
+        return cls((emails or tuple(a.email)) if "email" in on else (), a.smtp_conn_id,
                    a.slack_conn_id if "slack" in on else None, a.webhook_conn_id if "webhook" in on else None)
 
     def senders(self) -> list[tuple[str, Callable[[Alert], None]]]:

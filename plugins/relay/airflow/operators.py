@@ -19,20 +19,25 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
-from relay.airflow.links import RunReportLink
+from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
 from relay.airflow.tasks import RUN_TASK, publish_report, run_spec
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.plan import ChunkPlan
-from relay.ray_jobs import LIVE, job_metadata, submission_id
+from relay.ray_jobs import LIVE, LOG_TAIL_LINES, job_metadata, submission_id
 from relay.spec import load_spec
 from relay.trainers.contract import ChunkRequest
 from relay.validate import latest_step_or_problem, latest_valid_step
 
 
+def job_log_tail(spec, event: dict) -> str:
+    """The last lines of the log of the job a trigger event is about (events do not carry them)."""
+    return RayJobsHook(spec.ray.conn_id).jobs.log_tail(event["submission_id"])
+
+
 class RayChunkOperator(BaseOperator):
     ui_color = "#e8f0fe"
-    operator_extra_links = (RunReportLink(),)
+    operator_extra_links = (RayJobLink(), RunReportLink())
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
@@ -113,17 +118,20 @@ class RayChunkOperator(BaseOperator):
                                  run, stopped)
             req = ChunkRequest(spec=spec, run_name=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id)
             hook.jobs.submit(req, sub_id, job_metadata(req, dag_run_id, ti.try_number))
-            self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s to %s",
-                          chunk, run, latest or 0, sub_id, hook.address)
+            self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s: %s",
+                          chunk, run, latest or 0, sub_id, ray_job_page(hook.dashboard_url, sub_id))
         elif existing.status == "SUCCEEDED":
             return self._done(context, spec, run, chunk, f"job {sub_id} had already succeeded")
         elif existing.status in LIVE:
-            self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one", sub_id,
-                          existing.status)
+            self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one: %s", sub_id,
+                          existing.status, ray_job_page(hook.dashboard_url, sub_id))
         else:
             raise AirflowException(f"Ray job {sub_id} of this try already ended {existing.status}: "
                                    f"{existing.message}. The next try resumes from the latest checkpoint.")
 
+        # The task's "Ray job" link (RayJobLink), shown while the task is deferred on the job
+        ti.xcom_push(key=RAY_JOB_XCOM, value={"submission_id": sub_id,
+                                              "url": ray_job_page(hook.dashboard_url, sub_id)})
         from relay.alerts import stall_limit_s
 
         deadline = time.time() + spec.ray.chunk_timeout_minutes * 60
@@ -148,12 +156,12 @@ class RayChunkOperator(BaseOperator):
                     if ti.try_number <= ti.max_tries else "no retries left: this DAG run stops; clear the task to "
                                                           f"resume from step {latest or 0}")
             notify(context, spec, run, "stall", f"{chunk}: {event['message']}", chunk=chunk.index,
-                   step=event.get("step"), details=event.get("log_tail", ""),
+                   step=event.get("step"), details=job_log_tail(spec, event),
                    action=f"stopped Ray job {event['submission_id']}; {then}")
         if event["status"] != "SUCCEEDED":
             raise AirflowException(
                 f"{chunk} of run {run}: Ray job {event['submission_id']} ended {event['status']}: "
-                f"{event['message']}\n--- last lines of the job's log ---\n{event.get('log_tail', '')}"
+                f"{event['message']}\n--- last lines of the job's log ---\n{job_log_tail(spec, event)}"
             )
         return self._done(context, spec, run, chunk, f"job {event['submission_id']} succeeded")
 
@@ -197,7 +205,7 @@ class ValidateCheckpointOperator(BaseOperator):
     """
 
     ui_color = "#e6f4ea"
-    operator_extra_links = (RunReportLink(),)
+    operator_extra_links = (CheckpointLink(), RunReportLink())
     # The chunk's job ended at its end step, so the tracker names it; a supervised run's one long job
     # trains on past it (relay.airflow.supervised), and only the step's own folder is judged.
     tracker_at_end_step = True
@@ -246,7 +254,7 @@ class ValidateCheckpointOperator(BaseOperator):
         spec, run, chunk = self._context(context)
         if event["status"] != "SUCCEEDED":
             raise AirflowException(f"{chunk} of run {run}: validation job {event['submission_id']} ended "
-                                   f"{event['status']}: {event['message']}\n{event.get('log_tail', '')}")
+                                   f"{event['status']}: {event['message']}\n{job_log_tail(spec, event)}")
         return self._admitted(context, spec, run, chunk, self._ray_admission(spec, event))
 
     def _validate(self, context, spec, run: str, chunk) -> dict:
@@ -279,7 +287,7 @@ class ValidateCheckpointOperator(BaseOperator):
         admission = parse_job_output(logs)
         if admission is None:
             raise AirflowException(f"validation job {event['submission_id']} printed no result:\n"
-                                   f"{event.get('log_tail', '')}")
+                                   + "\n".join(logs.splitlines()[-LOG_TAIL_LINES:]))
         return admission
 
     def _admitted(self, context, spec, run: str, chunk, admission: dict) -> dict:
@@ -307,7 +315,7 @@ class PublishCheckpointOperator(BaseOperator):
     Face model for milestones and the final step, apply retention, and emit the checkpoint asset event."""
 
     ui_color = "#fef7e0"
-    operator_extra_links = (RunReportLink(),)
+    operator_extra_links = (CheckpointLink(), RunReportLink())
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
@@ -323,16 +331,15 @@ class PublishCheckpointOperator(BaseOperator):
         store = checkpoint_store(spec)
         if self._already_published(spec, run, chunk.end_step, store):
             self.log.info("%s of run %s: already published to %s", chunk, run, store.step_uri(run, chunk.end_step))
-            publish_report(spec, run, store)
+            publish_report(spec, run, store, context)
             return {"step": chunk.end_step, "uri": store.step_uri(run, chunk.end_step), "already": True}
         if not (spec.run_dir(run) / f"global_step_{chunk.end_step}").is_dir():
             # Trained past this chunk's end without saving there (with `relay train`, say): its
             # later chunk's checkpoint is the one to publish.
             self.log.warning("%s of run %s: no checkpoint at step %s and none published; nothing to publish",
                              chunk, run, chunk.end_step)
-            for asset in self.outlets:
-                context["outlet_events"][asset].extra = {"run": run, "step": chunk.end_step, "skipped": True}
-            publish_report(spec, run, store)
+            self._announce(context, spec, run, {"run": run, "step": chunk.end_step, "skipped": True})
+            publish_report(spec, run, store, context)
             return {"step": chunk.end_step, "skipped": True}
         pub = publish_checkpoint(spec, run, chunk.end_step, store)
         self.log.info("%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
@@ -341,12 +348,18 @@ class PublishCheckpointOperator(BaseOperator):
         if pub.deleted_local or pub.published_retention.get("deleted"):
             self.log.info("retention: deleted local steps %s, published steps %s", pub.deleted_local,
                           pub.published_retention.get("deleted"))
-        for asset in self.outlets:
-            context["outlet_events"][asset].extra = {
-                "run": run, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
-                "hf_model": pub.hf_uri, "spec": spec.name, "dag_run": context["dag_run"].run_id}
-        publish_report(spec, run, store)
+        self._announce(context, spec, run, {
+            "run": run, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
+            "hf_model": pub.hf_uri, "spec": spec.name, "dag_run": context["dag_run"].run_id})
+        publish_report(spec, run, store, context)
         return pub.to_dict()
+
+    def _announce(self, context, spec, run: str, extra: dict) -> None:
+        """The asset event of this publication, on the run's own asset, through the spec's alias."""
+        from relay.airflow.dag_factory import run_checkpoints
+
+        for alias in self.outlets:
+            context["outlet_events"][alias].add(run_checkpoints(spec, run), extra=extra)
 
     @staticmethod
     def _already_published(spec, run: str, step: int, store) -> bool:

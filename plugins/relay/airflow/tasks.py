@@ -148,21 +148,24 @@ def finish(spec_path: str, **context) -> dict:
              run, state.latest_step, spec.total_steps, state.run_dir, state.run_dir, len(resumes))
     notify_recovery(context, spec, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
                     step=state.latest_step)
-    publish_report(spec, run, checkpoint_store(spec))
+    publish_report(spec, run, checkpoint_store(spec), context)
     return state.to_dict()
 
 
-def publish_report(spec, run: str, store) -> None:
+def publish_report(spec, run: str, store, context) -> None:
     """The run report (plots, chunk table, fingerprints) beside the run, and beside its checkpoints in S3
-    with a store. A report that cannot be made never fails the task that asked for it."""
+    with a store; the task log names its page in the UI. A report that cannot be made never fails the
+    task that asked for it."""
     from relay import report
+    from relay.airflow.links import report_page
 
     try:
         out = report.publish(spec, run, store)
     except Exception as e:  # noqa: BLE001
         log.warning("run report of %s not written: %s", run, e)
         return
-    log.info("run report: %s\n%s", out.get("html_uri", out["html"]), out["summary"])
+    log.info("run report: %s (kept at %s)\n%s", report_page(context["dag_run"].dag_id, run),
+             out.get("html_uri", out["html"]), out["summary"])
 
 
 def evaluate_published(spec_path: str, **context) -> list[dict]:

@@ -21,8 +21,6 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from relay.alerts.stall import StallWatch
 from relay.ray_jobs import TERMINAL, AsyncRayJobs
 
-LOG_TAIL_LINES = 30
-
 
 class RayJobTrigger(BaseTrigger):
     def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
@@ -53,10 +51,10 @@ class RayJobTrigger(BaseTrigger):
             },
         )
 
-    def _event(self, status: str, message: str, logs: str = "", **extra: Any) -> TriggerEvent:
-        tail = "\n".join(logs.splitlines()[-LOG_TAIL_LINES:])
-        return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message,
-                             "log_tail": tail, **extra})
+    def _event(self, status: str, message: str, **extra: Any) -> TriggerEvent:
+        """What the task resumes with: small, since Airflow logs it whole ("Trigger fired event"); the
+        task reads the job's last log lines itself when it needs them (RayJobs.log_tail)."""
+        return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message, **extra})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         jobs = AsyncRayJobs(self.address)
@@ -75,33 +73,33 @@ class RayJobTrigger(BaseTrigger):
                 self.log.warning("Ray Jobs API at %s unreachable (%s); retrying", self.address, e)
                 if now - unreachable_since > self.unreachable_grace_s or now > self.deadline:
                     yield self._event("UNREACHABLE", f"Ray Jobs API at {self.address} unreachable for "
-                                                     f"{now - unreachable_since:.0f}s: {e}", logs)
+                                                     f"{now - unreachable_since:.0f}s: {e}")
                     return
                 await asyncio.sleep(self.poll_seconds)
                 continue
             if state is None:
                 yield self._event("LOST", f"job {self.submission_id} is unknown to the cluster at {self.address} "
-                                          "(the Ray head lost it, e.g. after a restart)", logs)
+                                          "(the Ray head lost it, e.g. after a restart)")
                 return
             new = logs[self.log_offset:]
             for line in new.splitlines():
                 self.log.info("%s", line)
             self.log_offset = len(logs)
             if state.status in TERMINAL:
-                yield self._event(state.status, state.message, logs)
+                yield self._event(state.status, state.message)
                 return
             if self.stall_after_s and state.status == "RUNNING":
                 watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time())
                 watch.saw(new, time.time())
                 if stalled := watch.stalled(time.time()):
                     await jobs.stop(self.submission_id)
-                    yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped", logs,
+                    yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped",
                                       step=watch.last_step)
                     return
             if time.time() > self.deadline:
                 await jobs.stop(self.submission_id)
                 yield self._event("TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was "
-                                             "stopped", logs)
+                                             "stopped")
                 return
             await asyncio.sleep(self.poll_seconds)
 

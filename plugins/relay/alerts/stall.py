@@ -7,14 +7,12 @@ step: imports, model build and resume come before it.
 
 from __future__ import annotations
 
-import re
 import statistics
 from pathlib import Path
 
 from relay.metrics import MetricsLog
+from relay.progress import STEP_LINE
 
-# The progress line every trainer prints per step (trainers/session.py: ChunkSession.step_done).
-STEP_LINE = re.compile(r"^\[relay\] step (\d+)/\d+", re.MULTILINE)
 
 
 def stall_limit_s(spec, run_dir: Path) -> float:

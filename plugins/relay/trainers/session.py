@@ -24,6 +24,7 @@ from relay.errors import CheckpointError
 from relay.faultpoint import fault_point
 from relay.lease import Lease
 from relay.metrics import MetricsLog, record_event
+from relay.progress import PREFIX, step_line
 from relay.resume import find_resume_point
 from relay.trainers.contract import ChunkRequest
 
@@ -93,7 +94,7 @@ class ChunkSession:
     # ------------------------------------------------------------------------------ progress
     @staticmethod
     def say(msg: str) -> None:
-        print(f"[relay] {msg}", flush=True)
+        print(f"{PREFIX}{msg}", flush=True)
 
     def step_done(self, step: int, seconds: float, **values: float) -> None:
         """One metrics row and one progress line per step; stop at once if the lease was lost."""
@@ -102,13 +103,8 @@ class ChunkSession:
         row = {"step": step, "chunk": self.req.chunk, "attempt": self.req.attempt, "seconds": round(seconds, 4),
                "time": time.time(), **values}
         self.metrics.append(row)
-        recent = self._step_times[-20:]
-        per = sum(recent) / len(recent)
-        eta_chunk = per * (self.req.to_step - step)
-        eta_run = per * (self.spec.total_steps - step)
-        shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
-        self.say(f"step {step}/{self.spec.total_steps} chunk {self.req.chunk or '-'} {shown} "
-                 f"s/step={per:.3f} eta_chunk={eta_chunk:.0f}s eta_run={eta_run:.0f}s")
+        self.say(step_line(step, self.spec.total_steps, self.req.chunk, self.req.to_step, self._step_times[-20:],
+                           values))
         fault_point("after_step", step)
 
     # ------------------------------------------------------------------------------ checkpoints

@@ -28,6 +28,7 @@ import time
 
 from relay import layout
 from relay.errors import CheckpointError, RelayError
+from relay.progress import step_line
 from relay.trainers.contract import ChunkRequest, ChunkResult
 
 
@@ -175,13 +176,8 @@ class ProgressWatcher:
                 continue
             self.last = step
             self._times.append(float(row.get("seconds") or 0.0))
-            recent = self._times[-20:]
-            per = sum(recent) / len(recent)
-            total = self.session.spec.total_steps
-            shown = " ".join(f"{k}={row[k]:.4g}" for k in ("reward_mean", "loss", "kl", "lr", "response_length")
-                             if isinstance(row.get(k), (int, float)))
-            self.session.say(f"step {step}/{total} chunk {self.session.req.chunk or '-'} {shown} s/step={per:.3f} "
-                             f"eta_chunk={per * (self.end - step):.0f}s eta_run={per * (total - step):.0f}s")
+            self.session.say(step_line(step, self.session.spec.total_steps, self.session.req.chunk, self.end,
+                                       self._times[-20:], row))
             printed.append(step)
         return printed
 

@@ -1,0 +1,180 @@
+"""Relay inside Airflow's API server (an AirflowPlugin, loaded from plugins/relay_airflow_plugin.py):
+
+- the trigger form's refusals in plain words: Airflow answers a value outside a run DAG's Params with
+  jsonschema's text (the regex, the whole schema); the UI shows that answer as it comes. The
+  middleware replaces it with relay.form.explain's words: what is wrong, and an example.
+- the training run's name on the DAG run: a trigger of a run DAG gets the DAG run id
+  "NAME__manual__<time>" (the run list and the grid show ids) unless the person typed one, and the
+  note "training run: NAME" (the DAG run's page shows notes).
+- Relay's pages under /relay, behind Airflow's own login (the UI's session cookie) and its DAG
+  permissions: the run report, built when it is opened, so a link to it never expires.
+
+Only the API server mounts these; other processes that load plugins import this module and build
+nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from datetime import datetime, timezone
+
+from airflow.plugins_manager import AirflowPlugin
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import HTMLResponse
+
+from relay import form
+from relay.airflow.links import RELAY_APP_PREFIX
+from relay.spec import spec_for_dag
+
+log = logging.getLogger(__name__)
+
+TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?")
+
+
+def run_name_of(spec, conf: dict, logical_date: str | None) -> str:
+    """The run a trigger names, as preflight.run resolves it (relay.airflow.tasks.preflight)."""
+    from relay.runs import resolve_run_name
+    from relay.spec import dated_run_name
+
+    if (isinstance(conf.get("run"), str) and conf["run"].strip()) or not spec.airflow.schedule:
+        return resolve_run_name(spec, conf.get("run"))
+    when = datetime.fromisoformat(logical_date) if logical_date else datetime.now(timezone.utc)
+    return dated_run_name(spec, when)
+
+
+class TriggerFormMiddleware:
+    """ASGI middleware on the API server: see the module's docstring. Only POSTs that trigger a run DAG
+    are touched; Airflow still validates, authorizes and creates the DAG run itself."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        match = TRIGGER_PATH.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
+        if match is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        spec = spec_for_dag(match["dag_id"])
+        if spec is None:
+            return await self.app(scope, receive, send)
+        body = await _read_body(receive)
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        conf = payload.get("conf") if isinstance(payload, dict) else None
+        if isinstance(payload, dict) and isinstance(conf or {}, dict) and not form.explain(spec, conf or {}):
+            try:
+                body = json.dumps(_named(payload, run_name_of(spec, payload.get("conf") or {},
+                                                            payload.get("logical_date")))).encode()
+            except Exception as e:  # noqa: BLE001 - an unparsable date, say: Airflow refuses it itself
+                log.debug("trigger left as it came: %s", e)
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        await self.app(scope, _replay(body), _plain_refusals(send, spec, conf))
+
+
+def _named(payload: dict, run: str) -> dict:
+    """The trigger with the training run in its DAG run id (the run list shows ids) and its note (the DAG
+    run's page shows it), unless the person gave their own."""
+    out = dict(payload)
+    if not out.get("dag_run_id"):
+        out["dag_run_id"] = f"{run}__manual__{datetime.now(timezone.utc).isoformat()}"
+    note = f"training run: {run}"
+    out["note"] = f"{out['note']}\n\n{note}" if out.get("note") else note
+    return out
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes):
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+def _plain_refusals(send, spec, conf):
+    """Wrap `send`: a 400 that refuses a Param gets relay.form.explain's words instead of jsonschema's."""
+    start = None
+    chunks: list[bytes] = []
+
+    async def wrapped(message):
+        nonlocal start
+        if message["type"] == "http.response.start" and message["status"] == 400:
+            start = message
+            return
+        if start is None or message["type"] != "http.response.body":
+            return await send(message)
+        chunks.append(message.get("body", b""))
+        if message.get("more_body"):
+            return
+        body = _explained(b"".join(chunks), spec, conf)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped
+
+
+def _explained(body: bytes, spec, conf) -> bytes:
+    try:
+        detail = json.loads(body).get("detail")
+    except (ValueError, AttributeError):
+        return body
+    if not (isinstance(detail, str) and detail.startswith("Invalid input for param")):
+        return body
+    problems = form.explain(spec, conf)
+    if not problems:  # Airflow refused something Relay does not know: keep its first line only
+        problems = [detail.splitlines()[0]]
+    text = f"Nothing was triggered. {' '.join(problems)}" if len(problems) == 1 else \
+        "Nothing was triggered:\n" + "\n".join(f"- {p}" for p in problems)
+    return json.dumps({"detail": text}).encode()
+
+
+# ------------------------------------------------------------------------------------- Relay's pages
+def _pages() -> FastAPI:
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+    from airflow.api_fastapi.core_api.security import requires_access_dag
+
+    app = FastAPI(title="Relay", docs_url=None, redoc_url=None, openapi_url=None)
+    can_read_runs = [Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))]
+
+    @app.get("/dags/{dag_id}/runs/{run}/report", response_class=HTMLResponse, dependencies=can_read_runs)
+    def run_report(dag_id: str, run: str) -> HTMLResponse:
+        """The run report, built now from the run's folder (or S3 where this server cannot see it)."""
+        from relay import report
+        from relay.errors import RelayError
+
+        spec = spec_for_dag(dag_id)
+        if spec is None:
+            raise HTTPException(404, f"{dag_id} is not a DAG of a Relay run spec in include/runs")
+        try:
+            from relay.airflow.hooks import checkpoint_store
+
+            return HTMLResponse(report.current_html(spec, run, checkpoint_store(spec)))
+        except RelayError as e:
+            raise HTTPException(404, f"{e.what}. {e.fix}") from None
+
+    return app
+
+
+class RelayPlugin(AirflowPlugin):
+    name = "relay"
+    fastapi_root_middlewares = [{"middleware": TriggerFormMiddleware, "args": [], "kwargs": {},
+                                 "name": "Relay: the trigger form in plain words, the training run as a note"}]
+    fastapi_apps = [{"app": _pages(), "url_prefix": RELAY_APP_PREFIX, "name": "Relay pages"}]

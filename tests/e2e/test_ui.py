@@ -1,0 +1,162 @@
+"""The Airflow UI as a person uses it, in a real browser: Debian's chromium driven by Playwright, against
+Airflow's four processes (with Relay's API-server plugin), the session's Ray head and S3 server.
+
+Log in on the login page; trigger relay_demo with the form's defaults and watch the run succeed; type
+an invalid run name and read why it is refused; follow the train task's link to its Ray job's page.
+Screenshots go to .relay/test-results/screenshots/ (docs/airflow-grid.png and docs/airflow-trigger-form.png
+are copies of them).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, session_shared, write_spec
+from relay import stack
+from support.airflow_procs import airflow_processes
+
+SHOTS = ROOT / ".relay" / "test-results" / "screenshots"
+# As the machine notes start it: no background connections (this machine's network is closed), no sandbox (root).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory, ray_address, airflow_home):
+    """Airflow on SQLite (the session's migrated DB, copied), reading one spec named `demo`: relay_demo,
+    shrunk for tests (12 steps in 2 chunks) and publishing under an S3 prefix of its own."""
+    base = tmp_path_factory.mktemp("ui")
+    runs = base / "runs"
+    write_spec(runs, name="demo")
+    (base / "home").mkdir()
+    with session_shared(tmp_path_factory, "airflow-db") as shared:
+        shutil.copyfile(shared / "airflow.db", base / "home" / "airflow.db")
+    with airflow_processes(base, runs) as af:
+        af["api"].wait_for_dag("relay_demo")
+        yield af
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is missing: scripts/test.sh installs it (apt-get install chromium)"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, airflow):
+    """A browser tab logged in through Airflow's login page, as a person does."""
+    context = browser.new_context(viewport={"width": 1500, "height": 900})
+    tab = context.new_page()
+    tab.goto(airflow["url"])
+    tab.fill("input[name=username]", "admin")
+    tab.fill("input[name=password]", airflow["password"])
+    tab.get_by_role("button", name="Sign in").click()
+    tab.wait_for_url(f"{airflow['url']}/")
+    yield tab
+    context.close()
+
+
+def shot(tab, name: str) -> Path:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    tab.screenshot(path=str(SHOTS / name))
+    return SHOTS / name
+
+
+def open_trigger_form(tab, airflow):
+    tab.goto(f"{airflow['url']}/dags/relay_demo")
+    tab.get_by_role("button", name="Trigger").first.click()
+    dialog = tab.get_by_role("dialog")
+    dialog.get_by_text("Run Parameters").wait_for()
+    return dialog
+
+
+@pytest.fixture(scope="module")
+def triggered(page, airflow):
+    """relay_demo triggered from its form, every field as the form opens; the DAG run's page it lands on."""
+    dialog = open_trigger_form(page, airflow)
+    time.sleep(1)  # the form validates its fields as it renders
+    shot(page, "airflow-trigger-form.png")
+    button = dialog.get_by_role("button", name="Trigger")
+    state = {"enabled": button.is_enabled(), "required": dialog.locator("[data-part=required-indicator]").count()}
+    button.click()
+    page.wait_for_url("**/runs/**")
+    run_id = page.url.rsplit("/runs/", 1)[1].split("/")[0]
+    from urllib.parse import unquote
+
+    return {**state, "run_id": unquote(run_id), "url": page.url}
+
+
+def test_triggering_relay_demo_with_the_form_defaults_runs_it_to_success(page, airflow, triggered):
+    assert triggered["enabled"], "the Trigger button is enabled with the form's defaults"
+    assert triggered["required"] == 0, "no field of the form is required"
+    assert triggered["run_id"].startswith("demo__manual__"), "the DAG run's id names the training run"
+    run = airflow["api"].wait_for_run("relay_demo", triggered["run_id"], timeout=420)
+    assert run["state"] == "success", airflow["api"].task_instances("relay_demo", triggered["run_id"])
+
+    page.goto(triggered["url"])
+    page.get_by_text("training run: demo").wait_for(timeout=60_000)  # the note, on the DAG run's page
+    expand = page.get_by_role("button", name="Expand all task groups")
+    if expand.count():  # the UI remembers whether groups were expanded
+        expand.click()
+    page.get_by_text("Success").first.wait_for()
+    time.sleep(2)  # the grid's bars settle
+    shot(page, "airflow-grid.png")
+    states = {t["task_id"]: t["state"] for t in airflow["api"].task_instances("relay_demo", triggered["run_id"])}
+    assert states["chunk_02.publish"] == "success" and states["finish"] == "success"
+
+
+def test_an_invalid_run_name_is_refused_in_plain_words(page, airflow, triggered):
+    before = len(airflow["api"].dag_runs("relay_demo"))
+    dialog = open_trigger_form(page, airflow)
+    page.fill("#element_run", "../x")
+    dialog.get_by_role("button", name="Trigger").click()
+    message = dialog.get_by_text("is not a run name")
+    message.wait_for()
+    text = message.inner_text()
+    assert "Run: '../x' is not a run name" in text and "e.g. 'demo-2'" in text
+    assert "Failed validating" not in dialog.inner_text() and "^" not in text, "no jsonschema dump, no regex"
+    shot(page, "airflow-trigger-refused.png")
+    assert len(airflow["api"].dag_runs("relay_demo")) == before, "nothing was triggered"
+    page.keyboard.press("Escape")
+
+
+def test_the_train_task_links_to_its_ray_job_and_the_run_report(page, airflow, triggered):
+    airflow["api"].wait_for_run("relay_demo", triggered["run_id"], timeout=420)
+    page.goto(f"{triggered['url']}/tasks/chunk_01.train/details")
+    link = page.get_by_role("link", name="Ray job")
+    href = link.get_attribute("href")
+    assert href.startswith(f"{stack.ray_address()}/#/jobs/relay-demo-demo-"), href
+    with page.context.expect_page() as opened:
+        link.click()
+    job = opened.value
+    job_id = href.rsplit("/", 1)[1]
+    job.get_by_text("SUCCEEDED").first.wait_for(timeout=30_000)
+    assert job_id in job.inner_text("body"), "the Ray dashboard shows this job's page"
+    job.close()
+
+    page.get_by_role("link", name="Run report").click()  # Relay's page in the API server, built when opened
+    page.wait_for_url("**/relay/dags/relay_demo/runs/demo/report")
+    assert page.get_by_role("heading", name="Run demo").is_visible()
+    assert "step 12 of 12" in page.inner_text("body")
+    assert page.locator("#step-12").count() == 1, "the Checkpoint link's anchor: the chunk table's row"
+
+
+def test_relay_pages_need_airflow_login(airflow):
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{airflow['url']}/relay/dags/relay_demo/runs/demo/report", timeout=30)
+        raise AssertionError("the run report was served without a login")
+    except urllib.error.HTTPError as e:
+        assert e.code in (401, 403)

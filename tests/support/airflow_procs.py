@@ -1,0 +1,33 @@
+"""Airflow's four processes (api-server, scheduler, dag-processor, triggerer) for one test module, as
+`relay stack up` starts them: on a database and a runs folder of the module's own, on a free port,
+with the session's Ray head and S3 server."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from relay import stack
+from relay.airflow_api import AirflowAPI
+from support.receivers import free_port
+
+
+@contextmanager
+def airflow_processes(base: Path, runs: Path, db_url: str | None = None, **env_extra: str):
+    """Start them under base/ (home, pids, logs) reading the specs in `runs`; stop them at the end.
+    db_url: None for SQLite in base/home (a copy of a migrated DB placed there first is migrated no further)."""
+    saved = {k: os.environ.get(k) for k in ("RELAY_STACK_DIR", "RELAY_AIRFLOW_API_PORT")}
+    # relay.stack reads both at each call: its pid files and the API's port stay this module's own
+    os.environ.update(RELAY_STACK_DIR=str(base / "stack"), RELAY_AIRFLOW_API_PORT=str(free_port()))
+    env = stack.airflow_env(base / "home", db_url, parallelism=4)
+    env.update(RELAY_RUNS_DIR=str(runs), **env_extra)
+    try:
+        stack.airflow_start(env)
+        api = AirflowAPI(stack.airflow_url(), "admin", stack.airflow_password(base / "home"))
+        yield {"api": api, "env": env, "home": base / "home", "url": stack.airflow_url(),
+               "password": stack.airflow_password(base / "home")}
+    finally:
+        stack.stop_processes([f"airflow-{comp}" for comp in stack.AIRFLOW_COMPONENTS])
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
