@@ -129,6 +129,14 @@ def model_state(step_dir: Path) -> dict:
     return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in sd.items()}
 
 
+def digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file under folder, by relative path: what "untouched" means for a checkpoint."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     import torch
 

@@ -90,6 +90,13 @@ class AirflowAPI:
         mask = "&".join(f"update_mask={k}" for k in fields)
         return self._call("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}?{mask}", fields)
 
+    def clear_task_instances(self, dag_id: str, run_id: str, task_ids: list[str]) -> list[dict]:
+        """Clear tasks of a DAG run and what follows them, as the UI's Clear button does: each runs again
+        (a deferred one's trigger is cancelled, and its operator told so)."""
+        return self._post(f"/api/v2/dags/{dag_id}/clearTaskInstances", {
+            "dry_run": False, "dag_run_id": run_id, "task_ids": task_ids, "only_failed": False,
+            "include_downstream": True, "reset_dag_runs": True})["task_instances"]
+
     def asset_events(self, **filters) -> list[dict]:
         """Asset events, e.g. source_dag_id=..., oldest first."""
         query = "&".join(f"{k}={v}" for k, v in {**filters, "order_by": "timestamp", "limit": 100}.items())

@@ -43,6 +43,11 @@ def cmd_spec_check(args) -> int:
 
 
 def cmd_train(args) -> int:
+    import os
+    import socket
+
+    from relay.runs import prepare_run
+    from relay.store import StoreError, store_for_spec
     from relay.trainers.contract import ChunkRequest, run_chunk
 
     spec = _spec(args.spec)
@@ -53,7 +58,19 @@ def cmd_train(args) -> int:
     if not 1 <= args.to_step <= spec.total_steps:
         print(f"--to-step must be within 1..{spec.total_steps}", file=sys.stderr)
         return 2
-    result = run_chunk(ChunkRequest(spec=spec, run_name=run, to_step=args.to_step, restore=not args.offline))
+    store = store_for_spec(spec) if spec.s3 is not None and not args.offline else None
+    try:
+        # The DAG's preflight.run, by the same code: the run's incarnation, a confirmed fresh start.
+        state = prepare_run(spec, run, fresh_start=args.fresh_start, confirm=args.confirm or "",
+                            started_by=f"relay train (local:{socket.gethostname()}:{os.getpid()})", store=store)
+        if state.archived_to or state.archived_uri:
+            print(f"fresh start of run {run}: the old run was moved aside to "
+                  f"{' and '.join(x for x in (state.archived_to, state.archived_uri) if x)}")
+        result = run_chunk(ChunkRequest(spec=spec, run_name=run, to_step=args.to_step, restore=not args.offline,
+                                        incarnation=state.incarnation))
+    except StoreError as e:
+        raise StoreError(e.what, f"{e.fix}; or train without S3 with --offline (nothing is restored from S3 and "
+                                 "the published run is not looked at)") from None
     print(f"run {run}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
           f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}")
     return 0
@@ -67,7 +84,22 @@ def cmd_checkpoint_validate(args) -> int:
         admission = admit_dir(Path(args.dir), args.step)
         print(json.dumps(admission.to_dict(), indent=2) if args.json else admission.explain())
         return 0 if admission.ok else 1
-    report = validate_checkpoint(Path(args.dir), args.step, upto="numerics" if args.deep else "integrity")
+    smoke = None
+    if args.smoke:
+        from relay.gate import smoke_check
+        from relay.record import read_record
+
+        source = args.spec or read_record(Path(args.dir)).get("spec_source")
+        if not source:
+            print(f"--smoke needs the run's spec (its model): {args.dir} has no run record naming it; give --spec SPEC",
+                  file=sys.stderr)
+            return 2
+        spec = _spec(source, check_environment=False)
+        smoke = smoke_check(spec.model_copy(update={"checkpoints": spec.checkpoints.model_copy(update={"smoke": True})}))
+    # Every level but smoke by default: without the safe load and the numerics, a checkpoint with NaN weights,
+    # or a pickle that would run code, would pass.
+    report = validate_checkpoint(Path(args.dir), args.step, upto="integrity" if args.quick else "numerics",
+                                 smoke=smoke)
     print(report.to_json() if args.json else report.summary())
     return 0 if report.ok else 1
 
@@ -273,7 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-dir", help="the run's checkpoint folder (default: <spec checkpoint_dir>/<run>)")
     s.add_argument("--run", help="training run name (default: the spec's name)")
     s.add_argument("--offline", action="store_true",
-                   help="never restore from S3: the local checkpoint folder is the only source")
+                   help="never look at S3: no restore, no check of the published run; the local folder is the only "
+                        "source")
+    s.add_argument("--fresh-start", action="store_true",
+                   help="start the run again from step 0: the old run is moved aside (locally and in S3), never "
+                        "deleted; a run that has checkpoints also needs --confirm NAME")
+    s.add_argument("--confirm", metavar="NAME", help="the run's name, confirming --fresh-start")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("checkpoint", help="checkpoint commands")
@@ -281,8 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = cs.add_parser("validate", help="validate a run's checkpoint (default: the one the tracker names)")
     c.add_argument("dir", help="the run's checkpoint folder (verl's default_local_dir)")
     c.add_argument("--step", type=int)
-    c.add_argument("--deep", action="store_true",
-                   help="also load every .pt safely and check numerics (default: structure, consistency, integrity)")
+    c.add_argument("--quick", action="store_true",
+                   help="structure, consistency and integrity only (default: every level but smoke: also load every "
+                        ".pt safely and check numerics)")
+    c.add_argument("--smoke", action="store_true",
+                   help="also load the weights into the run's model and run one forward pass (the spec comes from the "
+                        "run record, or --spec)")
+    c.add_argument("--spec", help="the run's spec, for --smoke")
+    c.add_argument("--deep", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     c.add_argument("--quarantine", action="store_true",
                    help="act like the DAG's gate: every level; write the manifest if valid, else quarantine it and "
                         "point the tracker at the newest valid checkpoint")
@@ -356,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="run the demo spec's DAG end to end on the local stack")
     s.add_argument("--keep-running", action="store_true", help="leave the stack up to explore the UI")
-    s.add_argument("--no-kill", action="store_true", help="do not stop chunk 2's job to show a resume")
+    s.add_argument("--no-kill", action="store_true", help="no crash drill: chunk 2's trainer is not killed to show a resume")
     s.set_defaults(func=cmd_demo)
     return p
 

@@ -1,5 +1,6 @@
-"""The local demo: start the stack, trigger the demo spec's DAG like the UI does, stop chunk 2's Ray
-job once mid-chunk to show the resume, wait for the run, and say where everything is."""
+"""The local demo: start the stack, trigger the demo spec's DAG like the UI does, with a crash drill that
+kills chunk 2's trainer once mid-chunk to show the resume, wait for the run, and say where everything
+is. It exits non-zero when the run fails or no retry resumed chunk 2 from its start step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from relay import stack
 from relay.airflow_api import AirflowAPI
 from relay.metrics import read_events, read_jsonl
 from relay.project import root
-from relay.ray_jobs import RayJobs
 from relay.spec import load_spec
 
 DEMO_SPEC = "include/runs/demo.yaml"
@@ -24,6 +24,7 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
     spec = load_spec(root() / DEMO_SPEC)
     run_name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = spec.run_dir(run_name)
+    kill_at = spec.chunk_steps + spec.chunk_steps // 2  # the middle of chunk 2
     say("starting the local stack: S3 (SeaweedFS), Ray head, Airflow (api-server, scheduler, dag-processor, "
         "triggerer)")
     info = stack.up(with_airflow=True)
@@ -32,11 +33,22 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
         say(f"Ray dashboard: {info['ray']}")
         api = AirflowAPI(info["airflow"], info["user"], info["password"])
         api.wait_for_dag(spec.dag_id)
-        dag_run = api.trigger(spec.dag_id, {"run": run_name})
+        conf = {"run": run_name}
+        if provoke_resume:
+            # A crash drill: chunk 2's trainer SIGKILLs itself right after step kill_at, on its first attempt
+            # only, before it saves (a graceful stop would save first); Airflow's retry resumes it.
+            conf["relay_fault"] = {"kill_at": f"after_step@{kill_at}"}
+            say(f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): Airflow's "
+                f"retry resumes it from its latest checkpoint, step {spec.chunk_steps}")
+        dag_run = api.trigger(spec.dag_id, conf)
         say(f"triggered {spec.dag_id}, DAG run {dag_run['dag_run_id']}, training run {run_name}")
-        state = _follow(api, spec, dag_run["dag_run_id"], run_dir, provoke_resume, timeout_s)
+        state = _follow(api, spec, dag_run["dag_run_id"], run_dir, timeout_s)
         _summary(spec, run_dir, state)
-        return 0 if state == "success" else 1
+        if state != "success":
+            return 1
+        if provoke_resume and not _resumed_chunk_2(spec, run_dir, kill_at):
+            return 1
+        return 0
     finally:
         if keep_running:
             say("the stack keeps running; stop it with `.venv/bin/python -m relay stack down`")
@@ -45,10 +57,7 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
             stack.down(wait_s=180, say=say)
 
 
-def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, provoke_resume: bool, timeout_s: float) -> str:
-    jobs = RayJobs(stack.ray_address())
-    kill_at = spec.chunk_steps + spec.chunk_steps // 2  # the middle of chunk 2
-    killed = not provoke_resume
+def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, timeout_s: float) -> str:
     shown = 0
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -58,17 +67,27 @@ def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, provoke_resum
             r = rows[-1]
             say(f"step {step}/{spec.total_steps}  reward_mean={r['reward_mean']:.3f}  loss={r['loss']:.4f}")
             shown = step
-        if not killed and step >= kill_at:
-            for job in jobs.live_jobs_of_run(spec.name, run_dir.name):
-                say(f"stopping Ray job {job.submission_id} at step {step} on purpose: Airflow's retry will "
-                    f"resume chunk 2 from its latest checkpoint (step {spec.chunk_steps})")
-                jobs.stop(job.submission_id)
-            killed = True
         state = api.dag_run(spec.dag_id, dag_run_id)["state"]
         if state in ("success", "failed"):
             return state
         time.sleep(1)
     return "timed out"
+
+
+def _resumed_chunk_2(spec, run_dir: Path, kill_at: int) -> bool:
+    """Whether a retry of chunk 2 resumed from its start step; says what it cost."""
+    from relay.metrics import SUPERSEDED
+
+    starts = [e for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
+    resumed = [e for e in starts[1:] if e.get("resumed_from") == spec.chunk_steps]
+    if not resumed:
+        say(f"FAILED: no retry of chunk 2 resumed from step {spec.chunk_steps} (chunk 2's attempts resumed from "
+            f"{[e.get('resumed_from') for e in starts]}); the provoked resume did not happen")
+        return False
+    lost = len(read_jsonl(run_dir / SUPERSEDED))
+    say(f"chunk 2's trainer was killed after step {kill_at}; its retry resumed from step {spec.chunk_steps}: "
+        f"{lost} step(s) lost and trained again (kept in {SUPERSEDED})")
+    return True
 
 
 def _summary(spec, run_dir: Path, state: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from relay import guard, layout
 from relay.errors import RelayError
-from relay.runs import read_record
+from relay.record import read_record
 
 # Snapshot keys (guard.snapshot) by what they mean; spec keys are under trainer.settings.
 ALGORITHM = {"adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "clip_ratio",

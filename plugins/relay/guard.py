@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay.errors import RelayError
-from relay.runs import read_record, update_record
+from relay.record import read_record, update_record
 
 
 class DriftError(RelayError):

@@ -11,7 +11,9 @@
         actor/huggingface/config.json            (+ tokenizer, generation config)
         critic/...                               alike, when the algorithm has a critic
       metrics.jsonl, events.jsonl                Relay: one row per step; chunk attempts and resumes
-      .relay/                                    Relay: lease, staging, quarantine, archive
+      hf/global_step_N/                          Relay: Hugging Face exports (milestones, the final step)
+      .relay/                                    Relay: run record, lease, staging, quarantine,
+                                                 superseded, rollout_state, report
 
 verl writes the tracker with a plain write (no temp file, no fsync); Relay writes it atomically.
 """
@@ -36,6 +38,7 @@ ROLES = ("actor", "critic")
 RELAY_DIR = ".relay"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
+HF_DIR = "hf"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:

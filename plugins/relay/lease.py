@@ -1,8 +1,10 @@
 """One writer per run: a lease with a fencing token, kept in the run folder.
 
-Before a chunk's job is submitted, the submitter takes the lease and gets a new, larger token. The
-trainer carries its token and checks it before every save, inside the same file lock that taking
-the lease needs. So once a newer attempt holds the lease, an older trainer (an orphan that outlived
+When a chunk's job is submitted, the submitter (the train task) takes the lease for that job and gets
+a new, larger token, which the job's request carries (the CLI takes it in its own process). The
+trainer checks its token when it starts (and records its host and pid in the lease) and before every save, inside the same file lock that taking
+the lease needs; the gate, a restore and retention hold that lock too for every tracker write and
+checkpoint move. So once a newer attempt holds the lease, an older trainer (an orphan that outlived
 its Ray job, say) can no longer write a checkpoint: its commit is refused. The lock is an fcntl
 lock on the run folder's storage, so it holds on local disks and on NFSv4-style shared storage.
 """
@@ -10,7 +12,6 @@ lock on the run folder's storage, so it holds on local disks and on NFSv4-style 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from relay.errors import LeaseLost
+from relay.filelock import DEFAULT_TIMEOUT_S, file_lock
 from relay.layout import atomic_write_json, relay_dir
 
 LEASE = "lease.json"
@@ -26,21 +28,16 @@ LOCK = "lease.lock"
 
 
 class Lease:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, timeout: float = DEFAULT_TIMEOUT_S):
         self.run_dir = Path(run_dir)
         self.path = relay_dir(run_dir, LEASE)
         self.lock_path = relay_dir(run_dir, LOCK)
+        self.timeout = timeout
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+    def locked(self, what: str) -> contextlib.AbstractContextManager:
+        """Hold the run's lock without taking a new token: for every tracker write and checkpoint move that
+        is not a trainer's commit (the gate's quarantine, a restore, retention). A wait is bounded."""
+        return file_lock(self.lock_path, f"{what} (run {self.run_dir.name})", self.timeout)
 
     def current(self) -> dict | None:
         try:
@@ -50,13 +47,25 @@ class Lease:
 
     def acquire(self, holder: str) -> int:
         """Take the lease for `holder` and return its new fencing token. Waits for a commit in progress."""
-        with self._locked():
+        with self.locked(f"taking the lease for {holder}"):
             token = int((self.current() or {}).get("token", 0)) + 1
             atomic_write_json(self.path, {
                 "token": token, "holder": holder, "host": socket.gethostname(), "pid": os.getpid(),
                 "acquired_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             })
             return token
+
+    def claim(self, token: int) -> None:
+        """The trainer that a submission's token was taken for starts: check the token, and record this
+        process as the lease's writer (host and pid: what `relay doctor` and a person look for)."""
+        with self.locked(f"starting the trainer of token {token}"):
+            self.check(token)
+            atomic_write_json(self.path, {**self.current(), "host": socket.gethostname(), "pid": os.getpid(),
+                                          "trainer_started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+    def holds(self, holder: str) -> bool:
+        """Whether `holder` (a Ray submission id, say) holds the lease now."""
+        return (self.current() or {}).get("holder") == holder
 
     def check(self, token: int) -> None:
         """Raise LeaseLost unless `token` still holds the lease."""
@@ -72,6 +81,6 @@ class Lease:
     @contextlib.contextmanager
     def commit(self, token: int) -> Iterator[None]:
         """Hold the lease lock while a checkpoint is published; refuse if `token` lost the lease."""
-        with self._locked():
+        with self.locked(f"committing a checkpoint with token {token}"):
             self.check(token)
             yield

@@ -1,8 +1,8 @@
 """A checkpoint's manifest: a small versioned record of what a validated checkpoint holds.
 
 global_step_N/relay_manifest.json lists every file with its size and CRC64NVME, the step, world
-size and FSDP version, parameter names with their global shapes, the run's settings fingerprint
-and the verl version. It is written once the checkpoint has passed validation, published to S3
+size and FSDP version, parameter names with their global shapes, the run's settings fingerprint,
+its incarnation and the verl version. It is written once the checkpoint has passed validation, published to S3
 after every file, and re-checked just before a resume loads the files.
 """
 
@@ -15,9 +15,13 @@ from pathlib import Path
 
 from relay import __version__, layout
 from relay.errors import CheckpointError
+from relay.record import LEGACY_INCARNATION, is_incarnation
 
 NAME = "relay_manifest.json"
-VERSION = 1
+# 2 (this Relay): `incarnation`, the life of the run that wrote the checkpoint (relay.record). Readers
+# accept every version in READS; a version-1 manifest is of incarnation "1".
+VERSION = 2
+READS = (1, 2)
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Manifest:
     relay_version: str = __version__
     created_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     checks: list[str] = field(default_factory=list)
+    incarnation: str = LEGACY_INCARNATION
     version: int = VERSION
 
     @property
@@ -53,9 +58,10 @@ class Manifest:
             d = json.loads(text)
         except (ValueError, RecursionError) as e:  # json raises RecursionError on very deep nesting
             raise CheckpointError(f"{where} is not valid JSON ({str(e)[:200]})", fix) from None
-        if not isinstance(d, dict) or d.get("version") != VERSION or isinstance(d.get("version"), bool):
+        if not isinstance(d, dict) or d.get("version") not in READS or isinstance(d.get("version"), bool):
             got = _short(d.get("version")) if isinstance(d, dict) else f"? (a JSON {type(d).__name__}, not an object)"
-            raise CheckpointError(f"{where} has version {got}, this Relay reads version {VERSION}", fix)
+            raise CheckpointError(f"{where} has version {got}, this Relay reads versions "
+                                  f"{', '.join(map(str, READS))}", fix)
         try:
             m = cls(**d)
         except TypeError as e:
@@ -89,6 +95,8 @@ def _problem(m: Manifest) -> str | None:
         return f"world_size is {_short(m.world_size)}, not a positive number"
     if m.fsdp_version is not None and not _is_int(m.fsdp_version):
         return f"fsdp_version is {_short(m.fsdp_version)}"
+    if not is_incarnation(m.incarnation):
+        return f"incarnation is {_short(m.incarnation)}, not an incarnation id"
     if not isinstance(m.files, dict) or not isinstance(m.params, dict) or not isinstance(m.checks, list):
         return "files, params or checks has the wrong type"
     for rel, f in m.files.items():

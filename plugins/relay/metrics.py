@@ -7,27 +7,34 @@ attempt wrote after S describe steps that are trained again; they move to metric
 from __future__ import annotations
 
 import json
-import time
+import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from relay.layout import EVENTS, METRICS, atomic_write
+from relay.filelock import file_lock
+from relay.layout import EVENTS, METRICS, atomic_write, relay_dir
+from relay.record import utc_now
 
 SUPERSEDED = "metrics.superseded.jsonl"
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a torn last line (a writer killed mid-line) is ignored."""
-    rows = []
+    """Rows of a JSONL file. A torn line (a writer killed mid-line) is skipped, said on stderr, and kept in
+    the file; appends start on a line of their own after it (record_event), so no later row is lost."""
+    rows, torn = [], 0
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return rows
     for line in lines:
         try:
             rows.append(json.loads(line))
         except ValueError:
-            continue
+            torn += bool(line.strip())
+    if torn:
+        print(f"[relay] {path}: {torn} unreadable line(s) skipped (a writer killed mid-line; kept in the file)",
+              file=sys.stderr)
     return rows
 
 
@@ -69,12 +76,23 @@ class MetricsLog:
 
 
 def record_event(run_dir: Path, event: str, **fields: Any) -> dict:
-    """Append a run event (chunk attempt started, resumed from step S, finished...) to events.jsonl."""
-    row = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}
+    """Append a run event (chunk attempt started, resumed from step S, finished...) to events.jsonl.
+
+    Writers on several hosts (the trainer on a Ray node, the gate in an Airflow worker) take turns under
+    a lock, each writes its line in one write, and a line torn by a killed writer is closed first, so
+    that it never swallows the next event."""
+    row = {"event": event, "time": utc_now(), **fields}
     path = Path(run_dir) / EVENTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
+    line = (json.dumps(row, sort_keys=True) + "\n").encode()
+    with file_lock(relay_dir(run_dir, "events.lock"), f"recording the event {event}"):
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
+            os.write(fd, line)
+        finally:
+            os.close(fd)
     return row
 
 

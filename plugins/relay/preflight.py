@@ -16,7 +16,7 @@ from relay.data import freeze as frozen
 from relay.data import quality
 from relay.errors import RelayError
 from relay.metrics import record_event
-from relay.runs import RECORD, read_record
+from relay.record import RECORD, read_record
 
 
 @dataclass

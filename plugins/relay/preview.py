@@ -158,7 +158,7 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
     verify=True reads every byte (zip CRCs, and the manifest's CRC64NVME when there is one);
     verify=False reads only the small state files (a chunk's log preview).
     """
-    from relay.runs import read_record
+    from relay.record import read_record
     from relay.validate import validate_checkpoint
 
     path = Path(path)

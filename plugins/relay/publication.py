@@ -14,7 +14,7 @@ from relay.errors import CheckpointError
 from relay.metrics import record_event
 from relay.store import CheckpointStore
 
-HF_DIR = "hf"
+HF_DIR = layout.HF_DIR
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Submission goes through ray's JobSubmissionClient (it packages runtime_env's py_modules and uploads
 them to the cluster). Following a job from an Airflow trigger uses the same REST API with aiohttp
-(AsyncRayJobs), so the triggerer never blocks its event loop and never imports ray.
+(AsyncRayJobs), so the triggerer never blocks its event loop and never imports ray; it reads only the
+last lines of the job's log per poll (the dashboard's log API), never the whole log.
 
 A chunk's submission id is deterministic per (spec, run, DAG run, chunk, try): a worker that runs
 the same try again finds its job and re-attaches instead of starting a second one.
@@ -22,6 +23,8 @@ from relay.trainers.contract import ENV_VAR, ChunkRequest
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 LIVE = {"PENDING", "RUNNING"}
 LOG_TAIL_LINES = 30  # the job's last log lines that a failure's message and alert carry
+TAIL_LINES = 200  # what a trigger reads per poll, whatever the log's size
+TAIL_MAX_BYTES = 1 << 20  # and never more bytes than this (a pathological line)
 ENTRYPOINT_MODULE = "relay.trainers.job"
 
 
@@ -59,7 +62,7 @@ def job_env_vars(spec) -> dict[str, str]:
     return out
 
 
-def runtime_env(req: ChunkRequest) -> dict:
+def runtime_env(req: ChunkRequest, extra_env: dict[str, str] | None = None) -> dict:
     """Relay's code travels as a py_module; nothing is installed on the cluster by hand."""
     from relay.trainers import KINDS
 
@@ -72,6 +75,7 @@ def runtime_env(req: ChunkRequest) -> dict:
         "MKL_NUM_THREADS": threads,
         "OPENBLAS_NUM_THREADS": threads,
         "PYTHONUNBUFFERED": "1",
+        **(extra_env or {}),
     }
     return {"py_modules": [str(project.package_dir())], "env_vars": env}
 
@@ -82,6 +86,7 @@ class JobState:
     status: str  # PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED
     message: str
     metadata: dict
+    start_time: float | None = None  # epoch seconds
 
 
 class RayJobs:
@@ -113,11 +118,13 @@ class RayJobs:
             if "does not exist" in str(e):
                 return None
             raise RayJobError(f"cannot read job {sub_id} from {self.address}: {e}", "check the Ray head") from None
-        return JobState(sub_id, str(info.status), info.message or "", info.metadata or {})
+        return JobState(sub_id, str(info.status), info.message or "", info.metadata or {}, _seconds(info.start_time))
 
-    def submit(self, req: ChunkRequest, sub_id: str, metadata: dict[str, str]) -> str:
+    def submit(self, req: ChunkRequest, sub_id: str, metadata: dict[str, str],
+               extra_env: dict[str, str] | None = None) -> str:
         return self.client.submit_job(
-            entrypoint=entrypoint(req), submission_id=sub_id, runtime_env=runtime_env(req), metadata=metadata,
+            entrypoint=entrypoint(req), submission_id=sub_id, runtime_env=runtime_env(req, extra_env),
+            metadata=metadata,
             entrypoint_num_cpus=req.spec.ray.entrypoint_num_cpus,
             entrypoint_resources=req.spec.ray.entrypoint_resources or None,
         )
@@ -137,7 +144,7 @@ class RayJobs:
         for j in self.client.list_jobs():
             md = j.metadata or {}
             if md.get("relay_spec") == spec_name and md.get("relay_run") == run_name and str(j.status) in LIVE:
-                out.append(JobState(j.submission_id, str(j.status), j.message or "", md))
+                out.append(JobState(j.submission_id, str(j.status), j.message or "", md, _seconds(j.start_time)))
         return out
 
     def stop(self, sub_id: str) -> None:
@@ -159,11 +166,40 @@ class RayJobs:
         return self.client.get_job_logs(sub_id)
 
     def log_tail(self, sub_id: str, lines: int = LOG_TAIL_LINES) -> str:
-        """The job's last lines, for an error message or an alert; '' when they cannot be read."""
+        """The job's last lines, for an error message or an alert, read on the driver's node (a bounded
+        read, as the trigger's); '(...)' saying why when they cannot be read."""
+        import urllib.request
+        from urllib.parse import urlencode
+
         try:
-            return "\n".join(self.logs(sub_id).splitlines()[-lines:])
+            node = self.client.get_job_info(sub_id).driver_node_id
+            query = urlencode({"node_id": node, "filename": f"job-driver-{sub_id}.log", "lines": lines})
+            with urllib.request.urlopen(f"{self.address}/api/v0/logs/file?{query}", timeout=30) as r:
+                return r.read(TAIL_MAX_BYTES).decode(errors="replace").rstrip("\n")
         except Exception as e:  # noqa: BLE001 - the failure being reported matters more
             return f"(the job's log could not be read: {e})"
+
+
+ANCHOR_LINES = 20
+
+
+def new_lines(before: list[str], tail: list[str]) -> tuple[list[str], bool]:
+    """The lines of `tail` (a job log's last lines now) that follow `before` (its last lines at the previous
+    poll): found by the last place where before's final lines appear in tail. (lines, gap): gap is True
+    when they do not appear, because more lines than a tail holds were written in between; then all of
+    `tail` is new and some lines were never seen (the stall watch still sees the newest step)."""
+    if not before:
+        return tail, False
+    anchor = before[-ANCHOR_LINES:]
+    for start in range(len(tail) - len(anchor), -1, -1):
+        if tail[start:start + len(anchor)] == anchor:
+            return tail[start + len(anchor):], False
+    return tail, True
+
+
+def _seconds(ms) -> float | None:
+    """Ray's job times are epoch milliseconds."""
+    return ms / 1000 if ms else None
 
 
 def _ray_logs_through_logging() -> None:
@@ -180,11 +216,13 @@ def _ray_logs_through_logging() -> None:
 
 
 class AsyncRayJobs:
-    """Asynchronous side (Airflow triggerer): job status, logs and stop over the REST API."""
+    """Asynchronous side (Airflow triggerer): job status, a bounded log tail and stop over the REST API."""
 
     def __init__(self, address: str, timeout_s: float = 10):
         self.address = address.rstrip("/")
         self.timeout_s = timeout_s
+        self._driver_node: dict[str, str | None] = {}
+        self.bytes_read = 0  # log bytes, for the tests' bound
 
     async def _request(self, method: str, path: str):
         import aiohttp
@@ -202,11 +240,28 @@ class AsyncRayJobs:
         d = await self._request("GET", f"/api/jobs/{sub_id}")
         if d is None:
             return None
-        return JobState(sub_id, d.get("status", "UNKNOWN"), d.get("message") or "", d.get("metadata") or {})
+        self._driver_node[sub_id] = d.get("driver_node_id") or self._driver_node.get(sub_id)
+        return JobState(sub_id, d.get("status", "UNKNOWN"), d.get("message") or "", d.get("metadata") or {},
+                        _seconds(d.get("start_time")))
 
-    async def logs(self, sub_id: str) -> str:
-        d = await self._request("GET", f"/api/jobs/{sub_id}/logs")
-        return (d or {}).get("logs", "")
+    async def tail(self, sub_id: str, lines: int = TAIL_LINES) -> str:
+        """The last `lines` lines of the job's driver log, read on its node through the dashboard's log API:
+        a bounded read however long the log (the Jobs API's logs endpoint returns all of it). '' before
+        the driver has a node."""
+        import aiohttp
+        from urllib.parse import urlencode
+
+        node = self._driver_node.get(sub_id)
+        if not node:
+            return ""
+        query = urlencode({"node_id": node, "filename": f"job-driver-{sub_id}.log", "lines": lines})
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as s:
+            async with s.get(f"{self.address}/api/v0/logs/file?{query}") as r:
+                if r.status >= 400:  # not written yet (the driver is starting), or rotated away
+                    return ""
+                data = await r.content.read(TAIL_MAX_BYTES)
+        self.bytes_read += len(data)
+        return data.decode(errors="replace")
 
     async def stop(self, sub_id: str) -> None:
         await self._request("POST", f"/api/jobs/{sub_id}/stop")

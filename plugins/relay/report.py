@@ -30,7 +30,7 @@ from relay.errors import RelayError
 from relay.metrics import SUPERSEDED, read_jsonl
 from relay.resume import quarantined
 from relay.redaction import redact
-from relay.runs import RECORD, read_record
+from relay.record import RECORD, read_record
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
 HTML, PNG = "report.html", "report.png"

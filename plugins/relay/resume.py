@@ -16,6 +16,7 @@ from typing import Callable
 
 from relay import layout
 from relay.errors import CheckpointError
+from relay.lease import Lease
 from relay.metrics import record_event
 from relay.validate import CheckReport, validate_checkpoint
 
@@ -35,8 +36,12 @@ class ResumePoint:
 
 
 def quarantine(run_dir: Path, report: CheckReport) -> Path:
-    """Move an invalid checkpoint aside with its report; re-point nothing (see fall_back)."""
-    run_dir = Path(run_dir)
+    """Move an invalid checkpoint aside with its report (under the run's lock); re-point nothing."""
+    with Lease(run_dir).locked(f"quarantining step {report.step}"):
+        return _quarantine(Path(run_dir), report)
+
+
+def _quarantine(run_dir: Path, report: CheckReport) -> Path:
     src = layout.step_dir(run_dir, report.step)
     stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
     dest = layout.relay_dir(run_dir, QUARANTINE, f"{src.name}.{stamp}")
@@ -94,7 +99,8 @@ def find_resume_point(run_dir: Path, *,
                 point.step, point.restored_from = restored
                 return point
             if tracker != step:
-                layout.write_tracker(run_dir, step)
+                with Lease(run_dir).locked(f"pointing the tracker back at step {step}"):
+                    layout.write_tracker(run_dir, step)
                 record_event(run_dir, "fallback", step=step, tracker_was=tracker)
             point.step, point.report = step, report
             return point
@@ -134,7 +140,8 @@ def _restore_newer(restore, run_dir: Path, step: int) -> tuple[int, str] | None:
 def _set_aside_tracker(run_dir: Path) -> None:
     """A tracker that names nothing valid must not survive: verl would start from scratch with it."""
     t = layout.tracker_path(run_dir)
-    if t.exists():
-        dest = layout.relay_dir(run_dir, QUARANTINE, f"{layout.TRACKER}.{int(time.time() * 1e3)}")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        t.rename(dest)
+    with Lease(run_dir).locked("setting a refused tracker aside"):
+        if t.exists():
+            dest = layout.relay_dir(run_dir, QUARANTINE, f"{layout.TRACKER}.{int(time.time() * 1e3)}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            t.rename(dest)

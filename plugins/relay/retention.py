@@ -8,44 +8,76 @@ and the disk fills. Relay decides from what is on disk and in S3:
 - in S3: keep the newest `keep_published`, plus every milestone;
 - never the latest valid checkpoint, never a milestone;
 - the decision is written (retention.json) before anything is deleted; S3 deletions wait
-  `delete_grace_minutes`, so a reader in the middle of a download is not cut off.
+  `delete_grace_minutes`, so a reader in the middle of a download is not cut off;
+- what was set aside (superseded attempts, quarantined checkpoints, verl's rollout state, older Hugging
+  Face exports) goes once S3 holds a whole copy of its step: never the only copy of anything.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
 
 from relay import layout, manifest
+from relay.lease import Lease
 from relay.metrics import record_event
+from relay.record import utc_now
 
 STATE = "retention.json"
 VERSION = 1
 
 
 def apply_local(run_dir: Path, policy, total_steps: int, published: set[int]) -> list[int]:
-    """Delete local checkpoints beyond keep_local; returns the steps deleted."""
+    """Delete local checkpoints beyond keep_local, and leftovers that are no longer the only copy of
+    anything (leftovers()); returns the checkpoint steps deleted. Under the run's lock: a trainer's commit
+    or a gate's quarantine waits for it, and it for them."""
     run_dir = Path(run_dir)
-    tracker = layout.read_tracker(run_dir)
-    dirs = layout.step_dirs(run_dir)
-    real = [s for s, p in dirs.items() if not layout.is_rotation_leftover(p)]
-    done = [s for s in real if s in published and (dirs[s] / manifest.NAME).is_file()]
-    keep = set(done[-policy.keep_local:]) | {tracker} | {s for s in real if s not in published}
-    keep |= {s for s in real if policy.is_milestone(s, total_steps)}
-    delete = [s for s in done if s not in keep]
-    # verl's rotation leftovers (an empty folder, or data.pt alone) below the tracker are not checkpoints.
-    leftovers = [s for s, p in dirs.items() if layout.is_rotation_leftover(p) and tracker and s < tracker]
-    if not (delete or leftovers):
-        return []
-    layout.atomic_write_json(layout.relay_dir(run_dir, STATE), {
-        "version": VERSION, "decided_at": _now(), "keep_local": policy.keep_local, "kept": sorted(keep - {None}),
-        "deleting": delete, "leftovers": leftovers})
-    for s in delete + leftovers:
-        shutil.rmtree(dirs[s], ignore_errors=True)
-    if delete:
-        record_event(run_dir, "retention", where="local", deleted=delete)
+    with Lease(run_dir).locked("applying local retention"):
+        tracker = layout.read_tracker(run_dir)
+        dirs = layout.step_dirs(run_dir)
+        real = [s for s, p in dirs.items() if not layout.is_rotation_leftover(p)]
+        done = [s for s in real if s in published and (dirs[s] / manifest.NAME).is_file()]
+        keep = set(done[-policy.keep_local:]) | {tracker} | {s for s in real if s not in published}
+        keep |= {s for s in real if policy.is_milestone(s, total_steps)}
+        delete = [s for s in done if s not in keep]
+        # verl's rotation leftovers (an empty folder, or data.pt alone) below the tracker are not checkpoints.
+        rotation = [s for s, p in dirs.items() if layout.is_rotation_leftover(p) and tracker and s < tracker]
+        aside = leftovers(run_dir, published)
+        if not (delete or rotation or aside):
+            return []
+        layout.atomic_write_json(layout.relay_dir(run_dir, STATE), {
+            "version": VERSION, "decided_at": _now(), "keep_local": policy.keep_local, "kept": sorted(keep - {None}),
+            "deleting": delete, "leftovers": rotation, "aside": [str(p.relative_to(run_dir)) for p in aside]})
+        for path in [dirs[s] for s in delete + rotation] + aside:
+            shutil.rmtree(path, ignore_errors=True)
+    if delete or aside:
+        record_event(run_dir, "retention", where="local", deleted=delete,
+                     aside=[str(p.relative_to(run_dir)) for p in aside])
     return delete
+
+
+ASIDE_STEP = re.compile(r"global_step_([0-9]{1,18})(\.|\Z)")
+
+
+def leftovers(run_dir: Path, published: set[int]) -> list[Path]:
+    """What Relay and verl set aside that may go, because S3 holds a whole copy of the step it came from:
+    .relay/superseded/ (a killed attempt's renamed folder, or a local copy a restore replaced),
+    .relay/quarantine/ (an invalid checkpoint; its .report.json stays), .relay/rollout_state/ (verl's
+    rollout-engine state moved out of a step folder), and hf/ exports but the newest (verl's model
+    merger rebuilds any from its published checkpoint). Nothing here is ever the only copy of a step."""
+    out = []
+    for corner in ("superseded", "quarantine", "rollout_state"):
+        folder = layout.relay_dir(run_dir, corner)
+        for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+            m = ASIDE_STEP.match(p.name)
+            if p.is_dir() and m and int(m.group(1)) in published:
+                out.append(p)
+    hf = {int(m.group(1)): p for p in sorted((Path(run_dir) / layout.HF_DIR).glob("global_step_*"))
+          if (m := ASIDE_STEP.match(p.name)) and p.is_dir()}
+    out += [p for s, p in hf.items() if s in published and s < max(hf)]
+    return out
 
 
 def apply_published(store, run: str, policy, total_steps: int, now: float | None = None) -> dict:
@@ -74,4 +106,4 @@ def apply_published(store, run: str, policy, total_steps: int, now: float | None
 
 
 def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return utc_now()

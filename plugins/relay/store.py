@@ -3,6 +3,8 @@
     s3://bucket/prefix/<run>/global_step_N/<files>                 verl's layout, file for file
     s3://bucket/prefix/<run>/global_step_N/relay_manifest.json     uploaded after every file
     s3://bucket/prefix/<run>/latest.json                           moved only after the manifest
+    s3://bucket/prefix/<run>/run.json                              the run record: its incarnation
+    s3://bucket/prefix/.archive/<run>-<time>/...                   an earlier incarnation, moved aside
 
 Every object carries a full-object CRC64NVME checksum (S3 verifies it on upload, multipart too),
 which is the one the manifest records; so a re-publish skips objects that already match, and a
@@ -26,9 +28,14 @@ from typing import Any, Callable
 from relay import integrity, layout, manifest
 from relay.errors import CheckpointError, RelayError
 from relay.faultpoint import fault_point
+from relay.lease import Lease
+from relay.record import RECORD, folder_incarnation, incarnation_of, utc_now, write_record
+from relay.record import VERSION as RECORD_VERSION
 
-STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/\Z")
+STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/")
 LATEST = "latest.json"
+ARCHIVE = ".archive"  # <prefix>/.archive/<run>-<time>/: a run's earlier incarnation (never a run name: '.')
+COPY_LIMIT = 5 * 2**30  # S3's largest single CopyObject; larger objects are copied part by part
 
 
 class StoreError(RelayError):
@@ -206,31 +213,115 @@ class CheckpointStore:
             raise CheckpointError(f"s3://{self.bucket}/{key} does not match its manifest",
                                   "publish the checkpoint again, or restore an older one")
 
+    def _pages(self, what: str, **kwargs):
+        """The pages of a ListObjectsV2 (boto3's paginator), errors said as StoreErrors."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield from self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **kwargs)
+        except (ClientError, BotoCoreError):
+            # the paginator's first failing page: _call says what failed and what to do
+            self._call(what, self.client.list_objects_v2, **kwargs)
+            raise
+
+    def _objects(self, prefix: str) -> list[dict]:
+        """Every object under prefix ({Key, Size}), however many pages."""
+        return [o for page in self._pages("LIST", Prefix=prefix) for o in page.get("Contents", [])]
+
     def steps(self, run: str) -> list[int]:
-        """Steps with objects under the run's prefix (published or not), ascending."""
-        out, token = [], None
-        while True:
-            kw = {"Prefix": self.run_key(run) + "/", "Delimiter": "/", **({"ContinuationToken": token} if token else {})}
-            r = self._call("LIST", self.client.list_objects_v2, **kw) or {}
-            for cp in r.get("CommonPrefixes", []):
-                if m := STEP_PREFIX.search(cp["Prefix"]):
-                    out.append(int(m.group(1)))
-            if not r.get("IsTruncated"):
-                return sorted(out)
-            token = r["NextContinuationToken"]
+        """Steps with objects under the run's prefix (published or not), ascending. From the objects, not the
+        "folders": SeaweedFS keeps listing a folder whose objects were all deleted."""
+        prefix = self.run_key(run) + "/"
+        return sorted({int(m.group(1)) for o in self._objects(prefix)
+                       if (m := STEP_PREFIX.match(o["Key"][len(prefix):]))})
 
     def runs(self) -> list[str]:
-        """Run names under the prefix (a folder there whose name is no run name is left out)."""
+        """Run names under the prefix (a folder there whose name is no run name, .archive say, is left out)."""
         from relay.spec import RUN_NAME_PATTERN
 
-        r = self._call("LIST", self.client.list_objects_v2, Prefix=(self.prefix + "/") if self.prefix else "",
-                       Delimiter="/") or {}
-        names = (cp["Prefix"].rstrip("/").rsplit("/", 1)[-1] for cp in r.get("CommonPrefixes", []))
+        names = (cp["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+                 for page in self._pages("LIST", Prefix=(self.prefix + "/") if self.prefix else "", Delimiter="/")
+                 for cp in page.get("CommonPrefixes", []))
         return sorted(n for n in names if re.fullmatch(RUN_NAME_PATTERN, n) and ".." not in n)
 
     def published(self, run: str) -> list[manifest.Manifest]:
         """Checkpoints whose manifest is in place (complete publications), ascending by step."""
         return [m for s in self.steps(run) if (m := self.manifest(run, s)) is not None]
+
+    # ------------------------------------------------------------------------------ incarnations
+    def run_record(self, run: str) -> dict | None:
+        """The run record published beside the run's checkpoints (relay.record), or None."""
+        return self.get_json(self.run_key(run, RECORD))
+
+    def incarnation(self, run: str) -> str | None:
+        """The incarnation of the run S3 holds under <prefix>/<run>/: its published record's, else its
+        newest manifest's; None when S3 holds neither (nothing of the run was published)."""
+        record = self.run_record(run)
+        if record:
+            return incarnation_of(record)
+        for step in reversed(self.steps(run)):
+            try:
+                m = self.manifest(run, step)
+            except CheckpointError:
+                continue
+            if m is not None:
+                return m.incarnation
+        return None
+
+    def archive_run(self, run: str, name: str) -> str:
+        """Move everything under <prefix>/<run>/ to <prefix>/.archive/<name>/ (a fresh start's move of the old
+        incarnation, never a deletion): each object is copied on the server, verified (size, CRC64NVME),
+        and only then are the originals removed, latest.json and the manifests first, so that no reader
+        finds a manifest over missing files. Repeating it after a failure finishes the move. Returns the
+        archive's URI."""
+        self.abort_incomplete_uploads(run)
+        src = self.run_key(run) + "/"
+        dest = "/".join(p for p in (self.prefix, ARCHIVE, name) if p) + "/"
+        objects = self._objects(src)
+        for o in objects:
+            self._copy(o["Key"], dest + o["Key"][len(src):], o["Size"])
+        first = [o["Key"] for o in objects if o["Key"].endswith((LATEST, manifest.NAME))]
+        rest = [o["Key"] for o in objects if o["Key"] not in set(first)]
+        for keys in (first, rest):
+            for i in range(0, len(keys), 1000):
+                self._call("DELETE", self.client.delete_objects,
+                           Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        return f"s3://{self.bucket}/{dest}"
+
+    def _copy(self, src: str, dest: str, size: int) -> None:
+        """A server-side copy with a full-object CRC64NVME, checked against the source's."""
+        source = {"Bucket": self.bucket, "Key": src}
+        if size <= COPY_LIMIT:
+            self._call("COPY", self.client.copy_object, Key=dest, CopySource=source, ChecksumAlgorithm="CRC64NVME",
+                       **self.extra_args)
+        else:
+            up = self._call("CREATE-MULTIPART", self.client.create_multipart_upload, Key=dest,
+                            ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT", **self.extra_args)
+            parts = []
+            for i, start in enumerate(range(0, size, self.part_size)):
+                r = self._call("UPLOAD-PART-COPY", self.client.upload_part_copy, Key=dest, UploadId=up["UploadId"],
+                               PartNumber=i + 1, CopySource=source,
+                               CopySourceRange=f"bytes={start}-{min(start + self.part_size, size) - 1}")
+                parts.append({"PartNumber": i + 1, "ETag": r["CopyPartResult"]["ETag"],
+                              **({"ChecksumCRC64NVME": c} if (c := r["CopyPartResult"].get("ChecksumCRC64NVME"))
+                                 else {})})
+            self._call("COMPLETE-MULTIPART", self.client.complete_multipart_upload, Key=dest,
+                       UploadId=up["UploadId"], MultipartUpload={"Parts": parts}, ChecksumType="FULL_OBJECT")
+        a, b = self.head(src) or {}, self.head(dest) or {}
+        if a.get("ContentLength") != b.get("ContentLength") or a.get("ChecksumCRC64NVME") != b.get("ChecksumCRC64NVME"):
+            raise StoreError(f"copy of s3://{self.bucket}/{src} to {dest} does not match it "
+                             f"({b.get('ContentLength')} bytes, {b.get('ChecksumCRC64NVME')}; the source: "
+                             f"{a.get('ContentLength')} bytes, {a.get('ChecksumCRC64NVME')})",
+                             "nothing was removed; run the fresh start again: it copies what is missing first")
+
+    def _refuse_other_incarnation(self, run: str, m: manifest.Manifest) -> None:
+        held = self.incarnation(run)
+        if held is not None and held != m.incarnation:
+            raise StoreError(
+                f"{self.uri}/{run}/ holds incarnation {held} of run {run}; step {m.step} is of incarnation "
+                f"{m.incarnation}: publishing it would overwrite another run's objects",
+                f"publish under another run name or prefix; or, if the published run is this run's earlier life, "
+                f"start this run with a confirmed fresh start (it moves {self.uri}/{run}/ aside, never deleting it)")
 
     # ------------------------------------------------------------------------------ publish
     def publish(self, run: str, run_dir: Path, step: int) -> PublishResult:
@@ -241,6 +332,8 @@ class CheckpointStore:
         if m is None:
             raise CheckpointError(f"{step_dir} has no {manifest.NAME}: only validated checkpoints are published",
                                   f"run `python -m relay checkpoint validate {run_dir} --step {step}` first")
+        self._refuse_other_incarnation(run, m)
+        self._withdraw_if_changed(run, m)
         result = PublishResult(self.step_uri(run, step), step)
         result.aborted_uploads = self.abort_incomplete_uploads(run)
         todo = []
@@ -266,12 +359,37 @@ class CheckpointStore:
         except StoreError:  # a damaged latest.json names nothing: this publication replaces it
             current = None
         if current is None or current["step"] <= step:
-            self._put_bytes(self.run_key(run, LATEST), json.dumps({
-                "step": step, "uri": result.uri, "manifest": f"{result.uri}{manifest.NAME}",
-                "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode())
+            self._put_latest(run, step)
             result.latest_moved = True
         result.seconds = time.time() - t0
         return result
+
+    def _withdraw_if_changed(self, run: str, m: manifest.Manifest) -> None:
+        """A step published before with other bytes (retrained after a quarantine, say) stops counting as
+        published before any of its objects is replaced: its manifest goes first, and `latest` falls back
+        to the newest other published step, so S3 never shows a manifest over bytes it does not list."""
+        try:
+            before = self.manifest(run, m.step)
+        except CheckpointError:
+            before = False  # a damaged manifest: withdrawn all the same
+        if before is None or (before and before.files == m.files):
+            return
+        self._call("DELETE", self.client.delete_object, Key=self.step_key(run, m.step, manifest.NAME))
+        try:
+            current = self.latest(run)
+        except StoreError:
+            current = None
+        if current is not None and current["step"] == m.step:
+            older = [x for x in self.published(run) if x.step < m.step]
+            if older:
+                self._put_latest(run, older[-1].step)
+            else:
+                self._call("DELETE", self.client.delete_object, Key=self.run_key(run, LATEST))
+
+    def _put_latest(self, run: str, step: int) -> None:
+        uri = self.step_uri(run, step)
+        self._put_bytes(self.run_key(run, LATEST), json.dumps({
+            "step": step, "uri": uri, "manifest": f"{uri}{manifest.NAME}", "published_at": utc_now()}).encode())
 
     @staticmethod
     def _matches(head: dict | None, f: dict) -> bool:
@@ -294,14 +412,7 @@ class CheckpointStore:
     def delete_checkpoint(self, run: str, step: int) -> int:
         """Delete a published checkpoint: its manifest first, so it stops counting as published at once."""
         self._call("DELETE", self.client.delete_object, Key=self.step_key(run, step, manifest.NAME))
-        keys, token = [], None
-        while True:
-            kw = {"Prefix": self.step_key(run, step) + "/", **({"ContinuationToken": token} if token else {})}
-            r = self._call("LIST", self.client.list_objects_v2, **kw) or {}
-            keys += [o["Key"] for o in r.get("Contents", [])]
-            if not r.get("IsTruncated"):
-                break
-            token = r["NextContinuationToken"]
+        keys = [o["Key"] for o in self._objects(self.step_key(run, step) + "/")]
         for i in range(0, len(keys), 1000):
             self._call("DELETE", self.client.delete_objects,
                        Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
@@ -394,16 +505,24 @@ class CheckpointStore:
         layout.atomic_write(dest / manifest.NAME, m.to_json().encode())
 
     def restore(self, run: str, run_dir: Path, *, step: int | None = None, above: int = 0,
-                log: Callable[[str], None] = print) -> tuple[int, str] | None:
-        """Restore the newest valid published checkpoint (at most `step`, newer than `above`) into run_dir;
-        set the tracker.
+                incarnation: str | None = None, log: Callable[[str], None] = print) -> tuple[int, str] | None:
+        """Restore the newest valid published checkpoint of the run's incarnation (at most `step`, newer than
+        `above`) into run_dir; set the tracker. incarnation None: the one S3 holds (a restore on purpose,
+        `relay checkpoint restore`); a folder that holds another incarnation is refused. A folder without a
+        run record gets the published one.
 
-        Candidates are tried newest first; one that fails its checksums or its validation is skipped.
-        Returns (step, uri), or None when nothing valid is published.
+        Candidates are tried newest first; one of another incarnation is never taken, one that fails its
+        checksums or its validation is skipped. Returns (step, uri), or None when nothing valid is published.
         """
         from relay.validate import validate_checkpoint
 
         run_dir = Path(run_dir)
+        incarnation = incarnation or self.incarnation(run)
+        local = folder_incarnation(run_dir) if run_dir.is_dir() else None
+        if local is not None and incarnation is not None and local != incarnation:
+            raise StoreError(f"{run_dir} holds incarnation {local} of run {run}; {self.uri}/{run}/ holds incarnation "
+                             f"{incarnation}: restoring would mix two runs under one name",
+                             "restore into another folder, or move this one aside first")
         for s in sorted(self.steps(run), reverse=True):
             if (step is not None and s > step) or s <= above:
                 continue
@@ -414,6 +533,10 @@ class CheckpointStore:
                 continue
             if m is None:
                 continue  # an incomplete publication
+            if incarnation is not None and m.incarnation != incarnation:
+                log(f"skipping {self.step_uri(run, s)}: it is of incarnation {m.incarnation} of run {run}, not "
+                    f"{incarnation}")
+                continue
             uri = self.step_uri(run, m.step)
             staging = layout.relay_dir(run_dir, "staging", f"restore-global_step_{m.step}")
             shutil.rmtree(staging, ignore_errors=True)
@@ -422,25 +545,36 @@ class CheckpointStore:
             except CheckpointError as e:
                 log(f"skipping {uri}: {e.what}")
                 continue
-            final = layout.step_dir(run_dir, m.step)
-            if final.exists():
-                aside = layout.relay_dir(run_dir, "superseded", f"{final.name}.{int(time.time() * 1e3)}")
-                aside.parent.mkdir(parents=True, exist_ok=True)
-                final.rename(aside)
-            staging.rename(final)
-            report = validate_checkpoint(run_dir, m.step)
-            if not report.ok:
-                from relay.resume import quarantine
+            with Lease(run_dir).locked(f"restoring step {m.step} from {uri}"):
+                final = layout.step_dir(run_dir, m.step)
+                if final.exists():
+                    aside = layout.relay_dir(run_dir, "superseded", f"{final.name}.{int(time.time() * 1e3)}")
+                    aside.parent.mkdir(parents=True, exist_ok=True)
+                    final.rename(aside)
+                staging.rename(final)
+                report = validate_checkpoint(run_dir, m.step)
+                if not report.ok:
+                    from relay.resume import quarantine
 
-                quarantine(run_dir, report)
-                log(f"skipping {uri}: {report.failed.name}: {report.failed.detail}")
-                continue
-            layout.write_tracker(run_dir, m.step)
+                    quarantine(run_dir, report)
+                    log(f"skipping {uri}: {report.failed.name}: {report.failed.detail}")
+                    continue
+                layout.write_tracker(run_dir, m.step)
+                if local is None:
+                    self._restore_record(run, run_dir, incarnation, uri)
             from relay.metrics import record_event
 
             record_event(run_dir, "restore", step=m.step, uri=uri)
             return m.step, uri
         return None
+
+    def _restore_record(self, run: str, run_dir: Path, incarnation: str, uri: str) -> None:
+        """The run record of a folder that a restore filled: the published one (settings snapshot, frozen data),
+        else a minimal one naming the incarnation."""
+        record = self.run_record(run)
+        if not record or incarnation_of(record) != incarnation:
+            record = {"version": RECORD_VERSION, "run": run, "incarnation": incarnation}
+        write_record(run_dir, {**record, "restored_from": uri})
 
 
 def upload_args(sse: str | None, kms_key_id: str | None, acl: str | None) -> dict[str, str]:
@@ -455,8 +589,9 @@ def store_for_spec(spec, client=None) -> CheckpointStore:
                            extra_args=upload_args(s3.server_side_encryption, s3.kms_key_id, s3.acl))
 
 
-def restore_for_resume(spec, run: str, run_dir: Path, above: int = 0) -> tuple[int, str] | None:
-    """Called by a trainer whose run has no valid local checkpoint newer than `above`: restore from S3 if
-    one is published."""
+def restore_for_resume(spec, run: str, run_dir: Path, incarnation: str, above: int = 0) -> tuple[int, str] | None:
+    """Called by a trainer whose run has no valid local checkpoint newer than `above`: restore one of the run's
+    own incarnation from S3 if one is published."""
     store = store_for_spec(spec)
-    return store.restore(run, run_dir, above=above, log=lambda msg: print(f"[relay] {msg}", flush=True))
+    return store.restore(run, run_dir, above=above, incarnation=incarnation,
+                         log=lambda msg: print(f"[relay] {msg}", flush=True))

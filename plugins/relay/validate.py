@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from relay import integrity, layout, manifest
 from relay.errors import CheckpointError
+from relay.record import LEGACY_INCARNATION, folder_incarnation
 
 LEVELS = ("structure", "consistency", "integrity", "loadability", "numerics", "smoke")
 
@@ -322,13 +323,14 @@ def _compare_with_previous(report: CheckReport, run_dir: Path, step: int) -> boo
 
 
 def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | None = None) -> manifest.Manifest:
-    """Record a valid checkpoint's manifest in its folder."""
+    """Record a valid checkpoint's manifest in its folder, with the incarnation of the run that folder holds."""
     if not report.ok:
         raise CheckpointError(f"refusing to write a manifest for an invalid checkpoint: {report.failed.detail}")
     m = manifest.Manifest(run=run, step=report.step, world_size=report.world_size,
                           fsdp_version=report.fsdp_version, files=report.files, params=report.params,
                           settings_fingerprint=settings_fingerprint, verl_version=manifest.verl_version(),
-                          checks=[c.name for c in report.checks])
+                          checks=[c.name for c in report.checks],
+                          incarnation=folder_incarnation(Path(report.run_dir)) or LEGACY_INCARNATION)
     m.write(layout.step_dir(Path(report.run_dir), report.step))
     return m
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import (ROOT, assert_bitwise_equal, dags_test, jobs_of_run, model_state, read_metrics,
                       start_dags_test, write_spec)
 from relay import layout
-from relay.runs import read_record
+from relay.record import read_record
+from relay.store import store_for_spec
 from relay.spec import load_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
@@ -73,7 +74,7 @@ def test_use_frozen_finishes_on_the_frozen_bytes_and_resumes_exactly(frozen_run,
                     "data.on_source_change: use_frozen",
               action="chunk 2's preflight found the change, alerted once (a warning) and went on: the trainer read "
                      "the frozen copy, verified by sha256, so chunk 2 resumed from step 6 on the same 1000 rows",
-              steps_lost=0)
+              steps_lost=0, run_dir=rd, store=store_for_spec(load_spec(frozen_run["spec"], check_environment=False)))
 
 
 def test_settings_drift_is_refused_and_allow_drift_is_recorded(frozen_run, airflow_home):

@@ -77,7 +77,8 @@ def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, spec_path, 
                     "SIGTERM, SIGKILL), as a preemption or a lost node ends it",
               action="the try failed (job STOPPED) with the job's log tail; Airflow's retry stopped any live job of "
                      "the run, took a newer lease and resumed from checkpoint 6 (rows 7.. of the killed try kept in "
-                     "metrics.superseded.jsonl)", steps_lost=len(retrained))
+                     "metrics.superseded.jsonl)", steps_lost=len(retrained), run_dir=rd,
+              store=store_for_spec(load_spec(spec_path, check_environment=False)))
 
 
 def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_home, spec_path):

@@ -12,7 +12,8 @@ from relay.data import quality
 from relay.data.fingerprint import DataError, fingerprint
 from relay.data.freeze import check_sources, frozen_files, verify_frozen
 from relay.preflight import before_chunk, prepare_data
-from relay.runs import prepare_run, read_record
+from relay.record import read_record
+from relay.runs import prepare_run
 from relay.spec import load_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"

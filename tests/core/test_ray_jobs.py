@@ -58,3 +58,61 @@ def test_unreachable_ray_is_a_clear_error():
 
     with pytest.raises(RayJobError, match="cannot reach the Ray Jobs API at http://127.0.0.1:9"):
         RayJobs("http://127.0.0.1:9").client
+
+
+# A chunk that logs 50 MB: 5 steps, each after 10 MB of verbose lines (a verl run at debug level).
+VERBOSE_CHUNK = r"""
+import sys, time
+filler = ("x" * 99 + "\n") * 1000
+for step in range(1, 6):
+    for _ in range(100):
+        sys.stdout.write(filler)
+    print(f"[relay] step {step}/5 chunk 1 eta 1s", flush=True)
+    time.sleep(1)
+"""
+
+
+def test_progress_polling_reads_a_bounded_tail_of_a_50_mb_log(ray_address, monkeypatch):
+    """The trigger follows a job that writes 50 MB of log lines: each poll reads at most the log's last
+    TAIL_LINES lines (about 20 KB here), whatever the log's size, and every step line still reaches the
+    task log."""
+    import asyncio
+    import logging
+
+    from relay.airflow import triggers
+    from relay.ray_jobs import TAIL_LINES, AsyncRayJobs
+
+    reads: list[int] = []
+
+    class Counted(AsyncRayJobs):
+        async def tail(self, sub_id, lines=TAIL_LINES):
+            before = self.bytes_read
+            text = await super().tail(sub_id, lines)
+            reads.append(self.bytes_read - before)
+            return text
+
+    monkeypatch.setattr(triggers, "AsyncRayJobs", Counted)
+    jobs = RayJobs(ray_address)
+    sub_id = jobs.client.submit_job(entrypoint=f"python -c '{VERBOSE_CHUNK}'")
+    trigger = triggers.RayJobTrigger(address=ray_address, submission_id=sub_id, deadline=time.time() + 300,
+                                     poll_seconds=0.5, stall_after_s=120)
+    shown: list[str] = []  # what reaches the task log (the triggerer routes the trigger's logger there)
+
+    class TaskLog(logging.Handler):
+        def emit(self, record):
+            shown.append(record.getMessage())
+
+    trigger._log = logging.getLogger(f"relay.test.trigger.{sub_id}")
+    trigger._log.setLevel(logging.INFO)
+    trigger._log.addHandler(TaskLog())
+
+    async def follow():
+        return [e async for e in trigger.run()]
+
+    events = asyncio.run(follow())
+    assert [e.payload["status"] for e in events] == ["SUCCEEDED"]
+    log_size = len(jobs.client.get_job_logs(sub_id).encode())
+    assert log_size > 50_000_000
+    assert reads and max(reads) <= TAIL_LINES * 100 + 4096, f"a poll read {max(reads)} bytes"
+    assert sum(reads) < log_size / 20, f"{sum(reads)} bytes read in {len(reads)} polls of a {log_size}-byte log"
+    assert [line for line in shown if line.startswith("[relay] step")] == [f"[relay] step {s}/5 chunk 1 eta 1s" for s in range(1, 6)]

@@ -1,5 +1,6 @@
 """S3 publication on the session's real S3 server (SeaweedFS): atomic, idempotent, verified, retained."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -121,3 +122,32 @@ def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, st
     assert later["deleted"] == [10, 30]
     assert [m.step for m in store.published("run")] == [20, 40, 50]
     assert not objects(store, "run", 10)
+
+
+def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, store):
+    """Step 2 published, then quarantined and trained again (other bytes): the re-publish takes down the
+    old manifest and points latest back at step 1 first, so a publish killed after its uploads leaves S3
+    with no manifest over bytes it does not list."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        verl_checkpoint.make(run, step=step)
+        assert admit_dir(run, step).ok
+        store.publish("run", run, step)
+    assert store.latest("run")["step"] == 2
+    old = store.manifest("run", 2)
+    shutil.rmtree(layout.step_dir(run, 2))
+    verl_checkpoint.make(run, step=2, seed=1)  # trained again: other weights
+    assert admit_dir(run, 2).ok
+    code = ("import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
+            "from relay.store import CheckpointStore, s3_client; "
+            f"CheckpointStore(s3_client(), {store.uri!r}).publish('run', Path({str(run)!r}), 2)")
+    killed = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "RELAY_FAULT_KILL_AT": "publish_files@2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert store.manifest("run", 2) is None and store.latest("run")["step"] == 1
+    assert [m.step for m in store.published("run")] == [1]
+    store.publish("run", run, 2)
+    new = store.manifest("run", 2)
+    assert new.files != old.files and store.latest("run")["step"] == 2
+    dest = tmp_path / "restored"
+    assert store.restore("run", dest)[0] == 2 and admit_dir(dest, 2).ok

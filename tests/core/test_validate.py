@@ -134,3 +134,25 @@ def test_parameter_shapes_must_match_the_previous_checkpoint(verl_checkpoints, t
     layout.write_tracker(run, 2)
     report = validate_checkpoint(run)
     assert report.failed.name == "numerics" and "at step 1 it had" in report.failed.detail
+
+
+def test_checkpoint_validate_runs_the_safe_checks_by_default(verl_checkpoints, tmp_path):
+    """`relay checkpoint validate DIR`, no flags: NaN weights and a pickle that would run code are refused
+    (exit 1) with the check named; --quick keeps structure, consistency and integrity only."""
+    from support import corrupt
+
+    run = copy_run(verl_checkpoints, tmp_path)
+    ok = relay_cli("checkpoint", "validate", str(run))
+    assert ok.returncode == 0 and "numerics" in ok.stdout and "loadability" in ok.stdout, ok.stdout + ok.stderr
+    corrupt.nan(corrupt.shard(run / "global_step_1", "model"))
+    refused = relay_cli("checkpoint", "validate", str(run))
+    assert refused.returncode == 1 and "✘ numerics" in refused.stdout, refused.stdout
+    quick = relay_cli("checkpoint", "validate", str(run), "--quick")
+    assert quick.returncode == 0 and "numerics" not in quick.stdout, quick.stdout
+    assert relay_cli("checkpoint", "validate", str(run), "--deep").returncode == 1  # still accepted
+
+    evil = copy_run(verl_checkpoints, tmp_path / "evil")
+    marker = tmp_path / corrupt.MARKER
+    corrupt.runs_code(corrupt.shard(evil / "global_step_1", "extra_state"), marker)
+    refused = relay_cli("checkpoint", "validate", str(evil))
+    assert refused.returncode == 1 and "✘ loadability" in refused.stdout and not marker.exists(), refused.stdout

@@ -6,7 +6,6 @@ the CLI; the scheduler and triggerer are killed in the middle of a chunk and sta
 from __future__ import annotations
 
 import time
-import uuid
 
 import pyarrow.parquet as pq
 import pytest
@@ -16,12 +15,11 @@ from relay import stack
 from relay.airflow_api import AirflowAPIError
 from relay.data.fingerprint import sha256_file
 from relay.ray_jobs import RayJobs
-from relay.runs import read_record
+from relay.record import read_record
 from relay.spec import load_spec
 from relay.store import store_for_spec
-from support.airflow_procs import airflow_processes
+from support.airflow_procs import airflow_processes, postgres_database, wait_for
 
-PG = dict(host="127.0.0.1", port=5432, user="postgres")
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 MONDAYS = ("20250106", "20250113")
 
@@ -29,8 +27,6 @@ MONDAYS = ("20250106", "20250113")
 @pytest.fixture(scope="module")
 def airflow(tmp_path_factory, ray_address):
     """Airflow's four processes on a fresh PostgreSQL database, reading this module's run specs."""
-    import psycopg2
-
     base = tmp_path_factory.mktemp("e2e")
     runs, data = base / "runs", base / "data"
     data.mkdir()
@@ -42,26 +38,9 @@ def airflow(tmp_path_factory, ray_address):
         "airflow.schedule": "0 0 * * 1", "airflow.start_date": "2025-01-06",
         "data.train_files": [str(data / "prompts-{{ ds_nodash }}.parquet")], "data.val_files": []})
 
-    db = f"relay_e2e_{uuid.uuid4().hex[:8]}"
-    con = psycopg2.connect(dbname="postgres", **PG)
-    con.autocommit = True
-    con.cursor().execute(f"CREATE DATABASE {db}")
-    try:
-        with airflow_processes(base, runs, f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
-                               AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60") as af:
-            yield {**af, "runs": runs, "data": data}
-    finally:
-        con.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        con.close()
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    with postgres_database("relay_e2e") as db_url, airflow_processes(
+            base, runs, db_url, AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60") as af:
+        yield {**af, "runs": runs, "data": data}
 
 
 @pytest.mark.fault
@@ -104,7 +83,8 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
                     "running Ray job, and started again 3 s later",
               action="the new triggerer re-attached to the same Ray job (its submission id is deterministic per run, "
                      "chunk and try): exactly one job ran for chunk 2, it trained on undisturbed, and the run "
-                     "succeeded with steps 20 and 40 published and announced as asset events", steps_lost=0)
+                     "succeeded with steps 20 and 40 published and announced as asset events", steps_lost=0,
+              run_dir=run_dir, store=store_for_spec(spec))
 
 
 def test_the_api_server_listens_on_loopback_only(airflow):

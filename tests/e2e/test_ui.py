@@ -17,6 +17,7 @@ import pytest
 
 from conftest import ROOT, session_shared, write_spec
 from relay import stack
+from relay.spec import load_spec
 from support.airflow_procs import airflow_processes
 
 SHOTS = ROOT / ".relay" / "test-results" / "screenshots"
@@ -37,7 +38,7 @@ def airflow(tmp_path_factory, ray_address, airflow_home):
         shutil.copyfile(shared / "airflow.db", base / "home" / "airflow.db")
     with airflow_processes(base, runs) as af:
         af["api"].wait_for_dag("relay_demo")
-        yield af
+        yield {**af, "runs": runs}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,49 @@ def test_the_train_task_links_to_its_ray_job_and_the_run_report(page, airflow, t
     assert page.get_by_role("heading", name="Run demo").is_visible()
     assert "step 12 of 12" in page.inner_text("body")
     assert page.locator("#step-12").count() == 1, "the Checkpoint link's anchor: the chunk table's row"
+
+
+def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_the_old_one(page, airflow, triggered,
+                                                                                          uninterrupted):
+    """The form's fresh start of the published run `demo`: a new incarnation trains from step 0 to the same
+    weights as a first run with the same seed; the old run is moved aside, locally and in S3, untouched."""
+    import json
+
+    from conftest import assert_bitwise_equal, digests, model_state
+    from relay.record import read_record
+    from relay.store import CheckpointStore, store_for_spec
+
+    api = airflow["api"]
+    assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=420)["state"] == "success"
+    spec = load_spec(airflow["runs"] / "demo.yaml", check_environment=False)
+    run_dir, store = spec.run_dir("demo"), store_for_spec(spec)
+    assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
+    old = {"incarnation": read_record(run_dir)["incarnation"], "files": digests(run_dir / "global_step_12"),
+           "manifest": store.manifest("demo", 12)}
+
+    dialog = open_trigger_form(page, airflow)
+    page.locator("label[id='switch:element_fresh_start']").click()
+    page.fill("#element_confirm_fresh_start", "demo")
+    with page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/dagRuns")) as sent:
+        dialog.get_by_role("button", name="Trigger").click()
+    conf = json.loads(sent.value.post_data)["conf"]
+    assert conf["fresh_start"] is True and conf["confirm_fresh_start"] == "demo", conf
+    page.wait_for_url("**/runs/demo__manual__**")
+    from urllib.parse import unquote
+
+    run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
+    assert api.wait_for_run("relay_demo", run_id, timeout=420)["state"] == "success", api.task_instances(
+        "relay_demo", run_id)
+
+    assert read_record(run_dir)["incarnation"] != old["incarnation"]
+    assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
+    assert store.manifest("demo", 12).incarnation == read_record(run_dir)["incarnation"], "published anew"
+    (archived,) = (run_dir.parent / ".archive").iterdir()
+    assert digests(archived / "global_step_12") == old["files"], "the old run's folder, untouched"
+    aside = CheckpointStore(store.client, f"{spec.s3.uri}/.archive")
+    kept = aside.manifest(archived.name, 12)
+    assert kept.files == old["manifest"].files and kept.incarnation == old["incarnation"]
+    aside.verify(archived.name, kept)
 
 
 def test_relay_pages_need_airflow_login(airflow):

@@ -170,4 +170,4 @@ def test_a_corrupted_checkpoint_is_refused_quarantined_and_the_run_resumes_bitwi
         report = validate_checkpoint(run, s)
         assert report.ok, report.summary()
     fault_row(case="corruption", fault=FAULT[way], action=action(way, check, resumed), steps_lost=lost,
-              layer="trainer")
+              layer="trainer", run_dir=run)

@@ -48,4 +48,4 @@ def test_a_published_checkpoint_rotting_on_the_local_disk_is_never_loaded(airflo
               action="chunk 2's resume check refused the local copy (integrity: CRC32 against the manifest), "
                      "quarantined it and, instead of falling back to local step 3, restored the published step 6 "
                      "(CRC64NVME-verified, validated) and resumed there; the fallback was alerted",
-              steps_lost=0)
+              steps_lost=0, run_dir=run_dir, store=store_for_spec(spec))

@@ -28,7 +28,8 @@ from relay.data.fingerprint import sha256_file
 from relay.data.freeze import SourceDriftError
 from relay.metrics import SUPERSEDED
 from relay.preflight import before_chunk, prepare_data
-from relay.runs import prepare_run, read_record
+from relay.record import read_record
+from relay.runs import prepare_run
 from relay.spec import load_spec
 from relay.validate import validate_checkpoint
 from support.faults import ForkServer, assert_finished_as
@@ -179,4 +180,4 @@ def test_a_source_changed_between_chunks_is_refused_and_the_run_ends_bitwise(wor
               action=f"refused chunk 2 before its job with 'the training data changed under run r: … "
                      f"{'; '.join(named + ([QUALITY[way].lstrip('✘ ')] if way in QUALITY else []))}' and what to "
                      "do (on_source_change: fail), the run folder untouched; "
-                     + FIXED[fix].format(resumed=resumed), steps_lost=lost, layer="trainer + preflight")
+                     + FIXED[fix].format(resumed=resumed), steps_lost=lost, layer="trainer + preflight", run_dir=run_dir)

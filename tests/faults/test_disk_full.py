@@ -89,4 +89,4 @@ def test_the_checkpoint_disk_fills_during_a_save(airflow_home, ray_address, smal
               action="the trainer removed the partial checkpoint and failed the chunk with \"the checkpoint disk is "
                      f"full: saving step {STEPS} ... the tracker still names step {LAST_SAVED}, which is intact\" and "
                      "what to do; once space was freed, Airflow's retry resumed from step "
-                     f"{LAST_SAVED}", steps_lost=STEPS - LAST_SAVED)
+                     f"{LAST_SAVED}", steps_lost=STEPS - LAST_SAVED, run_dir=run_dir)

@@ -58,4 +58,4 @@ def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(
                      f"and resumed from checkpoint {RESUMED_FROM} on the new head. The orphan, let go, checked the "
                      "lease before its next step and exited (\"refusing to write\"): no metrics row, no checkpoint, "
                      "no tracker write after the takeover",
-              steps_lost=PAUSED_AFTER - RESUMED_FROM)
+              steps_lost=PAUSED_AFTER - RESUMED_FROM, run_dir=run_dir)

@@ -40,4 +40,4 @@ def test_the_ray_head_dies_mid_chunk_and_comes_back(airflow_home, tmp_path, unin
               action="the trigger kept polling through the outage (up to 5 min), then found the job unknown to "
                      "the new head (LOST); the task failed and Airflow's retry resubmitted the chunk under a new "
                      f"lease, which resumed from checkpoint {RESUMED_FROM}",
-              steps_lost=PAUSED_AFTER - RESUMED_FROM)
+              steps_lost=PAUSED_AFTER - RESUMED_FROM, run_dir=run_dir)

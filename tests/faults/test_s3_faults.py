@@ -45,6 +45,17 @@ def _publish(w, run_dir, step, endpoint=None) -> tuple[int, str]:
     return rc, log.read_text()
 
 
+def _new_host(host_a, name: str):
+    """A host whose checkpoint folder holds no checkpoint, only the run's record: the run's incarnation,
+    which the DAG's chunk request carries to whichever host runs the chunk (an empty folder that knows no
+    incarnation restores nothing: it is not the published run's own, `relay checkpoint restore` is)."""
+    from relay.record import read_record, write_record
+
+    host_b = host_a.parent.parent / name / host_a.name
+    write_record(host_b, read_record(host_a))
+    return host_b
+
+
 def _store(w) -> CheckpointStore:
     return CheckpointStore(s3_client(), w["spec"].s3.uri)  # straight to SeaweedFS, past the proxy
 
@@ -59,7 +70,7 @@ def test_s3_answering_500_and_503_for_a_while_costs_nothing(world, fault_row):
     try:
         rc, out = _publish(world, host_a, 6, proxy.endpoint)
         assert rc == 0, out[-3000:]
-        host_b = world["folder"] / "flaky-b" / "flaky"
+        host_b = _new_host(host_a, "flaky-b")
         assert _train(world, host_b, STEPS, endpoint=proxy.endpoint) == 0, world["last_log"].read_text()[-3000:]
     finally:
         proxy.mode = "pass"
@@ -76,7 +87,7 @@ def test_s3_answering_500_and_503_for_a_while_costs_nothing(world, fault_row):
                     "during a publish and a restore",
               action="botocore's standard retries (5 attempts) carried every request through; the publish "
                      "completed and verified against its manifest, latest moved to step 6 only after it; the "
-                     "restore verified each file's CRC64NVME", steps_lost=0)
+                     "restore verified each file's CRC64NVME", steps_lost=0, run_dir=host_b, store=store)
 
 
 def test_s3_down_during_a_publish_leaves_latest_alone_and_a_later_publish_completes(world, fault_row):
@@ -104,20 +115,20 @@ def test_s3_down_during_a_publish_leaves_latest_alone_and_a_later_publish_comple
               fault="S3 answers 503 SlowDown to every request during a publish, then recovers",
               action="the publish failed after botocore's retries with an error naming the request and what to "
                      "do; latest stayed on step 3 and step 6 had no manifest (not published); publishing "
-                     "again completed it and moved latest to 6", steps_lost=0)
+                     "again completed it and moved latest to 6", steps_lost=0, run_dir=run_dir, store=store)
 
 
 def test_a_new_worker_host_with_an_empty_checkpoint_dir_restores_from_s3(world, fault_row):
     host_a = world["folder"] / "host-a" / "moved"
     assert _train(world, host_a, 9, offline=True) == 0  # checkpoints 3, 6, 9 on host A's disk
     assert _publish(world, host_a, 6)[0] == 0  # chunk 1 (steps 1-6) was published; host A is then lost
-    host_b = world["folder"] / "host-b" / "moved"
+    host_b = _new_host(host_a, "host-b")
     assert _train(world, host_b, STEPS) == 0, world["last_log"].read_text()[-3000:]
     log = world["last_log"].read_text()
     assert "restored step 6 from s3://" in log and "resumes from step 6" in log
     assert_bitwise_equal(model_state(host_b / f"global_step_{STEPS}"), world["baseline"])
-    fault_row(case="new-worker-host", fault="the next chunk runs on a host whose checkpoint folder is empty "
-                                            "(host A, with unpublished step 9, is gone)",
-              action="no valid local checkpoint: restored the newest valid published one (step 6) from S3, "
-                     "verified each file's CRC64NVME and validated it, then resumed from it",
-              steps_lost=3)
+    fault_row(case="new-worker-host", fault="the next chunk runs on a host whose checkpoint folder has no "
+                                            "checkpoint (host A, with unpublished step 9, is gone)",
+              action="no valid local checkpoint: restored the newest valid published one of the run's own "
+                     "incarnation (step 6) from S3, verified each file's CRC64NVME and validated it, then resumed "
+                     "from it", steps_lost=3, run_dir=host_b, store=_store(world))

@@ -66,18 +66,18 @@ def test_s3_stopped_during_a_publish_and_restarted_later(airflow_home, tmp_path,
         assert store.latest("s3down")["step"] == STEPS and set(seen) <= {6, STEPS} and STEPS in seen, seen
         for m in store.published("s3down"):
             store.verify("s3down", m)
+        assert "unreachable during" in out and "What to do: start the S3 server" in out
+        retried = [e for e in read_events(run_dir) if e["event"] == "publish" and e["step"] == 6]
+        assert len(retried) == 1 and retried[0]["uploaded"] == 0, "the retry re-uploaded nothing already there"
+        # Training never waited for S3: chunk 2 ran through the outage, and the run is the uninterrupted one.
+        assert_finished_as(run_dir, uninterrupted, STEPS)
+        fault_row(case="s3-stopped", layer="full stack (Airflow, Ray, S3)",
+                  fault="the S3 server (SeaweedFS) is SIGKILLed in the middle of checkpoint 6's publish (its files "
+                        "uploaded, its manifest and latest not yet) and started again later",
+                  action="the publish task failed with \"S3 ... unreachable during ...\" and a what-to-do; a reader "
+                         "polling latest never saw an incomplete checkpoint (no latest until step 6 was whole); "
+                         "Airflow's retry published step 6 after the restart, skipping the objects already there, "
+                         "then latest moved; chunk 2 trained through the outage",
+                  steps_lost=0, run_dir=run_dir, store=store)
     finally:
-        s3.kill()
-    assert "unreachable during" in out and "What to do: start the S3 server" in out
-    retried = [e for e in read_events(run_dir) if e["event"] == "publish" and e["step"] == 6]
-    assert len(retried) == 1 and retried[0]["uploaded"] == 0, "the retry re-uploaded nothing already there"
-    # Training never waited for S3: chunk 2 ran through the outage, and the run is the uninterrupted one.
-    assert_finished_as(run_dir, uninterrupted, STEPS)
-    fault_row(case="s3-stopped", layer="full stack (Airflow, Ray, S3)",
-              fault="the S3 server (SeaweedFS) is SIGKILLed in the middle of checkpoint 6's publish (its files "
-                    "uploaded, its manifest and latest not yet) and started again later",
-              action="the publish task failed with \"S3 ... unreachable during ...\" and a what-to-do; a reader "
-                     "polling latest never saw an incomplete checkpoint (no latest until step 6 was whole); "
-                     "Airflow's retry published step 6 after the restart, skipping the objects already there, "
-                     "then latest moved; chunk 2 trained through the outage",
-              steps_lost=0)
+        s3.kill()  # after the row: its "data lost" column reads what S3 holds

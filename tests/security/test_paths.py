@@ -185,7 +185,7 @@ def test_a_run_record_naming_frozen_data_outside_the_run_is_refused(tmp_path, en
 
 def test_a_damaged_run_record_is_an_error_not_a_crash(tmp_path):
     from relay.errors import RunError
-    from relay.runs import read_record
+    from relay.record import read_record
 
     layout.relay_dir(tmp_path).mkdir(parents=True)
     for content in (b"{not json", b"[1, 2]", b"\xff" * 10, b"[" * 100000):

@@ -5,6 +5,8 @@ with the session's Ray head and S3 server."""
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,3 +33,30 @@ def airflow_processes(base: Path, runs: Path, db_url: str | None = None, **env_e
         stack.stop_processes([f"airflow-{comp}" for comp in stack.AIRFLOW_COMPONENTS])
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+@contextmanager
+def postgres_database(prefix: str):
+    """A new, empty database on the machine's PostgreSQL (127.0.0.1:5432, trust auth), dropped at the end;
+    yields its SQLAlchemy URL."""
+    import psycopg2
+
+    db = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    con = psycopg2.connect(dbname="postgres", host="127.0.0.1", port=5432, user="postgres")
+    con.autocommit = True
+    con.cursor().execute(f"CREATE DATABASE {db}")
+    try:
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}"
+    finally:
+        con.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        con.close()
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """Poll predicate every 0.5 s until it returns something true; return it, or fail naming `what`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -24,17 +24,58 @@ PROPERTY = "relay_fault"
 
 @pytest.fixture
 def fault_row(record_property):
-    """record(case, fault, action, steps_lost, data_lost="no", layer="trainer"): this case's row of
+    """record(case, fault, action, steps_lost, run_dir=..., store=None, layer="trainer"): this case's row of
     docs/FAULTS.md. `case` is the fault's id in scripts/faults_report.py's PLANNED list (trainer-kill,
-    s3-errors, new-worker-host, ray-orphan...). Call it last, once the case's assertions have passed."""
+    s3-errors, new-worker-host, ray-orphan...). Its "data lost" is measured: data_lost(run_dir, store).
+    Call it last, once the case's assertions have passed."""
 
-    def record(case: str, fault: str, action: str, steps_lost: int | str, data_lost: str = "no",
+    def record(case: str, fault: str, action: str, steps_lost: int | str, *, run_dir: Path, store=None,
                layer: str = "trainer", **extra) -> None:
         record_property(PROPERTY, json.dumps({"case": case, "fault": fault, "action": action,
-                                              "steps_lost": steps_lost, "data_lost": data_lost, "layer": layer,
-                                              **extra}, sort_keys=True))
+                                              "steps_lost": steps_lost, "data_lost": data_lost(run_dir, store),
+                                              "layer": layer, **extra}, sort_keys=True))
 
     return record
+
+
+def data_lost(run_dir: Path, store=None) -> str:
+    """What of a run's data is gone, measured in its folder and S3: "no", or "yes: ..." naming it.
+
+    The run's data: one metrics row for every step up to its tracker (steps trained again after a resume
+    keep their first rows in metrics.superseded.jsonl); every checkpoint a trainer committed or a restore
+    brought (events.jsonl), unless retention deleted it on purpose, still whole in the folder (structure
+    and integrity), published in S3, or set aside by a check (.relay/quarantine, .relay/superseded); and
+    the frozen data copies the run record names, in the folder or in S3."""
+    import re
+
+    from relay import layout
+    from relay.metrics import read_events, read_jsonl
+    from relay.record import read_record
+    from relay.validate import validate_checkpoint
+
+    run_dir = Path(run_dir)
+    run = run_dir.name
+    missing = []
+    tracker = layout.read_tracker(run_dir) or 0
+    rows = {r.get("step") for r in read_jsonl(run_dir / layout.METRICS)}
+    if gaps := [s for s in range(1, tracker + 1) if s not in rows]:
+        missing.append(f"metrics rows of steps {gaps[:5]}")
+    events = read_events(run_dir)
+    committed = {e["step"] for e in events if e["event"] in ("checkpoint", "restore")}
+    retired = {s for e in events if e["event"] == "retention" for s in e.get("deleted") or ()}
+    published = {m.step for m in store.published(run)} if store is not None else set()
+    aside = {int(m.group(1)) for corner in ("quarantine", "superseded")
+             for p in (layout.relay_dir(run_dir, corner).iterdir() if layout.relay_dir(run_dir, corner).is_dir() else ())
+             if (m := re.match(r"global_step_(\d+)\.", p.name))}
+    for step in sorted(committed - retired - published - aside):
+        if not (layout.step_dir(run_dir, step).is_dir()
+                and validate_checkpoint(run_dir, step, upto="integrity").ok):
+            missing.append(f"checkpoint step {step}")
+    for f in (read_record(run_dir).get("data") or {}).get("files", []):
+        here = (run_dir / "data" / f"{f['sha256']}.parquet").is_file()
+        if not here and not (store is not None and store.head(store.run_key(run, "data", f"{f['sha256']}.parquet"))):
+            missing.append(f"frozen copy {f['sha256'][:12]}")
+    return "yes: " + "; ".join(missing) + " (found neither in the run folder nor in S3)" if missing else "no"
 
 
 class ForkServer:

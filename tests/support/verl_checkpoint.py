@@ -32,7 +32,7 @@ def _worker(rank: int, args) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world_size)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                       architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False)
@@ -68,10 +68,11 @@ def _worker(rank: int, args) -> None:
 
 
 def make(run_dir: Path, step: int = 1, world_size: int = 1, fsdp: int = 2, hidden: int = 32, layers: int = 1,
-         vocab: int = 64) -> Path:
-    """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes)."""
+         vocab: int = 64, seed: int = 0) -> Path:
+    """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes); another
+    seed gives other weights of the same shapes (a step trained again)."""
     subprocess.run([sys.executable, __file__, str(run_dir), "--step", str(step), "--world-size", str(world_size),
-                    "--fsdp", str(fsdp), "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab)],
+                    "--fsdp", str(fsdp), "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--seed", str(seed)],
                    check=True, capture_output=True, text=True)
     return Path(run_dir) / f"global_step_{step}"
 
@@ -85,6 +86,7 @@ if __name__ == "__main__":
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     a.port = _free_port()
     import torch.multiprocessing as mp

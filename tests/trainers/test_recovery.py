@@ -5,6 +5,7 @@ import os
 
 from conftest import assert_bitwise_equal, model_state, read_metrics, relay_cli, train
 from relay import layout
+from relay.record import read_record
 from relay.spec import load_spec
 
 STEPS = 12
@@ -62,17 +63,57 @@ def test_a_pickle_that_runs_code_is_refused_and_never_runs(baseline, tmp_path):
     assert not marker.exists(), "the pickle's code ran"
 
 
-def test_an_empty_checkpoint_dir_restores_from_s3_and_resumes_the_same(baseline, tmp_path):
+def test_a_new_folder_of_a_published_run_is_refused_and_restore_takes_the_run_on_purpose(baseline, tmp_path):
     spec, straight = baseline
     local = tmp_path / "host-a" / "run"
     train(spec, local, 6)
     uri = load_spec(spec).s3.uri
     pub = relay_cli("checkpoint", "publish", str(local), uri)
     assert pub.returncode == 0, pub.stderr
-    # A new host: same run, empty local checkpoint dir.
+    # A new host, an empty folder, the same run name: never a silent continuation of the published run.
     fresh = tmp_path / "host-b" / "run"
+    refused = relay_cli("train", str(spec), "--to-step", str(STEPS), "--checkpoint-dir", str(fresh))
+    assert refused.returncode != 0, refused.stdout
+    incarnation = read_record(local)["incarnation"]
+    assert f"{uri}/run/ holds its incarnation {incarnation}" in refused.stderr and str(fresh) in refused.stderr
+    assert f"relay checkpoint restore {uri} {fresh}" in refused.stderr, refused.stderr
+    assert not (fresh / "global_step_6").exists()
+    # On purpose: restore brings the run (its record, its incarnation) along, and training continues it.
+    restored = relay_cli("checkpoint", "restore", uri, str(fresh))
+    assert restored.returncode == 0, restored.stderr
+    assert read_record(fresh)["incarnation"] == incarnation
     r = train(spec, fresh, STEPS)
-    assert "restored step 6 from s3://" in r.stdout and "resumes from step 6" in r.stdout
+    assert "resumes from step 6" in r.stdout
     train(spec, local, STEPS)
     assert_bitwise_equal(model_state(fresh / "global_step_12"), model_state(local / "global_step_12"))
     assert_bitwise_equal(model_state(fresh / "global_step_12"), model_state(straight / "global_step_12"))
+    # --offline never looks at S3: a folder of its own, trained as a new run.
+    offline = relay_cli("train", str(spec), "--to-step", "3", "--checkpoint-dir", str(tmp_path / "host-c" / "run"),
+                        "--offline")
+    assert offline.returncode == 0, offline.stderr[-2000:]
+
+
+def test_a_new_host_restores_its_own_run_from_s3_by_its_incarnation(baseline, tmp_path):
+    """A chunk whose folder is empty on its host (the DAG carries the run's incarnation) restores the run's
+    own checkpoints, and never another incarnation's."""
+    import shutil
+
+    from relay.trainers.contract import ChunkRequest
+    from relay.trainers.session import ChunkSession
+
+    spec_path, straight = baseline
+    local = tmp_path / "host-a" / "newhost"
+    train(spec_path, local, 6)
+    uri = load_spec(spec_path).s3.uri
+    assert relay_cli("checkpoint", "publish", str(local), uri).returncode == 0
+    incarnation = read_record(local)["incarnation"]
+    fresh = tmp_path / "host-b" / "newhost"
+    spec = load_spec(spec_path).model_copy(update={"checkpoint_dir": str(fresh.parent)})
+    other = ChunkSession(ChunkRequest(spec=spec, run_name="newhost", to_step=7, incarnation="20991231T000000Z-0000"))
+    assert other.resume_step == 0 and not (fresh / "global_step_6").exists(), "another life's checkpoints: never"
+    shutil.rmtree(fresh)
+    own = ChunkSession(ChunkRequest(spec=spec, run_name="newhost", to_step=7, incarnation=incarnation))
+    assert own.resume_step == 6 and own.resume.restored_from == f"{uri}/newhost/global_step_6/"
+    assert read_record(fresh)["incarnation"] == incarnation, "the published record came along"
+
+

@@ -392,7 +392,8 @@ def test_supervised_mode_one_job_saves_every_chunk_and_the_chunk_tasks_validate_
     assert [log["lr"][s] for s in range(1, 31)] == verl_lrs(spec, TOTAL, TOTAL)
     op = SupervisedValidateOperator(task_id="validate", spec_path="unused", chunk_index=1, train_task=None)
     chunk1 = ChunkPlan.from_spec(spec).chunk(1)
-    admitted = op._validate({}, spec, "s", chunk1)  # tracker at 30, step 10 checked on its own
+    context = {"ti": types.SimpleNamespace(task_id="chunk_01.validate"), "dag_run": types.SimpleNamespace(run_id="r")}
+    admitted = op._validate(context, spec, "s", chunk1)  # tracker at 30, step 10 checked on its own
     assert admitted["ok"] and admitted["step"] == 10
     # The chunked gate would have refused it: it asks the tracker to name the chunk's end.
     strict = admit(spec, "s", 20, expected_step=20)

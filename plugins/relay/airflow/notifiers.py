@@ -184,9 +184,12 @@ def send_once(context, spec, run: str, alert: Alert, key: str) -> bool:
 
 
 def event_key(context, spec, kind: str, scope: str = "") -> str:
-    """One failure event: this DAG run's task and kind; each try is its own event only with alerts.on_retry."""
+    """One failure event: this DAG run's task and kind, in this generation of the task. A person's clear
+    begins a new generation (Airflow raises the task's max_tries then), so a failure after a clear is a
+    new event that reaches people again; the automatic retries of one generation are one event, unless
+    alerts.on_retry makes each try its own."""
     ti = context["ti"]
-    key = f"{context['dag_run'].run_id}|{ti.task_id}|{kind}"
+    key = f"{context['dag_run'].run_id}|{ti.task_id}|{kind}|g{getattr(ti, 'max_tries', 0)}"
     if scope:
         return f"{key}|{scope}"
     return f"{key}|try{ti.try_number}" if spec.alerts.on_retry else key
@@ -216,13 +219,16 @@ def notify_use_frozen(context, spec, run: str, change: str) -> None:
     send_once(context, spec, run, alert, f"use_frozen|{digest}")
 
 
-def notify_recovery(context, spec, run: str, what: str, **fields) -> None:
-    """The run succeeded again after failure alerts: one message that closes them."""
+def notify_recovery(context, spec, run: str, what: str, *, whole_run: bool = False, **fields) -> None:
+    """The work that failed has succeeded: one message that closes its open failure alerts. A task closes
+    the failures of its own task (a chunk that is done closes that chunk's failures, not another's that
+    has not run again yet); the run's `finish` (whole_run) closes every one left."""
     if not spec.alerts.recovery:
         return
+    task = context["ti"].task_id
     try:
         ledger = AlertLedger(spec.run_dir(run))
-        open_failures = ledger.open_failures()
+        open_failures = [e for e in ledger.open_failures() if whole_run or e.get("task") == task]
     except Exception as e:  # noqa: BLE001
         log.warning("alert ledger of run %s unavailable: %s", run, e)
         return

@@ -6,7 +6,11 @@ execute():
   1. The chunk is done when the run's latest valid checkpoint has reached its end step: finish at
      once, with success (a skip would cascade to the later chunks).
   2. This try's job already exists (same deterministic submission id): re-attach to it.
-  3. Otherwise stop every live job of this run (one writer per run), submit, and defer.
+  3. A live job of this chunk from an earlier try still trains well (it holds the run's lease and made a
+     step within the stall limit): adopt it. A try that failed for a reason of Airflow's own never
+     throws away a healthy job's steps.
+  4. Otherwise stop every live job of this run (one writer per run), take the run's lease for the new
+     job (its fencing token travels in the request), submit, and defer.
 execute_complete(): succeed only when the job succeeded and the run's checkpoint reached the end step.
 """
 
@@ -21,13 +25,18 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
-from relay.airflow.tasks import RUN_TASK, publish_report, run_spec
+from relay.airflow.tasks import RUN_TASK, publish_report, run_incarnation, run_spec
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
+from relay.faultpoint import fault_point
+from relay.lease import Lease
 from relay.plan import ChunkPlan
 from relay.ray_jobs import LIVE, LOG_TAIL_LINES, job_metadata, submission_id
 from relay.spec import load_spec
 from relay.trainers.contract import ChunkRequest
 from relay.validate import latest_step_or_problem, latest_valid_step
+
+
+JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
 
 
 def job_log_tail(spec, event: dict) -> str:
@@ -111,15 +120,30 @@ class RayChunkOperator(BaseOperator):
         self._submission_id = sub_id
         hook = RayJobsHook(spec.ray.conn_id)
         existing = hook.jobs.get(sub_id)
-        if existing is None:
+        started = time.time()
+        if existing is None and (adopted := self._healthy_earlier_job(context, hook, spec, run, chunk)) is not None:
+            job, why = adopted
+            sub_id = self._submission_id = job.submission_id
+            started = job.start_time or started
+            self.log.info("%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
+                          chunk, run, sub_id, why, ray_job_page(hook.dashboard_url, sub_id))
+        elif existing is None:
             stopped = hook.jobs.stop_run(spec.name, run, keep=sub_id)
             if stopped:
                 self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s",
                                  run, stopped)
-            req = ChunkRequest(spec=spec, run_name=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id)
-            hook.jobs.submit(req, sub_id, job_metadata(req, dag_run_id, ti.try_number))
-            self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s: %s",
-                          chunk, run, latest or 0, sub_id, ray_job_page(hook.dashboard_url, sub_id))
+            # The fencing token is taken here, at submission, and travels in the request: a stale job that
+            # starts late (a PENDING one of an earlier try) finds a newer token and never writes.
+            token = Lease(spec.run_dir(run)).acquire(sub_id)
+            req = ChunkRequest(spec=spec, run_name=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id,
+                               incarnation=run_incarnation(context, self.run_from_task), lease_token=token)
+            hook.jobs.submit(req, sub_id, job_metadata(req, dag_run_id, ti.try_number),
+                             self._drill_env(context, spec, run, chunk))
+            fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
+            if (state_store := context.get("task_state_store")) is not None:
+                state_store.set(JOB_STATE_KEY, sub_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
+            self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s (lease token %s): %s",
+                          chunk, run, latest or 0, sub_id, token, ray_job_page(hook.dashboard_url, sub_id))
         elif existing.status == "SUCCEEDED":
             return self._done(context, spec, run, chunk, f"job {sub_id} had already succeeded")
         elif existing.status in LIVE:
@@ -134,16 +158,66 @@ class RayChunkOperator(BaseOperator):
                                               "url": ray_job_page(hook.dashboard_url, sub_id)})
         from relay.alerts import stall_limit_s
 
-        deadline = time.time() + spec.ray.chunk_timeout_minutes * 60
+        deadline = started + spec.ray.chunk_timeout_minutes * 60
         stall_after = stall_limit_s(spec, spec.run_dir(run))
         self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step) is a stall: alerted, job "
                       "stopped, retried", stall_after, spec.alerts.startup_minutes * 60)
         self.defer(
             trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
                                   poll_seconds=spec.ray.poll_seconds, stall_after_s=stall_after,
-                                  startup_s=spec.alerts.startup_minutes * 60),
+                                  startup_s=spec.alerts.startup_minutes * 60, adoptable=True),
             method_name="execute_complete",
         )
+
+    @staticmethod
+    def _drill_env(context, spec, run: str, chunk) -> dict[str, str]:
+        """A crash drill asked for in the DAG run's conf (`relay_fault`, the demo's provoked resume): armed in
+        the chunk's job once per DAG run, so the retry that resumes is not killed again."""
+        import hashlib
+
+        from relay.faultpoint import drill_env
+        from relay.layout import relay_dir
+
+        drill = (context["dag_run"].conf or {}).get("relay_fault")
+        if not drill:
+            return {}
+        dag_run = hashlib.sha256(context["dag_run"].run_id.encode()).hexdigest()[:8]
+        return drill_env(drill, relay_dir(spec.run_dir(run), "drills", f"{dag_run}-c{chunk.index:02d}.fired"))
+
+    def _healthy_earlier_job(self, context, hook, spec, run: str, chunk):
+        """A live job of this chunk that an earlier try submitted and that still trains well: it holds the
+        run's lease (a newer attempt fenced it out otherwise) and made a step within the stall limit (or is
+        still within its start-up allowance). (job, why) or None. A try that failed for a reason of
+        Airflow's own (a lost worker, a trigger timed out while the triggerer was down, a person clearing
+        the task) adopts it instead of stopping it and training its steps again."""
+        from relay.alerts import stall_limit_s
+        from relay.metrics import MetricsLog
+
+        run_dir = spec.run_dir(run)
+        state_store = context.get("task_state_store")
+        remembered = state_store.get(JOB_STATE_KEY) if state_store is not None else None
+        # Airflow remembers the id once it was stored; a worker killed between the submission and that
+        # write leaves it unstored, and the job's metadata (run, chunk) finds it all the same.
+        candidates = sorted(hook.jobs.live_jobs_of_run(spec.name, run),
+                            key=lambda j: (j.submission_id != remembered, -(j.start_time or 0)))
+        lease = Lease(run_dir)
+        for job in candidates:
+            if job.metadata.get("relay_chunk") != str(chunk.index) or not lease.holds(job.submission_id):
+                continue
+            steps = [r for r in MetricsLog(run_dir).rows() if r.get("attempt") == job.submission_id]
+            limit = stall_limit_s(spec, run_dir)
+            if steps:
+                idle = time.time() - float(steps[-1].get("time") or 0)
+                why = f"it holds the run's lease and made step {steps[-1]['step']} {idle:.0f}s ago"
+            else:
+                limit += spec.alerts.startup_minutes * 60
+                idle = time.time() - (job.start_time or 0)
+                why = f"it holds the run's lease and started {idle:.0f}s ago, within its start-up allowance"
+            if idle <= limit:
+                return job, why
+            self.log.warning("Ray job %s of an earlier try holds the lease but made no step for %.0fs (limit "
+                             "%.0fs): it is stopped, not adopted", job.submission_id, idle, limit)
+        return None
 
     def execute_complete(self, context, event: dict) -> dict:
         spec, run = self._spec_and_run(context)
@@ -294,6 +368,8 @@ class ValidateCheckpointOperator(BaseOperator):
         report = "\n".join(f"  {'✔' if c['ok'] else '✘'} {c['name']}: {c['detail']}" for c in admission["checks"])
         if admission["ok"]:
             self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run, report)
+            notify_recovery(context, spec, run, f"{chunk} of run {run}: checkpoint step {chunk.end_step} is valid",
+                            chunk=chunk.index, step=chunk.end_step)
             return admission
         failed = next(c for c in admission["checks"] if not c["ok"])
         notify(context, spec, run, "checkpoint_invalid",
@@ -352,6 +428,8 @@ class PublishCheckpointOperator(BaseOperator):
             "run": run, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
             "hf_model": pub.hf_uri, "spec": spec.name, "dag_run": context["dag_run"].run_id})
         publish_report(spec, run, store, context)
+        notify_recovery(context, spec, run, f"{chunk} of run {run}: step {chunk.end_step} is published",
+                        chunk=chunk.index, step=chunk.end_step)
         return pub.to_dict()
 
     def _announce(self, context, spec, run: str, extra: dict) -> None:

@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 RUN_TASK = "preflight.run"
 
 
+def run_incarnation(context, run_from_task: str = RUN_TASK) -> str | None:
+    """The incarnation of this DAG run's training run, as preflight.run found or began it."""
+    return (context["ti"].xcom_pull(task_ids=run_from_task) or {}).get("incarnation")
+
+
 def run_spec(spec_path: str, context, run_from_task: str = RUN_TASK):
     """(spec, run) of this DAG run, as preflight.run resolved them: the spec's data paths dated with
     the DAG run's logical date, and the training run's name."""
@@ -63,6 +68,7 @@ def settings_guard(spec_path: str, **context) -> list[str]:
         log.warning("run %s: drift allowed by allow_drift and recorded: %s", run, "; ".join(allowed))
     else:
         log.info("run %s: resume-critical settings match the run's recorded ones", run)
+    notify_recovery(context, spec, run, f"run {run}: its settings pass the guard again")
     return allowed
 
 
@@ -83,6 +89,7 @@ def data_freeze(spec_path: str, **context) -> dict:
         notify_use_frozen(context, spec, run, change)
     log.info("run %s trains on frozen data: %s", run,
              ", ".join(f"{f['role']} {f['sha256'][:12]} ({f['rows']} rows, from {f['source']})" for f in state.frozen))
+    notify_recovery(context, spec, run, f"run {run}: its data passes its checks again")
     return {"froze_now": state.froze_now, "frozen": state.frozen, "source_changes": state.source_changes}
 
 
@@ -103,18 +110,19 @@ def preflight(spec_path: str, **context) -> dict:
         run_name = params.get("run") or (dated_run_name(spec, when) if spec.airflow.schedule else None)
         state = prepare_run(spec, run_name, fresh_start=bool(params.get("fresh_start")),
                             confirm=params.get("confirm_fresh_start") or "",
-                            started_by=f"{context['dag_run'].run_id}")
+                            started_by=f"{context['dag_run'].run_id}", store=checkpoint_store(spec))
     except RelayError as e:
         raise AirflowFailException(str(e)) from None
     if state.problem:
         log.warning("run %s: %s; the next chunk's trainer quarantines it and resumes from the newest valid checkpoint",
                     state.run_name, state.problem)
-    if state.archived_to:
-        log.warning("fresh start: the previous folder of run %s was archived to %s", state.run_name,
-                    state.archived_to)
+    if state.archived_to or state.archived_uri:
+        log.warning("fresh start of run %s (new incarnation %s): the old run was moved aside to %s, never deleted",
+                    state.run_name, state.incarnation,
+                    " and ".join(x for x in (state.archived_to, state.archived_uri) if x))
     channels = Channels.of(spec, params)
-    log.info("run %s (%s): latest valid checkpoint step %s of %s; alerts go to %s", state.run_name, state.run_dir,
-             state.latest_step, spec.total_steps,
+    log.info("run %s (%s, incarnation %s): latest valid checkpoint step %s of %s; alerts go to %s", state.run_name,
+             state.run_dir, state.incarnation, state.latest_step, spec.total_steps,
              ", ".join(f"{name} {', '.join(channels.emails)}" if name.startswith("email") else name
                        for name, _ in channels.senders()) or "nobody (no alert channel configured)")
     log.info("chunk plan:\n%s", ChunkPlan.from_spec(spec).describe(state.latest_step))
@@ -147,7 +155,7 @@ def finish(spec_path: str, **context) -> dict:
     log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
              run, state.latest_step, spec.total_steps, state.run_dir, state.run_dir, len(resumes))
     notify_recovery(context, spec, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
-                    step=state.latest_step)
+                    step=state.latest_step, whole_run=True)
     publish_report(spec, run, checkpoint_store(spec), context)
     return state.to_dict()
 

@@ -1,12 +1,13 @@
 """Triggers: a Ray job followed from the triggerer (RayJobTrigger), and a checkpoint waited for on
 storage (CheckpointTrigger), so no worker slot is held while waiting.
 
-RayJobTrigger streams the job's new log lines (a chunk's per-step progress) into the task log, and
-fires one event when the job ends. A running job that prints no new step for longer than its stall
+RayJobTrigger streams the job's new log lines (a chunk's per-step progress) into the task log, reading
+only the log's last lines per poll however long the log grows, and fires one event when the job ends. A running job that prints no new step for longer than its stall
 limit (relay.alerts.stall) is stopped, and the event says STALLED: a hung rollout never waits out
 the chunk's whole timeout. It enforces the chunk's deadline itself, stopping the job: Airflow's own defer
-timeout kills the trigger without calling on_kill. A user's mark-failed or clear calls on_kill,
-which stops the job; a triggerer restart does neither, and the new triggerer re-attaches.
+timeout kills the trigger without calling on_kill. A person's mark-failed or mark-success calls on_kill,
+which stops the job; a clear calls it too, and then a chunk's job is left for the task's next try to
+adopt; a triggerer restart does neither, and the new triggerer re-attaches.
 Failures come back as events with a message, never as exceptions.
 """
 
@@ -19,22 +20,24 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from relay.alerts.stall import StallWatch
-from relay.ray_jobs import TERMINAL, AsyncRayJobs
+from relay.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
+
+FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  # a person's mark ends the task
 
 
 class RayJobTrigger(BaseTrigger):
     def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
-                 log_offset: int = 0, unreachable_grace_s: float = 300.0, stall_after_s: float | None = None,
-                 startup_s: float = 0.0):
+                 unreachable_grace_s: float = 300.0, stall_after_s: float | None = None,
+                 startup_s: float = 0.0, adoptable: bool = False):
         super().__init__()
         self.address = address
         self.submission_id = submission_id
         self.deadline = deadline  # epoch seconds: the job is stopped after this
         self.poll_seconds = poll_seconds
-        self.log_offset = log_offset
         self.unreachable_grace_s = unreachable_grace_s
         self.stall_after_s = stall_after_s  # None: no stall detection (validation jobs)
         self.startup_s = startup_s
+        self.adoptable = adoptable  # a cleared task's next try may adopt the job (a chunk's): leave it running
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -44,10 +47,10 @@ class RayJobTrigger(BaseTrigger):
                 "submission_id": self.submission_id,
                 "deadline": self.deadline,
                 "poll_seconds": self.poll_seconds,
-                "log_offset": self.log_offset,
                 "unreachable_grace_s": self.unreachable_grace_s,
                 "stall_after_s": self.stall_after_s,
                 "startup_s": self.startup_s,
+                "adoptable": self.adoptable,
             },
         )
 
@@ -60,12 +63,11 @@ class RayJobTrigger(BaseTrigger):
         jobs = AsyncRayJobs(self.address)
         watch: StallWatch | None = None  # from the job's first RUNNING poll: PENDING is waiting, not stalling
         unreachable_since: float | None = None
-        logs = ""
+        seen: list[str] = []  # the log's last lines at the previous poll (a restarted triggerer starts empty)
         while True:
             try:
                 state = await jobs.get(self.submission_id)
-                if state is not None:
-                    logs = await jobs.logs(self.submission_id)
+                tail = (await jobs.tail(self.submission_id)).splitlines() if state is not None else []
                 unreachable_since = None
             except Exception as e:  # the head is down or restarting: keep trying for a while
                 now = time.time()
@@ -81,16 +83,18 @@ class RayJobTrigger(BaseTrigger):
                 yield self._event("LOST", f"job {self.submission_id} is unknown to the cluster at {self.address} "
                                           "(the Ray head lost it, e.g. after a restart)")
                 return
-            new = logs[self.log_offset:]
-            for line in new.splitlines():
+            new, gap = new_lines(seen, tail)
+            if gap and seen:
+                self.log.info("(more lines than a poll reads were written since the last poll; the newest follow)")
+            for line in new:
                 self.log.info("%s", line)
-            self.log_offset = len(logs)
+            seen = tail or seen
             if state.status in TERMINAL:
                 yield self._event(state.status, state.message)
                 return
             if self.stall_after_s and state.status == "RUNNING":
                 watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time())
-                watch.saw(new, time.time())
+                watch.saw("\n".join(new), time.time())
                 if stalled := watch.stalled(time.time()):
                     await jobs.stop(self.submission_id)
                     yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped",
@@ -104,9 +108,32 @@ class RayJobTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_seconds)
 
     async def on_kill(self) -> None:
-        """A user marked the task failed/success or cleared it: stop the job."""
-        self.log.info("Task killed by a user: stopping Ray job %s", self.submission_id)
+        """A person acted on the deferred task. Marked failed or success: stop the job. Cleared (a chunk's
+        train task): leave it running, since the task's next try adopts it when it still trains well
+        (RayChunkOperator) and stops it otherwise; stopping it here would throw away the steps since its
+        last checkpoint."""
+        state = await self._task_state()
+        if self.adoptable and state not in (*FINAL_STATES, "unknown"):
+            self.log.info("Task cleared (now %s): Ray job %s is left running for the task's next try to adopt",
+                          state, self.submission_id)
+            return
+        self.log.info("Task marked %s by a person: stopping Ray job %s", state, self.submission_id)
         await AsyncRayJobs(self.address).stop(self.submission_id)
+
+    async def _task_state(self) -> str:
+        """This task instance's state now, as the API server has it ("unknown" if it cannot be read)."""
+        from asgiref.sync import sync_to_async
+
+        try:
+            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+            ti = self.task_instance
+            states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
+                dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id])
+            return str((states.get(ti.run_id) or {}).get(ti.task_id) or "none")
+        except Exception as e:  # noqa: BLE001 - when in doubt, stop the job as before
+            self.log.warning("the task's state could not be read (%s)", e)
+            return "unknown"
 
 
 class CheckpointTrigger(BaseTrigger):

@@ -8,15 +8,14 @@ recovery message closes them.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from relay import layout
 from relay.alerts.alert import Alert
+from relay.filelock import file_lock
 
 VERSION = 1
 
@@ -28,16 +27,10 @@ class AlertLedger:
 
     @contextmanager
     def _locked(self) -> Iterator[dict]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with file_lock(self._lock_path, "updating the alert ledger"):
             record = self._read()
             yield record
             layout.atomic_write_json(self.path, record)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
 
     def _read(self) -> dict:
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from relay import layout
 from relay.data.diff import DataDiff, diff
 from relay.data.fingerprint import DataError, fingerprint, sha256_file
-from relay.runs import read_record, update_record
+from relay.record import read_record, update_record
 
 FROZEN_DIR = "data"
 

@@ -26,6 +26,7 @@ class ChunkRequest:
     attempt: str = "local"  # who is training: a Ray submission id, or local:<host>:<pid>
     lease_token: int | None = None  # None: take the lease in this process (the CLI)
     restore: bool = True  # with no valid local checkpoint, restore the newest published one (spec.s3)
+    incarnation: str | None = None  # the run's incarnation (relay.record): only its checkpoints are restored
 
     @property
     def run_dir(self) -> Path:

@@ -38,11 +38,13 @@ class ChunkSession:
         self.lease = Lease(self.run_dir)
         if req.lease_token is None:
             req.lease_token = self.lease.acquire(f"local:{socket.gethostname()}:{os.getpid()}")
+        else:
+            self.lease.claim(req.lease_token)
         self.token = req.lease_token
-        self.lease.check(self.token)
+        self.incarnation = self._incarnation()
         # Validated (integrity against the manifest, safe load, numerics) just before the trainer
         # loads it; invalid checkpoints are quarantined and the tracker falls back to a valid one.
-        self.resume = find_resume_point(self.run_dir, restore=restore_function(req))
+        self.resume = find_resume_point(self.run_dir, restore=restore_function(req, self.incarnation))
         self.resume_step = self.resume.step
         for q in self.resume.quarantined:
             if q["path"]:
@@ -54,6 +56,20 @@ class ChunkSession:
         self.metrics = MetricsLog(self.run_dir)
         self._t0 = time.time()
         self._step_times: list[float] = []
+
+    def _incarnation(self) -> str | None:
+        """The run's incarnation: the request's (the DAG's and the CLI's, from the run record), which the
+        folder's record must agree with; the folder's for a request without one. A folder without a record
+        (a new host) restores only checkpoints of the request's incarnation."""
+        from relay.errors import RunError
+        from relay.record import folder_incarnation
+
+        local = folder_incarnation(self.run_dir)
+        if self.req.incarnation and local and local != self.req.incarnation:
+            raise RunError(f"run {self.req.run_name}: this chunk belongs to incarnation {self.req.incarnation}, but "
+                           f"{self.run_dir} now holds incarnation {local} (the run was started again since)",
+                           "nothing to do: this attempt stops without writing; the run's own chunks go on")
+        return self.req.incarnation or local
 
     # ------------------------------------------------------------------------------ resume
     def resume_checkpoint(self) -> Path | None:
@@ -197,13 +213,14 @@ def _free_bytes(folder: Path) -> int:
         return 0
 
 
-def restore_function(req: ChunkRequest):
-    """Restore from the run's published checkpoints when the spec names a store (None otherwise)."""
-    if req.spec.s3 is None or not req.restore:
+def restore_function(req: ChunkRequest, incarnation: str | None):
+    """Restore from the run's published checkpoints of its own incarnation when the spec names a store; None
+    otherwise, and for a run of unknown incarnation (a new folder: nothing published can be its own)."""
+    if req.spec.s3 is None or not req.restore or not incarnation:
         return None
     from relay.store import restore_for_resume
 
-    return lambda run_dir, above=0: restore_for_resume(req.spec, req.run_name, run_dir, above)
+    return lambda run_dir, above=0: restore_for_resume(req.spec, req.run_name, run_dir, incarnation, above)
 
 
 def pin_threads(threads: int) -> None:

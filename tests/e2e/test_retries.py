@@ -1,0 +1,208 @@
+"""Retries and concurrency on the real scheduler: Airflow's four processes (LocalExecutor) on a PostgreSQL
+database of this module's own, with the session's Ray head and S3 server, and a webhook that records
+every alert.
+
+- A train task that fails for a reason of Airflow's own while its job trains well (a person clears it,
+  the worker running it is SIGKILLed between submission and deferral): the next try adopts the job,
+  and not one step is trained twice.
+- A frozen job (SIGSTOP) is still found out, stopped and resumed.
+- Every failure a person must act on alerts once; "recovered" only once the failed work succeeded.
+- Chunk k's publish overlaps chunk k+1's training; two runs in a one-slot pool never train at once.
+
+Each scenario's run trains 12 steps in chunks of 6 with the tiny trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_bitwise_equal, jobs_of_run, model_state, read_metrics, write_spec
+from relay.metrics import read_events
+from relay.spec import load_spec
+from relay.store import store_for_spec
+from support.airflow_procs import airflow_processes, postgres_database, wait_for
+from support.receivers import wait_for as arrived
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory, ray_address, receivers):
+    """Airflow on a fresh PostgreSQL database, reading this module's specs (12 steps in chunks of 6)."""
+    base = tmp_path_factory.mktemp("retries")
+    runs, faults = base / "runs", base / "faults"
+    faults.mkdir()
+
+    def paused_at_step_3(name: str) -> dict:  # the chunk's first job waits at step 3 until released
+        return {"ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@3", "RELAY_FAULT_ONCE": str(faults / name),
+                                 "RELAY_FAULT_PAUSE_S": "300"}}
+
+    write_spec(runs, name="cleared", **paused_at_step_3("cleared"))
+    write_spec(runs, name="lost", **paused_at_step_3("lost"))
+    write_spec(runs, name="frozen", **{"ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@8",
+                                                        "RELAY_FAULT_ONCE": str(faults / "frozen")},
+                                       "alerts.stall_minutes": 0.1})
+    write_spec(runs, name="failing", **{"airflow.retries": 0, "alerts.webhook_conn_id": "relay_webhook",
+                                        "ray.env_vars": {"RELAY_FAULT_KILL_AT": "after_step@8"}})
+    write_spec(runs, name="one", **{"airflow.retries": 0})
+    write_spec(runs, name="two", **{"airflow.retries": 0})
+
+    # The worker that runs chunk 1 of the run named `lost` dies (SIGKILL) right after submitting its job.
+    with postgres_database("relay_retries") as db_url, airflow_processes(
+            base, runs, db_url, RELAY_FAULT_KILL_AT="after_submit:lost@1", RELAY_FAULT_ONCE=str(faults / "worker-kill"),
+            **receivers["env"]) as af:
+        yield {**af, "runs": runs, "faults": faults}
+
+
+def task(api, dag_id: str, run_id: str, task_id: str) -> dict:
+    return next(t for t in api.task_instances(dag_id, run_id) if t["task_id"] == task_id)
+
+
+def chunk_jobs(ray_address: str, run: str, since: float, chunk: int) -> list:
+    return [j for j in jobs_of_run(ray_address, run, since) if (j.metadata or {}).get("relay_chunk") == str(chunk)]
+
+
+def trained_once_and_equal(spec_path: Path, run: str, uninterrupted: dict) -> tuple[Path, object]:
+    """(run folder, store) of a run whose every step was trained once and that ended as the uninterrupted one."""
+    spec = load_spec(spec_path, check_environment=False)
+    run_dir = spec.run_dir(run)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13)), "each step trained once"
+    assert not (run_dir / "metrics.superseded.jsonl").exists(), "no step was trained twice"
+    assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
+    return run_dir, store_for_spec(spec)
+
+
+def adopted(api, ray_address, dag_id: str, run_id: str, run: str, since: float, release: Path) -> None:
+    """The train task's second try defers on the job of its first, which is released only then."""
+    wait_for(lambda: (t := task(api, dag_id, run_id, "chunk_01.train"))["try_number"] >= 2
+             and t["state"] == "deferred", 180, "chunk 1's next try to defer")
+    jobs = chunk_jobs(ray_address, run, since, 1)
+    assert [str(j.status) for j in jobs] == ["RUNNING"], "the first try's job was adopted, not stopped or doubled"
+    Path(f"{release}.go").touch()
+    finished = api.wait_for_run(dag_id, run_id, timeout=300)
+    assert finished["state"] == "success", api.task_instances(dag_id, run_id)
+    assert [str(j.status) for j in chunk_jobs(ray_address, run, since, 1)] == ["SUCCEEDED"]
+    assert task(api, dag_id, run_id, "chunk_01.train")["try_number"] == 2
+    publish_overlapped_the_next_chunk(api, dag_id, run_id)
+
+
+def publish_overlapped_the_next_chunk(api, dag_id: str, run_id: str) -> None:
+    """Chunk 1's publish task ran while chunk 2's train task did (the README's pipelining)."""
+    tis = {t["task_id"]: t for t in api.task_instances(dag_id, run_id)}
+    publish, train = tis["chunk_01.publish"], tis["chunk_02.train"]
+    assert publish["start_date"] < train["end_date"] and train["start_date"] < publish["end_date"], (
+        f"chunk 1 published {publish['start_date']}..{publish['end_date']}, "
+        f"chunk 2 trained {train['start_date']}..{train['end_date']}")
+
+
+@pytest.mark.fault
+def test_a_cleared_train_task_adopts_its_healthy_job(airflow, ray_address, uninterrupted, fault_row):
+    """A person clears chunk 1's deferred train task while its job trains (Airflow's own reason to fail a
+    try): the job goes on, the next try defers on it, and 0 steps are lost."""
+    api, dag_id, since = airflow["api"], "relay_cleared", time.time()
+    api.wait_for_dag(dag_id)
+    run_id = api.trigger(dag_id, {"run": "c"})["dag_run_id"]
+    wait_for(lambda: (airflow["faults"] / "cleared").exists()
+             and task(api, dag_id, run_id, "chunk_01.train")["state"] == "deferred", 240,
+             "chunk 1's job to train (paused at step 3) with its task deferred")
+    api.clear_task_instances(dag_id, run_id, ["chunk_01.train"])
+    adopted(api, ray_address, dag_id, run_id, "c", since, airflow["faults"] / "cleared")
+    run_dir, store = trained_once_and_equal(airflow["runs"] / "cleared.yaml", "c", uninterrupted)
+    fault_row(case="task-cleared", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+              fault="a person clears chunk 1's deferred train task while its Ray job trains (held at step 3)",
+              action="the trigger's on_kill saw a clear, not a mark, and left the job running; the task's next "
+                     "try found it holding the run's lease with a recent step and deferred on it: one job for "
+                     "the chunk, no step trained twice", steps_lost=0, run_dir=run_dir, store=store)
+
+
+@pytest.mark.fault
+def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_same_job(airflow, ray_address,
+                                                                                     uninterrupted, fault_row):
+    """The worker running chunk 1's train task is SIGKILLed right after it submitted the job, before it
+    deferred or stored the job's id: the retry finds the job by its metadata and lease, and adopts it."""
+    api, dag_id, since = airflow["api"], "relay_lost", time.time()
+    api.wait_for_dag(dag_id)
+    run_id = api.trigger(dag_id, {"run": "lost"})["dag_run_id"]
+    wait_for(lambda: (airflow["faults"] / "worker-kill").exists(), 240, "the worker to be killed after submitting")
+    adopted(api, ray_address, dag_id, run_id, "lost", since, airflow["faults"] / "lost")
+    run_dir, store = trained_once_and_equal(airflow["runs"] / "lost.yaml", "lost", uninterrupted)
+    fault_row(case="task-process-kill", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+              fault="the process running chunk 1's train task is SIGKILLed right after submitting the Ray job, "
+                    "before it stored the job's id or deferred",
+              action="Airflow retried the task; the retry found the job by its metadata (run, chunk) holding the "
+                     "lease taken at its submission, with a recent step, and deferred on it: one job, no step "
+                     "trained twice", steps_lost=0, run_dir=run_dir, store=store)
+
+
+@pytest.mark.fault
+def test_a_frozen_job_is_still_stopped_and_resumed(airflow, ray_address, uninterrupted, fault_row):
+    """Chunk 2's trainer is SIGSTOPped at step 8: no step for the stall limit (6 s), so the trigger stops it,
+    and the retry does not adopt it: a new job resumes from step 6."""
+    api, dag_id, since = airflow["api"], "relay_frozen", time.time()
+    api.wait_for_dag(dag_id)
+    run_id = api.trigger(dag_id, {"run": "f"})["dag_run_id"]
+    marker = airflow["faults"] / "frozen"
+    wait_for(lambda: marker.exists() and marker.read_text().strip(), 240, "chunk 2's job to reach step 8")
+    os.kill(int(marker.read_text()), signal.SIGSTOP)
+    Path(f"{marker}.go").touch()  # it would go on, but it is frozen
+    finished = api.wait_for_run(dag_id, run_id, timeout=300)
+    assert finished["state"] == "success", api.task_instances(dag_id, run_id)
+    assert sorted(str(j.status) for j in chunk_jobs(ray_address, "f", since, 2)) == ["STOPPED", "SUCCEEDED"]
+    run_dir = load_spec(airflow["runs"] / "frozen.yaml", check_environment=False).run_dir("f")
+    resumed = [e["resumed_from"] for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
+    assert resumed == [6, 6]
+    assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
+    fault_row(case="job-frozen", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+              fault="chunk 2's trainer is SIGSTOPped at step 8 (alive, no new step; stall limit 6 s)",
+              action="the trigger saw no new step within the stall limit and stopped the job; the retry found no "
+                     "healthy job to adopt and a new job resumed from step 6", steps_lost=2, run_dir=run_dir,
+              store=store_for_spec(load_spec(airflow["runs"] / "frozen.yaml", check_environment=False)))
+
+
+def test_every_failure_alerts_once_and_recovery_waits_for_the_failed_work(airflow, receivers):
+    """Chunk 2 crashes at step 8 on every attempt. It fails, a person clears it, it fails again: two
+    alerts. The run is triggered again: chunk 1 (done) finishes at once, chunk 2 fails a third time, and
+    no "recovered" is sent on the way."""
+    api, dag_id, sink = airflow["api"], "relay_failing", receivers["http"]
+    api.wait_for_dag(dag_id)
+
+    def alerts() -> list[dict]:
+        return [a for a in sink.at("/alerts") if a.get("run") == "x"]
+
+    first = api.trigger(dag_id, {"run": "x"})["dag_run_id"]
+    assert api.wait_for_run(dag_id, first, timeout=300)["state"] == "failed"
+    assert arrived(lambda: len(alerts()) == 1, 30), alerts()
+    api.clear_task_instances(dag_id, first, ["chunk_02.train"])
+    wait_for(lambda: api.dag_run(dag_id, first)["state"] == "failed"
+             and task(api, dag_id, first, "chunk_02.train")["try_number"] == 2, 300, "the cleared chunk to fail again")
+    assert arrived(lambda: len(alerts()) == 2, 30), alerts()
+    second = api.trigger(dag_id, {"run": "x"})["dag_run_id"]
+    assert api.wait_for_run(dag_id, second, timeout=300)["state"] == "failed"
+    assert arrived(lambda: len(alerts()) == 3, 30), alerts()
+    time.sleep(2)
+    got = alerts()
+    assert [(a["dag_run"], a["task"], a["kind"]) for a in got] == [
+        (first, "chunk_02.train", got[0]["kind"]), (first, "chunk_02.train", got[0]["kind"]),
+        (second, "chunk_02.train", got[0]["kind"])], got
+    assert got[0]["kind"] != "recovered" and [a["try_number"] for a in got[:2]] == [1, 2]
+
+
+def test_two_runs_in_a_one_slot_pool_never_train_at_the_same_time(airflow, ray_address):
+    """Two specs in the one-slot relay_trainers pool, triggered together: their Ray jobs never overlap in
+    time (the pool counts deferred train tasks)."""
+    api, since = airflow["api"], time.time()
+    runs = {}
+    for name in ("one", "two"):
+        api.wait_for_dag(f"relay_{name}")
+    for name in ("one", "two"):
+        runs[name] = api.trigger(f"relay_{name}", {"run": name})["dag_run_id"]
+    for name, run_id in runs.items():
+        assert api.wait_for_run(f"relay_{name}", run_id, timeout=400)["state"] == "success"
+
+    jobs = sorted((j.start_time, j.end_time, name) for name in runs for j in jobs_of_run(ray_address, name, since))
+    assert len(jobs) == 4, jobs
+    for (_, end, a), (start, _, b) in zip(jobs, jobs[1:]):
+        assert end <= start, f"a job of {a} ran until {end}, after one of {b} started at {start}"

@@ -1,0 +1,57 @@
+"""A run is one run: a confirmed fresh start begins a new incarnation from step 0 and moves the old run
+aside, locally and in S3, without deleting it; nothing of the old life is restored into the new one."""
+
+from conftest import assert_bitwise_equal, digests, model_state, read_metrics, relay_cli, train
+from relay.record import read_record
+from relay.spec import load_spec
+from relay.store import CheckpointStore, store_for_spec
+
+
+def test_a_confirmed_fresh_start_from_the_cli_starts_again_and_keeps_the_old_run(baseline, tmp_path):
+    spec_path, straight = baseline
+    spec = load_spec(spec_path)
+    run_dir = tmp_path / "again"
+    train(spec_path, run_dir, 6)
+    assert relay_cli("checkpoint", "publish", str(run_dir), spec.s3.uri).returncode == 0
+    store = store_for_spec(spec)
+    old = {"incarnation": read_record(run_dir)["incarnation"], "files": digests(run_dir / "global_step_6"),
+           "manifest": store.manifest("again", 6)}
+
+    refused = relay_cli("train", str(spec_path), "--to-step", "12", "--checkpoint-dir", str(run_dir), "--fresh-start")
+    assert refused.returncode != 0 and "fresh start of run 'again' refused" in refused.stderr
+    assert "--confirm" in refused.stderr and "published checkpoints under" in refused.stderr
+    assert (run_dir / "global_step_6").is_dir() and store.manifest("again", 6) is not None, "nothing moved"
+
+    r = relay_cli("train", str(spec_path), "--to-step", "12", "--checkpoint-dir", str(run_dir), "--fresh-start",
+                  "--confirm", "again")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumes from scratch (step 0)" in r.stdout and "moved aside" in r.stdout
+    assert read_record(run_dir)["incarnation"] != old["incarnation"], "a new incarnation"
+    assert [x["step"] for x in read_metrics(run_dir)] == list(range(1, 13))
+    assert_bitwise_equal(model_state(run_dir / "global_step_12"), model_state(straight / "global_step_12"))
+
+    # The old run is still there, untouched: its folder in .archive, its objects under <prefix>/.archive/.
+    (archived,) = (run_dir.parent / ".archive").iterdir()
+    assert digests(archived / "global_step_6") == old["files"]
+    assert read_record(archived)["incarnation"] == old["incarnation"]
+    assert store.steps("again") == [] and store.latest("again") is None, "nothing of the old life under again/"
+    aside = CheckpointStore(store.client, f"{spec.s3.uri}/.archive")
+    kept = aside.manifest(archived.name, 6)
+    assert kept.files == old["manifest"].files and kept.incarnation == old["incarnation"]
+    aside.verify(archived.name, kept)  # every object: the size and CRC64NVME the manifest records
+
+
+def test_train_with_s3_unreachable_says_that_offline_exists(tmp_path):
+    """`relay train` looks at the run's published incarnation; with S3 unreachable it says so, and that
+    --offline trains without it. Nothing is written in the checkpoint folder."""
+    from conftest import write_spec
+    from support.receivers import free_port
+
+    spec_path = write_spec(tmp_path, name="away")
+    r = relay_cli("train", str(spec_path), "--to-step", "2", "--checkpoint-dir", str(tmp_path / "away"),
+                  env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"})
+    assert r.returncode != 0 and "unreachable" in r.stderr and "--offline" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "away" / "global_step_2").exists()
+    offline = relay_cli("train", str(spec_path), "--to-step", "2", "--checkpoint-dir", str(tmp_path / "away"),
+                        "--offline", env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    assert offline.returncode == 0, offline.stderr[-2000:]
