@@ -3,10 +3,18 @@
 # tests need (PostgreSQL if it is down, a Ray head; the tests start S3 and Airflow themselves), run
 # pytest, stop what it started.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/core -x).
+# --fast first: the fast lane, every test that needs no service (tests/conftest.py: needs_services);
+# nothing is installed but .venv and nothing is started (scripts/test.sh --fast tests/core -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+# Lint and import order first (ruff; settings in pyproject.toml): a second, not a test run.
+.venv/bin/ruff check --quiet
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  RELAY_FAST_LANE=1 exec .venv/bin/python -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile -q "$@"
+fi
 
 # Debian's chromium for the browser tests (tests/e2e/test_ui.py): Playwright drives it, nothing is downloaded
 # by Playwright itself. About 10 s on these machines.

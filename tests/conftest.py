@@ -34,6 +34,25 @@ SLOW_FIRST = ("e2e/test_real_airflow.py", "e2e/test_ui.py", "airflow/test_run_da
               "core/test_report.py")
 
 
+# The fast lane (`scripts/test.sh --fast`, RELAY_FAST_LANE=1): only tests that need no service run, and
+# nothing is started. A test needs a service when it uses one of these fixtures, is marked `services`
+# (it reaches S3, Ray or Airflow by itself: `relay train` looks at S3 unless --offline), or lives where
+# every test does (tests/airflow, tests/e2e, tests/faults).
+FAST_LANE = os.environ.get("RELAY_FAST_LANE") == "1"
+SERVICE_FIXTURES = {"ray_address", "airflow_home", "uninterrupted_run", "uninterrupted", "baseline", "interrupted",
+                    "store", "s3", "airflow"}
+SERVICE_FOLDERS = ("/tests/airflow/", "/tests/e2e/", "/tests/faults/")
+
+
+def needs_services(item) -> bool:
+    import inspect
+
+    path = item.path.as_posix()
+    asked = set(inspect.signature(item.obj).parameters)  # s3_server is every test's (autouse): asked for by name
+    return (any(folder in path for folder in SERVICE_FOLDERS) or bool(SERVICE_FIXTURES & set(item.fixturenames))
+            or "s3_server" in asked or item.get_closest_marker("services") is not None)
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         path = item.path.as_posix()
@@ -43,6 +62,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # the fault suite (`-m fault`): tests/faults/, and the cases marked elsewhere
         if "/tests/faults/" in item.path.as_posix():
             item.add_marker(pytest.mark.fault)
+    if FAST_LANE:
+        slow = [item for item in items if needs_services(item)]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not needs_services(item)]
 
 
 DELETE = object()  # an override value that removes the key
@@ -100,7 +124,11 @@ def baseline(tmp_path_factory, uninterrupted_run):
 
 @pytest.fixture(scope="session", autouse=True)
 def s3_server():
-    """The session's S3 server (SeaweedFS, bucket `relay`); boto3 in tests and their subprocesses uses it."""
+    """The session's S3 server (SeaweedFS, bucket `relay`); boto3 in tests and their subprocesses uses it.
+    Not in the fast lane, whose tests need no service."""
+    if FAST_LANE:
+        yield None
+        return
     from relay import stack
 
     already = stack._http_ok(stack.s3_endpoint())

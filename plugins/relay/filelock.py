@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from relay.errors import RelayError
+from relay.timestamps import utc_now
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -60,7 +61,7 @@ def file_lock(path: Path, what: str, timeout: float = DEFAULT_TIMEOUT_S) -> Iter
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "for": what,
-                                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
+                                  "since": utc_now()}).encode(), 0)
         held[key] = 1
         try:
             yield

@@ -10,12 +10,12 @@ record with who and when.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from relay.errors import RelayError
 from relay.record import read_record, update_record
+from relay.timestamps import utc_now
 
 
 class DriftError(RelayError):
@@ -106,4 +106,4 @@ def _to_allow(refused: list[Change]) -> list[str]:
 
 
 def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return utc_now()

@@ -41,8 +41,13 @@ EVENTS = "events.jsonl"
 HF_DIR = "hf"
 
 
+def step_name(step: int) -> str:
+    """verl's name of a step's checkpoint folder (in a run folder, a staging folder, S3, hf/)."""
+    return f"global_step_{step}"
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / f"global_step_{step}"
+    return Path(run_dir) / step_name(step)
 
 
 def shard_name(kind: str, world_size: int, rank: int) -> str:

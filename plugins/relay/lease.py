@@ -2,11 +2,12 @@
 
 When a chunk's job is submitted, the submitter (the train task) takes the lease for that job and gets
 a new, larger token, which the job's request carries (the CLI takes it in its own process). The
-trainer checks its token when it starts (and records its host and pid in the lease) and before every save, inside the same file lock that taking
-the lease needs; the gate, a restore and retention hold that lock too for every tracker write and
-checkpoint move. So once a newer attempt holds the lease, an older trainer (an orphan that outlived
-its Ray job, say) can no longer write a checkpoint: its commit is refused. The lock is an fcntl
-lock on the run folder's storage, so it holds on local disks and on NFSv4-style shared storage.
+trainer checks its token when it starts (and records its host and pid in the lease) and before every
+save, inside the same file lock that taking the lease needs; the gate, a restore and retention hold
+that lock too for every tracker write and checkpoint move. So once a newer attempt holds the lease,
+an older trainer (an orphan that outlived its Ray job, say) can no longer write a checkpoint: its
+commit is refused. The lock is an fcntl lock on the run folder's storage, so it holds on local disks
+and on NFSv4-style shared storage.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import contextlib
 import json
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Iterator
 
 from relay.errors import LeaseLost
 from relay.filelock import DEFAULT_TIMEOUT_S, file_lock
 from relay.layout import atomic_write_json, relay_dir
+from relay.timestamps import utc_now
 
 LEASE = "lease.json"
 LOCK = "lease.lock"
@@ -51,7 +52,7 @@ class Lease:
             token = int((self.current() or {}).get("token", 0)) + 1
             atomic_write_json(self.path, {
                 "token": token, "holder": holder, "host": socket.gethostname(), "pid": os.getpid(),
-                "acquired_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "acquired_at": utc_now(),
             })
             return token
 
@@ -61,7 +62,7 @@ class Lease:
         with self.locked(f"starting the trainer of token {token}"):
             self.check(token)
             atomic_write_json(self.path, {**self.current(), "host": socket.gethostname(), "pid": os.getpid(),
-                                          "trainer_started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                                          "trainer_started_at": utc_now()})
 
     def holds(self, holder: str) -> bool:
         """Whether `holder` (a Ray submission id, say) holds the lease now."""

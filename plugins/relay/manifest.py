@@ -9,13 +9,13 @@ after every file, and re-checked just before a resume loads the files.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relay import __version__, layout
 from relay.errors import CheckpointError
 from relay.record import LEGACY_INCARNATION, is_incarnation
+from relay.timestamps import utc_now
 
 NAME = "relay_manifest.json"
 # 2 (this Relay): `incarnation`, the life of the run that wrote the checkpoint (relay.record). Readers
@@ -35,7 +35,7 @@ class Manifest:
     settings_fingerprint: str | None = None
     verl_version: str | None = None
     relay_version: str = __version__
-    created_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    created_at: str = field(default_factory=utc_now)
     checks: list[str] = field(default_factory=list)
     incarnation: str = LEGACY_INCARNATION
     version: int = VERSION

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from relay.filelock import file_lock
 from relay.layout import EVENTS, METRICS, atomic_write, relay_dir
-from relay.record import utc_now
+from relay.timestamps import utc_now
 
 SUPERSEDED = "metrics.superseded.jsonl"
 

@@ -74,7 +74,6 @@ def publish_record(spec, run: str, store) -> None:
 def _keep_report(run_dir, report: quality.QualityReport, store, run: str) -> None:
     """Keep a quality report with the run: in its folder, and in S3 beside the checkpoints."""
     from relay.data.fingerprint import sha256_file
-
     from relay.redaction import redact
 
     name = f"quality-{sha256_file(report.file)[0][:16]}.json"

@@ -43,7 +43,7 @@ def export_hf(run_dir: Path, step: int) -> Path:
     torch.load(weights_only=False), and the gate has just proven these files hold nothing unsafe.
     """
     src = layout.step_dir(run_dir, step) / "actor"
-    dest = Path(run_dir) / HF_DIR / f"global_step_{step}"
+    dest = Path(run_dir) / HF_DIR / layout.step_name(step)
     if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
         return dest
     unchanged_since_validation(layout.step_dir(run_dir, step), "actor/")
@@ -94,7 +94,7 @@ def publish_checkpoint(spec, run: str, step: int, store: CheckpointStore) -> Pub
                       r.bytes_uploaded, round(r.seconds, 3), r.latest_moved)
     policy = spec.checkpoints
     if policy.hf_export and policy.is_milestone(step, spec.total_steps):
-        pub.hf_uri = publish_folder(store, export_hf(run_dir, step), store.run_key(run, HF_DIR, f"global_step_{step}"))
+        pub.hf_uri = publish_folder(store, export_hf(run_dir, step), store.run_key(run, HF_DIR, layout.step_name(step)))
     record_event(run_dir, "publish", step=step, uri=r.uri, uploaded=pub.uploaded, skipped=pub.skipped,
                  hf_uri=pub.hf_uri)
     published = {m.step for m in store.published(run)}

@@ -248,8 +248,9 @@ class AsyncRayJobs:
         """The last `lines` lines of the job's driver log, read on its node through the dashboard's log API:
         a bounded read however long the log (the Jobs API's logs endpoint returns all of it). '' before
         the driver has a node."""
-        import aiohttp
         from urllib.parse import urlencode
+
+        import aiohttp
 
         node = self._driver_node.get(sub_id)
         if not node:

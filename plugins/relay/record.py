@@ -10,13 +10,13 @@ written before incarnations existed (version 1) are incarnation "1".
 from __future__ import annotations
 
 import json
-import secrets
 import re
-import time
+import secrets
 from pathlib import Path
 
 from relay import layout
 from relay.errors import RunError
+from relay.timestamps import utc_stamp
 
 RECORD = "run.json"
 VERSION = 2  # 2: incarnation
@@ -28,14 +28,9 @@ def is_incarnation(value) -> bool:
     return isinstance(value, str) and INCARNATION_PATTERN.fullmatch(value) is not None
 
 
-def utc_now() -> str:
-    """The timestamp format of every record Relay writes (UTC, seconds)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 def new_incarnation() -> str:
     """A new incarnation id: when it began, and enough randomness that two hosts never pick the same one."""
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
+    return f"{utc_stamp()}-{secrets.token_hex(4)}"
 
 
 def read_record(run_dir: Path) -> dict:

@@ -28,9 +28,9 @@ from pathlib import Path
 from relay import layout, manifest
 from relay.errors import RelayError
 from relay.metrics import SUPERSEDED, read_jsonl
-from relay.resume import quarantined
-from relay.redaction import redact
 from relay.record import RECORD, read_record
+from relay.redaction import redact
+from relay.resume import quarantined
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
 HTML, PNG = "report.html", "report.png"

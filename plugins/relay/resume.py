@@ -18,6 +18,7 @@ from relay import layout
 from relay.errors import CheckpointError
 from relay.lease import Lease
 from relay.metrics import record_event
+from relay.timestamps import utc_stamp
 from relay.validate import CheckReport, validate_checkpoint
 
 QUARANTINE = "quarantine"
@@ -43,7 +44,7 @@ def quarantine(run_dir: Path, report: CheckReport) -> Path:
 
 def _quarantine(run_dir: Path, report: CheckReport) -> Path:
     src = layout.step_dir(run_dir, report.step)
-    stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+    stamp = utc_stamp()
     dest = layout.relay_dir(run_dir, QUARANTINE, f"{src.name}.{stamp}")
     n = 1
     while dest.exists():  # the same step quarantined again within the second: never overwrite the first

@@ -23,7 +23,7 @@ from pathlib import Path
 from relay import layout, manifest
 from relay.lease import Lease
 from relay.metrics import record_event
-from relay.record import utc_now
+from relay.timestamps import utc_now
 
 STATE = "retention.json"
 VERSION = 1

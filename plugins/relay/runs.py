@@ -13,14 +13,14 @@ deliberate `relay checkpoint restore`, which brings its record along.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from relay.errors import RunError
 from relay.plan import ChunkPlan
-from relay.record import VERSION, folder_incarnation, new_incarnation, utc_now, write_record
+from relay.record import VERSION, folder_incarnation, new_incarnation, write_record
 from relay.spec import RunSpec, check_run_name
+from relay.timestamps import utc_now, utc_stamp
 from relay.validate import latest_step_or_problem
 
 
@@ -69,7 +69,7 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
                 "old run is moved aside, never deleted. To keep it, trigger without fresh_start, or pick a new run "
                 "name",
             )
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        stamp = utc_stamp()
         if published:  # S3 first: a failure here leaves everything as it was, and the retry starts over
             archived_uri = store.archive_run(name, f"{name}-{stamp}")
         if has_local:
@@ -110,7 +110,7 @@ def run_state(spec: RunSpec, name: str, archived: Path | None = None, archived_u
 
 def archive_run(run_dir: Path, stamp: str | None = None) -> Path:
     """Move a run folder to <checkpoint_dir>/.archive/<run>-<UTC time>; nothing is deleted."""
-    stamp = stamp or time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+    stamp = stamp or utc_stamp()
     dest = run_dir.parent / ".archive" / f"{run_dir.name}-{stamp}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     run_dir.rename(dest)

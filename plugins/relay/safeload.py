@@ -68,8 +68,11 @@ def allowed_globals() -> list:
     if _ALLOWED is None:
         import numpy as np
         from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor.metadata import (MEM_FORMAT_ENCODING, ShardedTensorMetadata,
-                                                                      TensorProperties)
+        from torch.distributed._shard.sharded_tensor.metadata import (
+            MEM_FORMAT_ENCODING,
+            ShardedTensorMetadata,
+            TensorProperties,
+        )
         from torch.distributed._shard.sharded_tensor.shard import Shard
         from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
         from torch.distributed.remote_device import _remote_device

@@ -29,8 +29,9 @@ from relay import integrity, layout, manifest
 from relay.errors import CheckpointError, RelayError
 from relay.faultpoint import fault_point
 from relay.lease import Lease
-from relay.record import RECORD, folder_incarnation, incarnation_of, utc_now, write_record
+from relay.record import RECORD, folder_incarnation, incarnation_of, write_record
 from relay.record import VERSION as RECORD_VERSION
+from relay.timestamps import utc_now
 
 STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/")
 LATEST = "latest.json"
@@ -112,7 +113,7 @@ class CheckpointStore:
     def step_key(self, run: str, step: int, rel: str = "") -> str:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StoreError(f"not a step number: {step!r}", "give a step as a whole number >= 0")
-        return self.run_key(run, f"global_step_{step}", rel)
+        return self.run_key(run, layout.step_name(step), rel)
 
     def step_uri(self, run: str, step: int) -> str:
         return f"s3://{self.bucket}/{self.step_key(run, step)}/"
@@ -538,7 +539,7 @@ class CheckpointStore:
                     f"{incarnation}")
                 continue
             uri = self.step_uri(run, m.step)
-            staging = layout.relay_dir(run_dir, "staging", f"restore-global_step_{m.step}")
+            staging = layout.relay_dir(run_dir, "staging", f"restore-{layout.step_name(m.step)}")
             shutil.rmtree(staging, ignore_errors=True)
             try:
                 self.download(run, m, staging)

@@ -8,12 +8,20 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import (ROOT, assert_bitwise_equal, dags_test, jobs_of_run, model_state, read_metrics,
-                      start_dags_test, write_spec)
+from conftest import (
+    ROOT,
+    assert_bitwise_equal,
+    dags_test,
+    jobs_of_run,
+    model_state,
+    read_metrics,
+    start_dags_test,
+    write_spec,
+)
 from relay import layout
 from relay.record import read_record
-from relay.store import store_for_spec
 from relay.spec import load_spec
+from relay.store import store_for_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 STEPS = 12

@@ -1,8 +1,8 @@
 """Alert channels through Airflow's provider hooks, against a real SMTP server and HTTP receiver."""
 
 import pytest
-
 from core.test_alerts import an_alert
+
 from relay.airflow.notifiers import Channels, deliver
 from support.receivers import MailSink, wait_for
 

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (assert_bitwise_equal, dags_test, jobs_of_run, model_state, read_metrics, relay_cli,
-                      start_dags_test, write_spec)
+from conftest import (
+    assert_bitwise_equal,
+    dags_test,
+    jobs_of_run,
+    model_state,
+    read_metrics,
+    relay_cli,
+    start_dags_test,
+    write_spec,
+)
 from relay import layout
 from relay.lease import Lease
 from relay.metrics import SUPERSEDED, read_events, read_jsonl

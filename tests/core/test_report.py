@@ -122,6 +122,7 @@ def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
         (STEPS, "valid", store.step_uri("r", STEPS))
 
 
+@pytest.mark.services
 def test_a_report_from_an_s3_run_without_metrics_says_what_to_do(tmp_path):
     r = relay_cli("report", "s3://relay/nothing-here/r", "--out", str(tmp_path))
     assert r.returncode == 1 and "no metrics.jsonl or events.jsonl under s3://relay/nothing-here/r/" in r.stderr

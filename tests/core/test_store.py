@@ -89,8 +89,8 @@ def test_restore_picks_the_newest_valid_published_checkpoint(big_run, store, tmp
 
 
 def test_unreachable_s3_is_a_clear_error(big_run):
-    from botocore.config import Config
     import boto3
+    from botocore.config import Config
 
     from relay.store import StoreError
 

@@ -50,6 +50,7 @@ def test_verl_checkpoints_validate_at_every_world_size(verl_checkpoints, tmp_pat
 ACTOR = "global_step_1/actor"
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_each_defect_is_refused_quarantined_and_never_published(verl_checkpoints, tmp_path, defect):
     breaks, check, words = DEFECTS[defect]
@@ -80,6 +81,7 @@ def test_tracker_defects(verl_checkpoints, tmp_path):
     assert point.step == 1 and layout.read_tracker(run) == 1
 
 
+@pytest.mark.services
 def test_a_changed_world_size_is_refused(verl_checkpoints, tmp_path):
     run = copy_run(verl_checkpoints, tmp_path, fsdp=2, ws=2)
     shutil.copytree(verl_checkpoints[(2, 1)] / "global_step_1", run / "global_step_2")

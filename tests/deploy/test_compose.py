@@ -389,7 +389,8 @@ def test_checkpoint_volume_is_one_path_on_ray_and_airflow(compose, monkeypatch):
         assert mount is not None, f"{f}: not in a folder mounted into the Airflow containers"
         assert (binds[mount] / PurePosixPath(f).relative_to(mount)).is_file(), f
     assert binds[project / "dags"] == ROOT / "dags" and env["AIRFLOW__CORE__DAGS_FOLDER"] == str(project / "dags")
-    assert binds[project / "plugins"] == ROOT / "plugins" and env["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(project / "plugins")
+    assert binds[project / "plugins"] == ROOT / "plugins"
+    assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(project / "plugins")
 
 
 def test_published_ports_are_local_by_default_and_those_of_stack_env(raw, compose, env_example):

@@ -128,5 +128,5 @@ def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fau
     for s in layout.step_dirs(run_dir):
         report = validate_checkpoint(run_dir, s, upto="integrity")
         assert report.ok, report.summary()
-    fault_row(case="trainer-kill", fault=f"trainer SIGKILLed {WHERE[phase].format(s=step)}", action=action(phase, step, resumed),
-              steps_lost=lost, test_seed=SEED, run_dir=run_dir)
+    fault_row(case="trainer-kill", fault=f"trainer SIGKILLed {WHERE[phase].format(s=step)}",
+              action=action(phase, step, resumed), steps_lost=lost, test_seed=SEED, run_dir=run_dir)

@@ -16,7 +16,6 @@ from support.faults import alive, wait_until
 from support.private_stack import PrivateRay
 from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupted, spec_for
 
-
 TRAINER_NODE = {"relay_trainer_node": 1}
 
 

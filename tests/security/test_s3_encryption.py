@@ -94,6 +94,7 @@ def sse_s3(tmp_path_factory):
     log.close()
 
 
+@pytest.mark.services  # a SeaweedFS of its own, with server-side encryption
 def test_every_upload_asks_for_encryption_and_the_acl_and_objects_are_encrypted(sse_s3, tmp_path):
     calls: list = []
     client = _client(sse_s3, calls)

@@ -60,8 +60,8 @@ def test_alerts_and_their_ledger_redact_connection_and_environment_secrets(tmp_p
                                                                           monkeypatch, caplog):
     from airflow.sdk import BaseHook
 
-    from relay.alerts import Alert
     from relay.airflow.notifiers import send_once
+    from relay.alerts import Alert
 
     for k, v in receivers["env"].items():
         monkeypatch.setenv(k, v)

@@ -72,7 +72,8 @@ def make(run_dir: Path, step: int = 1, world_size: int = 1, fsdp: int = 2, hidde
     """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes); another
     seed gives other weights of the same shapes (a step trained again)."""
     subprocess.run([sys.executable, __file__, str(run_dir), "--step", str(step), "--world-size", str(world_size),
-                    "--fsdp", str(fsdp), "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--seed", str(seed)],
+                    "--fsdp", str(fsdp), "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab),
+                    "--seed", str(seed)],
                    check=True, capture_output=True, text=True)
     return Path(run_dir) / f"global_step_{step}"
 

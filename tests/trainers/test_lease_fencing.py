@@ -4,11 +4,14 @@ holds the run's lease."""
 import subprocess
 import time
 
+import pytest
+
 from conftest import PY, ROOT, read_metrics, write_spec
 from relay import layout
 from relay.lease import Lease
 
 
+@pytest.mark.services
 def test_an_orphaned_trainer_stops_without_saving_once_the_lease_moves(tmp_path):
     spec = write_spec(tmp_path, total_steps=60, chunk_steps=60, **{"trainer.settings.save_freq": 2})
     run_dir = tmp_path / "ckpt" / "orphan"

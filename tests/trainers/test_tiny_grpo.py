@@ -6,6 +6,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import PY, ROOT, assert_bitwise_equal, model_state, read_metrics, train, write_spec
 from relay import layout
 from relay.trainers.tiny_grpo.task import make_dataset
@@ -50,6 +52,7 @@ def test_sigkill_mid_chunk_resumes_exactly(baseline, tmp_path):
     assert comparable(rows) == comparable(read_metrics(straight))
 
 
+@pytest.mark.services
 def test_resume_at_an_epoch_boundary(tmp_path):
     # 48 rows / 16 per step = 3 steps per epoch: the chunk ends exactly at the end of epoch 2.
     data = make_dataset(tmp_path / "small.parquet", 48, seed=5)
@@ -62,6 +65,7 @@ def test_resume_at_an_epoch_boundary(tmp_path):
     assert [r["epoch"] for r in read_metrics(tmp_path / "chunked")] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
 
 
+@pytest.mark.services
 def test_reward_rises_within_60_steps(tmp_path):
     spec = write_spec(tmp_path, total_steps=60, chunk_steps=20)
     train(spec, tmp_path / "learn", 60)

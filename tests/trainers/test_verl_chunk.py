@@ -102,7 +102,6 @@ def gpu_stand_ins(monkeypatch):
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
     from relay.trainers.tiny_grpo import task
-
     from relay.trainers.verl_ppo import horizon
 
     assert horizon.loop_bound_problems() == []  # read from verl's real source, before anything is stood in for
@@ -308,9 +307,7 @@ def test_the_task_runner_is_verls_with_the_install_inside_its_run():
     import ray
     from verl.trainer import main_ppo
 
-    from relay.trainers.verl_ppo import runner
-
-    from relay.trainers.verl_ppo import horizon
+    from relay.trainers.verl_ppo import horizon, runner
 
     assert horizon.registry_problems() == []
     base = runner.original_class(main_ppo.TaskRunnerV1)

@@ -209,9 +209,9 @@ def test_the_dag_file_stays_light_with_a_verl_spec(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     code = ("import sys; sys.path.insert(0, 'plugins'); from relay.spec import spec_from_dict; "
-            f"s = spec_from_dict({{'name': 'g', 'trainer': {{'kind': 'verl_ppo', 'settings': {{'model_path': '/m'}}}}, "
-            f"'total_steps': 3, 'chunk_steps': 1, 'seed': 1, 'threads': 1, 'checkpoint_dir': '/tmp/c', "
-            f"'data': {{'train_files': ['/t.parquet'], 'val_files': ['/v.parquet']}}}}, check_environment=False); "
+            "s = spec_from_dict({'name': 'g', 'trainer': {'kind': 'verl_ppo', 'settings': {'model_path': '/m'}}, "
+            "'total_steps': 3, 'chunk_steps': 1, 'seed': 1, 'threads': 1, 'checkpoint_dir': '/tmp/c', "
+            "'data': {'train_files': ['/t.parquet'], 'val_files': ['/v.parquet']}}, check_environment=False); "
             "s.settings; s.resume_critical(); "
             "from relay.trainers.verl_ppo import tracking; from relay.airflow import supervised; "
             "print(sorted(m for m in ('verl', 'torch', 'ray', 'hydra', 'omegaconf', 'transformers') if m in sys.modules))")

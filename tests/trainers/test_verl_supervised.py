@@ -19,8 +19,13 @@ def test_the_supervised_shape(tmp_path):
     from airflow.providers.standard.operators.empty import EmptyOperator
     from airflow.sdk import DAG, TaskGroup
 
-    from relay.airflow.supervised import (SupervisedRunOperator, SupervisedValidateOperator, is_supervised,
-                                          supervise_task, validate_task)
+    from relay.airflow.supervised import (
+        SupervisedRunOperator,
+        SupervisedValidateOperator,
+        is_supervised,
+        supervise_task,
+        validate_task,
+    )
     from relay.plan import ChunkPlan
 
     spec = supervised_spec(tmp_path)

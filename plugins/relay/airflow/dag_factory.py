@@ -15,13 +15,13 @@ import logging
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from airflow.sdk import DAG, Asset, AssetAlias, Param, TaskGroup
 from airflow.providers.standard.operators.python import PythonOperator
+from airflow.sdk import DAG, Asset, AssetAlias, Param, TaskGroup
 
 from relay import form, project
 from relay.airflow.notifiers import RelayAlertNotifier
-from relay.airflow.supervised import is_supervised, supervise_task, validate_task
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
+from relay.airflow.supervised import is_supervised, supervise_task, validate_task
 from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
 from relay.errors import SpecError
 from relay.plan import ChunkPlan

@@ -22,6 +22,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from relay import layout
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
@@ -34,7 +35,6 @@ from relay.ray_jobs import LIVE, LOG_TAIL_LINES, job_metadata, submission_id
 from relay.spec import load_spec
 from relay.trainers.contract import ChunkRequest
 from relay.validate import latest_step_or_problem, latest_valid_step
-
 
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
 
@@ -409,7 +409,7 @@ class PublishCheckpointOperator(BaseOperator):
             self.log.info("%s of run %s: already published to %s", chunk, run, store.step_uri(run, chunk.end_step))
             publish_report(spec, run, store, context)
             return {"step": chunk.end_step, "uri": store.step_uri(run, chunk.end_step), "already": True}
-        if not (spec.run_dir(run) / f"global_step_{chunk.end_step}").is_dir():
+        if not layout.step_dir(spec.run_dir(run), chunk.end_step).is_dir():
             # Trained past this chunk's end without saving there (with `relay train`, say): its
             # later chunk's checkpoint is the one to publish.
             self.log.warning("%s of run %s: no checkpoint at step %s and none published; nothing to publish",
@@ -447,5 +447,5 @@ class PublishCheckpointOperator(BaseOperator):
         published = store.manifest(run, step)
         if published is None:
             return False
-        local = manifest.read(spec.run_dir(run) / f"global_step_{step}")
+        local = manifest.read(layout.step_dir(spec.run_dir(run), step))
         return local is None or local.files == published.files

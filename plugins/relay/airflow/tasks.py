@@ -139,7 +139,8 @@ def _log_checklist(spec, run: str) -> None:
     from relay.airflow.hooks import RayJobsHook
 
     try:
-        findings = doctor.diagnose(spec, run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs, deep=False)
+        findings = doctor.diagnose(spec, run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs,
+                                   deep=False)
     except Exception as e:  # a missing connection, say: the chunk's own submit says so, with what to do
         log.warning("resume checklist not run: %s", e)
         return

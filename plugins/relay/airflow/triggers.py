@@ -2,10 +2,11 @@
 storage (CheckpointTrigger), so no worker slot is held while waiting.
 
 RayJobTrigger streams the job's new log lines (a chunk's per-step progress) into the task log, reading
-only the log's last lines per poll however long the log grows, and fires one event when the job ends. A running job that prints no new step for longer than its stall
-limit (relay.alerts.stall) is stopped, and the event says STALLED: a hung rollout never waits out
-the chunk's whole timeout. It enforces the chunk's deadline itself, stopping the job: Airflow's own defer
-timeout kills the trigger without calling on_kill. A person's mark-failed or mark-success calls on_kill,
+only the log's last lines per poll however long the log grows, and fires one event when the job ends.
+A running job that prints no new step for longer than its stall limit (relay.alerts.stall) is
+stopped, and the event says STALLED: a hung rollout never waits out the chunk's whole timeout. It
+enforces the chunk's deadline itself, stopping the job: Airflow's own defer timeout kills the
+trigger without calling on_kill. A person's mark-failed or mark-success calls on_kill,
 which stops the job; a clear calls it too, and then a chunk's job is left for the task's next try to
 adopt; a triggerer restart does neither, and the new triggerer re-attaches.
 Failures come back as events with a message, never as exceptions.

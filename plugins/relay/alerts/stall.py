@@ -14,7 +14,6 @@ from relay.metrics import MetricsLog
 from relay.progress import STEP_LINE
 
 
-
 def stall_limit_s(spec, run_dir: Path) -> float:
     """Seconds without a new step after which a chunk is stalled."""
     a = spec.alerts

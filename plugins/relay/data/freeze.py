@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from relay import layout
 from relay.data.diff import DataDiff, diff
 from relay.data.fingerprint import DataError, fingerprint, sha256_file
 from relay.record import read_record, update_record
+from relay.timestamps import utc_now
 
 FROZEN_DIR = "data"
 
@@ -79,7 +79,7 @@ def freeze(spec, run: str, store=None, quality: dict | None = None) -> list[Froz
                 _copy_verified(Path(src), dest, fp.sha256)
             uri = store.put_file(store.run_key(run, rel), dest) if store is not None else None
             out.append(FrozenFile(role, str(src), fp.sha256, fp.size, fp.rows, fp.schema, rel, uri))
-    update_record(run_dir, data={"frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    update_record(run_dir, data={"frozen_at": utc_now(),
                                  "files": [f.to_dict() for f in out], "quality": quality or {}})
     return out
 

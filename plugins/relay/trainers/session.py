@@ -129,7 +129,7 @@ class ChunkSession:
         self.lease.check(self.token)
         staging_root = layout.relay_dir(self.run_dir, "staging")
         staging_root.mkdir(parents=True, exist_ok=True)
-        mine = staging_root / f"global_step_{step}.t{self.token}"
+        mine = staging_root / f"{layout.step_name(step)}.t{self.token}"
         for old in staging_root.iterdir():
             token = old.name.rpartition(".t")[2]
             # Only older attempts' leftovers: a newer attempt's staging is never touched.

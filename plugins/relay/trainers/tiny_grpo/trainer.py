@@ -1,8 +1,8 @@
 """A small, real GRPO trainer on CPU, built from verl's own parts.
 
 - verl: the GRPO (or RLOO) outcome advantage from verl's estimator registry, the "vanilla" (clipped
-  PPO) policy loss, kl_penalty and agg_loss from core_algos; its LR schedules; FSDPCheckpointManager to save (FSDP1 or FSDP2 over a
-  gloo group of world size 1), so checkpoints are in verl's exact layout.
+  PPO) policy loss, kl_penalty and agg_loss from core_algos; its LR schedules; FSDPCheckpointManager
+  to save (FSDP1 or FSDP2 over a gloo group of world size 1), so checkpoints are in verl's exact layout.
 - torchdata's StatefulDataLoader with its RandomSampler, as verl uses, so data.pt is verl's.
 - Resume goes through Relay's safe loader (weights_only), never verl's load_checkpoint, which
   unpickles with weights_only=False.
@@ -20,6 +20,7 @@ import random
 import time
 import warnings
 
+from relay import layout
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession, pin_threads
 from relay.trainers.tiny_grpo import task
@@ -56,7 +57,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     start = session.resume_step
     if start >= req.to_step:
         session.say(f"run {req.run_name} already reached step {start} >= {req.to_step}: nothing to train")
-        return ChunkResult(req.run_name, start, start, 0, 0.0, str(session.run_dir / f"global_step_{start}"))
+        return ChunkResult(req.run_name, start, start, 0, 0.0, str(layout.step_dir(session.run_dir, start)))
     resume_from = session.resume_checkpoint()
 
     t0 = time.time()

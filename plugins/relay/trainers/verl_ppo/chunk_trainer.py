@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from relay import layout
+
 PAYLOAD_KEY = "relay_chunk"  # top-level key the driver adds to verl's config; the TaskRunner pops it
 
 
@@ -176,7 +178,7 @@ def trainer_class():
                 finally:
                     with open_dict(self.config):
                         self.config.trainer.default_local_dir = real_dir
-                staged = staging_root / f"global_step_{step}"
+                staged = layout.step_dir(staging_root, step)
                 remove_rollout_state(staged)
                 session.commit(step, staged)
             import shutil

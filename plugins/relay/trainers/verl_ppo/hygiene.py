@@ -14,12 +14,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from relay import layout, manifest
 from relay.errors import CheckpointError, SpecError
 from relay.metrics import record_event
+from relay.timestamps import utc_stamp
 from relay.trainers.verl_ppo.chunk_trainer import ROLLOUT_STATE
 
 ASIDE = "rollout_state"
@@ -29,7 +29,7 @@ def remove_rollout_state(run_dir: Path) -> list[str]:
     """Move rollout-engine state out of every step folder of a run. Returns what was moved (relative)."""
     run_dir = Path(run_dir)
     moved = []
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = utc_stamp()
     for step, folder in layout.step_dirs(run_dir).items():
         found = [n for n in ROLLOUT_STATE if (folder / n).exists()]
         if not found:

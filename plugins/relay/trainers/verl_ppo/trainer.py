@@ -64,10 +64,10 @@ def tracking_env(req: ChunkRequest) -> dict[str, str]:
 
 
 def train_chunk(req: ChunkRequest) -> ChunkResult:
+    from relay import manifest
     from relay.lease import Lease
     from relay.trainers.session import ChunkSession
-    from relay import manifest
-    from relay.trainers.verl_ppo import chunk_trainer, hygiene, horizon, overrides
+    from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides
     from relay.validate import write_manifest
 
     spec = req.spec
