@@ -41,3 +41,14 @@ def test_a_broken_channel_is_reported_and_never_raises(conns):
 
 def test_no_channel_sends_nothing():
     assert deliver(an_alert(), Channels((), "smtp_default", None, None)) == {}
+
+
+@pytest.mark.parametrize("event", [None, {}, {"message": "lost"}, {"status": "SUCCEEDED"}, "SUCCEEDED"])
+def test_a_trigger_event_without_its_fields_is_an_error_that_says_so(event):
+    from airflow.sdk.exceptions import AirflowException
+
+    from relay.airflow.operators import event_status
+
+    with pytest.raises(AirflowException, match="has no status or no submission_id; clear the task to run it again"):
+        event_status(event, "chunk 2/2 (steps 7..12) of run r", "submission_id")
+    assert event_status({"status": "STALLED", "submission_id": "j"}, "chunk 2", "submission_id") == "STALLED"

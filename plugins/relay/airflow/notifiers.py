@@ -24,6 +24,7 @@ from typing import Callable
 
 from airflow.sdk import BaseNotifier
 
+from relay.airflow.task_ids import RUN_TASK
 from relay.alerts import Alert, AlertLedger, kind_of
 from relay.errors import RelayError
 from relay.form import CHANNELS
@@ -125,8 +126,6 @@ def _not_configured(error: Exception) -> bool:
 # ------------------------------------------------------------------------------------- building alerts
 def run_of(context, spec) -> str:
     """The training run of this DAG run: preflight.run's XCom, else the run Param, else the spec's name."""
-    from relay.airflow.tasks import RUN_TASK
-
     try:
         pushed = context["ti"].xcom_pull(task_ids=RUN_TASK)
     except Exception:  # noqa: BLE001 - no XCom before preflight.run succeeded

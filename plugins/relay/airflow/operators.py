@@ -26,7 +26,8 @@ from relay import layout
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
-from relay.airflow.tasks import RUN_TASK, publish_report, run_incarnation, run_spec
+from relay.airflow.task_ids import RUN_TASK
+from relay.airflow.tasks import publish_report, run_incarnation, run_spec
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.faultpoint import fault_point
 from relay.lease import Lease
@@ -44,20 +45,42 @@ def job_log_tail(spec, event: dict) -> str:
     return RayJobsHook(spec.ray.conn_id).jobs.log_tail(event["submission_id"])
 
 
-class RayChunkOperator(BaseOperator):
-    ui_color = "#e8f0fe"
-    operator_extra_links = (RayJobLink(), RunReportLink())
+def event_status(event, what: str, *keys: str) -> str:
+    """The status of a trigger's event, which must also carry `keys`. An event without them (one a trigger
+    of another Relay version fired, say) is an error that says so, not a KeyError."""
+    if not isinstance(event, dict) or not isinstance(event.get("status"), str) or any(k not in event for k in keys):
+        raise AirflowException(f"{what}: the trigger's event {str(event)[:200]!r} has no status"
+                               + (f" or no {', '.join(keys)}" if keys else "") + "; clear the task to run it again")
+    return event["status"]
+
+
+class ChunkTaskOperator(BaseOperator):
+    """What a chunk's train, validate and publish tasks share: the spec file, the chunk's index and the task
+    whose XCom names the training run; (spec, run, chunk) are rebuilt from them at each call."""
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.chunk_index = chunk_index
         self.run_from_task = run_from_task
+
+    def _spec_and_run(self, context) -> tuple[Any, str]:
+        return run_spec(self.spec_path, context, self.run_from_task)
+
+    def _context(self, context):
+        spec, run = self._spec_and_run(context)
+        return spec, run, ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+
+
+class RayChunkOperator(ChunkTaskOperator):
+    ui_color = "#e8f0fe"
+    operator_extra_links = (RayJobLink(), RunReportLink())
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self._submission_id: str | None = None
 
     # ---------------------------------------------------------------------------- helpers
-    def _spec_and_run(self, context) -> tuple[Any, str]:
-        return run_spec(self.spec_path, context, self.run_from_task)
 
     def _done(self, context, spec, run: str, chunk, how: str) -> dict:
         latest = latest_valid_step(spec.run_dir(run))
@@ -220,22 +243,22 @@ class RayChunkOperator(BaseOperator):
         return None
 
     def execute_complete(self, context, event: dict) -> dict:
-        spec, run = self._spec_and_run(context)
-        chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+        spec, run, chunk = self._context(context)
+        status = event_status(event, f"{chunk} of run {run}", "submission_id")
         self._alert_fallback(context, spec, run, chunk, event["submission_id"])
-        if event["status"] == "STALLED":
+        if status == "STALLED":
             ti = context["ti"]
             latest = latest_valid_step(spec.run_dir(run))
             then = (f"Airflow's retry (try {ti.try_number + 1} of {ti.max_tries + 1}) resumes from step {latest or 0}"
                     if ti.try_number <= ti.max_tries else "no retries left: this DAG run stops; clear the task to "
                                                           f"resume from step {latest or 0}")
-            notify(context, spec, run, "stall", f"{chunk}: {event['message']}", chunk=chunk.index,
+            notify(context, spec, run, "stall", f"{chunk}: {event.get('message', '')}", chunk=chunk.index,
                    step=event.get("step"), details=job_log_tail(spec, event),
                    action=f"stopped Ray job {event['submission_id']}; {then}")
-        if event["status"] != "SUCCEEDED":
+        if status != "SUCCEEDED":
             raise AirflowException(
-                f"{chunk} of run {run}: Ray job {event['submission_id']} ended {event['status']}: "
-                f"{event['message']}\n--- last lines of the job's log ---\n{job_log_tail(spec, event)}"
+                f"{chunk} of run {run}: Ray job {event['submission_id']} ended {status}: "
+                f"{event.get('message', '')}\n--- last lines of the job's log ---\n{job_log_tail(spec, event)}"
             )
         return self._done(context, spec, run, chunk, f"job {event['submission_id']} succeeded")
 
@@ -270,7 +293,7 @@ class RayChunkOperator(BaseOperator):
             RayJobsHook(spec.ray.conn_id).jobs.stop(self._submission_id)
 
 
-class ValidateCheckpointOperator(BaseOperator):
+class ValidateCheckpointOperator(ChunkTaskOperator):
     """Wait for a chunk's checkpoint without holding a worker slot, then pass it through the gate.
 
     Validation runs where the checkpoint lives: in this worker (spec checkpoints.validate_on: worker)
@@ -287,17 +310,9 @@ class ValidateCheckpointOperator(BaseOperator):
     def _expected_step(self, chunk) -> int | None:
         return chunk.end_step if self.tracker_at_end_step else None
 
-    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK,
-                 train_task: str | None = None, **kwargs):
+    def __init__(self, *, train_task: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.spec_path = spec_path
-        self.chunk_index = chunk_index
-        self.run_from_task = run_from_task
         self.train_task = train_task
-
-    def _context(self, context):
-        spec, run = run_spec(self.spec_path, context, self.run_from_task)
-        return spec, run, ChunkPlan.from_spec(spec).chunk(self.chunk_index)
 
     def execute(self, context) -> dict:
         from relay import manifest
@@ -319,16 +334,17 @@ class ValidateCheckpointOperator(BaseOperator):
 
     def execute_complete(self, context, event: dict) -> dict:
         spec, run, chunk = self._context(context)
-        if event["status"] == "present":
+        if event_status(event, f"{chunk} of run {run}") == "present":
             return self._validate(context, spec, run, chunk)
-        raise AirflowException(f"{chunk} of run {run}: {event['message']}")
+        raise AirflowException(f"{chunk} of run {run}: {event.get('message', '')}")
 
     def ray_validation_complete(self, context, event: dict) -> dict:
         """The Ray job that validated the checkpoint on the cluster has ended."""
         spec, run, chunk = self._context(context)
-        if event["status"] != "SUCCEEDED":
+        status = event_status(event, f"{chunk} of run {run}", "submission_id")
+        if status != "SUCCEEDED":
             raise AirflowException(f"{chunk} of run {run}: validation job {event['submission_id']} ended "
-                                   f"{event['status']}: {event['message']}\n{job_log_tail(spec, event)}")
+                                   f"{status}: {event.get('message', '')}\n{job_log_tail(spec, event)}")
         return self._admitted(context, spec, run, chunk, self._ray_admission(spec, event))
 
     def _validate(self, context, spec, run: str, chunk) -> dict:
@@ -386,24 +402,17 @@ class ValidateCheckpointOperator(BaseOperator):
         )
 
 
-class PublishCheckpointOperator(BaseOperator):
+class PublishCheckpointOperator(ChunkTaskOperator):
     """Publish a chunk's validated checkpoint to S3 (files, manifest, then latest), export a Hugging
     Face model for milestones and the final step, apply retention, and emit the checkpoint asset event."""
 
     ui_color = "#fef7e0"
     operator_extra_links = (CheckpointLink(), RunReportLink())
 
-    def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
-        super().__init__(**kwargs)
-        self.spec_path = spec_path
-        self.chunk_index = chunk_index
-        self.run_from_task = run_from_task
-
     def execute(self, context) -> dict:
         from relay.publication import publish_checkpoint
 
-        spec, run = run_spec(self.spec_path, context, self.run_from_task)
-        chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+        spec, run, chunk = self._context(context)
         store = checkpoint_store(spec)
         if self._already_published(spec, run, chunk.end_step, store):
             self.log.info("%s of run %s: already published to %s", chunk, run, store.step_uri(run, chunk.end_step))

@@ -8,6 +8,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from relay.airflow.hooks import checkpoint_store
 from relay.airflow.notifiers import Channels, notify_error, notify_recovery, notify_use_frozen
+from relay.airflow.task_ids import RUN_TASK
 from relay.errors import RelayError
 from relay.metrics import read_events
 from relay.plan import ChunkPlan
@@ -15,9 +16,6 @@ from relay.runs import prepare_run, run_state
 from relay.spec import load_spec
 
 log = logging.getLogger(__name__)
-
-
-RUN_TASK = "preflight.run"
 
 
 def run_incarnation(context, run_from_task: str = RUN_TASK) -> str | None:
