@@ -169,15 +169,21 @@ class RayJobs:
         """The job's last lines, for an error message or an alert, read on the driver's node (a bounded
         read, as the trigger's); '(...)' saying why when they cannot be read."""
         import urllib.request
-        from urllib.parse import urlencode
 
         try:
-            node = self.client.get_job_info(sub_id).driver_node_id
-            query = urlencode({"node_id": node, "filename": f"job-driver-{sub_id}.log", "lines": lines})
-            with urllib.request.urlopen(f"{self.address}/api/v0/logs/file?{query}", timeout=30) as r:
+            path = driver_log_path(sub_id, self.client.get_job_info(sub_id).driver_node_id, lines)
+            with urllib.request.urlopen(f"{self.address}{path}", timeout=30) as r:
                 return r.read(TAIL_MAX_BYTES).decode(errors="replace").rstrip("\n")
         except Exception as e:  # noqa: BLE001 - the failure being reported matters more
             return f"(the job's log could not be read: {e})"
+
+
+def driver_log_path(sub_id: str, node_id: str, lines: int) -> str:
+    """The dashboard's log API path of a job's last `lines` driver log lines, read on the driver's node."""
+    from urllib.parse import urlencode
+
+    return "/api/v0/logs/file?" + urlencode({"node_id": node_id, "filename": f"job-driver-{sub_id}.log",
+                                              "lines": lines})
 
 
 ANCHOR_LINES = 20
@@ -248,16 +254,13 @@ class AsyncRayJobs:
         """The last `lines` lines of the job's driver log, read on its node through the dashboard's log API:
         a bounded read however long the log (the Jobs API's logs endpoint returns all of it). '' before
         the driver has a node."""
-        from urllib.parse import urlencode
-
         import aiohttp
 
         node = self._driver_node.get(sub_id)
         if not node:
             return ""
-        query = urlencode({"node_id": node, "filename": f"job-driver-{sub_id}.log", "lines": lines})
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as s:
-            async with s.get(f"{self.address}/api/v0/logs/file?{query}") as r:
+            async with s.get(f"{self.address}{driver_log_path(sub_id, node, lines)}") as r:
                 if r.status >= 400:  # not written yet (the driver is starting), or rotated away
                     return ""
                 data = await r.content.read(TAIL_MAX_BYTES)

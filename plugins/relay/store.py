@@ -282,12 +282,15 @@ class CheckpointStore:
         for o in objects:
             self._copy(o["Key"], dest + o["Key"][len(src):], o["Size"])
         first = [o["Key"] for o in objects if o["Key"].endswith((LATEST, manifest.NAME))]
-        rest = [o["Key"] for o in objects if o["Key"] not in set(first)]
-        for keys in (first, rest):
-            for i in range(0, len(keys), 1000):
-                self._call("DELETE", self.client.delete_objects,
-                           Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        self._delete_keys(first)
+        self._delete_keys([o["Key"] for o in objects if not o["Key"].endswith((LATEST, manifest.NAME))])
         return f"s3://{self.bucket}/{dest}"
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        """Delete objects, 1000 to a request (S3's limit for DeleteObjects)."""
+        for i in range(0, len(keys), 1000):
+            self._call("DELETE", self.client.delete_objects,
+                       Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
 
     def _copy(self, src: str, dest: str, size: int) -> None:
         """A server-side copy with a full-object CRC64NVME, checked against the source's."""
@@ -414,9 +417,7 @@ class CheckpointStore:
         """Delete a published checkpoint: its manifest first, so it stops counting as published at once."""
         self._call("DELETE", self.client.delete_object, Key=self.step_key(run, step, manifest.NAME))
         keys = [o["Key"] for o in self._objects(self.step_key(run, step) + "/")]
-        for i in range(0, len(keys), 1000):
-            self._call("DELETE", self.client.delete_objects,
-                       Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        self._delete_keys(keys)
         return len(keys)
 
     def put_bytes(self, key: str, data: bytes, content_type: str | None = None) -> str:

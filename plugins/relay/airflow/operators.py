@@ -224,10 +224,10 @@ class RayChunkOperator(ChunkTaskOperator):
         candidates = sorted(hook.jobs.live_jobs_of_run(spec.name, run),
                             key=lambda j: (j.submission_id != remembered, -(j.start_time or 0)))
         lease = Lease(run_dir)
-        for job in candidates:
-            if job.metadata.get("relay_chunk") != str(chunk.index) or not lease.holds(job.submission_id):
-                continue
-            steps = [r for r in MetricsLog(run_dir).rows() if r.get("attempt") == job.submission_id]
+        ours = [j for j in candidates if j.metadata.get("relay_chunk") == str(chunk.index) and lease.holds(j.submission_id)]
+        rows = MetricsLog(run_dir).rows() if ours else []
+        for job in ours:
+            steps = [r for r in rows if r.get("attempt") == job.submission_id]
             limit = stall_limit_s(spec, run_dir)
             if steps:
                 idle = time.time() - float(steps[-1].get("time") or 0)
