@@ -69,8 +69,10 @@ def cmd_train(args) -> int:
         result = run_chunk(ChunkRequest(spec=spec, run_name=run, to_step=args.to_step, restore=not args.offline,
                                         incarnation=state.incarnation))
     except StoreError as e:
-        raise StoreError(e.what, f"{e.fix}; or train without S3 with --offline (nothing is restored from S3 and "
-                                 "the published run is not looked at)") from None
+        # The store's own fix speaks of publishing; here nothing was published or written yet.
+        raise StoreError(e.what, "start the S3 server, or point AWS_ENDPOINT_URL and the AWS credentials at it; or "
+                                 "train without S3 with --offline (nothing is restored from S3 and the published "
+                                 "run is not looked at); nothing was written") from None
     print(f"run {run}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
           f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}")
     return 0
