@@ -27,9 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT / "tests" / "support")]
 
-from relay import layout, manifest, stack  # noqa: E402
-from relay.store import CheckpointStore, s3_client  # noqa: E402
-from relay.validate import validate_checkpoint, write_manifest  # noqa: E402
+from relay.checkpoints import manifest  # noqa: E402
+from relay.checkpoints.validate import validate_checkpoint, write_manifest  # noqa: E402
+from relay.devstack import stack  # noqa: E402
+from relay.runs import layout  # noqa: E402
+from relay.s3.store import CheckpointStore, s3_client  # noqa: E402
 
 
 def build(run: Path, hidden: int, layers: int, vocab: int) -> Path:

@@ -32,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins"))
 
-from relay import stack  # noqa: E402
-from relay.airflow_api import AirflowAPI  # noqa: E402
-from relay.metrics import read_events, read_jsonl  # noqa: E402
-from relay.ray_jobs import RayJobs  # noqa: E402
-from relay.spec import load_spec  # noqa: E402
+from relay.devstack import stack  # noqa: E402
+from relay.devstack.airflow_api import AirflowAPI  # noqa: E402
+from relay.jobs.ray_jobs import RayJobs  # noqa: E402
+from relay.runs.metrics import read_events, read_jsonl  # noqa: E402
+from relay.runs.spec import load_spec  # noqa: E402
 
 PARTS = ("scheduling gap", "submission", "trainer start-up", "training", "job end -> done", "validation")
 AIRFLOW_RAY = ("scheduling gap", "submission", "job end -> done")  # what Relay's orchestration adds

@@ -7,10 +7,10 @@ from datetime import datetime
 from airflow.providers.standard.operators.python import PythonOperator
 from airflow.sdk import DAG
 
-from relay import project
 from relay.airflow.dag_factory import checkpoint_alias
 from relay.airflow.tasks import evaluate_published
-from relay.spec import load_spec
+from relay.common import project
+from relay.runs.spec import load_spec
 
 SPEC = project.root() / "include" / "runs" / "demo.yaml"
 spec = load_spec(SPEC, check_environment=False)

@@ -10,11 +10,11 @@ if [ "$what" = checkpoints ] && [ ! -x .venv-bench/bin/aws ]; then
   # The aws CLI pins its own botocore, which conflicts with boto3's: it gets a venv of its own.
   python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -q awscli==1.46.3
 fi
-if ! $PY -c 'import sys, relay.stack as s; sys.exit(0 if s._http_ok(s.s3_endpoint()) else 1)'; then
+if ! $PY -c 'import sys, relay.devstack.stack as s; sys.exit(0 if s._http_ok(s.s3_endpoint()) else 1)'; then
   # An S3 server of the benchmark's own, whose data is removed at the end.
   export RELAY_STACK_DIR=$(mktemp -d /tmp/relay-bench-stack.XXXXXX)
-  $PY -c 'import relay.stack as s; s.s3_start()'
-  trap '$PY -c "import relay.stack as s; s.stop_process(\"s3\", timeout=2)"; rm -rf "$RELAY_STACK_DIR"' EXIT
+  $PY -c 'import relay.devstack.stack as s; s.s3_start()'
+  trap '$PY -c "import relay.devstack.stack as s; s.stop_process(\"s3\", timeout=2)"; rm -rf "$RELAY_STACK_DIR"' EXIT
 fi
 # overhead starts the whole local stack itself (Airflow, Ray, S3) unless it runs.
 $PY "bench/$what.py" "$@"

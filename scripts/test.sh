@@ -40,7 +40,7 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432; then
 fi
 
 # One Ray head for the whole session (ports: include/stack.env). Stopped at the end only if started here.
-if $PY -c 'import sys; sys.path.insert(0, "plugins"); import relay.stack as s; sys.exit(0 if s._http_ok(s.ray_address() + "/api/version") else 1)'; then
+if $PY -c 'import sys; sys.path.insert(0, "plugins"); import relay.devstack.stack as s; sys.exit(0 if s._http_ok(s.ray_address() + "/api/version") else 1)'; then
   echo "[test] using the Ray head already running"
 else
   $PY -m relay stack up --no-airflow

@@ -129,7 +129,7 @@ def s3_server():
     if FAST_LANE:
         yield None
         return
-    from relay import stack
+    from relay.devstack import stack
 
     already = stack._http_ok(stack.s3_endpoint())
     endpoint = stack.s3_start()
@@ -151,7 +151,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def model_state(step_dir: Path) -> dict:
     """The actor's weights at a checkpoint, as plain tensors (through Relay's safe loader)."""
-    from relay import safeload
+    from relay.checkpoints import safeload
 
     sd = safeload.load(step_dir / "actor" / "model_world_size_1_rank_0.pt", mmap=False)
     return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in sd.items()}
@@ -176,7 +176,7 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 @pytest.fixture(scope="session")
 def ray_address():
     """The session's Ray head (started outside the repo, from the stack's state folder)."""
-    from relay import stack
+    from relay.devstack import stack
 
     already = stack._http_ok(f"{stack.ray_address()}/api/version")
     address = stack.ray_start()
@@ -188,7 +188,7 @@ def ray_address():
 @pytest.fixture(scope="session")
 def airflow_home(tmp_path_factory, ray_address):
     """An Airflow home on SQLite (migrated once) whose DAG factory reads the session's specs folder."""
-    from relay import stack
+    from relay.devstack import stack
 
     home = tmp_path_factory.mktemp("airflow_home")
     runs = tmp_path_factory.mktemp("runs")
@@ -245,7 +245,7 @@ def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900,
 def jobs_of_run(ray_address: str, run: str, since: float) -> list:
     """The Ray jobs (JobDetails) of run `run` submitted since `since` (epoch seconds): a Ray head left
     running keeps the jobs of earlier test sessions, whose runs had the same names."""
-    from relay.ray_jobs import RayJobs
+    from relay.jobs.ray_jobs import RayJobs
 
     return [j for j in RayJobs(ray_address).client.list_jobs()
             if (j.metadata or {}).get("relay_run") == run and (j.start_time or 0) / 1000 >= since - 1]
@@ -290,9 +290,9 @@ def interrupted(tmp_path_factory):
     (checkpoints at 3 and 6) and stopped there, as a run between two chunks is."""
     import shutil
 
-    from relay.preflight import prepare_data
-    from relay.runs import prepare_run
-    from relay.spec import load_spec
+    from relay.preflight.checks import prepare_data
+    from relay.preflight.prepare import prepare_run
+    from relay.runs.spec import load_spec
 
     base = tmp_path_factory.mktemp("interrupted")
     source = Path(shutil.copy(ROOT / "include" / "data" / "arith_train.parquet", base / "source.parquet"))

@@ -111,7 +111,7 @@ class Policy:
     def restore(self, folder: Path, *, cuda_rng: bool = True) -> None:
         from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
-        from relay import safeload
+        from relay.checkpoints import safeload
 
         self.model.load_state_dict(safeload.load(folder / "model.pt", mmap=False))
         self.optim.load_state_dict(safeload.load(folder / "optim.pt", mmap=False))

@@ -1,7 +1,13 @@
 """Relay: long verl RL runs carried through failures in resumable step-chunks.
 
-The core (this package, minus relay.airflow) is plain Python with no Airflow import; torch, verl
-and ray are imported only inside the functions that need them.
+Folders in layers, each importing only those below it (tests/core/test_architecture.py checks it):
+
+    common < runs < data < checkpoints < s3 < preflight < trainers < jobs < alerts < report
+           < devstack < airflow;   cli.py on top
+
+The core (everything but relay.airflow) is plain Python with no Airflow import; torch, verl, ray,
+pyarrow and great-expectations are imported only inside the functions that need them, so that a DAG
+file or a spec check stays light. Everything else is imported at the top of a module.
 """
 
 __version__ = "0.1.0"

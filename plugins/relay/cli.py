@@ -9,18 +9,18 @@ import json
 import sys
 from pathlib import Path
 
-from relay.errors import RelayError
+from relay.common.errors import RelayError
 
 
 def _spec(path: str, check_environment: bool = True):
-    from relay.spec import load_spec
+    from relay.runs.spec import load_spec
 
     return load_spec(path, check_environment=check_environment)
 
 
 def cmd_plan(args) -> int:
-    from relay.plan import ChunkPlan
-    from relay.validate import latest_step_or_problem
+    from relay.checkpoints.validate import latest_step_or_problem
+    from relay.runs.plan import ChunkPlan
 
     spec = _spec(args.spec, check_environment=False)
     latest, problem = latest_step_or_problem(spec.run_dir(args.run or spec.name))
@@ -46,8 +46,9 @@ def cmd_train(args) -> int:
     import os
     import socket
 
-    from relay.runs import prepare_run
-    from relay.store import StoreError, store_for_spec
+    from relay.common.errors import StoreError
+    from relay.preflight.prepare import prepare_run
+    from relay.s3.store import store_for_spec
     from relay.trainers.contract import ChunkRequest, run_chunk
 
     spec = _spec(args.spec)
@@ -79,8 +80,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_checkpoint_validate(args) -> int:
-    from relay.gate import admit_dir
-    from relay.validate import validate_checkpoint
+    from relay.checkpoints.gate import admit_dir
+    from relay.checkpoints.validate import validate_checkpoint
 
     if args.quarantine:
         admission = admit_dir(Path(args.dir), args.step)
@@ -88,8 +89,8 @@ def cmd_checkpoint_validate(args) -> int:
         return 0 if admission.ok else 1
     smoke = None
     if args.smoke:
-        from relay.gate import smoke_check
-        from relay.record import read_record
+        from relay.checkpoints.gate import smoke_check
+        from relay.runs.record import read_record
 
         source = args.spec or read_record(Path(args.dir)).get("spec_source")
         if not source:
@@ -108,7 +109,7 @@ def cmd_checkpoint_validate(args) -> int:
 
 def _store(uri: str, args=None):
     """A store on uri; an upload command's --sse, --kms-key-id and --acl go with every object it writes."""
-    from relay.store import CheckpointStore, s3_client, upload_args
+    from relay.s3.store import CheckpointStore, s3_client, upload_args
 
     extra = upload_args(getattr(args, "sse", None), getattr(args, "kms_key_id", None), getattr(args, "acl", None))
     return CheckpointStore(s3_client(), uri, extra_args=extra)
@@ -121,8 +122,8 @@ def _upload_options(c) -> None:
 
 
 def cmd_checkpoint_publish(args) -> int:
-    from relay import layout
-    from relay.gate import admit_dir
+    from relay.checkpoints.gate import admit_dir
+    from relay.runs import layout
 
     run_dir = Path(args.dir)
     step = args.step or layout.read_tracker(run_dir)
@@ -141,8 +142,10 @@ def cmd_checkpoint_publish(args) -> int:
 
 
 def cmd_checkpoint_restore(args) -> int:
+    from relay.s3.restore import restore
+
     run_dir = Path(args.dir)
-    restored = _store(args.uri).restore(args.run or run_dir.name, run_dir, step=args.step)
+    restored = restore(_store(args.uri), args.run or run_dir.name, run_dir, step=args.step)
     if restored is None:
         print(f"no valid published checkpoint of run {args.run or run_dir.name} under {args.uri}", file=sys.stderr)
         return 1
@@ -172,8 +175,8 @@ def cmd_checkpoint_ls(args) -> int:
 
 
 def cmd_checkpoint_inspect(args) -> int:
-    from relay import preview
-    from relay.store import parse_uri
+    from relay.checkpoints import preview
+    from relay.s3.store import parse_uri
 
     if args.source.startswith("s3://"):
         bucket, key = parse_uri(args.source)
@@ -195,10 +198,11 @@ def cmd_checkpoint_inspect(args) -> int:
 def cmd_doctor(args) -> int:
     import os
 
-    from relay import doctor, stack
-    from relay.ray_jobs import RayJobs
-    from relay.spec import load_spec
-    from relay.store import store_for_spec
+    from relay.devstack import stack
+    from relay.jobs.ray_jobs import RayJobs
+    from relay.preflight import doctor
+    from relay.runs.spec import load_spec
+    from relay.s3.store import store_for_spec
 
     try:
         spec = load_spec(args.spec, check_environment=False)
@@ -249,7 +253,7 @@ def cmd_data_diff(args) -> int:
 def cmd_report(args) -> int:
     import tempfile
 
-    from relay import report
+    from relay.report import run_report as report
 
     if args.source.startswith("s3://"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -265,7 +269,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_stack(args) -> int:
-    from relay import stack
+    from relay.devstack import stack
 
     if args.action == "up":
         info = stack.up(with_airflow=not args.no_airflow, db_url=args.db)
@@ -280,7 +284,7 @@ def cmd_stack(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from relay import demo
+    from relay.devstack import demo
 
     return demo.run(keep_running=args.keep_running, provoke_resume=not args.no_kill)
 

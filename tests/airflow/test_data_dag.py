@@ -18,10 +18,10 @@ from conftest import (
     start_dags_test,
     write_spec,
 )
-from relay import layout
-from relay.record import read_record
-from relay.spec import load_spec
-from relay.store import store_for_spec
+from relay.runs import layout
+from relay.runs.record import read_record
+from relay.runs.spec import load_spec
+from relay.s3.store import store_for_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 STEPS = 12

@@ -19,12 +19,12 @@ from conftest import (
     start_dags_test,
     write_spec,
 )
-from relay import layout
-from relay.lease import Lease
-from relay.metrics import SUPERSEDED, read_events, read_jsonl
-from relay.ray_jobs import RayJobs
-from relay.spec import load_spec
-from relay.store import store_for_spec
+from relay.jobs.ray_jobs import RayJobs
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
+from relay.runs.spec import load_spec
+from relay.s3.store import store_for_spec
 
 STEPS = 12  # 2 chunks of 6
 

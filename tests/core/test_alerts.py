@@ -6,12 +6,11 @@ import pytest
 
 from conftest import write_spec
 from relay.alerts import Alert, AlertLedger, StallWatch, kind_of, stall_limit_s
+from relay.common.errors import CheckpointError, RelayError, StoreError
 from relay.data.freeze import SourceDriftError
 from relay.data.quality import DataQualityError
-from relay.errors import CheckpointError, RelayError
-from relay.guard import DriftError
-from relay.spec import load_spec
-from relay.store import StoreError
+from relay.preflight.guard import DriftError
+from relay.runs.spec import load_spec
 
 
 def an_alert(**kw) -> Alert:

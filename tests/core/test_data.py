@@ -7,14 +7,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import DEMO_SPEC, ROOT, write_spec
-from relay import guard
 from relay.data import quality
 from relay.data.fingerprint import DataError, fingerprint
 from relay.data.freeze import check_sources, frozen_files, verify_frozen
-from relay.preflight import before_chunk, prepare_data
-from relay.record import read_record
-from relay.runs import prepare_run
-from relay.spec import load_spec
+from relay.preflight import guard
+from relay.preflight.checks import before_chunk, prepare_data
+from relay.preflight.prepare import prepare_run
+from relay.runs.record import read_record
+from relay.runs.spec import load_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 

@@ -10,11 +10,12 @@ import time
 import pyarrow.parquet as pq
 
 from conftest import PY, ROOT, relay_cli, write_spec
-from relay import doctor, layout
-from relay.gate import admit_dir
-from relay.lease import Lease
-from relay.ray_jobs import RayJobs
-from relay.spec import load_spec
+from relay.checkpoints.gate import admit_dir
+from relay.jobs.ray_jobs import RayJobs
+from relay.preflight import doctor
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.spec import load_spec
 
 
 def failed(findings) -> dict:

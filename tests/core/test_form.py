@@ -1,8 +1,8 @@
-"""The trigger form's fields and its refusals in plain words (relay.form), without Airflow."""
+"""The trigger form's fields and its refusals in plain words (relay.airflow.form), without Airflow."""
 
 from conftest import write_spec
-from relay import form
-from relay.spec import load_spec
+from relay.airflow import form
+from relay.runs.spec import load_spec
 
 
 def spec(tmp_path, **overrides):

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from relay import layout
-from relay.errors import CheckpointError, LeaseLost
-from relay.lease import Lease
-from relay.metrics import MetricsLog
+from relay.common.errors import CheckpointError, LeaseLost
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import MetricsLog
 
 
 def test_tracker_round_trip_and_garbage(tmp_path):

@@ -7,20 +7,21 @@ import threading
 
 import pytest
 
-from relay import layout, retention
-from relay.errors import RelayError
-from relay.faultpoint import KILL_ENV, drill_env
-from relay.filelock import LockTimeout, file_lock
-from relay.lease import Lease
-from relay.metrics import read_events, record_event
-from relay.spec import CheckpointPolicy
+from relay.checkpoints import retention
+from relay.common.errors import RelayError
+from relay.common.faultpoint import KILL_ENV, drill_env
+from relay.common.filelock import LockTimeout, file_lock
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import read_events, record_event
+from relay.runs.spec import CheckpointPolicy
 
 PLUGINS = os.path.join(os.path.dirname(__file__), "..", "..", "plugins")
 
 
 def _hold_in_another_process(lock, what: str) -> subprocess.Popen:
     code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
-            "from relay.filelock import file_lock\n"
+            "from relay.common.filelock import file_lock\n"
             "with file_lock(Path(sys.argv[2]), sys.argv[3]):\n print('held', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, PLUGINS, str(lock), what], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"

@@ -1,4 +1,4 @@
-from relay.plan import ChunkPlan
+from relay.runs.plan import ChunkPlan
 
 
 def test_chunks_end_at_fixed_steps():

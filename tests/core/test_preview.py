@@ -3,8 +3,8 @@
 import json
 
 from conftest import read_metrics, relay_cli
-from relay import layout
-from relay.preview import inspect_dir
+from relay.checkpoints.preview import inspect_dir
+from relay.runs import layout
 
 
 def test_inspect_shows_the_step_epoch_and_dataloader_offset_a_resume_loads(interrupted):

@@ -5,9 +5,9 @@ import time
 import pytest
 
 from conftest import ROOT
-from relay import project
-from relay.ray_jobs import RayJobs, runtime_env, submission_id
-from relay.spec import load_spec
+from relay.common import project
+from relay.jobs.ray_jobs import RayJobs, runtime_env, shipped_code, submission_id
+from relay.runs.spec import load_spec
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 
 
@@ -23,8 +23,10 @@ def wait(jobs: RayJobs, sub_id: str, timeout: float = 120) -> str:
 
 def test_relay_reaches_a_job_only_through_runtime_env(ray_address):
     jobs = RayJobs(ray_address)
-    probe = "python -c 'import relay, os; print(\"RELAY_AT\", relay.__file__); print(\"CWD\", os.getcwd())'"
-    with_env = jobs.client.submit_job(entrypoint=probe, runtime_env={"py_modules": [str(project.package_dir())]})
+    probe = ("python -c 'import relay, os, importlib.util as u; print(\"RELAY_AT\", relay.__file__); "
+             "print(\"CWD\", os.getcwd()); print(\"LOCAL_ONLY\", u.find_spec(\"relay.devstack\"), "
+             "u.find_spec(\"relay.airflow\")); import relay.checkpoints.gate, relay.trainers.job'")
+    with_env = jobs.client.submit_job(entrypoint=probe, runtime_env=shipped_code())
     without = jobs.client.submit_job(entrypoint=probe)
     assert wait(jobs, with_env) == "SUCCEEDED"
     logs = jobs.logs(with_env)
@@ -32,6 +34,8 @@ def test_relay_reaches_a_job_only_through_runtime_env(ray_address):
     cwd = next(line.split(" ", 1)[1] for line in logs.splitlines() if line.startswith("CWD"))
     assert "runtime_resources" in relay_at and str(ROOT) not in relay_at
     assert not cwd.startswith(str(ROOT)), "the Ray head must run from outside the repo"
+    # The local stack and the Airflow shells stay behind; the gate and the trainers' entry point travel.
+    assert "LOCAL_ONLY None None" in logs
     assert wait(jobs, without) == "FAILED"
     assert "No module named 'relay'" in jobs.logs(without)
 
@@ -54,7 +58,7 @@ def test_runtime_env_carries_the_request_and_pins_threads():
 
 
 def test_unreachable_ray_is_a_clear_error():
-    from relay.errors import RayJobError
+    from relay.common.errors import RayJobError
 
     with pytest.raises(RayJobError, match="cannot reach the Ray Jobs API at http://127.0.0.1:9"):
         RayJobs("http://127.0.0.1:9").client
@@ -80,7 +84,7 @@ def test_progress_polling_reads_a_bounded_tail_of_a_50_mb_log(ray_address, monke
     import logging
 
     from relay.airflow import triggers
-    from relay.ray_jobs import TAIL_LINES, AsyncRayJobs
+    from relay.jobs.ray_jobs import TAIL_LINES, AsyncRayJobs
 
     reads: list[int] = []
 

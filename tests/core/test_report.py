@@ -10,9 +10,11 @@ import time
 import pytest
 
 from conftest import PY, ROOT, read_metrics, relay_cli, write_spec
-from relay import guard, layout, report
-from relay.plan import ChunkPlan
-from relay.spec import load_spec
+from relay.preflight import guard
+from relay.report import run_report as report
+from relay.runs import layout
+from relay.runs.plan import ChunkPlan
+from relay.runs.spec import load_spec
 
 STEPS = 12  # the test spec: 12 steps in chunks of 6
 
@@ -97,8 +99,8 @@ def test_report_cli_on_a_run_folder(resumed):
 
 
 def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
-    from relay.gate import admit_dir
-    from relay.store import store_for_spec
+    from relay.checkpoints.gate import admit_dir
+    from relay.s3.store import store_for_spec
 
     spec, run_dir = resumed["spec"], resumed["run_dir"]
     assert admit_dir(run_dir, STEPS).ok  # the gate writes the manifest; then S3 holds step 12

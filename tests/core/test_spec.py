@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from conftest import DELETE, DEMO_SPEC, spec_dict, write_spec
-from relay.errors import SpecError
-from relay.spec import load_spec
+from relay.common.errors import SpecError
+from relay.runs.spec import load_spec
 
 
 def refused(tmp_path: Path, **overrides) -> SpecError:
@@ -103,7 +103,7 @@ def test_run_names_cannot_escape_the_checkpoint_root(name):
 
 
 def test_spec_round_trips_through_json():
-    from relay.spec import spec_from_json
+    from relay.runs.spec import spec_from_json
 
     spec = load_spec(DEMO_SPEC, check_environment=False)
     again = spec_from_json(spec.to_json())

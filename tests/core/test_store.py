@@ -11,10 +11,12 @@ import uuid
 import pytest
 
 from conftest import PY, ROOT, relay_cli
-from relay import layout, retention
-from relay.gate import admit_dir
-from relay.spec import CheckpointPolicy
-from relay.store import CheckpointStore, s3_client
+from relay.checkpoints import retention
+from relay.checkpoints.gate import admit_dir
+from relay.runs import layout
+from relay.runs.spec import CheckpointPolicy
+from relay.s3.restore import restore
+from relay.s3.store import CheckpointStore, s3_client
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 import verl_checkpoint  # noqa: E402
@@ -54,7 +56,7 @@ def test_publish_is_verified_idempotent_and_moves_latest_last(big_run, store):
 def test_a_killed_publish_leaves_latest_and_completes_on_rerun(big_run, store):
     store.publish("run", big_run, 1)
     code = ("import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-            "from relay.store import CheckpointStore, s3_client; "
+            "from relay.s3.store import CheckpointStore, s3_client; "
             f"CheckpointStore(s3_client(), {store.uri!r}, part_size=5 << 20, concurrency=1)"
             f".publish('run', Path({str(big_run)!r}), 2)")
     proc = subprocess.Popen([PY, "-c", code], cwd=ROOT)
@@ -92,7 +94,7 @@ def test_unreachable_s3_is_a_clear_error(big_run):
     import boto3
     from botocore.config import Config
 
-    from relay.store import StoreError
+    from relay.common.errors import StoreError
 
     client = boto3.client("s3", endpoint_url="http://127.0.0.1:9", config=Config(retries={"max_attempts": 1},
                                                                               connect_timeout=1))
@@ -139,7 +141,7 @@ def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, s
     verl_checkpoint.make(run, step=2, seed=1)  # trained again: other weights
     assert admit_dir(run, 2).ok
     code = ("import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-            "from relay.store import CheckpointStore, s3_client; "
+            "from relay.s3.store import CheckpointStore, s3_client; "
             f"CheckpointStore(s3_client(), {store.uri!r}).publish('run', Path({str(run)!r}), 2)")
     killed = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "RELAY_FAULT_KILL_AT": "publish_files@2"})
@@ -150,4 +152,4 @@ def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, s
     new = store.manifest("run", 2)
     assert new.files != old.files and store.latest("run")["step"] == 2
     dest = tmp_path / "restored"
-    assert store.restore("run", dest)[0] == 2 and admit_dir(dest, 2).ok
+    assert restore(store, "run", dest)[0] == 2 and admit_dir(dest, 2).ok

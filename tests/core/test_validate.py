@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, relay_cli
-from relay import layout, manifest
-from relay.gate import admit_dir
-from relay.resume import find_resume_point
-from relay.validate import validate_checkpoint
+from relay.checkpoints import manifest
+from relay.checkpoints.gate import admit_dir
+from relay.checkpoints.resume import find_resume_point
+from relay.checkpoints.validate import validate_checkpoint
+from relay.runs import layout
 from support.corrupt import DEFECTS
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))

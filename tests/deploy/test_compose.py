@@ -340,7 +340,7 @@ def test_references_between_services_resolve(compose):
 
 
 def test_demo_bucket_is_created_at_start(compose):
-    from relay.store import parse_uri
+    from relay.s3.store import parse_uri
 
     bucket, _ = parse_uri(yaml.safe_load(DEMO_SPEC.read_text())["s3"]["uri"])
     init = service(compose, "s3-init")
@@ -350,7 +350,7 @@ def test_demo_bucket_is_created_at_start(compose):
 
 
 def test_the_trainer_pool_of_the_specs_is_created_counting_deferred_tasks(compose):
-    from relay.spec import load_spec
+    from relay.runs.spec import load_spec
 
     pool = load_spec(DEMO_SPEC, check_environment=False).airflow.pool
     script = service(compose, "airflow-init")["command"][0]
@@ -374,7 +374,7 @@ def test_checkpoint_volume_is_one_path_on_ray_and_airflow(compose, monkeypatch):
 
     # The demo spec, loaded as the Airflow containers load it: its runs live on the volume and its data
     # files are in the mounted include/ folder.
-    from relay.spec import load_spec
+    from relay.runs.spec import load_spec
 
     scheduler = service(compose, "airflow-scheduler")
     env = environment(scheduler)
@@ -394,7 +394,7 @@ def test_checkpoint_volume_is_one_path_on_ray_and_airflow(compose, monkeypatch):
 
 
 def test_published_ports_are_local_by_default_and_those_of_stack_env(raw, compose, env_example):
-    from relay import stack
+    from relay.devstack import stack
 
     ports = stack.ports()
     for name, svc in raw["services"].items():
@@ -418,7 +418,7 @@ def conn_ids_the_code_uses() -> set[str]:
     """The demo spec's connections, and every connection a spec names by default."""
     from pydantic import BaseModel
 
-    from relay.spec import RunSpec
+    from relay.runs.spec import RunSpec
 
     ids, seen = set(), set()
 

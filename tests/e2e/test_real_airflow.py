@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, train, write_spec
-from relay import stack
-from relay.airflow_api import AirflowAPIError
 from relay.data.fingerprint import sha256_file
-from relay.ray_jobs import RayJobs
-from relay.record import read_record
-from relay.spec import load_spec
-from relay.store import store_for_spec
+from relay.devstack import stack
+from relay.devstack.airflow_api import AirflowAPIError
+from relay.jobs.ray_jobs import RayJobs
+from relay.runs.record import read_record
+from relay.runs.spec import load_spec
+from relay.s3.store import store_for_spec
 from support.airflow_procs import airflow_processes, postgres_database, wait_for
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, session_shared, write_spec
-from relay import stack
-from relay.spec import load_spec
+from relay.devstack import stack
+from relay.runs.spec import load_spec
 from support.airflow_procs import airflow_processes
 
 SHOTS = ROOT / ".relay" / "test-results" / "screenshots"
@@ -159,8 +159,8 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     import json
 
     from conftest import assert_bitwise_equal, digests, model_state
-    from relay.record import read_record
-    from relay.store import CheckpointStore, store_for_spec
+    from relay.runs.record import read_record
+    from relay.s3.store import CheckpointStore, store_for_spec
 
     api = airflow["api"]
     assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=420)["state"] == "success"

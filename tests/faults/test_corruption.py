@@ -1,5 +1,5 @@
 """A run's newest checkpoint (or its tracker) corrupted in each way of the checkpoint issue, between two
-chunks; the next chunk's trainer then starts. Each case: Relay's gate (relay.gate.admit_dir, what the
+chunks; the next chunk's trainer then starts. Each case: Relay's gate (relay.checkpoints.gate.admit_dir, what the
 DAG's validate task calls) refuses the damage at the right check; the trainer's own validation refuses
 it the same way, moves the checkpoint whole to .relay/quarantine (never deletes it), falls back to the
 newest valid checkpoint and resumes there; the run finishes bitwise equal to an uninterrupted run; the
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from conftest import read_metrics, write_spec
-from relay import layout
-from relay.gate import admit_dir
-from relay.metrics import SUPERSEDED, read_jsonl
-from relay.resume import QUARANTINE
-from relay.validate import validate_checkpoint
+from relay.checkpoints.gate import admit_dir
+from relay.checkpoints.resume import QUARANTINE
+from relay.checkpoints.validate import validate_checkpoint
+from relay.runs import layout
+from relay.runs.metrics import SUPERSEDED, read_jsonl
 from support.corrupt import DEFECTS, MARKER, change_world_size
 from support.faults import ForkServer, assert_finished_as
 

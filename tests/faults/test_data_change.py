@@ -1,6 +1,6 @@
 """The training data changed in each way of the data issue between chunk 1 and chunk 2 of a run whose
 data was frozen at chunk 1. verl resumes its dataloader at an offset into the parquet, so a changed source
-would silently feed other samples. Each case: the checks before chunk 2 (relay.preflight.before_chunk,
+would silently feed other samples. Each case: the checks before chunk 2 (relay.preflight.checks.before_chunk,
 what the DAG's train task runs before submitting the chunk's job) refuse it, naming what changed, and leave
 the run folder untouched; after the user's fix (the source restored, or data.on_source_change: use_frozen)
 chunk 2 resumes from step 6 on the frozen bytes and the run ends bitwise equal to an uninterrupted run on
@@ -23,15 +23,15 @@ import pytest
 import yaml
 
 from conftest import ROOT, write_spec
-from relay import layout
+from relay.checkpoints.validate import validate_checkpoint
 from relay.data.fingerprint import sha256_file
 from relay.data.freeze import SourceDriftError
-from relay.metrics import SUPERSEDED
-from relay.preflight import before_chunk, prepare_data
-from relay.record import read_record
-from relay.runs import prepare_run
-from relay.spec import load_spec
-from relay.validate import validate_checkpoint
+from relay.preflight.checks import before_chunk, prepare_data
+from relay.preflight.prepare import prepare_run
+from relay.runs import layout
+from relay.runs.metrics import SUPERSEDED
+from relay.runs.record import read_record
+from relay.runs.spec import load_spec
 from support.faults import ForkServer, assert_finished_as
 
 STEPS, CHUNK_END, SAVE_FREQ = 12, 6, 3

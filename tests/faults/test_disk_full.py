@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from conftest import jobs_of_run, start_dags_test, write_spec
-from relay import layout
-from relay.metrics import read_events
-from relay.ray_jobs import RayJobs
-from relay.spec import load_spec
-from relay.validate import validate_checkpoint
+from relay.checkpoints.validate import validate_checkpoint
+from relay.jobs.ray_jobs import RayJobs
+from relay.runs import layout
+from relay.runs.metrics import read_events
+from relay.runs.spec import load_spec
 from support.faults import alive, assert_finished_as, wait_until
 
 STEPS, LAST_SAVED = 12, 9

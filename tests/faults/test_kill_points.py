@@ -2,7 +2,7 @@
 one uninterrupted baseline. Each case: the run finishes, its final weights are bitwise those of the
 baseline, and the steps lost are at most the steps since the last committed (valid) checkpoint.
 
-The kill lands exactly where it is meant to: the trainer's fault hook (relay.faultpoint.fault_point,
+The kill lands exactly where it is meant to: the trainer's fault hook (relay.common.faultpoint.fault_point,
 RELAY_FAULT_PAUSE_AT=<phase>@<step>) prints a marker and sleeps there, and the test SIGKILLs it then.
 Points are drawn from every (phase, step) of a 12-step run saving every 3 steps, with RELAY_TEST_SEED
 (default: the checked-out commit, so each CI run of a new commit tries other points);
@@ -22,8 +22,8 @@ import subprocess
 import pytest
 
 from conftest import ROOT, read_metrics, write_spec
-from relay import layout
-from relay.faultpoint import FAULT_ENV, FAULT_PHASES
+from relay.common.faultpoint import FAULT_ENV, FAULT_PHASES
+from relay.runs import layout
 from support.faults import ForkServer, assert_finished_as, kill, wait_for_line
 
 STEPS, SAVE_FREQ, POINTS_PER_RUN, INSIDE_CHECKPOINT = 12, 3, 20, 12
@@ -93,7 +93,7 @@ def matrix(tmp_path_factory, uninterrupted):
 
 @pytest.mark.parametrize("point", POINTS, ids=[f"{p}@{s}" for p, s in POINTS])
 def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fault_row):
-    from relay.validate import validate_checkpoint
+    from relay.checkpoints.validate import validate_checkpoint
 
     phase, step = point
     server = matrix["server"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_bitwise_equal, model_state, write_spec
-from relay.spec import load_spec
-from relay.store import CheckpointStore, s3_client
+from relay.runs.spec import load_spec
+from relay.s3.store import CheckpointStore, s3_client
 from support.faults import ForkServer
 from support.s3proxy import FaultyS3Proxy
 
@@ -49,7 +49,7 @@ def _new_host(host_a, name: str):
     """A host whose checkpoint folder holds no checkpoint, only the run's record: the run's incarnation,
     which the DAG's chunk request carries to whichever host runs the chunk (an empty folder that knows no
     incarnation restores nothing: it is not the published run's own, `relay checkpoint restore` is)."""
-    from relay.record import read_record, write_record
+    from relay.runs.record import read_record, write_record
 
     host_b = host_a.parent.parent / name / host_a.name
     write_record(host_b, read_record(host_a))

@@ -11,7 +11,7 @@ import ipaddress
 
 import psutil
 
-from relay import stack
+from relay.devstack import stack
 
 S3_PORTS = ("RELAY_S3_PORT", "RELAY_S3_GRPC_PORT", "RELAY_WEED_MASTER_PORT", "RELAY_WEED_MASTER_GRPC_PORT",
             "RELAY_WEED_VOLUME_PORT", "RELAY_WEED_VOLUME_GRPC_PORT", "RELAY_WEED_FILER_PORT",

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import spec_dict
-from relay import layout, manifest
-from relay.errors import CheckpointError, RelayError, SpecError
+from relay.checkpoints import manifest
+from relay.common.errors import CheckpointError, RelayError, SpecError
+from relay.runs import layout
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -56,7 +57,7 @@ DEMO_KEYS = sorted(_paths(spec_dict()))
 
 
 def _spec_outcome(raw, tmp_path, **kw):
-    from relay.spec import spec_from_dict
+    from relay.runs.spec import spec_from_dict
 
     try:
         return spec_from_dict(raw, **kw)
@@ -99,7 +100,7 @@ def test_an_unknown_key_is_named_with_a_suggestion(extra, value, project_root):
 @FUZZ
 @given(text=st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("latin-1")))
 def test_any_file_is_a_spec_or_a_spec_error(text, tmp_path_factory):
-    from relay.spec import load_spec
+    from relay.runs.spec import load_spec
 
     path = tmp_path_factory.mktemp("spec") / "s.yaml"
     path.write_text(text, errors="surrogateescape")
@@ -115,7 +116,7 @@ def test_any_file_is_a_spec_or_a_spec_error(text, tmp_path_factory):
     "!!python/object/apply:os.system ['true']", "? [a, b]\n: c", "\ufeffname: x", "name: 2024-01-01",
 ])
 def test_hostile_yaml_is_a_spec_error(text, tmp_path):
-    from relay.spec import load_spec
+    from relay.runs.spec import load_spec
 
     path = tmp_path / "s.yaml"
     path.write_text(text)
@@ -124,7 +125,7 @@ def test_hostile_yaml_is_a_spec_error(text, tmp_path):
 
 
 def test_found_by_fuzzing_nul_paths_deep_values_and_non_utf8(tmp_path, project_root):
-    from relay.spec import load_spec, spec_from_dict
+    from relay.runs.spec import load_spec, spec_from_dict
 
     with pytest.raises(SpecError) as e:
         spec_from_dict(_set(spec_dict(), "checkpoint_dir", "ckpt\x00"))
@@ -143,7 +144,7 @@ def test_found_by_fuzzing_nul_paths_deep_values_and_non_utf8(tmp_path, project_r
 @FUZZ
 @given(blob=st.text(max_size=200) | json_like.map(json.dumps))
 def test_a_chunk_request_spec_blob_is_a_spec_or_a_spec_error(blob):
-    from relay.spec import spec_from_json
+    from relay.runs.spec import spec_from_json
 
     try:
         spec_from_json(blob)

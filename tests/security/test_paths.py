@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import DEMO_SPEC, relay_cli, write_spec
-from relay import layout, manifest
-from relay.errors import CheckpointError, RelayError, SpecError
-from relay.spec import load_spec, spec_from_dict
+from relay.checkpoints import manifest
+from relay.common.errors import CheckpointError, RelayError, SpecError
+from relay.runs import layout
+from relay.runs.spec import load_spec, spec_from_dict
 
 BAD_RUN_NAMES = ["../escape", "..", ".", "a/b", "/abs", "a\\b", "run\n", "run\x00", "a..b", "", " run", ".hidden",
                  "x" * 200, "%2e%2e", "run/../../x", "ü-run"]
@@ -27,7 +28,7 @@ def spec():
 
 @pytest.mark.parametrize("name", BAD_RUN_NAMES, ids=repr)
 def test_a_run_name_cannot_leave_the_checkpoint_root(spec, name):
-    from relay.runs import resolve_run_name
+    from relay.preflight.prepare import resolve_run_name
 
     with pytest.raises(SpecError) as e:
         spec.run_dir(name)
@@ -38,7 +39,7 @@ def test_a_run_name_cannot_leave_the_checkpoint_root(spec, name):
 
 
 def test_a_refused_run_name_creates_nothing(tmp_path):
-    from relay.runs import prepare_run
+    from relay.preflight.prepare import prepare_run
 
     spec = load_spec(write_spec(tmp_path), check_environment=False)
     with pytest.raises(SpecError):
@@ -77,7 +78,8 @@ def test_a_spec_s3_uri_with_dot_segments_is_refused(uri):
 
 
 def test_store_keys_never_leave_the_run_prefix():
-    from relay.store import CheckpointStore, StoreError, parse_uri
+    from relay.common.errors import StoreError
+    from relay.s3.store import CheckpointStore, parse_uri
 
     store = CheckpointStore(client=None, uri="s3://relay/runs")
     assert store.step_key("r1", 6, "actor/model_world_size_1_rank_0.pt") == \
@@ -111,7 +113,8 @@ def test_a_manifest_naming_a_path_outside_its_checkpoint_is_refused(rel):
 
 def test_a_published_manifest_listing_dot_dot_is_never_restored(s3_server, tmp_path):
     """An attacker with write access to the bucket plants a manifest whose files reach outside the run."""
-    from relay.store import CheckpointStore, s3_client
+    from relay.s3.restore import restore
+    from relay.s3.store import CheckpointStore, s3_client
 
     store = CheckpointStore(s3_client(), f"s3://relay/test-{uuid.uuid4().hex[:12]}")
     evil = _manifest({"../../../../escaped.txt": {"size": 5, "crc64nvme": "AAAAAAAAAAA="}})
@@ -119,7 +122,7 @@ def test_a_published_manifest_listing_dot_dot_is_never_restored(s3_server, tmp_p
     store.client.put_object(Bucket="relay", Key=f"{store.prefix}/r/global_step_5/escaped.txt", Body=b"owned")
     logs: list[str] = []
     run_dir = tmp_path / "a" / "b" / "c" / "r"
-    assert store.restore("r", run_dir, log=logs.append) is None
+    assert restore(store, "r", run_dir, log=logs.append) is None
     assert any("skipping" in m and "../../../../escaped.txt" in m for m in logs), logs
     assert not list(tmp_path.rglob("escaped.txt"))
     # A manifest that names another step than its key's is refused too (copied from elsewhere).
@@ -132,7 +135,8 @@ def test_a_published_manifest_listing_dot_dot_is_never_restored(s3_server, tmp_p
 @pytest.mark.parametrize("latest", [b'{"step": "1/../../other/global_step_5"}', b'{"step": -3}', b"[1]",
                                     b'{"step": true}', b"\xff\xfe garbage", b'{"uri": "s3://x"}'])
 def test_a_malformed_latest_json_is_refused_by_name(s3_server, latest):
-    from relay.store import CheckpointStore, StoreError, s3_client
+    from relay.common.errors import StoreError
+    from relay.s3.store import CheckpointStore, s3_client
 
     store = CheckpointStore(s3_client(), f"s3://relay/test-{uuid.uuid4().hex[:12]}")
     store.client.put_object(Bucket="relay", Key=store.run_key("r", "latest.json"), Body=latest)
@@ -184,8 +188,8 @@ def test_a_run_record_naming_frozen_data_outside_the_run_is_refused(tmp_path, en
 
 
 def test_a_damaged_run_record_is_an_error_not_a_crash(tmp_path):
-    from relay.errors import RunError
-    from relay.record import read_record
+    from relay.common.errors import RunError
+    from relay.runs.record import read_record
 
     layout.relay_dir(tmp_path).mkdir(parents=True)
     for content in (b"{not json", b"[1, 2]", b"\xff" * 10, b"[" * 100000):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from relay import integrity, manifest
-from relay.store import CheckpointStore, StoreError, client_config
+from relay.checkpoints import integrity, manifest
+from relay.common.errors import StoreError
+from relay.s3.store import CheckpointStore, client_config
 from support.receivers import free_port
 
 UPLOADS = {"PutObject", "CreateMultipartUpload"}
@@ -140,8 +141,8 @@ def test_a_server_without_sse_refuses_and_the_error_says_what_to_do(s3_server, t
 def test_the_spec_settings_reach_the_store_and_the_cli(tmp_path):
     from conftest import spec_dict
     from relay.cli import _store, build_parser
-    from relay.spec import spec_from_dict
-    from relay.store import store_for_spec
+    from relay.runs.spec import spec_from_dict
+    from relay.s3.store import store_for_spec
 
     spec = spec_from_dict(spec_dict(**{"s3.server_side_encryption": "aws:kms", "s3.kms_key_id": "alias/k",
                                        "s3.acl": "bucket-owner-full-control"}), check_environment=False)
@@ -150,7 +151,7 @@ def test_the_spec_settings_reach_the_store_and_the_cli(tmp_path):
     args = build_parser().parse_args(["checkpoint", "publish", "d", "s3://relay/x", "--sse", "AES256", "--acl",
                                       "bucket-owner-full-control"])
     assert _store(args.uri, args).extra_args == {"ServerSideEncryption": "AES256", "ACL": "bucket-owner-full-control"}
-    from relay.errors import SpecError
+    from relay.common.errors import SpecError
 
     with pytest.raises(SpecError, match="kms_key_id is only used with server_side_encryption: aws:kms"):
         spec_from_dict(spec_dict(**{"s3.server_side_encryption": "AES256", "s3.kms_key_id": "alias/k"}),

@@ -124,8 +124,8 @@ def test_verl_loader_sites_recheck_the_files_first():
 def test_a_pickle_that_runs_code_is_refused_and_never_runs(tmp_path):
     import torch
 
-    from relay import safeload
-    from relay.errors import UnsafeCheckpointError
+    from relay.checkpoints import safeload
+    from relay.common.errors import UnsafeCheckpointError
 
     marker = tmp_path / "code-ran"
 
@@ -142,10 +142,10 @@ def test_a_pickle_that_runs_code_is_refused_and_never_runs(tmp_path):
 
 def test_a_file_changed_after_validation_is_never_given_to_verls_merger(tmp_path):
     """export_hf's guard: a checkpoint whose actor files differ from the manifest is refused."""
-    from relay import manifest
-    from relay.errors import CheckpointError
-    from relay.integrity import scan
-    from relay.publication import unchanged_since_validation
+    from relay.checkpoints import manifest
+    from relay.checkpoints.integrity import scan
+    from relay.checkpoints.manifest import unchanged_since_validation
+    from relay.common.errors import CheckpointError
 
     step = tmp_path / "global_step_3"
     (step / "actor").mkdir(parents=True)

@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT, dags_test, write_spec
-from relay import layout, redaction
-from relay.spec import load_spec
+from relay.common import redaction
+from relay.runs import layout
+from relay.runs.spec import load_spec
 from support.receivers import MailSink, wait_for
 
 TOKEN = f"tok-{uuid.uuid4().hex}"  # an environment variable's value, used by ray.env_vars
@@ -29,8 +30,8 @@ def secret_env(monkeypatch):
 
 
 def test_ray_env_vars_are_expanded_only_when_a_job_is_submitted(tmp_path, secret_env, monkeypatch):
-    from relay.errors import RayJobError
-    from relay.ray_jobs import job_env_vars, runtime_env
+    from relay.common.errors import RayJobError
+    from relay.jobs.ray_jobs import job_env_vars, runtime_env
     from relay.trainers.contract import ChunkRequest
 
     spec = load_spec(write_spec(tmp_path, **{"ray.env_vars": {"HF_TOKEN": "${RELAY_TEST_TOKEN}", "MODE": "plain",
@@ -93,7 +94,7 @@ def test_alerts_and_their_ledger_redact_connection_and_environment_secrets(tmp_p
 
 
 def test_the_run_report_holds_no_secret(tmp_path, secret_env):
-    from relay import report
+    from relay.report import run_report as report
 
     load_spec(write_spec(tmp_path, **{"ray.env_vars": {"HF_TOKEN": "${RELAY_TEST_TOKEN}"}}), check_environment=False)
     run_dir = tmp_path / "ckpt" / "r"

@@ -10,8 +10,8 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from relay import stack
-from relay.airflow_api import AirflowAPI
+from relay.devstack import stack
+from relay.devstack.airflow_api import AirflowAPI
 from support.receivers import free_port
 
 
@@ -20,7 +20,7 @@ def airflow_processes(base: Path, runs: Path, db_url: str | None = None, **env_e
     """Start them under base/ (home, pids, logs) reading the specs in `runs`; stop them at the end.
     db_url: None for SQLite in base/home (a copy of a migrated DB placed there first is migrated no further)."""
     saved = {k: os.environ.get(k) for k in ("RELAY_STACK_DIR", "RELAY_AIRFLOW_API_PORT")}
-    # relay.stack reads both at each call: its pid files and the API's port stay this module's own
+    # relay.devstack.stack reads both at each call: its pid files and the API's port stay this module's own
     os.environ.update(RELAY_STACK_DIR=str(base / "stack"), RELAY_AIRFLOW_API_PORT=str(free_port()))
     env = stack.airflow_env(base / "home", db_url, parallelism=4)
     env.update(RELAY_RUNS_DIR=str(runs), **env_extra)

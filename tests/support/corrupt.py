@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from relay import layout
+from relay.runs import layout
 
 MARKER = "PWNED"  # what a pickle that runs code writes: its existence anywhere proves the code ran
 

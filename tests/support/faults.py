@@ -48,10 +48,10 @@ def data_lost(run_dir: Path, store=None) -> str:
     the frozen data copies the run record names, in the folder or in S3."""
     import re
 
-    from relay import layout
-    from relay.metrics import read_events, read_jsonl
-    from relay.record import read_record
-    from relay.validate import validate_checkpoint
+    from relay.checkpoints.validate import validate_checkpoint
+    from relay.runs import layout
+    from relay.runs.metrics import read_events, read_jsonl
+    from relay.runs.record import read_record
 
     run_dir = Path(run_dir)
     run = run_dir.name
@@ -145,7 +145,7 @@ def assert_finished_as(run_dir: Path, baseline: dict, steps: int, out: str = "")
     """The run finished as an uninterrupted one: its tracker at the last step, one metrics row per step,
     and its final weights bitwise `baseline`'s."""
     from conftest import assert_bitwise_equal, model_state, read_metrics  # (conftest imports this module)
-    from relay import layout
+    from relay.runs import layout
 
     assert layout.read_tracker(run_dir) == steps, out[-5000:]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1)), "each step once"

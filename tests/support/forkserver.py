@@ -32,9 +32,9 @@ from verl.trainer.ppo import core_algos  # noqa: E402,F401
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager  # noqa: E402,F401
 from verl.workers.config import ActorConfig  # noqa: E402,F401
 
-import relay.resume  # noqa: E402,F401
-import relay.safeload  # noqa: E402,F401
-import relay.validate  # noqa: E402,F401
+import relay.checkpoints.resume  # noqa: E402,F401
+import relay.checkpoints.safeload  # noqa: E402,F401
+import relay.checkpoints.validate  # noqa: E402,F401
 
 FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from relay import stack
+from relay.devstack import stack
 
 
 def free_port() -> int:
@@ -28,7 +28,7 @@ def free_port() -> int:
 
 @contextmanager
 def stack_env(overrides: dict[str, str]):
-    """os.environ with overrides, for the while: relay.stack reads its ports and state folder from it."""
+    """os.environ with overrides, for the while: relay.devstack.stack reads its ports and state folder from it."""
     saved = {k: os.environ.get(k) for k in overrides}
     os.environ.update(overrides)
     try:
@@ -42,7 +42,7 @@ def stack_env(overrides: dict[str, str]):
 
 
 class PrivateS3:
-    """SeaweedFS started and killed through relay.stack, on ports and a data folder of its own."""
+    """SeaweedFS started and killed through relay.devstack.stack, on ports and a data folder of its own."""
 
     PORTS = ("RELAY_S3_PORT", "RELAY_S3_GRPC_PORT", "RELAY_WEED_MASTER_PORT", "RELAY_WEED_MASTER_GRPC_PORT",
              "RELAY_WEED_VOLUME_PORT", "RELAY_WEED_VOLUME_GRPC_PORT", "RELAY_WEED_FILER_PORT",

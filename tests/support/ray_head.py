@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import write_spec
-from relay.metrics import read_events
+from relay.runs.metrics import read_events
 from support.faults import assert_finished_as
 
 STEPS, PAUSED_AFTER, RESUMED_FROM = 12, 8, 6

@@ -2,9 +2,9 @@
 aside, locally and in S3, without deleting it; nothing of the old life is restored into the new one."""
 
 from conftest import assert_bitwise_equal, digests, model_state, read_metrics, relay_cli, train
-from relay.record import read_record
-from relay.spec import load_spec
-from relay.store import CheckpointStore, store_for_spec
+from relay.runs.record import read_record
+from relay.runs.spec import load_spec
+from relay.s3.store import CheckpointStore, store_for_spec
 
 
 def test_a_confirmed_fresh_start_from_the_cli_starts_again_and_keeps_the_old_run(baseline, tmp_path):

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from conftest import PY, ROOT, read_metrics, write_spec
-from relay import layout
-from relay.lease import Lease
+from relay.runs import layout
+from relay.runs.lease import Lease
 
 
 @pytest.mark.services

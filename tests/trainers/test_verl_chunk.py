@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from relay import layout
-from relay.errors import CheckpointError, SpecError
-from relay.spec import spec_from_dict
+from relay.common.errors import CheckpointError, SpecError
+from relay.runs import layout
+from relay.runs.spec import spec_from_dict
 from relay.trainers.contract import ChunkRequest
 
 TOTAL, CHUNK = 30, 10
@@ -292,7 +292,7 @@ def test_registration_lives_in_verls_registry_and_verl_refuses_a_second_class():
         assert get_trainer_cls("sync") is cls
         assert chunk_trainer.install(chunk_trainer.VerlChunk("{}", 0, 10, 30, "loop_bound")) is cls  # idempotent
         trainer_base.TRAINER_REGISTRY["sync"] = type("Other", (PPOTrainerSync,), {})
-        from relay.trainers.verl_ppo.horizon import VerlContractError
+        from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
         with pytest.raises(VerlContractError, match="another plugin replaced it"):
             chunk_trainer.install(chunk_trainer.VerlChunk("{}", 0, 10, 30, "loop_bound"))
@@ -372,8 +372,8 @@ def test_supervised_mode_one_job_saves_every_chunk_and_the_chunk_tasks_validate_
     """One job to the run's end (verl's loop untouched), saving every chunk_steps; each chunk's
     validation admits its step while the tracker is already further on."""
     from relay.airflow.supervised import SupervisedValidateOperator, whole_run_view
-    from relay.gate import admit
-    from relay.plan import ChunkPlan
+    from relay.checkpoints.gate import admit
+    from relay.runs.plan import ChunkPlan
 
     log = gpu_stand_ins
     spec = make_spec(tmp_path, mode="supervised")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from relay.errors import SpecError
-from relay.spec import spec_from_dict
+from relay.common.errors import SpecError
+from relay.runs.spec import spec_from_dict
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 
 MODEL = "/shared/models/Qwen2.5-3B-Instruct"
@@ -147,7 +147,7 @@ def test_settings_are_resume_critical_and_world_size_is_derived(tmp_path):
     for key in ("trainer.settings.save_freq", "trainer.settings.mode", "trainer.settings.gpu_memory_utilization"):
         assert key not in crit
     assert spec.settings.world_size == 16 and not spec.settings.has_critic
-    from relay.trainers import KINDS
+    from relay.runs.kinds import KINDS
 
     r = KINDS["verl_ppo"].resolved_settings(spec, 7473)
     assert r["resolved.lr_horizon"] == 30 and r["resolved.lr_schedule"] == "cosine (warmup 3 steps, horizon 30 steps)"
@@ -155,8 +155,9 @@ def test_settings_are_resume_critical_and_world_size_is_derived(tmp_path):
 
 
 def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
-    from relay import project, ray_jobs
-    from relay.runs import prepare_run
+    from relay.common import project
+    from relay.jobs import ray_jobs
+    from relay.preflight.prepare import prepare_run
     from relay.trainers.verl_ppo import tracking
 
     spec = spec_of(tmp_path)
@@ -165,7 +166,7 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
     assert ray_jobs.entrypoint(req) == "python -m relay.trainers.job"
     env = ray_jobs.runtime_env(req)
     wandb_id = tracking.wandb_run_id(spec, "r", spec.run_dir("r"))
-    assert env == {"py_modules": [str(project.package_dir())], "env_vars": {
+    assert env == {"py_modules": [str(project.package_dir())], "excludes": ray_jobs.NOT_SHIPPED, "env_vars": {
         "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
         "WANDB_RUN_ID": wandb_id, "WANDB_RESUME": "allow",
         ENV_VAR: req.to_json(), "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4",
@@ -181,7 +182,7 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
     prepare_run(spec, "r")
     assert tracking.wandb_run_id(spec, "r", spec.run_dir("r")) != wandb_id
     # MLflow: the run that chunk 1 started is resumed by every later chunk.
-    from relay import layout
+    from relay.runs import layout
 
     layout.atomic_write_json(layout.relay_dir(spec.run_dir("r"), tracking.RECORD), {"mlflow_run_id": "abc123"})
     assert ray_jobs.runtime_env(req3)["env_vars"]["MLFLOW_RUN_ID"] == "abc123"
@@ -208,7 +209,7 @@ def test_the_dag_file_stays_light_with_a_verl_spec(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys; sys.path.insert(0, 'plugins'); from relay.spec import spec_from_dict; "
+    code = ("import sys; sys.path.insert(0, 'plugins'); from relay.runs.spec import spec_from_dict; "
             "s = spec_from_dict({'name': 'g', 'trainer': {'kind': 'verl_ppo', 'settings': {'model_path': '/m'}}, "
             "'total_steps': 3, 'chunk_steps': 1, 'seed': 1, 'threads': 1, 'checkpoint_dir': '/tmp/c', "
             "'data': {'train_files': ['/t.parquet'], 'val_files': ['/v.parquet']}}, check_environment=False); "
@@ -223,7 +224,7 @@ def test_the_dag_file_stays_light_with_a_verl_spec(tmp_path):
 def test_the_shipped_gsm8k_example_composes_and_passes_verls_validation():
     from pathlib import Path
 
-    from relay.spec import load_spec
+    from relay.runs.spec import load_spec
     from relay.trainers.verl_ppo import overrides
 
     spec = load_spec(Path(__file__).resolve().parents[2] / "include" / "runs" / "gsm8k_grpo.yaml",

@@ -2,7 +2,7 @@
 
 - the trigger form's refusals in plain words: Airflow answers a value outside a run DAG's Params with
   jsonschema's text (the regex, the whole schema); the UI shows that answer as it comes. The
-  middleware replaces it with relay.form.explain's words: what is wrong, and an example.
+  middleware replaces it with relay.airflow.form.explain's words: what is wrong, and an example.
 - the training run's name on the DAG run: a trigger of a run DAG gets the DAG run id
   "NAME__manual__<time>" (the run list and the grid show ids) unless the person typed one, and the
   note "training run: NAME" (the DAG run's page shows notes).
@@ -24,9 +24,9 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import HTMLResponse
 
-from relay import form
+from relay.airflow import form
 from relay.airflow.links import RELAY_APP_PREFIX
-from relay.spec import spec_for_dag
+from relay.runs.spec import spec_for_dag
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?")
 
 def run_name_of(spec, conf: dict, logical_date: str | None) -> str:
     """The run a trigger names, as preflight.run resolves it (relay.airflow.tasks.preflight)."""
-    from relay.runs import resolve_run_name
-    from relay.spec import dated_run_name
+    from relay.preflight.prepare import resolve_run_name
+    from relay.runs.spec import dated_run_name
 
     if (isinstance(conf.get("run"), str) and conf["run"].strip()) or not spec.airflow.schedule:
         return resolve_run_name(spec, conf.get("run"))
@@ -109,7 +109,7 @@ def _replay(body: bytes):
 
 
 def _plain_refusals(send, spec, conf):
-    """Wrap `send`: a 400 that refuses a Param gets relay.form.explain's words instead of jsonschema's."""
+    """Wrap `send`: a 400 that refuses a Param gets relay.airflow.form.explain's words instead of jsonschema's."""
     start = None
     chunks: list[bytes] = []
 
@@ -157,8 +157,8 @@ def _pages() -> FastAPI:
     @app.get("/dags/{dag_id}/runs/{run}/report", response_class=HTMLResponse, dependencies=can_read_runs)
     def run_report(dag_id: str, run: str) -> HTMLResponse:
         """The run report, built now from the run's folder (or S3 where this server cannot see it)."""
-        from relay import report
-        from relay.errors import RelayError
+        from relay.common.errors import RelayError
+        from relay.report import run_report as report
 
         spec = spec_for_dag(dag_id)
         if spec is None:

@@ -18,20 +18,21 @@ from pathlib import Path
 from airflow.providers.standard.operators.python import PythonOperator
 from airflow.sdk import DAG, Asset, AssetAlias, Param, TaskGroup
 
-from relay import form, project
+from relay.airflow import form
 from relay.airflow.notifiers import RelayAlertNotifier
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.supervised import is_supervised, supervise_task, validate_task
 from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
-from relay.errors import SpecError
-from relay.plan import ChunkPlan
-from relay.spec import RunSpec, load_spec
+from relay.common import project
+from relay.common.errors import SpecError
+from relay.runs.plan import ChunkPlan
+from relay.runs.spec import RunSpec, load_spec
 
 log = logging.getLogger(__name__)
 
 
 def params_for(spec: RunSpec) -> dict[str, Param]:
-    """The trigger form: every field may be left empty (relay.form)."""
+    """The trigger form: every field may be left empty (relay.airflow.form)."""
     return {name: Param(field["default"], **{k: v for k, v in field.items() if k != "default"})
             for name, field in form.fields(spec).items()}
 

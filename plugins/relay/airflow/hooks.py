@@ -6,7 +6,7 @@ from functools import cached_property
 
 from airflow.sdk import BaseHook
 
-from relay.ray_jobs import RayJobs
+from relay.jobs.ray_jobs import RayJobs
 
 
 class RayJobsHook(BaseHook):
@@ -54,7 +54,7 @@ def checkpoint_store(spec, *, probe: bool = False):
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
     from botocore.config import Config
 
-    from relay.store import client_config, store_for_spec
+    from relay.s3.store import client_config, store_for_spec
 
     config = client_config()
     if probe:

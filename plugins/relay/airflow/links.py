@@ -64,8 +64,8 @@ class CheckpointLink(BaseOperatorLink):
     name = "Checkpoint"
 
     def get_link(self, operator, *, ti_key) -> str:
-        from relay.plan import ChunkPlan
-        from relay.spec import load_spec
+        from relay.runs.plan import ChunkPlan
+        from relay.runs.spec import load_spec
 
         run = _run_of(operator, ti_key)
         if not run:

@@ -24,11 +24,11 @@ from typing import Callable
 
 from airflow.sdk import BaseNotifier
 
+from relay.airflow.form import CHANNELS
 from relay.airflow.task_ids import RUN_TASK
 from relay.alerts import Alert, AlertLedger, kind_of
-from relay.errors import RelayError
-from relay.form import CHANNELS
-from relay.redaction import redact
+from relay.common.errors import RelayError
+from relay.common.redaction import redact
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Channels:
 
     @classmethod
     def of(cls, spec, params=None) -> Channels:
-        """The spec's channels, narrowed by a DAG run's Params (relay.form): alert_channels picks among
+        """The spec's channels, narrowed by a DAG run's Params (relay.airflow.form): alert_channels picks among
         them (absent: all of them; empty or null, as the form sends a cleared field: none), alert_emails
         replaces the spec's addresses (empty: the spec's; blank lines of the text box are ignored)."""
         params = params or {}
@@ -137,7 +137,7 @@ def last_valid(spec, run: str) -> tuple[int | None, str | None]:
     """The run's newest valid checkpoint and, when S3 holds it, its URI. Best effort: an alert about an
     unreachable S3 must still go out."""
     from relay.airflow.hooks import checkpoint_store
-    from relay.validate import latest_valid_step
+    from relay.checkpoints.validate import latest_valid_step
 
     try:
         step = latest_valid_step(spec.run_dir(run))
@@ -257,7 +257,7 @@ class RelayAlertNotifier(BaseNotifier):
         self.retry = retry
 
     def notify(self, context) -> None:
-        from relay.spec import load_spec
+        from relay.runs.spec import load_spec
 
         ti = context["ti"]
         spec = load_spec(self.spec_path, check_environment=False)

@@ -18,7 +18,7 @@ gate checks the step's folder, not that the tracker names it.
 from __future__ import annotations
 
 from relay.airflow.operators import RayChunkOperator, ValidateCheckpointOperator
-from relay.plan import ChunkPlan
+from relay.runs.plan import ChunkPlan
 
 SUPERVISE_TASK = "supervise"
 

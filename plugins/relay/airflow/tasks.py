@@ -9,11 +9,11 @@ from airflow.sdk.exceptions import AirflowFailException
 from relay.airflow.hooks import checkpoint_store
 from relay.airflow.notifiers import Channels, notify_error, notify_recovery, notify_use_frozen
 from relay.airflow.task_ids import RUN_TASK
-from relay.errors import RelayError
-from relay.metrics import read_events
-from relay.plan import ChunkPlan
-from relay.runs import prepare_run, run_state
-from relay.spec import load_spec
+from relay.common.errors import RelayError
+from relay.preflight.prepare import prepare_run, run_state
+from relay.runs.metrics import read_events
+from relay.runs.plan import ChunkPlan
+from relay.runs.spec import load_spec
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def run_spec(spec_path: str, context, run_from_task: str = RUN_TASK):
     the DAG run's logical date, and the training run's name."""
     from datetime import datetime
 
-    from relay.spec import dated
+    from relay.runs.spec import dated
 
     spec = load_spec(spec_path, check_environment=False)
     resolved = context["ti"].xcom_pull(task_ids=run_from_task)
@@ -50,7 +50,7 @@ def _who(context) -> str:
 
 def settings_guard(spec_path: str, **context) -> list[str]:
     """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded)."""
-    from relay.preflight import check_settings
+    from relay.preflight.checks import check_settings
 
     spec, run = run_spec(spec_path, context)
     try:
@@ -60,7 +60,7 @@ def settings_guard(spec_path: str, **context) -> list[str]:
         notify_error(context, spec, run, e, action="no chunk started; the run's checkpoints are untouched.")
         raise AirflowFailException(str(e)) from None
     if allowed:
-        from relay.preflight import publish_record
+        from relay.preflight.checks import publish_record
 
         publish_record(spec, run, checkpoint_store(spec))
         log.warning("run %s: drift allowed by allow_drift and recorded: %s", run, "; ".join(allowed))
@@ -72,7 +72,7 @@ def settings_guard(spec_path: str, **context) -> list[str]:
 
 def data_freeze(spec_path: str, **context) -> dict:
     """First chunk: check the data's quality, freeze it, record the settings. Later: guard the sources."""
-    from relay.preflight import prepare_data
+    from relay.preflight.checks import prepare_data
 
     spec, run = run_spec(spec_path, context)
     try:
@@ -97,7 +97,7 @@ def preflight(spec_path: str, **context) -> dict:
     A RelayError fails the task without retries: retrying a bad spec or an unconfirmed fresh start
     cannot help, and no chunk starts.
     """
-    from relay.spec import check_spec_environment, dated, dated_run_name
+    from relay.runs.spec import check_spec_environment, dated, dated_run_name
 
     params = context["params"]
     when = logical_date(context)
@@ -133,8 +133,8 @@ def _log_checklist(spec, run: str) -> None:
     """`python -m relay doctor`'s checklist, by the same code (cheap checkpoint level): what the next
     tasks enforce (settings, data), and what the chunks handle themselves (fallback, live jobs).
     Informational here: a check that cannot run is logged, never fails the task."""
-    from relay import doctor
     from relay.airflow.hooks import RayJobsHook
+    from relay.preflight import doctor
 
     try:
         findings = doctor.diagnose(spec, run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs,
@@ -163,8 +163,8 @@ def publish_report(spec, run: str, store, context) -> None:
     """The run report (plots, chunk table, fingerprints) beside the run, and beside its checkpoints in S3
     with a store; the task log names its page in the UI. A report that cannot be made never fails the
     task that asked for it."""
-    from relay import report
     from relay.airflow.links import report_page
+    from relay.report import run_report as report
 
     try:
         out = report.publish(spec, run, store)
@@ -181,7 +181,8 @@ def evaluate_published(spec_path: str, **context) -> list[dict]:
     import tempfile
     from pathlib import Path
 
-    from relay import layout, safeload
+    from relay.checkpoints import safeload
+    from relay.runs import layout
 
     spec = load_spec(spec_path, check_environment=False)
     store = checkpoint_store(spec)

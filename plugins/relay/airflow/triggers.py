@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from relay.alerts.stall import StallWatch
-from relay.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
+from relay.jobs.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
 
 FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  # a person's mark ends the task
 
@@ -154,7 +154,7 @@ class CheckpointTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from relay.layout import checkpoint_reached
+        from relay.runs.layout import checkpoint_reached
 
         while True:
             try:

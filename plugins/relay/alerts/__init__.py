@@ -1,7 +1,7 @@
 """Alerts: what a person is told when a run needs them (the record, its rendering, noise control, stalls).
 
 Plain Python: the channels that deliver an alert (Slack, SMTP, a JSON webhook) are Airflow provider
-hooks, in relay.airflow.notifiers.
+hooks, in relay.airflow.notifiers. May import every layer below it (common ... jobs).
 """
 
 from relay.alerts.alert import KINDS, Alert, kind_of

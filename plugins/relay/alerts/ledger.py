@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from relay import layout
 from relay.alerts.alert import Alert
-from relay.filelock import file_lock
+from relay.common.filelock import file_lock
+from relay.runs import layout
 
 VERSION = 1
 

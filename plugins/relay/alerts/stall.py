@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from relay.metrics import MetricsLog
-from relay.progress import STEP_LINE
+from relay.common.progress import STEP_LINE
+from relay.runs.metrics import MetricsLog
 
 
 def stall_limit_s(spec, run_dir: Path) -> float:

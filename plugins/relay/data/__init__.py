@@ -1,2 +1,5 @@
 """Training data: quality checks (great-expectations), content-addressed frozen copies, and what
-changed between a frozen copy and its source."""
+changed between a frozen copy and its source.
+
+May import relay.common and relay.runs.
+"""

@@ -9,7 +9,7 @@ import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from relay.errors import RelayError
+from relay.common.errors import RelayError
 
 BLOCK = 8 << 20
 

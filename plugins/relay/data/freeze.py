@@ -16,11 +16,11 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from relay import layout
+from relay.common.timestamps import utc_now
 from relay.data.diff import DataDiff, diff
 from relay.data.fingerprint import DataError, fingerprint, sha256_file
-from relay.record import read_record, update_record
-from relay.timestamps import utc_now
+from relay.runs import layout
+from relay.runs.record import read_record, update_record
 
 FROZEN_DIR = "data"
 

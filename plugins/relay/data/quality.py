@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from relay.common.errors import RelayError
 from relay.data.fingerprint import DataError
-from relay.errors import RelayError
 
 REQUIRED = ("data_source", "prompt", "reward_model.ground_truth", "extra_info.index")
 EXAMPLES = 5

@@ -1,61 +1,7 @@
-"""Trainer kinds. Each kind names its settings model (pydantic only) and its chunk function (heavy).
+"""The trainers: each kind's chunk function (the contract in contract.py), run inside a Ray job.
 
-Both are import paths, resolved lazily, so validating a spec never imports torch, verl or ray.
+What a kind is (its name, settings model and entry points, as import paths) lives in relay.runs.kinds,
+below the spec that names it, so that reading a spec never imports a trainer. A trainer may import
+every layer below it (common, runs, data, checkpoints, s3, preflight); only relay.jobs, the Airflow
+shell and the CLI import a trainer's contract, and the job entry point (relay.trainers.job) runs it.
 """
-
-from __future__ import annotations
-
-import importlib
-from dataclasses import dataclass
-from typing import Any, Callable
-
-
-@dataclass(frozen=True)
-class TrainerKind:
-    name: str
-    settings: str  # "module:Class" of the settings model
-    train_chunk: str  # "module:function" implementing the chunk contract (see contract.py)
-    description: str
-    smoke: str | None = None  # "module:function(spec, step_dir) -> str": a forward pass on a checkpoint
-    resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
-    job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
-
-    def settings_model(self) -> type:
-        return _load(self.settings)
-
-    def chunk_function(self) -> Callable[..., Any]:
-        return _load(self.train_chunk)
-
-    def smoke_function(self) -> Callable[..., str] | None:
-        return _load(self.smoke) if self.smoke else None
-
-    def resolved_settings(self, spec, train_rows: int | None = None) -> dict:
-        return _load(self.resolved)(spec, train_rows) if self.resolved else {}
-
-    def job_environment(self, req) -> dict[str, str]:
-        return _load(self.job_env)(req) if self.job_env else {}
-
-
-KINDS: dict[str, TrainerKind] = {
-    "tiny_grpo": TrainerKind(
-        name="tiny_grpo",
-        settings="relay.trainers.tiny_grpo.settings:TinyGRPOSettings",
-        train_chunk="relay.trainers.tiny_grpo.trainer:train_chunk",
-        description="a small, real GRPO trainer on CPU built from verl's parts (demo and CI)",
-        smoke="relay.trainers.tiny_grpo.trainer:smoke",
-        resolved="relay.trainers.tiny_grpo.trainer:resolved_settings",
-    ),
-    "verl_ppo": TrainerKind(
-        name="verl_ppo",
-        settings="relay.trainers.verl_ppo.settings:VerlPPOSettings",
-        train_chunk="relay.trainers.verl_ppo.trainer:train_chunk",
-        description="verl's main_ppo (v1 sync trainer) on a GPU Ray cluster, one chunk per job or one supervised job",
-        resolved="relay.trainers.verl_ppo.trainer:resolved_settings",
-        job_env="relay.trainers.verl_ppo.trainer:job_env",
-    ),
-}
-
-
-def _load(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)

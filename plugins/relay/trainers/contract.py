@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from relay.spec import RunSpec, spec_from_json
+from relay.runs.spec import RunSpec, spec_from_json
 
 ENV_VAR = "RELAY_CHUNK_REQUEST"
 
@@ -26,7 +26,7 @@ class ChunkRequest:
     attempt: str = "local"  # who is training: a Ray submission id, or local:<host>:<pid>
     lease_token: int | None = None  # None: take the lease in this process (the CLI)
     restore: bool = True  # with no valid local checkpoint, restore the newest published one (spec.s3)
-    incarnation: str | None = None  # the run's incarnation (relay.record): only its checkpoints are restored
+    incarnation: str | None = None  # the run's incarnation (relay.runs.record): only its checkpoints are restored
 
     @property
     def run_dir(self) -> Path:
@@ -59,6 +59,6 @@ class ChunkResult:
 
 def run_chunk(req: ChunkRequest) -> ChunkResult:
     """Dispatch a chunk to its trainer kind."""
-    from relay.trainers import KINDS
+    from relay.runs.kinds import KINDS
 
     return KINDS[req.spec.trainer.kind].chunk_function()(req)

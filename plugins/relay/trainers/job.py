@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from relay.errors import RelayError
+from relay.common.errors import RelayError
 from relay.trainers.contract import ChunkRequest, run_chunk
 
 

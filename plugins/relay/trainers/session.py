@@ -19,13 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from relay import layout
-from relay.errors import CheckpointError
-from relay.faultpoint import fault_point
-from relay.lease import Lease
-from relay.metrics import MetricsLog, record_event
-from relay.progress import PREFIX, step_line
-from relay.resume import find_resume_point
+from relay.checkpoints.resume import find_resume_point
+from relay.common.errors import CheckpointError
+from relay.common.faultpoint import fault_point
+from relay.common.progress import PREFIX, step_line
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import MetricsLog, record_event
 from relay.trainers.contract import ChunkRequest
 
 
@@ -61,8 +61,8 @@ class ChunkSession:
         """The run's incarnation: the request's (the DAG's and the CLI's, from the run record), which the
         folder's record must agree with; the folder's for a request without one. A folder without a record
         (a new host) restores only checkpoints of the request's incarnation."""
-        from relay.errors import RunError
-        from relay.record import folder_incarnation
+        from relay.common.errors import RunError
+        from relay.runs.record import folder_incarnation
 
         local = folder_incarnation(self.run_dir)
         if self.req.incarnation and local and local != self.req.incarnation:
@@ -87,7 +87,7 @@ class ChunkSession:
             return {"train": list(self.spec.data.train_files), "val": list(self.spec.data.val_files)}
         store = None
         if self.spec.s3 is not None and self.req.restore:
-            from relay.store import store_for_spec
+            from relay.s3.store import store_for_spec
 
             store = store_for_spec(self.spec)
         paths = verify_frozen(self.run_dir, files, store)
@@ -218,7 +218,7 @@ def restore_function(req: ChunkRequest, incarnation: str | None):
     otherwise, and for a run of unknown incarnation (a new folder: nothing published can be its own)."""
     if req.spec.s3 is None or not req.restore or not incarnation:
         return None
-    from relay.store import restore_for_resume
+    from relay.s3.restore import restore_for_resume
 
     return lambda run_dir, above=0: restore_for_resume(req.spec, req.run_name, run_dir, incarnation, above)
 

@@ -20,7 +20,7 @@ import random
 import time
 import warnings
 
-from relay import layout
+from relay.runs import layout
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession, pin_threads
 from relay.trainers.tiny_grpo import task
@@ -47,7 +47,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     _quiet_verl()
     spec = req.spec
     if spec.settings.world_size != 1:
-        from relay.errors import SpecError
+        from relay.common.errors import SpecError
 
         raise SpecError(spec.source, "trainer.settings.world_size",
                         f"the CPU trainer runs at world size 1, not {spec.settings.world_size}",
@@ -106,7 +106,8 @@ def smoke(spec, step_dir) -> str:
     """Load a checkpoint's weights (safely) into a fresh model; one forward pass on a fixed prompt."""
     import torch
 
-    from relay import layout, safeload
+    from relay.checkpoints import safeload
+    from relay.runs import layout
 
     world_size = len(list((step_dir / "actor").glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
@@ -266,7 +267,7 @@ class _TinyGRPO:
     # --------------------------------------------------------------------------------- checkpoints
     def save(self, folder, step: int) -> None:
         """verl's layout: actor/ via verl's FSDPCheckpointManager, then data.pt as verl's trainer saves it."""
-        from relay.faultpoint import fault_point
+        from relay.common.faultpoint import fault_point
 
         self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
         fault_point("mid_save", step)  # a test hook: a kill here leaves a half-written staging folder
@@ -278,7 +279,8 @@ class _TinyGRPO:
         from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
         from verl.utils.fsdp_utils import get_fsdp_state_ctx
 
-        from relay import layout, safeload
+        from relay.checkpoints import safeload
+        from relay.runs import layout
 
         actor = folder / "actor"
         name = lambda kind: actor / layout.shard_name(kind, 1, 0)  # noqa: E731

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from relay import layout
+from relay.runs import layout
 
 PAYLOAD_KEY = "relay_chunk"  # top-level key the driver adds to verl's config; the TaskRunner pops it
 
@@ -88,7 +88,7 @@ _CLASS = None
 
 def active_chunk() -> VerlChunk:
     if _ACTIVE is None:
-        from relay.errors import RelayError
+        from relay.common.errors import RelayError
 
         raise RelayError("RelayChunkTrainer was built without a chunk (install() was not called in this process)",
                          "run verl through relay.trainers.verl_ppo (the TaskRunner installs the chunk)")
@@ -141,13 +141,13 @@ def trainer_class():
         def _load_checkpoint(self):
             if self.relay.resume_step:
                 # verl's loader unpickles (weights_only=False): it reads only the bytes Relay validated.
-                from relay import layout
-                from relay.publication import unchanged_since_validation
+                from relay.checkpoints.manifest import unchanged_since_validation
+                from relay.runs import layout
 
                 unchanged_since_validation(layout.step_dir(self.relay.run_dir, self.relay.resume_step))
             super()._load_checkpoint()
             if self.global_steps != self.relay.resume_step:
-                from relay.errors import CheckpointError
+                from relay.common.errors import CheckpointError
 
                 raise CheckpointError(
                     f"verl resumed at step {self.global_steps}, but Relay validated step {self.relay.resume_step} "
@@ -210,7 +210,7 @@ def install(chunk: VerlChunk) -> type:
     from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from relay.trainers.verl_ppo.horizon import VerlContractError
+    from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
     cls = trainer_class()
     current = trainer_base.TRAINER_REGISTRY.get("sync")
@@ -279,8 +279,8 @@ def _say(msg: str) -> None:
 def _actor_session(chunk: VerlChunk):
     """The parts of ChunkSession the actor needs: the lease (held by the driver, checked here), the
     staged and fenced commit, metrics rows. No resume: the driver validated it already."""
-    from relay.lease import Lease
-    from relay.metrics import MetricsLog
+    from relay.runs.lease import Lease
+    from relay.runs.metrics import MetricsLog
     from relay.trainers.contract import ChunkRequest
     from relay.trainers.session import ChunkSession
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from relay.errors import RelayError
+from relay.common.errors import RelayError
 
 LOOP_BOUND = "loop_bound"  # total_training_steps = the run's total; the subclass lowers only the loop bound
 TOTAL_STEPS = "total_steps"  # total_training_steps = the chunk's end (horizon-independent schedules only)
@@ -32,12 +32,6 @@ TOTAL_STEPS = "total_steps"  # total_training_steps = the chunk's end (horizon-i
 
 class HorizonError(RelayError):
     """A chunk cannot keep the run's LR-schedule horizon: refused before any GPU time."""
-
-    exit_code = 2
-
-
-class VerlContractError(RelayError):
-    """verl's trainer lookup changed: Relay cannot put its chunk trainer where verl looks for it."""
 
     exit_code = 2
 
@@ -71,7 +65,7 @@ def registry_problems() -> list[str]:
     try:
         from pathlib import Path
 
-        from relay.trainers.verl_ppo.runner import original_class
+        from relay.trainers.verl_ppo.verl_contract import original_class
 
         runner = original_class(main_ppo.TaskRunnerV1)
         # The file's text, not inspect.getsource: once Ray has pickled the class by value, inspect may

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relay import layout, manifest
-from relay.errors import CheckpointError, SpecError
-from relay.metrics import record_event
-from relay.timestamps import utc_stamp
+from relay.checkpoints import manifest
+from relay.common.errors import CheckpointError, SpecError
+from relay.common.timestamps import utc_stamp
+from relay.runs import layout
+from relay.runs.metrics import record_event
 from relay.trainers.verl_ppo.chunk_trainer import ROLLOUT_STATE
 
 ASIDE = "rollout_state"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from relay.errors import SpecError
+from relay.common.errors import SpecError
 
 ADDED_KEYS = ("ray_kwargs.ray_init.address",)  # the only '+' overrides: not in verl's yaml, their parent is
 

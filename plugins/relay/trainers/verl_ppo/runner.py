@@ -9,17 +9,10 @@ Everything else is verl's run(); verl's run_ppo() takes the runner class as a pa
 
 from __future__ import annotations
 
+from relay.trainers.verl_ppo.verl_contract import original_class
+
 _PLAIN = None
 _REMOTE = None
-
-
-def original_class(actor_class) -> type:
-    """The plain class under a @ray.remote actor class (Ray keeps it as __ray_actor_class__)."""
-    modified = actor_class.__ray_metadata__.modified_class
-    cls = getattr(modified, "__ray_actor_class__", None)
-    if not isinstance(cls, type) or not callable(getattr(cls, "run", None)):
-        raise TypeError(f"{actor_class!r} does not wrap a class with run()")
-    return cls
 
 
 def relay_task_runner() -> type:
@@ -39,7 +32,7 @@ def relay_task_runner() -> type:
 
             chunk = chunk_trainer.detach(config)
             if chunk is None:
-                from relay.errors import RelayError
+                from relay.common.errors import RelayError
 
                 raise RelayError("verl's config carries no Relay chunk", "start main_ppo through Relay's entrypoint")
             chunk_trainer.install(chunk)

@@ -19,7 +19,7 @@ import json
 import re
 from pathlib import Path
 
-from relay import layout
+from relay.runs import layout
 
 RECORD = "tracking.json"
 
@@ -34,7 +34,7 @@ def experiment_name(spec, run_name: str) -> str:
 
 def wandb_run_id(spec, run_name: str, run_dir: Path) -> str:
     """Stable for a training run; another after a fresh start (the run record is new then)."""
-    from relay.record import read_record
+    from relay.runs.record import read_record
 
     created = read_record(run_dir).get("created", "")
     digest = hashlib.sha256(f"{spec.name}/{run_name}/{created}".encode()).hexdigest()[:12]

@@ -26,9 +26,9 @@ import socket
 import threading
 import time
 
-from relay import layout
-from relay.errors import CheckpointError, RelayError
-from relay.progress import step_line
+from relay.common.errors import CheckpointError, RelayError
+from relay.common.progress import step_line
+from relay.runs import layout
 from relay.trainers.contract import ChunkRequest, ChunkResult
 
 
@@ -64,11 +64,11 @@ def tracking_env(req: ChunkRequest) -> dict[str, str]:
 
 
 def train_chunk(req: ChunkRequest) -> ChunkResult:
-    from relay import manifest
-    from relay.lease import Lease
+    from relay.checkpoints import manifest
+    from relay.checkpoints.validate import write_manifest
+    from relay.runs.lease import Lease
     from relay.trainers.session import ChunkSession
-    from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides
-    from relay.validate import write_manifest
+    from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides, verl_contract
 
     spec = req.spec
     s = spec.settings
@@ -94,8 +94,8 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
 
     problems = horizon.registry_problems()
     if problems:
-        raise horizon.VerlContractError("Relay cannot install its chunk trainer where verl looks for it: "
-                                        + "; ".join(problems), "pin verl 0.9.1 in the cluster image")
+        raise verl_contract.VerlContractError("Relay cannot install its chunk trainer where verl looks for it: "
+                                                      + "; ".join(problems), "pin verl 0.9.1 in the cluster image")
     strategy = horizon.LOOP_BOUND if s.mode == "supervised" else horizon.chunk_strategy(spec)
     if strategy != horizon.LOOP_BOUND:
         session.say(f"verl's loop bound cannot be lowered safely here; the schedule "
@@ -155,7 +155,7 @@ class ProgressWatcher:
     """Print `[relay] step N/T ...` for every metrics row the actor writes (the stall watch reads these)."""
 
     def __init__(self, session, start: int, end: int, poll_s: float = 2.0):
-        from relay.metrics import MetricsLog
+        from relay.runs.metrics import MetricsLog
 
         self.session, self.last, self.end, self.poll_s = session, start, end, poll_s
         self.metrics = MetricsLog(session.run_dir)

@@ -1,0 +1,110 @@
+"""Retention across processes and chunks, as a separate step after each publication.
+
+verl remembers what to rotate only in memory, so checkpoints from earlier chunks are never deleted
+and the disk fills. Relay decides from what is on disk and in S3:
+
+- locally: keep the newest `keep_local` checkpoints that were validated and published; never a
+  checkpoint that is not yet published;
+- in S3: keep the newest `keep_published`, plus every milestone;
+- never the latest valid checkpoint, never a milestone;
+- the decision is written (retention.json) before anything is deleted; S3 deletions wait
+  `delete_grace_minutes`, so a reader in the middle of a download is not cut off;
+- what was set aside (superseded attempts, quarantined checkpoints, verl's rollout state, older Hugging
+  Face exports) goes once S3 holds a whole copy of its step: never the only copy of anything.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+from relay.checkpoints import manifest
+from relay.common.timestamps import utc_now
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import record_event
+
+STATE = "retention.json"
+VERSION = 1
+
+
+def apply_local(run_dir: Path, policy, total_steps: int, published: set[int]) -> list[int]:
+    """Delete local checkpoints beyond keep_local, and leftovers that are no longer the only copy of
+    anything (leftovers()); returns the checkpoint steps deleted. Under the run's lock: a trainer's commit
+    or a gate's quarantine waits for it, and it for them."""
+    run_dir = Path(run_dir)
+    with Lease(run_dir).locked("applying local retention"):
+        tracker = layout.read_tracker(run_dir)
+        dirs = layout.step_dirs(run_dir)
+        real = [s for s, p in dirs.items() if not layout.is_rotation_leftover(p)]
+        done = [s for s in real if s in published and (dirs[s] / manifest.NAME).is_file()]
+        keep = set(done[-policy.keep_local:]) | {tracker} | {s for s in real if s not in published}
+        keep |= {s for s in real if policy.is_milestone(s, total_steps)}
+        delete = [s for s in done if s not in keep]
+        # verl's rotation leftovers (an empty folder, or data.pt alone) below the tracker are not checkpoints.
+        rotation = [s for s, p in dirs.items() if layout.is_rotation_leftover(p) and tracker and s < tracker]
+        aside = leftovers(run_dir, published)
+        if not (delete or rotation or aside):
+            return []
+        layout.atomic_write_json(layout.relay_dir(run_dir, STATE), {
+            "version": VERSION, "decided_at": _now(), "keep_local": policy.keep_local, "kept": sorted(keep - {None}),
+            "deleting": delete, "leftovers": rotation, "aside": [str(p.relative_to(run_dir)) for p in aside]})
+        for path in [dirs[s] for s in delete + rotation] + aside:
+            shutil.rmtree(path, ignore_errors=True)
+    if delete or aside:
+        record_event(run_dir, "retention", where="local", deleted=delete,
+                     aside=[str(p.relative_to(run_dir)) for p in aside])
+    return delete
+
+
+ASIDE_STEP = re.compile(r"global_step_([0-9]{1,18})(\.|\Z)")
+
+
+def leftovers(run_dir: Path, published: set[int]) -> list[Path]:
+    """What Relay and verl set aside that may go, because S3 holds a whole copy of the step it came from:
+    .relay/superseded/ (a killed attempt's renamed folder, or a local copy a restore replaced),
+    .relay/quarantine/ (an invalid checkpoint; its .report.json stays), .relay/rollout_state/ (verl's
+    rollout-engine state moved out of a step folder), and hf/ exports but the newest (verl's model
+    merger rebuilds any from its published checkpoint). Nothing here is ever the only copy of a step."""
+    out = []
+    for corner in ("superseded", "quarantine", "rollout_state"):
+        folder = layout.relay_dir(run_dir, corner)
+        for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+            m = ASIDE_STEP.match(p.name)
+            if p.is_dir() and m and int(m.group(1)) in published:
+                out.append(p)
+    hf = {int(m.group(1)): p for p in sorted((Path(run_dir) / layout.HF_DIR).glob("global_step_*"))
+          if (m := ASIDE_STEP.match(p.name)) and p.is_dir()}
+    out += [p for s, p in hf.items() if s in published and s < max(hf)]
+    return out
+
+
+def apply_published(store, run: str, policy, total_steps: int, now: float | None = None) -> dict:
+    """Mark published checkpoints beyond keep_published for deletion; delete those past their grace."""
+    now = time.time() if now is None else now
+    key = store.run_key(run, STATE)
+    state = store.get_json(key) or {"version": VERSION, "pending": {}}
+    published = [m.step for m in store.published(run)]
+    latest = (store.latest(run) or {}).get("step")
+    keep = set(published[-policy.keep_published:]) | {latest}
+    keep |= {s for s in published if policy.is_milestone(s, total_steps)}
+    pending = {k: v for k, v in state.get("pending", {}).items() if int(k) not in keep and int(k) in published}
+    for s in published:
+        if s not in keep:
+            pending.setdefault(str(s), now)
+    due = sorted(int(k) for k, t in pending.items() if now - t >= policy.delete_grace_minutes * 60)
+    state = {"version": VERSION, "decided_at": _now(), "keep_published": policy.keep_published,
+             "kept": sorted(s for s in keep if s is not None), "pending": pending, "deleting": due}
+    store.put_json(key, state)  # the decision is recorded before anything is deleted
+    for s in due:
+        store.delete_checkpoint(run, s)
+        pending.pop(str(s), None)
+    if due:
+        store.put_json(key, dict(state, pending=pending, deleting=[], deleted=due))
+    return {"deleted": due, "pending": sorted(int(k) for k in pending), "kept": state["kept"]}
+
+
+def _now() -> str:
+    return utc_now()

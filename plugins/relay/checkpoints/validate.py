@@ -1,0 +1,371 @@
+"""Checkpoint validation in named levels, producing a structured CheckReport.
+
+No checkpoint is resumed from, published or called latest until it has been proven whole:
+
+- structure: the tracker parses; global_step_N exists and is not a rotation leftover; every file
+  the layout requires is present and non-empty for the world size that the shard names and
+  fsdp_config.json record (model, optim, extra_state per rank; data.pt; huggingface/config.json;
+  critic/ when the algorithm has one).
+- consistency: the tracker, the folder name and the expected chunk end agree; the world size is
+  the one of the run's earlier checkpoints.
+- integrity: every .pt passes its zip CRC32; when a manifest exists, every file still has the
+  size and CRC64NVME it recorded (so a file cannot change between validation and use).
+- loadability: every .pt loads through the safe loader (weights_only, mmap).
+- numerics: model and optimizer tensors are finite; parameter names and shapes match the run's
+  previous valid checkpoint.
+- smoke (optional): a trainer-provided forward pass on a fixed prompt gives finite logits.
+
+Each file is read once for integrity and loadability; files are checked two at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from relay.checkpoints import integrity, manifest
+from relay.common.errors import CheckpointError
+from relay.runs import layout
+from relay.runs.record import LEGACY_INCARNATION, folder_incarnation
+
+LEVELS = ("structure", "consistency", "integrity", "loadability", "numerics", "smoke")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class CheckReport:
+    run_dir: str
+    step: int | None
+    checks: list[Check] = field(default_factory=list)
+    world_size: int | None = None
+    fsdp_version: int | None = None
+    files: dict[str, dict] = field(default_factory=dict)
+    params: dict[str, list] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> Check | None:
+        return next((c for c in self.checks if not c.ok), None)
+
+    def add(self, name: str, ok: bool, detail: str) -> bool:
+        self.checks.append(Check(name, ok, detail))
+        return ok
+
+    @property
+    def path(self) -> str:
+        return str(layout.step_dir(Path(self.run_dir), self.step)) if self.step is not None else self.run_dir
+
+    def summary(self) -> str:
+        head = f"checkpoint {self.path}: {'VALID' if self.ok else 'INVALID'}"
+        return "\n".join([head] + [f"  {'✔' if c.ok else '✘'} {c.name}: {c.detail}" for c in self.checks])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("files")
+        d.pop("params")
+        return dict(d, ok=self.ok, path=self.path)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def validate_checkpoint(run_dir: Path, step: int | None = None, *, expected_step: int | None = None,
+                        upto: str = "numerics", expect_critic: bool | None = None,
+                        smoke: Callable[[Path], str] | None = None) -> CheckReport:
+    """Validate global_step_<step> of a run (default: the step the tracker names), level by level up
+    to `upto` (then smoke, if given). upto="consistency" reads no file: cheap enough for a
+    scheduler-side "is this chunk done?" question; "integrity" reads every byte but unpickles nothing.
+    """
+    depth = LEVELS.index(upto)
+    run_dir = Path(run_dir)
+    report = CheckReport(str(run_dir), step)
+    try:
+        tracker = layout.read_tracker(run_dir)
+    except CheckpointError as e:
+        tracker = None
+        if step is None:
+            report.add("structure", False, e.what)
+            return report
+    if step is None:
+        if tracker is None:
+            report.add("structure", False, f"no tracker ({layout.TRACKER}) in {run_dir}")
+            return report
+        step = report.step = tracker
+    ckpt = layout.step_dir(run_dir, step)
+    if not _structure(report, ckpt, expect_critic):
+        return report
+    if not _consistency(report, run_dir, step, tracker, expected_step):
+        return report
+    if depth <= LEVELS.index("consistency"):
+        return report
+    load = depth >= LEVELS.index("loadability")
+    if not _integrity_and_loading(report, ckpt, load):
+        return report
+    if depth >= LEVELS.index("numerics") and not _compare_with_previous(report, run_dir, step):
+        return report
+    if smoke is not None:
+        try:
+            report.add("smoke", True, smoke(ckpt))
+        except Exception as e:  # a failed forward pass, whatever it raised, makes the checkpoint invalid
+            report.add("smoke", False, f"forward pass failed: {e}")
+    return report
+
+
+# --------------------------------------------------------------------------------- structure
+
+def _structure(report: CheckReport, ckpt: Path, expect_critic: bool | None) -> bool:
+    if not ckpt.is_dir():
+        return report.add("structure", False, f"{ckpt.name} does not exist")
+    if layout.is_rotation_leftover(ckpt):
+        return report.add("structure", False, f"{ckpt.name} is a rotation leftover (no actor/), not a checkpoint")
+    missing: list[str] = []
+    for role in layout.ROLES:
+        role_dir = ckpt / role
+        if role == "critic" and not role_dir.exists():
+            if expect_critic:
+                missing.append("critic/ (the algorithm has a critic)")
+            continue
+        try:
+            cfg = layout.read_fsdp_config(role_dir)
+        except CheckpointError as e:
+            return report.add("structure", False, e.what)
+        if cfg is None:
+            missing.append(f"{role}/fsdp_config.json")
+            continue
+        ws = int(cfg.get("world_size", 0))
+        if role == "actor":
+            report.world_size, report.fsdp_version = ws, cfg.get("FSDP_version")
+        named = {int(m.group(2)) for p in role_dir.iterdir() if (m := layout.SHARD.match(p.name))}
+        if named - {ws}:
+            return report.add("structure", False,
+                              f"{role}/ shards name world size {sorted(named)}, fsdp_config.json records {ws}")
+        for rank in range(ws):
+            for kind in layout.SHARD_KINDS:
+                f = role_dir / layout.shard_name(kind, ws, rank)
+                if not f.is_file() or f.stat().st_size == 0:
+                    missing.append(f"{role}/{f.name}" + (" (empty)" if f.is_file() else ""))
+        hf = role_dir / "huggingface" / "config.json"
+        if not hf.is_file() or hf.stat().st_size == 0:
+            missing.append(f"{role}/huggingface/config.json")
+    data = ckpt / "data.pt"
+    if not data.is_file() or data.stat().st_size == 0:
+        missing.append("data.pt" + (" (empty)" if data.is_file() else ""))
+    if missing:
+        return report.add("structure", False, f"{ckpt.name} is missing: {', '.join(missing)}")
+    return report.add("structure", True, f"complete for world size {report.world_size} (FSDP{report.fsdp_version})")
+
+
+# ------------------------------------------------------------------------------- consistency
+
+def earlier_world_size(run_dir: Path, step: int) -> tuple[int, int] | None:
+    """(step, world size) of the run's newest earlier checkpoint, from its manifest or fsdp_config.json."""
+    for s, path in sorted(layout.step_dirs(run_dir).items(), reverse=True):
+        if s >= step or layout.is_rotation_leftover(path):
+            continue
+        try:
+            m = manifest.read(path)
+            if m is not None:
+                return s, m.world_size
+            cfg = layout.read_fsdp_config(path / "actor")
+        except CheckpointError:
+            continue
+        if cfg:
+            return s, int(cfg.get("world_size", 0))
+    return None
+
+
+def _consistency(report: CheckReport, run_dir: Path, step: int, tracker: int | None,
+                 expected_step: int | None) -> bool:
+    if expected_step is not None and step != expected_step:
+        return report.add("consistency", False, f"checkpoint step {step}, but the chunk ends at step {expected_step}")
+    if expected_step is not None and tracker != expected_step:
+        return report.add("consistency", False,
+                          f"the tracker names step {tracker}, but the chunk's checkpoint is step {expected_step}")
+    earlier = earlier_world_size(run_dir, step)
+    if earlier and earlier[1] != report.world_size:
+        return report.add("consistency", False,
+                          f"world size {report.world_size}, but the run's earlier checkpoint (step {earlier[0]}) "
+                          f"has world size {earlier[1]}: resuming would silently re-shard or fail")
+    agree = f"tracker {tracker}, folder global_step_{step}" + (f", chunk end {expected_step}" if expected_step else "")
+    return report.add("consistency", True, agree + (f"; world size as at step {earlier[0]}" if earlier else ""))
+
+
+# ------------------------------------------------------- integrity, loadability and numerics
+
+@dataclass
+class _FileResult:
+    rel: str
+    scan: integrity.FileScan
+    load_error: str | None = None
+    nonfinite: str | None = None
+    params: dict[str, list] | None = None
+
+
+def _tensors(obj: Any, prefix: str = ""):
+    """(name, local tensor) pairs of a loaded object: DTensors' local parts, ShardedTensor shards."""
+    import torch
+
+    from relay.checkpoints.safeload import is_sharded_record
+
+    if is_sharded_record(obj):
+        for i, shard in enumerate(obj.local_shards):
+            yield f"{prefix}[shard {i}]", shard.tensor
+    elif isinstance(obj, torch.Tensor):
+        yield prefix, obj.to_local() if hasattr(obj, "to_local") else obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}[{i}]")
+
+
+def _global_shape(value: Any) -> list:
+    from relay.checkpoints.safeload import is_sharded_record
+
+    shape = value.global_shape if is_sharded_record(value) else tuple(value.shape)
+    return [int(x) for x in shape] + [str(value.dtype).removeprefix("torch.")]
+
+
+def _check_file(ckpt: Path, rel: str, load: bool) -> _FileResult:
+    import torch
+
+    from relay.checkpoints import safeload
+
+    path = ckpt / rel
+    res = _FileResult(rel, integrity.scan(path))
+    if res.scan.problem or path.suffix != ".pt" or not load:
+        return res
+    try:
+        obj = safeload.load(path, mmap=True)
+    except CheckpointError as e:
+        res.load_error = e.what
+        return res
+    if layout.SHARD.match(path.name) and not path.name.startswith("extra_state"):
+        for name, t in _tensors(obj):
+            # A sum is NaN/Inf when any element is (one fast reduction, no mask); a sum that overflows
+            # on finite values is told apart by the exact elementwise check.
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.sum())) \
+                    and not bool(torch.isfinite(t).all()):
+                res.nonfinite = f"{rel}: {name} holds NaN or Inf"
+                break
+    if path.name.startswith("model_world_size_") and path.name.endswith("_rank_0.pt") and isinstance(obj, dict):
+        res.params = {k: _global_shape(v) for k, v in obj.items() if hasattr(v, "dtype")}
+    return res
+
+
+def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool) -> bool:
+    recorded = manifest.read(ckpt)
+    rels = manifest.checkpoint_files(ckpt)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda r: _check_file(ckpt, r, load), rels))
+    report.files = {r.rel: {"size": r.scan.size, "crc64nvme": r.scan.crc64nvme} for r in results}
+    bad = next((r for r in results if r.scan.problem), None)
+    if bad:
+        return report.add("integrity", False, f"{bad.rel}: {bad.scan.problem}")
+    if recorded is not None:
+        if set(recorded.files) != set(report.files):
+            diff = sorted(set(recorded.files) ^ set(report.files))
+            return report.add("integrity", False, f"files differ from the manifest: {', '.join(diff)}")
+        changed = [rel for rel, f in report.files.items() if recorded.files[rel] != f]
+        if changed:
+            return report.add("integrity", False,
+                              f"changed since validation (size or CRC64NVME differs from the manifest): "
+                              f"{', '.join(changed)}")
+    total = sum(f["size"] for f in report.files.values())
+    report.add("integrity", True, f"{len(results)} files, {total} bytes: zip CRCs pass"
+               + ("; checksums match the manifest" if recorded else ""))
+    if not load:
+        return True
+    unloadable = next((r for r in results if r.load_error), None)
+    if unloadable:
+        return report.add("loadability", False, unloadable.load_error)
+    n_pt = sum(1 for r in results if r.rel.endswith(".pt"))
+    report.add("loadability", True, f"{n_pt} .pt files load with weights_only (mmap), nothing unsafe")
+    nonfinite = next((r for r in results if r.nonfinite), None)
+    if nonfinite:
+        return report.add("numerics", False, nonfinite.nonfinite)
+    report.params = next((r.params for r in results if r.params), {})
+    return True
+
+
+def _compare_with_previous(report: CheckReport, run_dir: Path, step: int) -> bool:
+    previous = None
+    for s, path in sorted(layout.step_dirs(run_dir).items(), reverse=True):
+        if s < step:
+            try:
+                previous = manifest.read(path)
+            except CheckpointError:
+                continue
+            if previous is not None:
+                break
+    if previous is not None and previous.params and report.params != previous.params:
+        names_a, names_b = set(previous.params), set(report.params)
+        if names_a != names_b:
+            detail = f"parameter names differ from step {previous.step}: {sorted(names_a ^ names_b)[:5]}"
+        else:
+            k = next(k for k in names_a if previous.params[k] != report.params[k])
+            detail = f"{k} has shape {report.params[k]}, at step {previous.step} it had {previous.params[k]}"
+        return report.add("numerics", False, detail)
+    against = f"; {len(report.params)} parameters match step {previous.step}" if previous else ""
+    return report.add("numerics", True, f"model and optimizer tensors are finite{against}")
+
+
+def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | None = None) -> manifest.Manifest:
+    """Record a valid checkpoint's manifest in its folder, with the incarnation of the run that folder holds."""
+    if not report.ok:
+        raise CheckpointError(f"refusing to write a manifest for an invalid checkpoint: {report.failed.detail}")
+    m = manifest.Manifest(run=run, step=report.step, world_size=report.world_size,
+                          fsdp_version=report.fsdp_version, files=report.files, params=report.params,
+                          settings_fingerprint=settings_fingerprint, verl_version=manifest.verl_version(),
+                          checks=[c.name for c in report.checks],
+                          incarnation=folder_incarnation(Path(report.run_dir)) or LEGACY_INCARNATION)
+    m.write(layout.step_dir(Path(report.run_dir), report.step))
+    return m
+
+
+def latest_valid_step(run_dir: Path) -> int | None:
+    """The step the tracker names if that checkpoint is structurally whole; None for a fresh run.
+
+    Cheap (no file is read). Raises CheckpointError when the run has checkpoints but the tracker's
+    is missing or broken: a run must never silently start again at step 0.
+    """
+    run_dir = Path(run_dir)
+    step = layout.read_tracker(run_dir)
+    if step is None:
+        real = [s for s, p in layout.step_dirs(run_dir).items() if not layout.is_rotation_leftover(p)]
+        if real:
+            raise CheckpointError(
+                f"{run_dir} holds checkpoints (steps {real}) but no tracker ({layout.TRACKER})",
+                f"run `python -m relay checkpoint validate {run_dir} --step {max(real)}`, and if it is valid "
+                f"write {max(real)} into {layout.TRACKER}",
+            )
+        return None
+    report = validate_checkpoint(run_dir, step, upto="consistency")
+    if not report.ok:
+        raise CheckpointError(
+            f"the tracker of {run_dir} names step {step}, which is not a valid checkpoint: {report.failed.detail}",
+            f"run `python -m relay checkpoint validate {run_dir}` and point the tracker at the newest valid step",
+        )
+    return step
+
+
+def latest_step_or_problem(run_dir: Path) -> tuple[int | None, str | None]:
+    """latest_valid_step for planning: (step, None), or (None, what is wrong) when the tracker's
+    checkpoint is broken. The chunk's trainer then quarantines it and falls back (resume.py)."""
+    try:
+        return latest_valid_step(run_dir), None
+    except CheckpointError as e:
+        return None, e.what

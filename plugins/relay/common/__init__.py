@@ -1,0 +1,5 @@
+"""Shared vocabulary every layer uses: errors (each says what to do), secret redaction, UTC timestamps,
+file locks, fault points for the fault tests, the project's folders, and the per-step progress line.
+
+The lowest layer: imports nothing of Relay's outside this folder.
+"""

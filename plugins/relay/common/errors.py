@@ -1,0 +1,55 @@
+"""Relay's errors. Each one says what failed and what to do next."""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Base class: `what` failed; `fix` tells a person what to do about it."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, fix: str | None = None):
+        from relay.common.redaction import redact  # a registered secret that a message carries shows as ***
+
+        self.what = what = redact(what)
+        self.fix = fix = redact(fix) if fix else fix
+        super().__init__(what if not fix else f"{what}\n  What to do: {fix}")
+
+
+class SpecError(RelayError):
+    """A run spec is malformed or cannot be run. `key` names the offending key (dotted)."""
+
+    exit_code = 2
+
+    def __init__(self, source: str, key: str, problem: str, fix: str | None = None):
+        self.source = source
+        self.key = key
+        self.problem = problem
+        where = f"{source}: key '{key}'" if key else source
+        super().__init__(f"run spec {where}: {problem}", fix)
+
+
+class RunError(RelayError):
+    """A training run cannot be started or continued as asked (bad name, unguarded fresh start...)."""
+
+
+class CheckpointError(RelayError):
+    """A checkpoint is missing, incomplete or inconsistent."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would need arbitrary code to load; nothing in it was executed."""
+
+
+class StoreError(RelayError):
+    """S3 is unreachable or refused a request; nothing already saved is lost."""
+
+
+class LeaseLost(RelayError):
+    """Another attempt of this run holds the lease: this process must not write."""
+
+    exit_code = 3
+
+
+class RayJobError(RelayError):
+    """The Ray cluster is unreachable, or a chunk's job failed."""

@@ -1,0 +1,75 @@
+"""Fault points: where the fault suite (tests/faults/) makes a process pause, so that its kill, a
+stopped server or a full disk lands exactly there, or where a drill (the demo's provoked resume) makes
+a trainer crash. Off unless RELAY_FAULT_PAUSE_AT or RELAY_FAULT_KILL_AT is set."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
+KILL_ENV = "RELAY_FAULT_KILL_AT"  # <phase>@<step>: the process SIGKILLs itself there (a crash, an OOM kill)
+# The trainer's points, in the order a step reaches them (the kill matrix draws from these). A publish
+# has one more: publish_files, its files uploaded, its manifest and `latest` not yet.
+FAULT_PHASES = ("after_step", "mid_save", "before_fsync", "before_rename", "after_rename", "after_tracker")
+
+
+def fault_point(phase: str, step: int) -> None:
+    """A test hook. With RELAY_FAULT_PAUSE_AT=<phase>@<step> (or just <phase>) in the environment, print a
+    marker line and sleep here (RELAY_FAULT_PAUSE_S, default 600 s), so that a fault test's SIGKILL lands
+    exactly at this point: after a step's row, inside a checkpoint's save (mid_save), before its fsync,
+    before or after its rename, after its tracker write. With RELAY_FAULT_ONCE=<file> as well, only the
+    first process to get here pauses (it creates <file>, holding its pid: later attempts of a chunk, which
+    share the job's environment, go on), and the pause ends early once <file>.go exists, so a test can let
+    the process continue after it has done its part (stopped a server, filled a disk, moved a lease).
+    With RELAY_FAULT_KILL_AT=<phase>@<step> instead, the process SIGKILLs itself there, as a crash or
+    an OOM kill would: nothing is saved on the way out (RELAY_FAULT_ONCE works alike). Without either
+    variable: two dict lookups."""
+    if _armed(KILL_ENV, phase, step):
+        print(f"[relay-fault] killed at {phase} step {step} pid {os.getpid()}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if not _armed(FAULT_ENV, phase, step):
+        return
+    once = os.environ.get("RELAY_FAULT_ONCE")
+    print(f"[relay-fault] paused at {phase} step {step} pid {os.getpid()}", flush=True)
+    deadline = time.time() + float(os.environ.get("RELAY_FAULT_PAUSE_S", "600"))
+    go = Path(f"{once}.go") if once else None
+    while time.time() < deadline and not (go and go.exists()):
+        time.sleep(0.05)
+
+
+def _armed(var: str, phase: str, step: int) -> bool:
+    """Whether `var` names this point, and (with RELAY_FAULT_ONCE) this is the first process to reach it."""
+    want = os.environ.get(var)
+    if not want:
+        return False
+    name, _, at = want.partition("@")
+    if name != phase or (at and at != str(step)):
+        return False
+    once = os.environ.get("RELAY_FAULT_ONCE")
+    if once:
+        try:
+            fd = os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+    return True
+
+
+def drill_env(drill: dict, once_file: Path) -> dict[str, str]:
+    """A drill asked for in a DAG run's conf ({"relay_fault": {"kill_at": "after_step@34"}}): the job
+    environment that arms it, once per DAG run and chunk (the demo's provoked resume; a team's own
+    rehearsal of a crash). Bad input is an error that says what is accepted."""
+    from relay.common.errors import RelayError
+
+    kill_at = drill.get("kill_at") if isinstance(drill, dict) else None
+    phase, _, step = str(kill_at).partition("@")
+    if set(drill or {}) != {"kill_at"} or phase not in FAULT_PHASES or not step.isdigit():
+        raise RelayError(f"conf relay_fault {str(drill)[:80]!r} is not a drill Relay runs",
+                         f"give {{\"kill_at\": \"<phase>@<step>\"}} with a phase among {', '.join(FAULT_PHASES)}, "
+                         "e.g. {\"kill_at\": \"after_step@34\"}")
+    once_file.parent.mkdir(parents=True, exist_ok=True)
+    return {KILL_ENV: f"{phase}@{int(step)}", "RELAY_FAULT_ONCE": str(once_file)}

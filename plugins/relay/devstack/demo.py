@@ -1,0 +1,121 @@
+"""The local demo: start the stack, trigger the demo spec's DAG like the UI does, with a crash drill that
+kills chunk 2's trainer once mid-chunk to show the resume, wait for the run, and say where everything
+is. It exits non-zero when the run fails or no retry resumed chunk 2 from its start step."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from relay.common.project import root
+from relay.devstack import stack
+from relay.devstack.airflow_api import AirflowAPI
+from relay.runs.metrics import read_events, read_jsonl
+from relay.runs.spec import load_spec
+
+DEMO_SPEC = "include/runs/demo.yaml"
+
+
+def say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: float = 1200) -> int:
+    spec = load_spec(root() / DEMO_SPEC)
+    run_name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = spec.run_dir(run_name)
+    kill_at = spec.chunk_steps + spec.chunk_steps // 2  # the middle of chunk 2
+    say("starting the local stack: S3 (SeaweedFS), Ray head, Airflow (api-server, scheduler, dag-processor, "
+        "triggerer)")
+    info = stack.up(with_airflow=True)
+    try:
+        say(f"Airflow UI: {info['airflow']}  (user {info['user']}, password {info['password']})")
+        say(f"Ray dashboard: {info['ray']}")
+        api = AirflowAPI(info["airflow"], info["user"], info["password"])
+        api.wait_for_dag(spec.dag_id)
+        conf = {"run": run_name}
+        if provoke_resume:
+            # A crash drill: chunk 2's trainer SIGKILLs itself right after step kill_at, on its first attempt
+            # only, before it saves (a graceful stop would save first); Airflow's retry resumes it.
+            conf["relay_fault"] = {"kill_at": f"after_step@{kill_at}"}
+            say(f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): Airflow's "
+                f"retry resumes it from its latest checkpoint, step {spec.chunk_steps}")
+        dag_run = api.trigger(spec.dag_id, conf)
+        say(f"triggered {spec.dag_id}, DAG run {dag_run['dag_run_id']}, training run {run_name}")
+        state = _follow(api, spec, dag_run["dag_run_id"], run_dir, timeout_s)
+        _summary(spec, run_dir, state)
+        if state != "success":
+            return 1
+        if provoke_resume and not _resumed_chunk_2(spec, run_dir, kill_at):
+            return 1
+        return 0
+    finally:
+        if keep_running:
+            say("the stack keeps running; stop it with `.venv/bin/python -m relay stack down`")
+        else:
+            say("stopping the local stack (after the DAG runs that the run's publications triggered)")
+            stack.down(wait_s=180, say=say)
+
+
+def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, timeout_s: float) -> str:
+    shown = 0
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        step = max((r["step"] for r in rows), default=0)
+        if step >= shown + 10 or (step and not shown):
+            r = rows[-1]
+            say(f"step {step}/{spec.total_steps}  reward_mean={r['reward_mean']:.3f}  loss={r['loss']:.4f}")
+            shown = step
+        state = api.dag_run(spec.dag_id, dag_run_id)["state"]
+        if state in ("success", "failed"):
+            return state
+        time.sleep(1)
+    return "timed out"
+
+
+def _resumed_chunk_2(spec, run_dir: Path, kill_at: int) -> bool:
+    """Whether a retry of chunk 2 resumed from its start step; says what it cost."""
+    from relay.runs.metrics import SUPERSEDED
+
+    starts = [e for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
+    resumed = [e for e in starts[1:] if e.get("resumed_from") == spec.chunk_steps]
+    if not resumed:
+        say(f"FAILED: no retry of chunk 2 resumed from step {spec.chunk_steps} (chunk 2's attempts resumed from "
+            f"{[e.get('resumed_from') for e in starts]}); the provoked resume did not happen")
+        return False
+    lost = len(read_jsonl(run_dir / SUPERSEDED))
+    say(f"chunk 2's trainer was killed after step {kill_at}; its retry resumed from step {spec.chunk_steps}: "
+        f"{lost} step(s) lost and trained again (kept in {SUPERSEDED})")
+    return True
+
+
+def _summary(spec, run_dir: Path, state: str) -> None:
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    say(f"DAG run finished: {state}")
+    if rows:
+        first = sum(r["reward_mean"] for r in rows[:10]) / min(10, len(rows))
+        last = sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows))
+        say(f"reward_mean: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
+    for e in read_events(run_dir):
+        if e["event"] == "chunk_start":
+            say(f"chunk {e['chunk']} attempt {e['attempt']}: resumed from step {e['resumed_from']}")
+    for e in read_events(run_dir):
+        if e["event"] == "publish":
+            say(f"published step {e['step']}: {e['uri']}" + (f"  (Hugging Face model: {e['hf_uri']})"
+                                                             if e.get("hf_uri") else ""))
+    say(f"checkpoints: {run_dir}  (tracker: {run_dir / 'latest_checkpointed_iteration.txt'})")
+    say(f"metrics:     {run_dir / 'metrics.jsonl'}  (one row per step)")
+    say(f"events:      {run_dir / 'events.jsonl'}")
+    if spec.s3:
+        say(f"S3:          {spec.s3.uri}/{run_dir.name}/latest.json on {stack.s3_endpoint()}  "
+            f"(`python -m relay checkpoint ls {spec.s3.uri} --run {run_dir.name}` with AWS_ENDPOINT_URL set)")
+    if rows:
+        from relay.report import run_report as report
+        from relay.runs.plan import ChunkPlan
+
+        rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec))
+        paths = report.write(rep, report.default_out(run_dir))
+        for line in rep.summary().splitlines():
+            say(line)
+        say(f"report:      {paths['html']}  (plot: {paths['png']}; `python -m relay report {run_dir}`)")

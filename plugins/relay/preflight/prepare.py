@@ -1,0 +1,118 @@
+"""Training runs: which run a trigger continues or starts, the guarded fresh start, and its incarnation.
+
+A training run is a folder <checkpoint_dir>/<run name> (verl's default_local_dir) and, with a store,
+its S3 prefix <prefix>/<run name>/. Triggering a spec's DAG (or `relay train`) with the name of an
+existing run continues it from its latest valid checkpoint. A fresh start must be confirmed by typing
+the run's name; it moves the old run aside, locally (<checkpoint_dir>/.archive/) and in S3
+(<prefix>/.archive/), never deleting it, and begins a new incarnation (relay.runs.record), so that nothing
+of the old life can be restored into the new one.
+
+A folder with no run record whose name S3 holds is refused: continuing the published run is a
+deliberate `relay checkpoint restore`, which brings its record along.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from relay.checkpoints.validate import latest_step_or_problem
+from relay.common.errors import RunError
+from relay.common.timestamps import utc_now, utc_stamp
+from relay.runs.plan import ChunkPlan
+from relay.runs.record import VERSION, folder_incarnation, new_incarnation, write_record
+from relay.runs.spec import RunSpec, check_run_name
+
+
+@dataclass
+class RunState:
+    run_name: str
+    run_dir: str
+    latest_step: int  # 0 for a run with no checkpoint yet
+    total_steps: int
+    next_chunk: int | None  # None when every chunk is done
+    archived_to: str | None = None
+    problem: str | None = None  # a broken latest checkpoint, which the next chunk's trainer falls back from
+    incarnation: str | None = None
+    archived_uri: str | None = None  # where a fresh start moved the old incarnation's S3 objects
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_run_name(spec: RunSpec, requested: str | None) -> str:
+    return check_run_name(requested.strip() if requested and requested.strip() else spec.name)
+
+
+def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: bool = False,
+                confirm: str = "", started_by: str = "", store=None) -> RunState:
+    """Resolve the run, apply a (confirmed) fresh start, and write the run record of a new run or incarnation.
+
+    With a store (the spec's S3), the run's published incarnation is checked too: a fresh start moves it
+    aside, and a folder that holds another incarnation of the run, or none, is refused. Without one
+    (no s3 section, or the CLI's --offline), S3 is never looked at.
+    """
+    name = resolve_run_name(spec, requested)
+    run_dir = spec.run_dir(name)
+    local = folder_incarnation(run_dir) if run_dir.is_dir() else None
+    has_local = run_dir.is_dir() and any(run_dir.iterdir())
+    published = store.incarnation(name) if store is not None else None
+    archived = archived_uri = None
+    if fresh_start and (has_local or published):
+        if (confirm or "").strip() != name:
+            where = " and ".join(w for w in (f"checkpoints in {run_dir}" if has_local else "",
+                                             f"published checkpoints under {store.uri}/{name}/" if published else "")
+                                 if w)
+            raise RunError(
+                f"fresh start of run {name!r} refused: it already has {where}",
+                f"to start it again from step 0, also set confirm_fresh_start (the CLI: --confirm) to {name!r}; the "
+                "old run is moved aside, never deleted. To keep it, trigger without fresh_start, or pick a new run "
+                "name",
+            )
+        stamp = utc_stamp()
+        if published:  # S3 first: a failure here leaves everything as it was, and the retry starts over
+            archived_uri = store.archive_run(name, f"{name}-{stamp}")
+        if has_local:
+            archived = archive_run(run_dir, stamp)
+        local = None
+    elif published and local != published:
+        raise RunError(_incarnations_differ(name, run_dir, local, published, store),
+                       f"to continue the published run here, restore it on purpose: `relay checkpoint restore "
+                       f"{store.uri} {run_dir}` (it brings the run record along), then trigger again; to "
+                       f"start it again from step 0, trigger with fresh_start and confirm {name!r} (the published "
+                       f"run is moved aside, not deleted); or pick another run name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if local is None:
+        write_record(run_dir, {
+            "version": VERSION, "run": name, "incarnation": new_incarnation(), "spec": spec.name,
+            "spec_source": spec.source, "created": utc_now(), "started_by": started_by,
+            "settings_fingerprint": spec.settings_fingerprint(), "resume_critical": spec.resume_critical(),
+            **({"previous": {"archived_to": str(archived) if archived else None, "archived_uri": archived_uri}}
+               if archived or archived_uri else {}),
+        })
+    return run_state(spec, name, archived, archived_uri)
+
+
+def _incarnations_differ(name: str, run_dir: Path, local: str | None, published: str, store) -> str:
+    here = (f"the folder {run_dir} holds incarnation {local}" if local else
+            f"the checkpoint folder {run_dir} holds no run" + (" record" if run_dir.is_dir() else ""))
+    return (f"run {name!r}: {store.uri}/{name}/ holds its incarnation {published}, and {here}; continuing would mix "
+            f"two runs under one name (a resume would restore the other run's weights and data position)")
+
+
+def run_state(spec: RunSpec, name: str, archived: Path | None = None, archived_uri: str | None = None) -> RunState:
+    run_dir = spec.run_dir(name)
+    latest, problem = latest_step_or_problem(run_dir)
+    nxt = ChunkPlan.from_spec(spec).next_chunk(latest)
+    return RunState(name, str(run_dir), latest or 0, spec.total_steps, nxt.index if nxt else None,
+                    str(archived) if archived else None, problem, folder_incarnation(run_dir), archived_uri)
+
+
+def archive_run(run_dir: Path, stamp: str | None = None) -> Path:
+    """Move a run folder to <checkpoint_dir>/.archive/<run>-<UTC time>; nothing is deleted."""
+    stamp = stamp or utc_stamp()
+    dest = run_dir.parent / ".archive" / f"{run_dir.name}-{stamp}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.rename(dest)
+    return dest
+

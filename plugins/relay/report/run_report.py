@@ -1,0 +1,552 @@
+"""The run report: a picture of a training run, built from what its folder already records.
+
+    metrics.jsonl            one row per step (superseded rows already moved aside by each resume)
+    events.jsonl             chunk attempts (chunk_start / chunk_end), checkpoints, quarantines,
+                             fallbacks, restores, publications, source drift
+    .relay/run.json          the run record: settings fingerprint, frozen data, drift decisions
+    global_step_N/relay_manifest.json, .relay/quarantine/*.report.json, and the store's manifests
+
+Outputs: report.png (reward mean, loss, KL, LR and seconds per step over global steps, with chunk
+boundaries, resumes, retries, quarantines and drift marked), report.html (self-contained: the PNG
+inline, the chunk table, the fingerprints) and a few lines of text for terminals. `publish` puts
+both files beside the run's checkpoints in S3, with the run's metrics, events and record, so that
+`python -m relay report s3://bucket/prefix/<run>` can rebuild the report from S3 alone.
+
+matplotlib is imported only inside the plotting function, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+import base64
+import calendar
+import hashlib
+import html
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relay.checkpoints import manifest
+from relay.checkpoints.resume import quarantined
+from relay.common.errors import RelayError
+from relay.common.redaction import redact
+from relay.runs import layout
+from relay.runs.metrics import SUPERSEDED, read_jsonl
+from relay.runs.record import RECORD, read_record
+
+REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
+HTML, PNG = "report.html", "report.png"
+# (panel title, metric keys in order of preference): the keys the CPU trainer writes per step.
+PANELS = (("reward mean", ("reward_mean",)), ("loss", ("loss",)), ("KL", ("kl",)), ("LR", ("lr",)),
+          ("seconds per step", ("seconds",)))
+LABEL_ROWS = 8  # at most, above the panels
+MARKER_STYLE = {  # kind -> (colour, line style)
+    "chunk": ("#9e9e9e", ":"), "resume": ("#1f77b4", "--"), "retry": ("#ff7f0e", "--"),
+    "quarantine": ("#d62728", "-"), "fallback": ("#8c564b", "-."), "restore": ("#8c564b", "-."),
+    "drift": ("#9467bd", "-."),
+}
+
+
+class ReportError(RelayError):
+    """A run report cannot be built: nothing recorded where it was looked for."""
+
+
+@dataclass(frozen=True)
+class Marker:
+    """Something that happened at a global step: the x position of a line on every panel."""
+
+    step: int
+    kind: str  # chunk | resume | retry | quarantine | fallback | restore | drift
+    label: str
+    chunk: int | None = None
+    attempt: int | None = None  # 1-based within its chunk
+
+
+@dataclass
+class Attempt:
+    """One trainer process of a chunk, from its chunk_start event (and chunk_end, unless it was killed)."""
+
+    attempt: str  # the Ray submission id, or "local" for `relay train`
+    resumed_from: int
+    to_step: int
+    started: float | None
+    ended: float | None = None  # the chunk_end time, or the last step row's of a killed attempt
+    seconds: float | None = None  # chunk_end's (the trainer process); a killed one's up to its last row
+    finished: bool = False
+    chunk: int | None = None
+
+
+@dataclass
+class ChunkRow:
+    chunk: int
+    start_step: int
+    end_step: int
+    attempts: int
+    wall_seconds: float | None  # first attempt's start to the last one's end: retries and waits included
+    trainer_seconds: float | None  # the attempts' trainer processes together
+    checkpoint_bytes: int | None
+    validation: str
+    s3_uri: str | None
+    resumed_from: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    run: str
+    source: str  # the run folder, or its S3 URI
+    rows: list[dict]  # the current metrics, one row per step, ascending
+    superseded_rows: int
+    chunks: list[ChunkRow]
+    markers: list[Marker]
+    total_steps: int | None
+    settings_fingerprint: str | None
+    data_fingerprint: str | None
+    data_files: list[dict]
+    drift: list[dict]
+
+    @property
+    def steps(self) -> list[int]:
+        return [r["step"] for r in self.rows]
+
+    def series(self, keys: tuple[str, ...]) -> tuple[list[int], list[float]]:
+        """(steps, values) of the first key the rows carry."""
+        for key in keys:
+            pts = [(r["step"], float(r[key])) for r in self.rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                return [s for s, _ in pts], [v for _, v in pts]
+        return [], []
+
+    # ------------------------------------------------------------------------------ text
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        last = self.steps[-1] if self.rows else 0
+        attempts = sum(c.attempts for c in self.chunks)
+        retries = sum(1 for m in self.markers if m.kind == "retry")
+        quarantines = sum(1 for m in self.markers if m.kind == "quarantine")
+        lines = [f"run {self.run}: step {last} of {self.total_steps or '?'}, {_n(len(self.chunks), 'chunk')}, "
+                 f"{_n(attempts, 'attempt')} ({_n(retries, 'retry', 'retries')}), {quarantines} quarantined, "
+                 f"{_n(len(self.drift), 'drift decision')}"]
+        steps, reward = self.series(PANELS[0][1])
+        if reward:
+            n = min(10, len(reward))
+            _, secs = self.series(PANELS[4][1])
+            per = f"; {sum(secs) / len(secs):.3f} s/step" if secs else ""
+            lines.append(f"reward_mean: first {n} steps {sum(reward[:n]) / n:.3f} -> last {n} steps "
+                         f"{sum(reward[-n:]) / n:.3f}{per}")
+        resumed = [m.label for m in self.markers if m.kind in ("resume", "retry")]
+        if resumed:
+            lines.append("resumes: " + "; ".join(resumed))
+        lines.append(f"data fingerprint {(self.data_fingerprint or 'none (data never frozen)')[:16]}, "
+                     f"settings fingerprint {(self.settings_fingerprint or 'none')[:16]}")
+        return "\n".join(lines)
+
+    def labelled_markers(self) -> list[Marker]:
+        """Markers named on the picture: all but chunk ends and the plain resume of a chunk from the
+        previous chunk's end (the line is drawn; its label would only repeat the boundary's)."""
+        ends = {m.step for m in self.markers if m.kind == "chunk"}
+        return [m for m in self.markers if m.kind != "chunk" and not (m.kind == "resume" and m.step in ends)]
+
+    # ------------------------------------------------------------------------------ picture
+    def plot_png(self) -> bytes:
+        """The panels as PNG bytes (matplotlib's Agg canvas; no pyplot, no global backend). Named markers
+        are labelled in a strip above the panels, one row per label that would overlap another."""
+        import io
+
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+
+        right = max([self.total_steps or 0, *self.steps, *(m.step for m in self.markers), 1])
+        xmax = right + max(1, right // 50)
+        labels = _label_rows(self.labelled_markers(), xmax)
+        rows = max((r for _, r, _ in labels), default=-1) + 1
+        strip = [0.22 * rows + 0.1] if rows else []
+        fig = Figure(figsize=(11, 2.2 * len(PANELS) + 0.3 * rows + 0.6), dpi=100, layout="constrained")
+        axes = fig.subplots(len(strip) + len(PANELS), 1, sharex=True,
+                            gridspec_kw={"height_ratios": strip + [1] * len(PANELS)})
+        for ax in axes:
+            for m in self.markers:
+                colour, style = MARKER_STYLE[m.kind]
+                ax.axvline(m.step, color=colour, ls=style, lw=1.0 if m.kind == "chunk" else 1.3, alpha=0.9)
+        if rows:
+            top = axes[0]
+            top.set_ylim(rows - 0.4, -0.6)
+            top.set_yticks([])
+            top.tick_params(axis="x", length=0)
+            for side in ("top", "right", "left"):
+                top.spines[side].set_visible(False)
+            for m, row, left in labels:
+                top.annotate(m.label, (m.step, row), xytext=(3 if left else -3, 0), textcoords="offset points",
+                             ha="left" if left else "right", va="center", fontsize=7, color=MARKER_STYLE[m.kind][0])
+        panels = axes[len(strip):]
+        for ax, (title, keys) in zip(panels, PANELS):
+            steps, values = self.series(keys)
+            if steps:
+                ax.plot(steps, values, color="#2a6f97", lw=1.4, marker="." if len(steps) <= 80 else None, ms=3)
+            else:
+                ax.text(0.5, 0.5, f"no {'/'.join(keys)} in the metrics", transform=ax.transAxes, ha="center",
+                        va="center", color="#777")
+            ax.set_ylabel(title)
+            ax.grid(True, alpha=0.25)
+        kinds = sorted({m.kind for m in self.markers}, key=list(MARKER_STYLE).index)
+        if kinds:
+            panels[0].legend([Line2D([], [], color=MARKER_STYLE[k][0], ls=MARKER_STYLE[k][1]) for k in kinds],
+                             [k if k != "chunk" else "chunk end" for k in kinds], loc="lower right", fontsize=7,
+                             ncols=len(kinds), framealpha=0.8)
+        panels[-1].set_xlabel("global step")
+        panels[-1].set_xlim(0, xmax)
+        fig.suptitle(f"run {self.run}: step {self.steps[-1] if self.rows else 0} of {self.total_steps or '?'}")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def html(self, png: bytes) -> str:
+        """One self-contained page: the picture inline (base64), the chunk table, the fingerprints."""
+        e = html.escape
+
+        def cell(v) -> str:
+            return f"<td>{'—' if v is None or v == '' else e(str(v))}</td>"
+
+        rows = "\n".join(
+            f'<tr class="chunk" id="step-{c.end_step}" data-chunk="{c.chunk}">' + "".join(cell(v) for v in (
+                c.chunk, c.start_step, c.end_step, c.attempts, _duration(c.wall_seconds),
+                _duration(c.trainer_seconds), _size(c.checkpoint_bytes), c.validation))
+            + (f'<td><a href="{e(c.s3_uri)}">{e(c.s3_uri)}</a></td>' if c.s3_uri else "<td>—</td>") + "</tr>"
+            for c in self.chunks)
+        marks = "\n".join(f'<li class="marker {e(m.kind)}">step {m.step}: {e(m.label)}</li>'
+                          for m in self.markers if m.kind != "chunk")
+        files = "".join(f"<li>{e(f.get('role', '?'))} <code>{e(f.get('sha256', ''))}</code> ({f.get('rows')} rows, "
+                        f"from {e(str(f.get('source')))})</li>" for f in self.data_files)
+        drift = "".join(f"<li>{e(d.get('at', '?'))} by {e(d.get('by') or '?')}: "
+                        + e(", ".join(f"{c['key']}: {c['was']!r} -> {c['now']!r}" for c in d.get("changes", [])))
+                        + "</li>" for d in self.drift)
+        image = "data:image/png;base64," + base64.b64encode(png).decode()
+        return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Relay run report: {e(self.run)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }}
+th {{ background: #f2f2f2; }} code {{ font-size: 0.9em; }} img {{ max-width: 100%; }}
+pre {{ background: #f7f7f7; padding: 0.8em; }}
+</style></head><body>
+<h1>Run {e(self.run)}</h1>
+<p>Source: <code>{e(self.source)}</code>; written {e(time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime()))}</p>
+<pre>{e(self.summary())}</pre>
+<img alt="reward mean, loss, KL, LR and seconds per step over global steps" src="{image}">
+<h2>Chunks</h2>
+<table id="chunks"><tr><th>chunk</th><th>start step</th><th>end step</th><th>attempts</th><th>wall time</th>
+<th>trainer time</th><th>checkpoint size</th><th>validation</th><th>S3 URI</th></tr>
+{rows}
+</table>
+<h2>Resumes, retries, quarantines, drift</h2>
+<ul id="markers">{marks or '<li>none</li>'}</ul>
+<h2>Fingerprints</h2>
+<p>Settings fingerprint: <code id="settings-fingerprint">{e(self.settings_fingerprint or 'none')}</code></p>
+<p>Data fingerprint: <code id="data-fingerprint">{e(self.data_fingerprint or 'none (data never frozen)')}</code></p>
+<ul>{files}</ul>
+<h2>Drift decisions</h2>
+<ul>{drift or '<li>none</li>'}</ul>
+<p>{_n(self.superseded_rows, 'step row')} trained again after resumes (the first tries' rows are kept in
+{SUPERSEDED}).</p>
+</body></html>
+"""
+
+
+# ---------------------------------------------------------------------------------------- building
+def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, source: str | None = None) -> Report:
+    """The report of a run folder. With a store, published manifests give S3 URIs and sizes; with a
+    ChunkPlan, every planned chunk gets a row (those not reached yet too)."""
+    run_dir = Path(run_dir)
+    run = run or run_dir.name
+    rows = current_rows(read_jsonl(run_dir / layout.METRICS))
+    events = read_jsonl(run_dir / layout.EVENTS)
+    record = read_record(run_dir)
+    if not rows and not events:
+        raise ReportError(f"run {run}: no {layout.METRICS} and no {layout.EVENTS} in {source or run_dir}",
+                          "give the run's folder (<checkpoint_dir>/<run>) or its S3 URI, once a chunk has trained")
+    superseded = read_jsonl(run_dir / SUPERSEDED)
+    published = {m.step: m for m in store.published(run)} if store is not None else {}
+    attempts = _attempts(events, rows + superseded)
+    chunks, markers = _chunks(run_dir, run, attempts, events, published, store, plan)
+    markers += _incidents(run_dir, events)
+    markers += _drift_markers(record, events, attempts, rows)
+    data = (record.get("data") or {}).get("files") or []
+    return Report(
+        run=run, source=source or str(run_dir), rows=rows, superseded_rows=len(superseded), chunks=chunks,
+        markers=sorted(_dedupe(markers), key=lambda m: (m.step, list(MARKER_STYLE).index(m.kind))),
+        total_steps=(record.get("resume_critical") or {}).get("total_steps") or (plan.total_steps if plan else None),
+        settings_fingerprint=record.get("settings_fingerprint"), data_fingerprint=data_fingerprint(data),
+        data_files=data, drift=record.get("drift") or [],
+    )
+
+
+def current_rows(rows: list[dict]) -> list[dict]:
+    """One row per step (the last written wins), ascending: the run's current trajectory. A resume has
+    already moved the rows it trains again to metrics.superseded.jsonl, so none of them is drawn."""
+    by_step = {r["step"]: r for r in rows if isinstance(r.get("step"), int)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def data_fingerprint(files: list[dict]) -> str | None:
+    """sha256 over the frozen files' roles and content hashes (not their paths): same bytes, same print."""
+    if not files:
+        return None
+    return hashlib.sha256("\n".join(sorted(f"{f['role']}:{f['sha256']}" for f in files)).encode()).hexdigest()
+
+
+def _ts(text: str | None) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
+    except (TypeError, ValueError):
+        return None
+
+
+def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:
+    """Chunk attempts in order; each chunk_end closes the latest open attempt of the same id.
+
+    A killed attempt has no chunk_end: its end is the time of the last step row written before the
+    next attempt began (rows it wrote past the resume point are in metrics.superseded.jsonl)."""
+    out: list[Attempt] = []
+    for e in events:
+        if e.get("event") == "chunk_start":
+            out.append(Attempt(str(e.get("attempt")), int(e.get("resumed_from") or 0), int(e.get("to_step") or 0),
+                               _ts(e.get("time")), chunk=e.get("chunk")))
+        elif e.get("event") == "chunk_end":
+            a = next((a for a in reversed(out) if a.attempt == str(e.get("attempt")) and not a.finished), None)
+            if a is not None:
+                a.finished, a.ended, a.seconds = True, _ts(e.get("time")), e.get("seconds")
+    for i, a in enumerate(out):
+        if a.finished or a.started is None:
+            continue
+        until = out[i + 1].started if i + 1 < len(out) and out[i + 1].started is not None else float("inf")
+        times = [r["time"] for r in all_rows if isinstance(r.get("time"), (int, float))
+                 and a.started <= r["time"] < until and a.resumed_from < r.get("step", 0) <= a.to_step]
+        if times:
+            a.ended = max(times)
+            a.seconds = round(a.ended - a.started, 3)
+    return out
+
+
+def _chunks(run_dir: Path, run: str, attempts: list[Attempt], events: list[dict], published: dict, store,
+            plan) -> tuple[list[ChunkRow], list[Marker]]:
+    """The chunk table (grouped by end step: chunk k always ends at the same step) and its markers."""
+    by_end: dict[int, list[Attempt]] = {}
+    for a in attempts:
+        by_end.setdefault(a.to_step, []).append(a)
+    planned = {c.end_step: c for c in plan.chunks} if plan is not None else {}
+    ends = sorted(set(by_end) | set(planned))
+    published_uri = {e["step"]: e["uri"] for e in events if e.get("event") == "publish" and e.get("uri")}
+    quarantine_check = {m.step: m.label for m in _incidents(run_dir, events) if m.kind == "quarantine"}
+    rows, markers = [], []
+    for i, end in enumerate(ends, 1):
+        tries = by_end.get(end, [])
+        index = planned[end].index if end in planned else next((a.chunk for a in tries if a.chunk), None) or i
+        start = tries[0].resumed_from + 1 if tries else planned[end].first_step
+        for n, a in enumerate(tries, 1):
+            if a.resumed_from > 0:
+                kind = "retry" if n > 1 else "resume"
+                label = (f"chunk {index} retry (attempt {n}) resumed from step {a.resumed_from}" if n > 1
+                         else f"chunk {index} resumed from step {a.resumed_from}")
+                markers.append(Marker(a.resumed_from, kind, label, index, n))
+        markers.append(Marker(end, "chunk", f"chunk {index} ends", index))
+        local = manifest.read(layout.step_dir(run_dir, end)) if layout.step_dir(run_dir, end).is_dir() else None
+        m = local or published.get(end)
+        uri = published_uri.get(end) or (store.step_uri(run, end) if end in published else None)
+        if m is not None or end in published_uri:
+            validation = "valid"
+        elif end in quarantine_check:
+            validation = quarantine_check[end]
+        elif layout.step_dir(run_dir, end).is_dir():
+            validation = "not validated yet"
+        else:
+            validation = "not reached" if not any(a.finished and a.to_step == end for a in tries) else "no checkpoint"
+        size = m.total_bytes if m is not None else _folder_bytes(layout.step_dir(run_dir, end))
+        # A finished attempt's process began `seconds` before its chunk_end (chunk_start comes after the
+        # trainer's set-up); a killed one is counted from its chunk_start.
+        t0 = min((a.ended - a.seconds if a.finished and a.ended and a.seconds else a.started for a in tries
+                  if a.started is not None), default=None)
+        t1 = max((a.ended for a in tries if a.ended is not None), default=None)
+        secs = [a.seconds for a in tries if a.seconds is not None]
+        rows.append(ChunkRow(index, start, end, len(tries), round(t1 - t0, 3) if t0 and t1 else None,
+                             round(sum(secs), 3) if secs else None, size, validation, uri,
+                             [a.resumed_from for a in tries]))
+    return rows, markers
+
+
+def _folder_bytes(folder: Path) -> int | None:
+    if not folder.is_dir():
+        return None
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _incidents(run_dir: Path, events: list[dict]) -> list[Marker]:
+    """Quarantines (events and the quarantine folder's reports), fallbacks and restores."""
+    out = []
+    for e in events:
+        kind, step = e.get("event"), e.get("step")
+        if not isinstance(step, int):
+            continue
+        if kind == "quarantine":
+            out.append(Marker(step, "quarantine", f"quarantined: {e.get('check')} failed"))
+        elif kind == "fallback":
+            out.append(Marker(step, "fallback", f"fell back to step {step} (tracker named {e.get('tracker_was')})"))
+        elif kind == "restore":
+            out.append(Marker(step, "restore", f"restored step {step} from S3"))
+    for q in quarantined(run_dir):
+        if isinstance(q.get("step"), int):
+            failed = next((c["name"] for c in q.get("checks", []) if not c.get("ok")), "?")
+            out.append(Marker(q["step"], "quarantine", f"quarantined: {failed} failed"))
+    return out
+
+
+def _drift_markers(record: dict, events: list[dict], attempts: list[Attempt], rows: list[dict]) -> list[Marker]:
+    """Drift takes effect at the next resume: a decision is marked at the step the next attempt after
+    it resumed from (or at the last step trained, when no attempt has started since)."""
+    def step_after(t: float | None) -> int:
+        nxt = next((a for a in attempts if t is not None and a.started is not None and a.started >= t), None)
+        return nxt.resumed_from if nxt else (rows[-1]["step"] if rows else 0)
+
+    out = []
+    for d in record.get("drift") or []:
+        keys = sorted({c["key"] for c in d.get("changes", []) if not c["key"].startswith("resolved.")}) or \
+            sorted({c["key"] for c in d.get("changes", [])})
+        out.append(Marker(step_after(_ts(d.get("at"))), "drift", f"drift allowed: {', '.join(keys)}"))
+    for e in events:
+        if e.get("event") == "source_drift":
+            out.append(Marker(step_after(_ts(e.get("time"))), "drift",
+                              f"data source changed ({e.get('policy')}: training stays on the frozen copy)"))
+    return out
+
+
+def _label_rows(markers: list[Marker], xmax: float) -> list[tuple[Marker, int, bool]]:
+    """(marker, row, text to the right of its line) for each label: the first row where it overlaps no
+    other label. Text widths are estimated (7-point text: about 5 of the axes' 1000 pixels a character)."""
+    per_char = 5.2 / 1000 * xmax
+    taken: list[list[tuple[float, float]]] = []
+    out = []
+    for m in sorted(markers, key=lambda m: m.step):
+        width = (len(m.label) + 1) * per_char
+        left = m.step + width <= xmax
+        span = (m.step, m.step + width) if left else (m.step - width, m.step)
+        row = next((i for i, spans in enumerate(taken) if all(span[1] < a or span[0] > b for a, b in spans)),
+                   len(taken))
+        if row == LABEL_ROWS:
+            row = len(out) % LABEL_ROWS  # a crowded run: some labels overlap rather than the strip growing
+        elif row == len(taken):
+            taken.append([])
+        taken[row].append(span)
+        out.append((m, row, left))
+    return out
+
+
+def _dedupe(markers: list[Marker]) -> list[Marker]:
+    seen, out = set(), []
+    for m in markers:
+        if (m.step, m.kind, m.label) not in seen:
+            seen.add((m.step, m.kind, m.label))
+            out.append(m)
+    return out
+
+
+def _n(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
+def _duration(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _size(n: int | None) -> str | None:
+    if n is None:
+        return None
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return None
+
+
+# ---------------------------------------------------------------------------------------- output
+def default_out(run_dir: Path) -> Path:
+    return layout.relay_dir(run_dir, REPORT_DIR)
+
+
+def write(report: Report, out_dir: Path) -> dict[str, Path]:
+    """Write report.png and report.html into out_dir; returns their paths."""
+    out_dir = Path(out_dir)
+    png = report.plot_png()
+    layout.atomic_write(out_dir / PNG, png)
+    # The report holds no environment values (no ray.env_vars, no connection); any registered secret that an
+    # error message or a drift note carried in is redacted all the same.
+    layout.atomic_write(out_dir / HTML, redact(report.html(png)).encode())
+    return {"png": out_dir / PNG, "html": out_dir / HTML}
+
+
+def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str]:
+    """Build and write a run's report, then put it in S3 beside the checkpoints with the run's metrics,
+    events and record (what a report from S3 is rebuilt from). Returns local paths and S3 URIs.
+
+    Without a store (a spec with no s3 section) the report is only written locally."""
+    from relay.runs.plan import ChunkPlan
+
+    run_dir = spec.run_dir(run)
+    report = build(run_dir, store=store, run=run, plan=ChunkPlan.from_spec(spec))
+    paths = write(report, out_dir or default_out(run_dir))
+    out = {"summary": redact(report.summary()), "html": str(paths["html"]), "png": str(paths["png"])}
+    if store is None:
+        return out
+    for name in (layout.METRICS, SUPERSEDED, layout.EVENTS):
+        if (run_dir / name).is_file():
+            # One read, one PUT: the next chunk's trainer may be appending to the file right now.
+            store.put_bytes(store.run_key(run, name), (run_dir / name).read_bytes(), "application/x-ndjson")
+    store.put_json(store.run_key(run, RECORD), read_record(run_dir))
+    out["png_uri"] = store.put_bytes(store.run_key(run, REPORT_DIR, PNG), paths["png"].read_bytes(), "image/png")
+    out["html_uri"] = store.put_bytes(store.run_key(run, REPORT_DIR, HTML), paths["html"].read_bytes(),
+                                      "text/html; charset=utf-8")
+    return out
+
+
+def current_html(spec, run: str, store) -> str:
+    """The run's report as it is now: from its folder where this process sees it, else from S3 (the
+    Airflow UI's "Run report" link is served through this, so it never expires)."""
+    import tempfile
+
+    from relay.runs.plan import ChunkPlan
+
+    run_dir = spec.run_dir(run)
+    if (run_dir / layout.METRICS).is_file() or (run_dir / layout.EVENTS).is_file():
+        report = build(run_dir, store=store, run=run, plan=ChunkPlan.from_spec(spec))
+    elif store is not None:
+        with tempfile.TemporaryDirectory(prefix="relay-report-") as tmp:
+            report = from_s3(f"{store.uri}/{run}", Path(tmp), store.client)
+    else:
+        raise ReportError(f"run {run} has no metrics or events in {run_dir} and its spec publishes nowhere",
+                          "the report exists once a chunk of the run has trained")
+    return redact(report.html(report.plot_png()))
+
+
+# ---------------------------------------------------------------------------------------- from S3
+def from_s3(uri: str, workdir: Path, client=None) -> Report:
+    """The report of a run published under s3://bucket/prefix/<run>: its metrics, events and record
+    are downloaded into workdir (laid out as a run folder), its manifests read from the store."""
+    from relay.s3.store import CheckpointStore, parse_uri, s3_client
+
+    bucket, key = parse_uri(uri)
+    prefix, _, run = key.rpartition("/")
+    if not run:
+        raise ReportError(f"{uri} names no run", "give s3://BUCKET/PREFIX/RUN (as `checkpoint ls` lists them)")
+    store = CheckpointStore(client or s3_client(), f"s3://{bucket}/{prefix}")
+    run_dir = Path(workdir) / run
+    got = []
+    for name, dest in ((layout.METRICS, run_dir / layout.METRICS), (SUPERSEDED, run_dir / SUPERSEDED),
+                       (layout.EVENTS, run_dir / layout.EVENTS), (RECORD, layout.relay_dir(run_dir, RECORD))):
+        if store.head(store.run_key(run, name)) is not None:
+            store.download_object(store.run_key(run, name), dest)
+            got.append(name)
+    if layout.METRICS not in got and layout.EVENTS not in got:
+        raise ReportError(f"no {layout.METRICS} or {layout.EVENTS} under {uri}/",
+                          "they are published with the report after each chunk's publish task; for a run "
+                          "published by hand, run `python -m relay report RUN_DIR` where its folder is")
+    return build(run_dir, store=store, run=run, source=uri)

@@ -1,0 +1,100 @@
+"""Per-step metrics (metrics.jsonl) and run events (events.jsonl), beside the checkpoints.
+
+metrics.jsonl keeps exactly one row per step. When a chunk resumes from step S, the rows an earlier
+attempt wrote after S describe steps that are trained again; they move to metrics.superseded.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from relay.common.filelock import file_lock
+from relay.common.timestamps import utc_now
+from relay.runs.layout import EVENTS, METRICS, atomic_write, relay_dir
+
+SUPERSEDED = "metrics.superseded.jsonl"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file. A torn line (a writer killed mid-line) is skipped, said on stderr, and kept in
+    the file; appends start on a line of their own after it (record_event), so no later row is lost."""
+    rows, torn = [], 0
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            torn += bool(line.strip())
+    if torn:
+        print(f"[relay] {path}: {torn} unreadable line(s) skipped (a writer killed mid-line; kept in the file)",
+              file=sys.stderr)
+    return rows
+
+
+def _dump(rows: Iterable[dict]) -> bytes:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / METRICS
+        self.superseded_path = Path(run_dir) / SUPERSEDED
+        self._fh = None
+
+    def rows(self) -> list[dict]:
+        return read_jsonl(self.path)
+
+    def resume_at(self, step: int, attempt: str) -> int:
+        """Keep rows up to `step`; move later ones aside. Returns how many were superseded."""
+        rows = self.rows()
+        keep = [r for r in rows if r.get("step", 0) <= step]
+        later = [dict(r, superseded_by=attempt) for r in rows if r.get("step", 0) > step]
+        if later:
+            with open(self.superseded_path, "ab") as f:
+                f.write(_dump(later))
+        if later or len(keep) != len(rows) or self.path.exists():
+            atomic_write(self.path, _dump(keep))
+        return len(later)
+
+    def append(self, row: dict[str, Any]) -> None:
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", buffering=1)
+        self._fh.write(json.dumps(row, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def record_event(run_dir: Path, event: str, **fields: Any) -> dict:
+    """Append a run event (chunk attempt started, resumed from step S, finished...) to events.jsonl.
+
+    Writers on several hosts (the trainer on a Ray node, the gate in an Airflow worker) take turns under
+    a lock, each writes its line in one write, and a line torn by a killed writer is closed first, so
+    that it never swallows the next event."""
+    row = {"event": event, "time": utc_now(), **fields}
+    path = Path(run_dir) / EVENTS
+    line = (json.dumps(row, sort_keys=True) + "\n").encode()
+    with file_lock(relay_dir(run_dir, "events.lock"), f"recording the event {event}"):
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    return row
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / EVENTS)

@@ -1,0 +1,474 @@
+"""RunSpec: one YAML file per training run, validated with errors that name the offending key.
+
+A spec describes a run once: its trainer and settings, step budget and chunk size, seed, where its
+checkpoints live, its data, the Ray connection, the S3 target and who is alerted. Keys marked
+resume-critical (see specmodel.critical) must not change between the chunks of a run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+import tempfile
+from datetime import date, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
+
+from relay.common import project
+from relay.common.errors import SpecError
+from relay.runs.kinds import KINDS
+from relay.runs.specmodel import StrictModel, critical, critical_values
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SCHEDULE_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
+CRON_PATTERN = r"(\S+\s+){4}\S+"
+DATE_TEMPLATES = {"ds": "%Y-%m-%d", "ds_nodash": "%Y%m%d"}  # the logical date, as Airflow names it
+TEMPLATE = re.compile(r"\{\{\s*([A-Za-z_]\w*)\s*\}\}")
+S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/-]*)?$"
+
+
+class TrainerSpec(StrictModel):
+    kind: str = critical(description="one of: " + ", ".join(KINDS))
+    settings: dict[str, Any] = critical(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in KINDS:
+            raise ValueError(f"unknown trainer kind {v!r}; known kinds: {', '.join(KINDS)}")
+        return v
+
+    def typed_settings(self) -> BaseModel:
+        return KINDS[self.kind].settings_model().model_validate(self.settings)
+
+
+class DataSpec(StrictModel):
+    train_files: list[str] = critical(min_length=1)
+    val_files: list[str] = critical(default_factory=list)
+    on_source_change: Literal["fail", "use_frozen"] = Field(
+        "fail", description="when a source file changes under a run: fail (say what changed), or continue on "
+                            "the frozen copy with a warning and an alert")
+    expectations: list[str] = Field(default_factory=list, description="extra great-expectations files, from "
+                                                                      "include/expectations/")
+
+
+class CheckpointPolicy(StrictModel):
+    """Validation, publication and retention of a run's checkpoints (none of it is resume-critical)."""
+
+    validate_on: Literal["worker", "ray"] = Field(
+        "worker", description="where validation reads the files: the Airflow worker (storage mounted there) "
+                              "or a Ray job on the cluster")
+    smoke: bool = Field(True, description="also run the trainer's forward-pass smoke check (CPU trainer)")
+    keep_local: int = Field(3, ge=1, description="validated and published checkpoints kept on local storage")
+    keep_published: int = Field(5, ge=1, description="newest published checkpoints kept in S3")
+    milestone_every: int = Field(0, ge=0, description="every N steps is a milestone: kept forever, exported "
+                                                      "to Hugging Face format (0: only the final step)")
+    delete_grace_minutes: float = Field(60, ge=0, description="S3 deletions wait this long after being decided")
+    hf_export: bool = Field(True, description="publish a Hugging Face model for milestones and the final step")
+
+    def is_milestone(self, step: int, total_steps: int) -> bool:
+        return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
+
+
+class RaySpec(StrictModel):
+    conn_id: str = Field("relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
+    python: str = Field("python", description="interpreter the job's entrypoint runs on the cluster")
+    entrypoint_num_cpus: float = Field(1, ge=0)
+    entrypoint_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "custom Ray resources the job's entrypoint (the trainer's driver) needs, e.g. {trainer_node: 1} to "
+        "keep it off the head node"))
+    chunk_timeout_minutes: float = Field(120, gt=0, description="a chunk's job is stopped after this long")
+    poll_seconds: float = Field(2.0, gt=0)
+    env_vars: dict[str, str] = Field(default_factory=dict, description=(
+        "extra environment for the chunk's job; a secret is written as ${VAR} (or ${VAR:-default}), expanded "
+        "from the submitting worker's environment only when the job is submitted, and masked in logs and alerts"))
+
+
+class S3Spec(StrictModel):
+    conn_id: str = Field("aws_default", description="Airflow connection (Amazon provider) of the S3 endpoint")
+    uri: str = Field(pattern=S3_URI_PATTERN, description="s3://bucket/prefix that runs are published under")
+    part_size_mb: int = Field(32, ge=5, le=5120, description="multipart part size")
+    concurrency: int = Field(4, ge=1, le=64, description="parts uploaded at once")
+    server_side_encryption: Literal["AES256", "aws:kms"] | None = None
+    kms_key_id: str | None = None
+    acl: Literal["bucket-owner-full-control", "private"] | None = None
+
+    @field_validator("uri")
+    @classmethod
+    def _plain_prefix(cls, v: str) -> str:
+        prefix = v[len("s3://"):].partition("/")[2].rstrip("/")
+        if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+            raise ValueError(f"the prefix of {v} has an empty, '.' or '..' part, which an S3 server that maps keys "
+                             f"to paths may resolve outside the prefix; write the prefix without them")
+        return v
+
+    @field_validator("kms_key_id")
+    @classmethod
+    def _kms_needs_sse_kms(cls, v: str | None, info) -> str | None:
+        if v is not None and info.data.get("server_side_encryption") != "aws:kms":
+            raise ValueError("kms_key_id is only used with server_side_encryption: aws:kms; set both, or neither")
+        return v
+
+
+class AlertSpec(StrictModel):
+    """Who hears about a failure, and how. Secrets (webhook URLs, SMTP passwords) live in Airflow
+    connections: the spec names the connections, never what is in them."""
+
+    email: list[str] = Field(default_factory=list, description="addresses mailed on an alert")
+    smtp_conn_id: str = Field("smtp_default", description="Airflow connection (SMTP provider) that mails alerts")
+    slack_conn_id: str | None = Field(None, description="Airflow connection of a Slack incoming webhook")
+    webhook_conn_id: str | None = Field(None, description="Airflow connection (HTTP provider) of a JSON webhook")
+    on_retry: bool = Field(False, description="also alert on each retry, not only once per failure event")
+    recovery: bool = Field(True, description="say so when a run that alerted succeeds again")
+    stall_minutes: float | None = Field(
+        None, gt=0, description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
+                                "retried. Empty: stall_factor x the run's median step time, at least "
+                                "stall_floor_minutes")
+    stall_factor: float = Field(20, gt=1, description="see stall_minutes")
+    stall_floor_minutes: float = Field(5, gt=0, description="see stall_minutes")
+    startup_minutes: float = Field(20, ge=0, description="allowed before a job's first step, on top of the stall "
+                                                         "limit (imports, model build, resume)")
+
+
+class AirflowSpec(StrictModel):
+    retries: int = Field(2, ge=0)
+    retry_delay_seconds: float = Field(30, ge=0)
+    max_active_runs: int = Field(1, gt=0, description="DAG runs at once (one GPU cluster is shared); a backfill "
+                                                      "has its own --max-active-runs")
+    schedule: str | None = Field(
+        None, description="cron expression or preset (@daily, @weekly...): each DAG run is then a training run "
+                          "of its own, <name>-<logical date>, with its own checkpoints and frozen data; data "
+                          "paths may name the date as {{ ds }} or {{ ds_nodash }}")
+    start_date: date = Field(date(2025, 1, 1), description="the first interval of a schedule")
+    catchup: bool = Field(False, description="create the runs of past intervals when the DAG appears")
+    pool: str | None = Field("relay_trainers", description="Airflow pool of the train tasks: its slots, with "
+                                                           "deferred tasks counted, are the trainers a cluster runs "
+                                                           "at once, whatever triggered the runs")
+    tags: list[str] = Field(default_factory=list)
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron_or_preset(cls, v: str | None) -> str | None:
+        if v is None or v in SCHEDULE_PRESETS or re.fullmatch(CRON_PATTERN, v.strip()):
+            return v
+        raise ValueError(f"not a cron expression or preset: {v!r}; use five cron fields ('0 3 * * 1') or one of "
+                         f"{', '.join(SCHEDULE_PRESETS)}")
+
+
+class RunSpec(StrictModel):
+    name: str = Field(pattern=NAME_PATTERN, description="the spec's name; its DAG is relay_<name>")
+    description: str = ""
+    trainer: TrainerSpec
+    total_steps: int = critical(gt=0)
+    chunk_steps: int = Field(gt=0)
+    seed: int = critical()
+    threads: int = critical(gt=0, description="torch/OMP threads: sums differ between thread counts")
+    checkpoint_dir: str = critical(description="root folder; a run's checkpoints are in <checkpoint_dir>/<run>")
+    data: DataSpec
+    checkpoints: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    ray: RaySpec = Field(default_factory=RaySpec)
+    s3: S3Spec | None = None
+    alerts: AlertSpec = Field(default_factory=AlertSpec)
+    airflow: AirflowSpec = Field(default_factory=AirflowSpec)
+
+    _source: str = PrivateAttr("<dict>")
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def dag_id(self) -> str:
+        return f"relay_{self.name}"
+
+    @property
+    def settings(self) -> Any:
+        """The trainer's typed settings."""
+        return self.trainer.typed_settings()
+
+    def run_dir(self, run_name: str) -> Path:
+        """Where a training run's checkpoints live: verl's trainer.default_local_dir."""
+        check_run_name(run_name)
+        return Path(self.checkpoint_dir) / run_name
+
+    def resume_critical(self) -> dict[str, Any]:
+        """Resume-critical settings as {dotted.key: value}, the trainer's own marks included."""
+        out = critical_values(self)
+        out.pop("trainer.settings", None)
+        out.update(critical_values(self.settings, "trainer.settings."))
+        return out
+
+    def settings_fingerprint(self) -> str:
+        blob = json.dumps(self.resume_critical(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def to_json(self) -> str:
+        """The resolved spec, as shipped to a Ray job (paths already absolute)."""
+        return json.dumps({"source": self._source, "spec": self.model_dump(mode="json")})
+
+
+def check_run_name(run_name: str) -> str:
+    # fullmatch: re.match's `$` also matches before a trailing newline ("run\n" would pass).
+    if not isinstance(run_name, str) or not re.fullmatch(RUN_NAME_PATTERN, run_name) or ".." in run_name:
+        raise SpecError(
+            "run", "run", f"invalid run name {run_name!r}",
+            "use letters, digits, '.', '_' or '-' (at most 128, starting with a letter or digit, no '..')",
+        )
+    return run_name
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+def load_spec(path: str | os.PathLike, *, check_environment: bool = True) -> RunSpec:
+    """Load and validate a spec file. With check_environment, also check data and checkpoint dir."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecError(source, "", f"cannot read the file: {e.strerror}", "check the path") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(source, "", f"not UTF-8 text (byte {e.start})", "save the spec as UTF-8 YAML") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(source, "", f"not valid YAML: {e}", "fix the YAML syntax at the position shown") from None
+    except RecursionError:  # PyYAML recurses once per nesting level
+        raise SpecError(source, "", "nested too deeply to be a run spec",
+                        "start from include/runs/demo.yaml") from None
+    return spec_from_dict(raw, source=source, check_environment=check_environment)
+
+
+def spec_for_dag(dag_id: str, runs_dir: Path | None = None) -> RunSpec | None:
+    """The spec in runs_dir (default include/runs) whose DAG is `dag_id`; None for another DAG or a
+    spec that does not load (its error shows as the relay_spec_errors DAG)."""
+    for path in sorted((runs_dir or project.runs_dir()).glob("*.yaml")):
+        try:
+            spec = load_spec(path, check_environment=False)
+        except SpecError:
+            continue
+        if spec.dag_id == dag_id:
+            return spec
+    return None
+
+
+def spec_from_json(blob: str) -> RunSpec:
+    """Inverse of RunSpec.to_json (on the cluster: no environment checks, paths are already resolved)."""
+    try:
+        data = json.loads(blob)
+        raw, source = data["spec"], data["source"]
+    except (ValueError, RecursionError, TypeError, KeyError) as e:
+        raise SpecError("<chunk request>", "", f"not a spec as RunSpec.to_json writes it ({type(e).__name__}: "
+                                                f"{str(e)[:120]})", "submit the chunk through Relay") from None
+    return spec_from_dict(raw, source=str(source), check_environment=False, resolve=False)
+
+
+def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool = True,
+                   resolve: bool = True) -> RunSpec:
+    if not isinstance(raw, dict):
+        raise SpecError(source, "", f"must be a mapping of keys, got {type(raw).__name__}",
+                        "start from include/runs/demo.yaml")
+    spec = _validate(RunSpec, raw, source, "")
+    settings_model = KINDS[spec.trainer.kind].settings_model()
+    settings = _validate(settings_model, spec.trainer.settings, source, "trainer.settings.")
+    updates: dict[str, Any] = {"trainer": spec.trainer.model_copy(update={"settings": settings.model_dump()})}
+    if resolve:
+        updates["checkpoint_dir"] = str(_resolve(source, "checkpoint_dir", spec.checkpoint_dir))
+        updates["data"] = spec.data.model_copy(update=dict(
+            train_files=[str(_resolve(source, f"data.train_files[{i}]", f))
+                         for i, f in enumerate(spec.data.train_files)],
+            val_files=[str(_resolve(source, f"data.val_files[{i}]", f)) for i, f in enumerate(spec.data.val_files)],
+            expectations=[str(_resolve_expectations(source, i, f)) for i, f in enumerate(spec.data.expectations)],
+        ))
+    spec = spec.model_copy(update=updates)
+    spec._source = source
+    _check_templates(spec)
+    _register_secrets(spec)
+    if check_environment:
+        check_spec_environment(spec)
+    return spec
+
+
+def _register_secrets(spec: RunSpec) -> None:
+    """What ray.env_vars take from the environment (${VAR}) is secret: registered as soon as a process
+    loads the spec, so that an error, a log line or an alert that carries it shows *** (relay.common.redaction)."""
+    from relay.common import redaction
+
+    for value in spec.ray.env_vars.values():
+        for name in project.variables(value):
+            if name in os.environ:
+                redaction.register(os.environ[name], name)
+
+
+def _resolve_expectations(source: str, i: int, value: str) -> Path:
+    """An expectations file: a path, or a bare name looked up in include/expectations/."""
+    p = Path(value)
+    if not p.suffix and len(p.parts) == 1:
+        p = project.root() / "include" / "expectations" / f"{value}.yaml"
+    return _resolve(source, f"data.expectations[{i}]", str(p))
+
+
+def _resolve(source: str, key: str, value: str) -> Path:
+    if any(ord(c) < 32 for c in value):
+        raise SpecError(source, key, f"the path {value!r} holds a control character (a NUL, a newline...)",
+                        "write the path without it")
+    try:
+        return project.resolve_path(value)
+    except KeyError as e:
+        raise SpecError(source, key, f"environment variable {e.args[0]} is not set",
+                        f"set {e.args[0]}, or give a default as ${{{e.args[0]}:-value}}") from None
+
+
+def _validate(model: type[BaseModel], raw: Any, source: str, prefix: str) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        # A typo shows as an unknown key and a missing one: name the unknown key, with its suggestion.
+        err = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")[0]
+        key = _dotted(prefix, err["loc"])
+        if err["type"] == "extra_forbidden":
+            parent = _submodel(model, err["loc"][:-1])
+            known = list(parent.model_fields) if parent else []
+            near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise SpecError(source, key, "unknown key", f"{hint}known keys here: {', '.join(known)}") from None
+        if err["type"] == "missing":
+            raise SpecError(source, key, "required key is missing", "add it (see include/runs/demo.yaml)") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SpecError(source, key, f"{msg} (got {_brief(err.get('input'))})") from None
+    except RecursionError:
+        raise SpecError(source, prefix.rstrip("."), "nested too deeply to be a run spec",
+                        "start from include/runs/demo.yaml") from None
+
+
+def _brief(value: Any) -> str:
+    """A short repr of a bad value for an error message (bounded in depth and length)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlist, r.maxdict = 3, 80, 80, 6, 6
+    return r.repr(value)
+
+
+def _dotted(prefix: str, loc: tuple) -> str:
+    """('data', 'train_files', 0) -> data.train_files[0]"""
+    key = prefix.rstrip(".")
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key
+
+
+def _submodel(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            # Optional[Model] and similar: take the first BaseModel argument.
+            ann = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)),
+                       None)
+        if ann is None:
+            return None
+        model = ann
+    return model
+
+
+# ---------------------------------------------------------------------------------- dated runs
+
+def _data_paths(spec: RunSpec):
+    for field in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(spec.data, field)):
+            yield f"data.{field}[{i}]", f
+
+
+def _check_templates(spec: RunSpec) -> None:
+    for key, f in _data_paths(spec):
+        for name in TEMPLATE.findall(f):
+            if name not in DATE_TEMPLATES:
+                raise SpecError(spec.source, key, f"unknown template {{{{ {name} }}}} in {f}",
+                                f"a data path may name the DAG run's logical date as "
+                                f"{' or '.join('{{ ' + k + ' }}' for k in DATE_TEMPLATES)}")
+
+
+def dated(spec: RunSpec, when: datetime) -> RunSpec:
+    """The spec of the DAG run whose logical date is `when`: its data paths' dates filled in."""
+    def fill(path: str) -> str:
+        return TEMPLATE.sub(lambda m: when.strftime(DATE_TEMPLATES[m.group(1)]), path)
+
+    data = spec.data.model_copy(update={"train_files": [fill(f) for f in spec.data.train_files],
+                                        "val_files": [fill(f) for f in spec.data.val_files]})
+    out = spec.model_copy(update={"data": data})
+    out._source = spec.source
+    return out
+
+
+def dated_run_name(spec: RunSpec, when: datetime) -> str:
+    """A scheduled spec's training run for one logical date: <name>-YYYYMMDD (THHMM below a day)."""
+    stamp = when.strftime("%Y%m%d") + ("" if (when.hour, when.minute) == (0, 0) else when.strftime("T%H%M"))
+    return f"{spec.name}-{stamp}"
+
+
+# ---------------------------------------------------------------------------------- environment
+
+def is_templated(path: str) -> bool:
+    """A data path filled in per DAG run (see dated): checked when that run starts."""
+    return bool(TEMPLATE.search(path))
+
+
+def check_spec_environment(spec: RunSpec) -> None:
+    """Checks that need the filesystem: data files exist and can supply total_steps; checkpoint dir writable."""
+    src = spec.source
+    _check_writable(spec)
+    if any(is_templated(f) for f in spec.data.train_files):
+        return  # filled in per DAG run: checked by that run's preflight
+    rows = sum(parquet_rows(src, f"data.train_files[{i}]", f) for i, f in enumerate(spec.data.train_files))
+    for i, f in enumerate(spec.data.val_files):
+        if not is_templated(f) and not Path(f).is_file():
+            raise SpecError(src, f"data.val_files[{i}]", f"file not found: {f}", "fix the path")
+    for i, f in enumerate(spec.data.expectations):
+        if not Path(f).is_file():
+            raise SpecError(src, f"data.expectations[{i}]", f"file not found: {f}",
+                            "put the file in include/expectations/ or fix the name")
+    available = spec.settings.steps_available(rows)
+    if available < spec.total_steps:
+        raise SpecError(
+            src, "total_steps",
+            f"the data cannot supply {spec.total_steps} steps: {rows} train rows give {available} steps "
+            f"(train_batch_size {spec.settings.train_batch_size}, total_epochs {spec.settings.total_epochs})",
+            "lower total_steps, raise trainer.settings.total_epochs, or add data",
+        )
+
+
+def parquet_rows(source: str, key: str, path: str) -> int:
+    if not Path(path).is_file():
+        raise SpecError(source, key, f"file not found: {path}", "fix the path, or create the file")
+    import pyarrow.parquet as pq  # lazy: only when a spec's environment is checked
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception as e:  # pyarrow raises several types for a non-parquet file
+        raise SpecError(source, key, f"not a readable parquet file: {path} ({e})", "check the file") from None
+
+
+def _check_writable(spec: RunSpec) -> None:
+    """Write a probe file into the checkpoint dir, or its nearest existing parent (os.access lies for root)."""
+    d = Path(spec.checkpoint_dir)
+    existing = d
+    while not existing.exists():
+        existing = existing.parent
+    problem = None if existing.is_dir() else f"{existing} is not a folder"
+    if problem is None:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".relay-probe-", dir=existing)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            problem = f"cannot write in {existing}: {e.strerror}"
+    if problem:
+        raise SpecError(spec.source, "checkpoint_dir", f"not writable: {d} ({problem})",
+                        "choose a folder this user can write, or fix its permissions")

@@ -1,0 +1,97 @@
+"""Bring a published checkpoint back into a run folder: the local side of S3 (the store only moves bytes).
+
+The newest published checkpoint of the run's own incarnation is downloaded into staging with its
+checksums, moved into place under the run's lease, validated at every level like any local checkpoint
+(quarantined and skipped if it fails), and only then named by the tracker.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from relay.checkpoints.resume import quarantine
+from relay.checkpoints.validate import validate_checkpoint
+from relay.common.errors import CheckpointError
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import record_event
+from relay.runs.record import VERSION as RECORD_VERSION
+from relay.runs.record import folder_incarnation, incarnation_of, write_record
+from relay.s3.store import CheckpointStore, StoreError, store_for_spec
+
+
+def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None = None, above: int = 0,
+            incarnation: str | None = None, log: Callable[[str], None] = print) -> tuple[int, str] | None:
+    """Restore the newest valid published checkpoint of the run's incarnation (at most `step`, newer than
+    `above`) into run_dir; set the tracker. incarnation None: the one S3 holds (a restore on purpose,
+    `relay checkpoint restore`); a folder that holds another incarnation is refused. A folder without a
+    run record gets the published one.
+
+    Candidates are tried newest first; one of another incarnation is never taken, one that fails its
+    checksums or its validation is skipped. Returns (step, uri), or None when nothing valid is published.
+    """
+    run_dir = Path(run_dir)
+    incarnation = incarnation or store.incarnation(run)
+    local = folder_incarnation(run_dir) if run_dir.is_dir() else None
+    if local is not None and incarnation is not None and local != incarnation:
+        raise StoreError(f"{run_dir} holds incarnation {local} of run {run}; {store.uri}/{run}/ holds incarnation "
+                         f"{incarnation}: restoring would mix two runs under one name",
+                         "restore into another folder, or move this one aside first")
+    for s in sorted(store.steps(run), reverse=True):
+        if (step is not None and s > step) or s <= above:
+            continue
+        try:
+            m = store.manifest(run, s)
+        except CheckpointError as e:  # a damaged or altered manifest: never followed, an older one is tried
+            log(f"skipping {store.step_uri(run, s)}: {e.what}")
+            continue
+        if m is None:
+            continue  # an incomplete publication
+        if incarnation is not None and m.incarnation != incarnation:
+            log(f"skipping {store.step_uri(run, s)}: it is of incarnation {m.incarnation} of run {run}, not "
+                f"{incarnation}")
+            continue
+        uri = store.step_uri(run, m.step)
+        staging = layout.relay_dir(run_dir, "staging", f"restore-{layout.step_name(m.step)}")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            store.download(run, m, staging)
+        except CheckpointError as e:
+            log(f"skipping {uri}: {e.what}")
+            continue
+        with Lease(run_dir).locked(f"restoring step {m.step} from {uri}"):
+            final = layout.step_dir(run_dir, m.step)
+            if final.exists():
+                aside = layout.relay_dir(run_dir, "superseded", f"{final.name}.{int(time.time() * 1e3)}")
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                final.rename(aside)
+            staging.rename(final)
+            report = validate_checkpoint(run_dir, m.step)
+            if not report.ok:
+                quarantine(run_dir, report)
+                log(f"skipping {uri}: {report.failed.name}: {report.failed.detail}")
+                continue
+            layout.write_tracker(run_dir, m.step)
+            if local is None:
+                _restore_record(store, run, run_dir, incarnation, uri)
+        record_event(run_dir, "restore", step=m.step, uri=uri)
+        return m.step, uri
+    return None
+
+def _restore_record(store: CheckpointStore, run: str, run_dir: Path, incarnation: str, uri: str) -> None:
+    """The run record of a folder that a restore filled: the published one (settings snapshot, frozen data),
+    else a minimal one naming the incarnation."""
+    record = store.run_record(run)
+    if not record or incarnation_of(record) != incarnation:
+        record = {"version": RECORD_VERSION, "run": run, "incarnation": incarnation}
+    write_record(run_dir, {**record, "restored_from": uri})
+
+
+def restore_for_resume(spec, run: str, run_dir: Path, incarnation: str, above: int = 0) -> tuple[int, str] | None:
+    """Called by a trainer whose run has no valid local checkpoint newer than `above`: restore one of the run's
+    own incarnation from S3 if one is published."""
+    return restore(store_for_spec(spec), run, run_dir, above=above, incarnation=incarnation,
+                   log=lambda msg: print(f"[relay] {msg}", flush=True))

@@ -1,0 +1,118 @@
+"""The package's shape: folders in layers, each importing only the layers below it, no import circles,
+Airflow only in relay/airflow, and nothing that ships to Ray jobs importing what stays behind.
+
+The layers (docs/architecture.md draws them), lowest first; cli.py and __main__.py sit above them all.
+"""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+from relay.jobs.ray_jobs import NOT_SHIPPED
+
+PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "relay"
+LAYERS = ["common", "runs", "data", "checkpoints", "s3", "preflight", "trainers", "jobs", "alerts", "report",
+          "devstack", "airflow"]
+TOP = {"__init__", "__main__", "cli"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        parts = p.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, module_level_only: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every relay import (function-local ones too unless module_level_only)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else ast.walk(tree)
+    out = []
+    for n in nodes:
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            names = [f"{n.module}.{a.name}" for a in n.names]
+            out += [(n.lineno, m if m in MODULES else n.module) for m in names]
+        elif isinstance(n, ast.Import):
+            out += [(n.lineno, a.name) for a in n.names]
+    return [(line, m) for line, m in out if m == "relay" or m.startswith("relay.")]
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else "top"
+
+
+def test_every_folder_is_a_layer_with_a_docstring_saying_what_it_owns():
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(LAYERS), "a new folder needs its place in LAYERS and in docs/architecture.md"
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in TOP)
+    assert not loose, f"modules outside the folders: {loose}"
+    for name in LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"relay/{name}/__init__.py must say what it owns and what it may import"
+
+
+def test_no_import_runs_upward():
+    upward = []
+    for module, path in MODULES.items():
+        src = _folder(module)
+        if src == "top":
+            continue
+        for line, target in _imports(path):
+            dst = _folder(target)
+            if dst == "top" and target != "relay":  # relay.cli
+                upward.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
+            elif dst != "top" and LAYERS.index(dst) > LAYERS.index(src):
+                upward.append(f"{path.relative_to(PACKAGE)}:{line} ({src}) imports {target} ({dst}), a higher layer")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circles():
+    graph = defaultdict(set)
+    for module, path in MODULES.items():
+        for _, target in _imports(path, module_level_only=True):
+            # importing relay.a.b runs relay.a's __init__ too; the edge that matters is to the module itself
+            if target != module and target in MODULES:
+                graph[module].add(target)
+    seen, stack, cycles = set(), [], []
+
+    def visit(m: str) -> None:
+        if m in stack:
+            cycles.append(" -> ".join([*stack[stack.index(m):], m]))
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for t in sorted(graph[m]):
+            visit(t)
+        stack.pop()
+
+    for m in sorted(MODULES):
+        visit(m)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_only_the_airflow_folder_imports_airflow():
+    offenders = []
+    for module, path in MODULES.items():
+        if _folder(module) == "airflow":
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            names = ([n.module or ""] if isinstance(n, ast.ImportFrom) and n.level == 0 else
+                     [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+            offenders += [f"{module}:{n.lineno}" for name in names if name.split(".")[0] == "airflow"]
+    assert not offenders, offenders
+
+
+def test_what_ships_to_ray_jobs_never_imports_what_stays_behind():
+    behind = {f.strip("/") for f in NOT_SHIPPED}
+    assert behind == {"devstack", "airflow"}
+    offenders = [f"{module} imports {target}" for module, path in MODULES.items()
+                 if _folder(module) not in behind and module not in {"relay.cli", "relay.__main__"}
+                 for _, target in _imports(path) if _folder(target) in behind]
+    assert not offenders, offenders
