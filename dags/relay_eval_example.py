@@ -7,7 +7,7 @@ from datetime import datetime
 from airflow.providers.standard.operators.python import PythonOperator
 from airflow.sdk import DAG
 
-from relay.airflow.dag_factory import checkpoint_alias
+from relay.airflow.assets import checkpoint_alias
 from relay.airflow.tasks import evaluate_published
 from relay.common import project
 from relay.runs.spec import load_spec

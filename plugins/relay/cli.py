@@ -6,21 +6,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
+import tempfile
 from pathlib import Path
 
-from relay.common.errors import RelayError
+from relay.checkpoints import preview
+from relay.checkpoints.gate import admit_dir
+from relay.checkpoints.validate import latest_step_or_problem, validate_checkpoint
+from relay.common.errors import RelayError, StoreError
+from relay.data import quality
+from relay.data.diff import diff
+from relay.data.fingerprint import fingerprint
+from relay.devstack import demo, stack
+from relay.jobs.ray_jobs import RayJobs
+from relay.preflight import doctor
+from relay.preflight.prepare import prepare_run
+from relay.report import run_report as report
+from relay.runs import layout
+from relay.runs.plan import ChunkPlan
+from relay.runs.spec import load_spec
+from relay.s3.restore import restore
+from relay.s3.store import CheckpointStore, parse_uri, s3_client, store_for_spec, upload_args
+from relay.trainers.contract import ChunkRequest, run_chunk
 
 
 def _spec(path: str, check_environment: bool = True):
-    from relay.runs.spec import load_spec
 
     return load_spec(path, check_environment=check_environment)
 
 
 def cmd_plan(args) -> int:
-    from relay.checkpoints.validate import latest_step_or_problem
-    from relay.runs.plan import ChunkPlan
 
     spec = _spec(args.spec, check_environment=False)
     latest, problem = latest_step_or_problem(spec.run_dir(args.run or spec.name))
@@ -43,13 +60,7 @@ def cmd_spec_check(args) -> int:
 
 
 def cmd_train(args) -> int:
-    import os
-    import socket
 
-    from relay.common.errors import StoreError
-    from relay.preflight.prepare import prepare_run
-    from relay.s3.store import store_for_spec
-    from relay.trainers.contract import ChunkRequest, run_chunk
 
     spec = _spec(args.spec)
     run = args.run or spec.name
@@ -80,8 +91,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_checkpoint_validate(args) -> int:
-    from relay.checkpoints.gate import admit_dir
-    from relay.checkpoints.validate import validate_checkpoint
 
     if args.quarantine:
         admission = admit_dir(Path(args.dir), args.step)
@@ -109,7 +118,6 @@ def cmd_checkpoint_validate(args) -> int:
 
 def _store(uri: str, args=None):
     """A store on uri; an upload command's --sse, --kms-key-id and --acl go with every object it writes."""
-    from relay.s3.store import CheckpointStore, s3_client, upload_args
 
     extra = upload_args(getattr(args, "sse", None), getattr(args, "kms_key_id", None), getattr(args, "acl", None))
     return CheckpointStore(s3_client(), uri, extra_args=extra)
@@ -122,8 +130,6 @@ def _upload_options(c) -> None:
 
 
 def cmd_checkpoint_publish(args) -> int:
-    from relay.checkpoints.gate import admit_dir
-    from relay.runs import layout
 
     run_dir = Path(args.dir)
     step = args.step or layout.read_tracker(run_dir)
@@ -142,7 +148,6 @@ def cmd_checkpoint_publish(args) -> int:
 
 
 def cmd_checkpoint_restore(args) -> int:
-    from relay.s3.restore import restore
 
     run_dir = Path(args.dir)
     restored = restore(_store(args.uri), args.run or run_dir.name, run_dir, step=args.step)
@@ -175,8 +180,6 @@ def cmd_checkpoint_ls(args) -> int:
 
 
 def cmd_checkpoint_inspect(args) -> int:
-    from relay.checkpoints import preview
-    from relay.s3.store import parse_uri
 
     if args.source.startswith("s3://"):
         bucket, key = parse_uri(args.source)
@@ -196,13 +199,7 @@ def cmd_checkpoint_inspect(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    import os
 
-    from relay.devstack import stack
-    from relay.jobs.ray_jobs import RayJobs
-    from relay.preflight import doctor
-    from relay.runs.spec import load_spec
-    from relay.s3.store import store_for_spec
 
     try:
         spec = load_spec(args.spec, check_environment=False)
@@ -224,7 +221,6 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_data_check(args) -> int:
-    from relay.data import quality
 
     extra = [e for f in (args.suite or []) for e in quality.load_expectations(Path(f))]
     report = quality.check(args.parquet, min_rows=args.min_rows, extra=extra)
@@ -233,7 +229,6 @@ def cmd_data_check(args) -> int:
 
 
 def cmd_data_freeze(args) -> int:
-    from relay.data.fingerprint import fingerprint
 
     fp = fingerprint(args.parquet)
     store = _store(args.uri, args)
@@ -243,7 +238,6 @@ def cmd_data_freeze(args) -> int:
 
 
 def cmd_data_diff(args) -> int:
-    from relay.data.diff import diff
 
     d = diff(args.a, args.b)
     print(d.summary())
@@ -251,9 +245,7 @@ def cmd_data_diff(args) -> int:
 
 
 def cmd_report(args) -> int:
-    import tempfile
 
-    from relay.report import run_report as report
 
     if args.source.startswith("s3://"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -269,7 +261,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_stack(args) -> int:
-    from relay.devstack import stack
 
     if args.action == "up":
         info = stack.up(with_airflow=not args.no_airflow, db_url=args.db)
@@ -284,7 +275,6 @@ def cmd_stack(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from relay.devstack import demo
 
     return demo.run(keep_running=args.keep_running, provoke_resume=not args.no_kill)
 

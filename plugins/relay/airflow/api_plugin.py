@@ -26,7 +26,10 @@ from fastapi.responses import HTMLResponse
 
 from relay.airflow import form
 from relay.airflow.links import RELAY_APP_PREFIX
-from relay.runs.spec import spec_for_dag
+from relay.common.errors import RelayError
+from relay.preflight.prepare import resolve_run_name
+from relay.report import run_report as report
+from relay.runs.spec import dated_run_name, spec_for_dag
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +38,6 @@ TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?")
 
 def run_name_of(spec, conf: dict, logical_date: str | None) -> str:
     """The run a trigger names, as preflight.run resolves it (relay.airflow.tasks.preflight)."""
-    from relay.preflight.prepare import resolve_run_name
-    from relay.runs.spec import dated_run_name
 
     if (isinstance(conf.get("run"), str) and conf["run"].strip()) or not spec.airflow.schedule:
         return resolve_run_name(spec, conf.get("run"))
@@ -157,8 +158,6 @@ def _pages() -> FastAPI:
     @app.get("/dags/{dag_id}/runs/{run}/report", response_class=HTMLResponse, dependencies=can_read_runs)
     def run_report(dag_id: str, run: str) -> HTMLResponse:
         """The run report, built now from the run's folder (or S3 where this server cannot see it)."""
-        from relay.common.errors import RelayError
-        from relay.report import run_report as report
 
         spec = spec_for_dag(dag_id)
         if spec is None:

@@ -16,9 +16,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from airflow.providers.standard.operators.python import PythonOperator
-from airflow.sdk import DAG, Asset, AssetAlias, Param, TaskGroup
+from airflow.sdk import DAG, Param, TaskGroup
 
 from relay.airflow import form
+from relay.airflow.assets import checkpoint_alias
 from relay.airflow.notifiers import RelayAlertNotifier
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.supervised import is_supervised, supervise_task, validate_task
@@ -108,19 +109,6 @@ def build_dag(spec: RunSpec) -> DAG:
         if publish_before is not None:
             publish_before >> done
     return dag
-
-
-def checkpoint_alias(spec: RunSpec) -> AssetAlias:
-    """The spec's published checkpoints: each publication's asset event goes to its run's asset
-    (run_checkpoints) through this alias, and DAGs that evaluate them are scheduled on the alias."""
-    return AssetAlias(name=f"relay_{spec.name}_checkpoints")
-
-
-def run_checkpoints(spec: RunSpec, run: str) -> Asset:
-    """One training run's published checkpoints: its S3 prefix, named by it (its URI is the truth;
-    Airflow keeps URIs without a trailing slash)."""
-    uri = f"{spec.s3.uri.rstrip('/')}/{run}"
-    return Asset(name=uri, uri=uri, group="relay")
 
 
 def build_dags(runs_dir: Path | None = None) -> dict[str, DAG]:

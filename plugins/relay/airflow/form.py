@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jsonschema
+
 # `..` is refused too (spec.check_run_name): a run name becomes a folder and an S3 prefix.
 RUN_NAME_SCHEMA_PATTERN = r"^$|^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # "": the spec's run
 EMAIL_PATTERN = r"^$|^[^@\s]+@[^@\s]+$"  # a blank line of the text box is ignored (relay.airflow.notifiers)
@@ -78,7 +80,6 @@ def fields(spec) -> dict[str, dict[str, Any]]:
 
 def explain(spec, conf: dict | None) -> list[str]:
     """Plain words for every value of `conf` that the form's schema refuses; [] when all are accepted."""
-    import jsonschema
 
     problems = []
     for name, field in fields(spec).items():

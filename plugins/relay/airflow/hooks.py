@@ -5,8 +5,10 @@ from __future__ import annotations
 from functools import cached_property
 
 from airflow.sdk import BaseHook
+from botocore.config import Config
 
 from relay.jobs.ray_jobs import RayJobs
+from relay.s3.store import client_config, store_for_spec
 
 
 class RayJobsHook(BaseHook):
@@ -52,9 +54,7 @@ def checkpoint_store(spec, *, probe: bool = False):
     if spec.s3 is None:
         return None
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-    from botocore.config import Config
 
-    from relay.s3.store import client_config, store_for_spec
 
     config = client_config()
     if probe:

@@ -17,6 +17,9 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
+from relay.runs.plan import ChunkPlan
+from relay.runs.spec import load_spec
+
 RELAY_APP_PREFIX = "/relay"  # where relay.airflow.api_plugin mounts Relay's pages in the API server
 RAY_JOB_XCOM = "ray_job"  # {"submission_id", "url"}: pushed by the train task when it submits or re-attaches
 
@@ -64,8 +67,6 @@ class CheckpointLink(BaseOperatorLink):
     name = "Checkpoint"
 
     def get_link(self, operator, *, ti_key) -> str:
-        from relay.runs.plan import ChunkPlan
-        from relay.runs.spec import load_spec
 
         run = _run_of(operator, ti_key)
         if not run:

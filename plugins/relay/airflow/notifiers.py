@@ -25,10 +25,13 @@ from typing import Callable
 from airflow.sdk import BaseNotifier
 
 from relay.airflow.form import CHANNELS
+from relay.airflow.hooks import checkpoint_store
 from relay.airflow.task_ids import RUN_TASK
 from relay.alerts import Alert, AlertLedger, kind_of
+from relay.checkpoints.validate import latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
+from relay.runs.spec import load_spec
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +139,6 @@ def run_of(context, spec) -> str:
 def last_valid(spec, run: str) -> tuple[int | None, str | None]:
     """The run's newest valid checkpoint and, when S3 holds it, its URI. Best effort: an alert about an
     unreachable S3 must still go out."""
-    from relay.airflow.hooks import checkpoint_store
-    from relay.checkpoints.validate import latest_valid_step
 
     try:
         step = latest_valid_step(spec.run_dir(run))
@@ -257,7 +258,6 @@ class RelayAlertNotifier(BaseNotifier):
         self.retry = retry
 
     def notify(self, context) -> None:
-        from relay.runs.spec import load_spec
 
         ti = context["ti"]
         spec = load_spec(self.spec_path, check_environment=False)

@@ -16,25 +16,37 @@ execute_complete(): succeed only when the job succeeded and the run's checkpoint
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from relay.airflow.assets import run_checkpoints
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
 from relay.airflow.task_ids import RUN_TASK
 from relay.airflow.tasks import publish_report, run_incarnation, run_spec
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
+from relay.alerts import stall_limit_s
+from relay.checkpoints import gate, manifest
+from relay.checkpoints.gate import admit, parse_job_output
+from relay.checkpoints.preview import inspect_dir
+from relay.checkpoints.resume import QUARANTINE
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
-from relay.common.faultpoint import fault_point
+from relay.common.errors import RelayError
+from relay.common.faultpoint import drill_env, fault_point
 from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, job_metadata, submission_id
+from relay.preflight.checks import before_chunk
 from relay.runs import layout
+from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
+from relay.runs.metrics import MetricsLog, read_events
 from relay.runs.plan import ChunkPlan
 from relay.runs.spec import load_spec
+from relay.s3.publication import publish_checkpoint
 from relay.trainers.contract import ChunkRequest
 
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
@@ -97,8 +109,6 @@ class RayChunkOperator(ChunkTaskOperator):
 
     def _checks_before_chunk(self, context, spec, run: str, chunk) -> None:
         """Settings drift and changed sources are caught before the chunk's job starts, every chunk."""
-        from relay.common.errors import RelayError
-        from relay.preflight.checks import before_chunk
 
         try:
             checked = before_chunk(spec, run, allow_drift=context["params"].get("allow_drift") or [],
@@ -113,8 +123,6 @@ class RayChunkOperator(ChunkTaskOperator):
 
     def _log_resume_preview(self, spec, run: str, chunk, latest: int | None) -> None:
         """What the job will load, as `python -m relay checkpoint inspect` shows it (small files only)."""
-        from relay.checkpoints.preview import inspect_dir
-        from relay.common.errors import RelayError
 
         if not latest:
             self.log.info("%s of run %s starts at step 0: no checkpoint to resume from", chunk, run)
@@ -179,7 +187,6 @@ class RayChunkOperator(ChunkTaskOperator):
         # The task's "Ray job" link (RayJobLink), shown while the task is deferred on the job
         ti.xcom_push(key=RAY_JOB_XCOM, value={"submission_id": sub_id,
                                               "url": ray_job_page(hook.dashboard_url, sub_id)})
-        from relay.alerts import stall_limit_s
 
         deadline = started + spec.ray.chunk_timeout_minutes * 60
         stall_after = stall_limit_s(spec, spec.run_dir(run))
@@ -196,10 +203,7 @@ class RayChunkOperator(ChunkTaskOperator):
     def _drill_env(context, spec, run: str, chunk) -> dict[str, str]:
         """A crash drill asked for in the DAG run's conf (`relay_fault`, the demo's provoked resume): armed in
         the chunk's job once per DAG run, so the retry that resumes is not killed again."""
-        import hashlib
 
-        from relay.common.faultpoint import drill_env
-        from relay.runs.layout import relay_dir
 
         drill = (context["dag_run"].conf or {}).get("relay_fault")
         if not drill:
@@ -213,8 +217,6 @@ class RayChunkOperator(ChunkTaskOperator):
         still within its start-up allowance). (job, why) or None. A try that failed for a reason of
         Airflow's own (a lost worker, a trigger timed out while the triggerer was down, a person clearing
         the task) adopts it instead of stopping it and training its steps again."""
-        from relay.alerts import stall_limit_s
-        from relay.runs.metrics import MetricsLog
 
         run_dir = spec.run_dir(run)
         state_store = context.get("task_state_store")
@@ -264,9 +266,6 @@ class RayChunkOperator(ChunkTaskOperator):
 
     def _alert_fallback(self, context, spec, run: str, chunk, attempt: str) -> None:
         """The job's trainer quarantined checkpoints and resumed from an older one: people should know."""
-        from relay.checkpoints.resume import QUARANTINE
-        from relay.runs.layout import relay_dir
-        from relay.runs.metrics import read_events
 
         for e in read_events(spec.run_dir(run)):
             if e["event"] != "chunk_start" or e.get("attempt") != attempt:
@@ -315,8 +314,6 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
         self.train_task = train_task
 
     def execute(self, context) -> dict:
-        from relay.checkpoints import manifest
-        from relay.runs.layout import checkpoint_reached, step_dir
 
         spec, run, chunk = self._context(context)
         trained = (context["ti"].xcom_pull(task_ids=self.train_task) or {}) if self.train_task else {}
@@ -350,13 +347,11 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
     def _validate(self, context, spec, run: str, chunk) -> dict:
         if spec.checkpoints.validate_on == "ray":
             return self._validate_on_ray(context, spec, run, chunk)
-        from relay.checkpoints.gate import admit
 
         return self._admitted(context, spec, run, chunk,
                               admit(spec, run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict())
 
     def _validate_on_ray(self, context, spec, run: str, chunk) -> None:
-        from relay.checkpoints import gate
 
         hook = RayJobsHook(spec.ray.conn_id)
         ti = context["ti"]
@@ -371,7 +366,6 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
                    method_name="ray_validation_complete")
 
     def _ray_admission(self, spec, event: dict) -> dict:
-        from relay.checkpoints.gate import parse_job_output
 
         logs = RayJobsHook(spec.ray.conn_id).jobs.logs(event["submission_id"])
         admission = parse_job_output(logs)
@@ -410,7 +404,6 @@ class PublishCheckpointOperator(ChunkTaskOperator):
     operator_extra_links = (CheckpointLink(), RunReportLink())
 
     def execute(self, context) -> dict:
-        from relay.s3.publication import publish_checkpoint
 
         spec, run, chunk = self._context(context)
         store = checkpoint_store(spec)
@@ -443,7 +436,6 @@ class PublishCheckpointOperator(ChunkTaskOperator):
 
     def _announce(self, context, spec, run: str, extra: dict) -> None:
         """The asset event of this publication, on the run's own asset, through the spec's alias."""
-        from relay.airflow.dag_factory import run_checkpoints
 
         for alias in self.outlets:
             context["outlet_events"][alias].add(run_checkpoints(spec, run), extra=extra)
@@ -451,7 +443,6 @@ class PublishCheckpointOperator(ChunkTaskOperator):
     @staticmethod
     def _already_published(spec, run: str, step: int, store) -> bool:
         """Published by an earlier DAG run: S3's manifest is the local one (or the local copy was pruned)."""
-        from relay.checkpoints import manifest
 
         published = store.manifest(run, step)
         if published is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from relay.airflow.operators import RayChunkOperator, ValidateCheckpointOperator
 from relay.runs.plan import ChunkPlan
+from relay.trainers.verl_ppo import overrides
 
 SUPERVISE_TASK = "supervise"
 
@@ -30,7 +31,6 @@ def is_supervised(spec) -> bool:
 def whole_run_view(spec):
     """The spec as the supervising task and its job see it: one chunk of every step; verl saves every
     chunk_steps (or the spec's save_freq, a divisor of it); the timeout covers every chunk."""
-    from relay.trainers.verl_ppo import overrides
 
     chunks = len(ChunkPlan.from_spec(spec).chunks)
     settings = dict(spec.trainer.settings)

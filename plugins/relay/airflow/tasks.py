@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import logging
+import tempfile
+from datetime import datetime
+from pathlib import Path
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay.airflow.hooks import checkpoint_store
+from relay.airflow.hooks import RayJobsHook, checkpoint_store
+from relay.airflow.links import report_page
 from relay.airflow.notifiers import Channels, notify_error, notify_recovery, notify_use_frozen
 from relay.airflow.task_ids import RUN_TASK
+from relay.checkpoints import safeload
 from relay.common.errors import RelayError
+from relay.preflight import doctor
+from relay.preflight.checks import check_settings, prepare_data
 from relay.preflight.prepare import prepare_run, run_state
+from relay.report import run_report as report
+from relay.runs import layout
 from relay.runs.metrics import read_events
 from relay.runs.plan import ChunkPlan
-from relay.runs.spec import load_spec
+from relay.runs.spec import dated, load_spec
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +35,7 @@ def run_incarnation(context, run_from_task: str = RUN_TASK) -> str | None:
 def run_spec(spec_path: str, context, run_from_task: str = RUN_TASK):
     """(spec, run) of this DAG run, as preflight.run resolved them: the spec's data paths dated with
     the DAG run's logical date, and the training run's name."""
-    from datetime import datetime
 
-    from relay.runs.spec import dated
 
     spec = load_spec(spec_path, check_environment=False)
     resolved = context["ti"].xcom_pull(task_ids=run_from_task)
@@ -50,7 +57,6 @@ def _who(context) -> str:
 
 def settings_guard(spec_path: str, **context) -> list[str]:
     """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded)."""
-    from relay.preflight.checks import check_settings
 
     spec, run = run_spec(spec_path, context)
     try:
@@ -72,7 +78,6 @@ def settings_guard(spec_path: str, **context) -> list[str]:
 
 def data_freeze(spec_path: str, **context) -> dict:
     """First chunk: check the data's quality, freeze it, record the settings. Later: guard the sources."""
-    from relay.preflight.checks import prepare_data
 
     spec, run = run_spec(spec_path, context)
     try:
@@ -133,8 +138,6 @@ def _log_checklist(spec, run: str) -> None:
     """`python -m relay doctor`'s checklist, by the same code (cheap checkpoint level): what the next
     tasks enforce (settings, data), and what the chunks handle themselves (fallback, live jobs).
     Informational here: a check that cannot run is logged, never fails the task."""
-    from relay.airflow.hooks import RayJobsHook
-    from relay.preflight import doctor
 
     try:
         findings = doctor.diagnose(spec, run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs,
@@ -163,8 +166,6 @@ def publish_report(spec, run: str, store, context) -> None:
     """The run report (plots, chunk table, fingerprints) beside the run, and beside its checkpoints in S3
     with a store; the task log names its page in the UI. A report that cannot be made never fails the
     task that asked for it."""
-    from relay.airflow.links import report_page
-    from relay.report import run_report as report
 
     try:
         out = report.publish(spec, run, store)
@@ -178,11 +179,7 @@ def publish_report(spec, run: str, store, context) -> None:
 def evaluate_published(spec_path: str, **context) -> list[dict]:
     """Example evaluation stub, scheduled on a spec's checkpoint asset: load each published checkpoint's
     model (through the safe loader) and report its step. Triggered by hand, conf {"manifest": URI} works too."""
-    import tempfile
-    from pathlib import Path
 
-    from relay.checkpoints import safeload
-    from relay.runs import layout
 
     spec = load_spec(spec_path, check_environment=False)
     store = checkpoint_store(spec)

@@ -19,9 +19,11 @@ import time
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from asgiref.sync import sync_to_async
 
 from relay.alerts.stall import StallWatch
 from relay.jobs.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
+from relay.runs.layout import checkpoint_reached
 
 FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  # a person's mark ends the task
 
@@ -123,7 +125,6 @@ class RayJobTrigger(BaseTrigger):
 
     async def _task_state(self) -> str:
         """This task instance's state now, as the API server has it ("unknown" if it cannot be read)."""
-        from asgiref.sync import sync_to_async
 
         try:
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
@@ -154,7 +155,6 @@ class CheckpointTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from relay.runs.layout import checkpoint_reached
 
         while True:
             try:

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as dc_fields
 from datetime import datetime, timezone
 
-from relay.common.errors import CheckpointError
+from relay.common.errors import CheckpointError, StoreError
+from relay.common.redaction import redact
+from relay.data.fingerprint import DataError
+from relay.data.freeze import SourceDriftError
+from relay.data.quality import DataQualityError
+from relay.preflight.guard import DriftError
 
 PAYLOAD_VERSION = 1
 
@@ -37,11 +43,6 @@ KINDS: dict[str, tuple[str, str]] = {
 
 def kind_of(error: BaseException, default: str = "task_failed") -> str:
     """The alert kind of an error; `default` for any other (imports local: these modules are heavier)."""
-    from relay.common.errors import StoreError
-    from relay.data.fingerprint import DataError
-    from relay.data.freeze import SourceDriftError
-    from relay.data.quality import DataQualityError
-    from relay.preflight.guard import DriftError
 
     for cls, kind in ((DataQualityError, "data_quality"), (SourceDriftError, "data_drift"),
                       (DriftError, "settings_drift"), (CheckpointError, "checkpoint_invalid"),
@@ -87,10 +88,7 @@ class Alert:
     def redacted(self) -> "Alert":
         """This alert with every known secret (relay.common.redaction: Airflow's masked connections, ray.env_vars
         expanded from the environment) replaced by ***: what every channel, the ledger and the log get."""
-        from dataclasses import fields as dc_fields
-        from dataclasses import replace
 
-        from relay.common.redaction import redact
 
         return replace(self, **{f.name: redact(getattr(self, f.name)) for f in dc_fields(self)
                                 if isinstance(getattr(self, f.name), (str, list)) and f.name != "kind"})

@@ -5,6 +5,8 @@ say so. Shared by the DAG's validate task, `python -m relay checkpoint validate`
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,8 @@ from relay.checkpoints.resume import find_resume_point, quarantine
 from relay.checkpoints.validate import CheckReport, validate_checkpoint, write_manifest
 from relay.common.errors import CheckpointError
 from relay.runs import layout
+from relay.runs.kinds import KINDS
+from relay.runs.spec import spec_from_json
 
 
 @dataclass
@@ -43,7 +47,6 @@ def smoke_check(spec):
     """The trainer's smoke check for this spec, if it has one and the spec asks for it."""
     if not spec.checkpoints.smoke:
         return None
-    from relay.runs.kinds import KINDS
 
     fn = KINDS[spec.trainer.kind].smoke_function()
     return None if fn is None else (lambda step_dir: fn(spec, step_dir))
@@ -81,17 +84,13 @@ MARKER = "RELAY_ADMISSION "
 
 
 def request_json(spec, run: str, step: int, expected_step: int | None) -> str:
-    import json
 
     return json.dumps({"spec": json.loads(spec.to_json()), "run": run, "step": step, "expected_step": expected_step})
 
 
 def main() -> int:
     """`python -m relay.checkpoints.gate`: admit a checkpoint where it lives; print the admission on one marked line."""
-    import json
-    import os
 
-    from relay.runs.spec import spec_from_json
 
     req = json.loads(os.environ[ENV_VAR])
     spec = spec_from_json(json.dumps(req["spec"]))
@@ -102,7 +101,6 @@ def main() -> int:
 
 
 def parse_job_output(logs: str) -> dict | None:
-    import json
 
     lines = [ln for ln in logs.splitlines() if ln.startswith(MARKER)]
     return json.loads(lines[-1][len(MARKER):]) if lines else None

@@ -12,6 +12,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from awscrt import checksums
+
 BLOCK = 8 << 20
 
 
@@ -27,7 +29,6 @@ def crc64nvme_b64(value: int) -> str:
 
 
 def crc64nvme_bytes(data: bytes, previous: int = 0) -> int:
-    from awscrt import checksums
 
     return checksums.crc64nvme(data, previous)
 
@@ -50,7 +51,6 @@ def _zip_entries(path: Path) -> list[tuple[str, int, int, int]]:
 
 def scan(path: Path, *, zip_crc: bool | None = None) -> FileScan:
     """Read `path` once: size and CRC64NVME always; per-entry CRC32 for .pt files (or when zip_crc)."""
-    from awscrt import checksums
 
     path = Path(path)
     check_zip = path.suffix == ".pt" if zip_crc is None else zip_crc

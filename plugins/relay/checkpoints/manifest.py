@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from relay import __version__
@@ -131,7 +132,6 @@ def checkpoint_files(step_dir: Path) -> list[str]:
 
 
 def verl_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("verl")

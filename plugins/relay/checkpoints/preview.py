@@ -15,9 +15,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from relay.checkpoints import manifest
-from relay.common.errors import CheckpointError
+from relay.checkpoints import manifest, safeload
+from relay.checkpoints.validate import validate_checkpoint
+from relay.common.errors import CheckpointError, StoreError
 from relay.runs import layout
+from relay.runs.record import read_record
 
 RNG_NAMES = {"cpu": "cpu", "cuda": "cuda", "numpy": "numpy", "random": "python"}
 MAX_OPTIM_DOWNLOAD = 512 << 20  # an S3 optimizer shard above this is not fetched just to count steps
@@ -85,7 +87,6 @@ class ResumePreview:
 
 def _read_state(preview: ResumePreview, step_dir: Path, world_size: int | None) -> None:
     """Dataloader, scheduler, RNG and optimizer state of a checkpoint folder (safe loader only)."""
-    from relay.checkpoints import safeload
 
     data_pt = step_dir / "data.pt"
     if data_pt.is_file():
@@ -159,8 +160,6 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
     verify=True reads every byte (zip CRCs, and the manifest's CRC64NVME when there is one);
     verify=False reads only the small state files (a chunk's log preview).
     """
-    from relay.checkpoints.validate import validate_checkpoint
-    from relay.runs.record import read_record
 
     path = Path(path)
     if match := layout.STEP_DIR.match(path.name):
@@ -197,7 +196,6 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
 def inspect_uri(store, run: str, step: int | None = None) -> ResumePreview:
     """Inspect a published checkpoint: the manifest, the objects' checksums (HEAD), and the small
     state files downloaded to a temporary folder. The run's published record adds its data size."""
-    from relay.common.errors import StoreError
 
     if step is None:
         latest = store.latest(run)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from relay.checkpoints.validate import CheckReport, validate_checkpoint
-from relay.common.errors import CheckpointError
+from relay.common.errors import CheckpointError, RelayError
 from relay.common.timestamps import utc_stamp
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -128,7 +128,6 @@ def find_resume_point(run_dir: Path, *,
 def _restore_newer(restore, run_dir: Path, step: int) -> tuple[int, str] | None:
     """A published checkpoint newer than local `step`, or None; an unreachable store is no reason to fail
     when a valid local checkpoint is there."""
-    from relay.common.errors import RelayError
 
     try:
         return restore(run_dir, above=step)

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from relay.checkpoints import integrity, manifest
+from relay.checkpoints import integrity, manifest, safeload
+from relay.checkpoints.safeload import is_sharded_record
 from relay.common.errors import CheckpointError
 from relay.runs import layout
 from relay.runs.record import LEGACY_INCARNATION, folder_incarnation
@@ -217,7 +218,6 @@ def _tensors(obj: Any, prefix: str = ""):
     """(name, local tensor) pairs of a loaded object: DTensors' local parts, ShardedTensor shards."""
     import torch
 
-    from relay.checkpoints.safeload import is_sharded_record
 
     if is_sharded_record(obj):
         for i, shard in enumerate(obj.local_shards):
@@ -233,7 +233,6 @@ def _tensors(obj: Any, prefix: str = ""):
 
 
 def _global_shape(value: Any) -> list:
-    from relay.checkpoints.safeload import is_sharded_record
 
     shape = value.global_shape if is_sharded_record(value) else tuple(value.shape)
     return [int(x) for x in shape] + [str(value.dtype).removeprefix("torch.")]
@@ -242,7 +241,6 @@ def _global_shape(value: Any) -> list:
 def _check_file(ckpt: Path, rel: str, load: bool) -> _FileResult:
     import torch
 
-    from relay.checkpoints import safeload
 
     path = ckpt / rel
     res = _FileResult(rel, integrity.scan(path))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from relay.common.redaction import redact
+
 
 class RelayError(Exception):
     """Base class: `what` failed; `fix` tells a person what to do about it."""
@@ -9,7 +11,6 @@ class RelayError(Exception):
     exit_code = 1
 
     def __init__(self, what: str, fix: str | None = None):
-        from relay.common.redaction import redact  # a registered secret that a message carries shows as ***
 
         self.what = what = redact(what)
         self.fix = fix = redact(fix) if fix else fix

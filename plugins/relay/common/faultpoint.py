@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+from relay.common.errors import RelayError
+
 FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
 KILL_ENV = "RELAY_FAULT_KILL_AT"  # <phase>@<step>: the process SIGKILLs itself there (a crash, an OOM kill)
 # The trainer's points, in the order a step reaches them (the kill matrix draws from these). A publish
@@ -63,7 +65,6 @@ def drill_env(drill: dict, once_file: Path) -> dict[str, str]:
     """A drill asked for in a DAG run's conf ({"relay_fault": {"kill_at": "after_step@34"}}): the job
     environment that arms it, once per DAG run and chunk (the demo's provoked resume; a team's own
     rehearsal of a crash). Bad input is an error that says what is accepted."""
-    from relay.common.errors import RelayError
 
     kill_at = drill.get("kill_at") if isinstance(drill, dict) else None
     phase, _, step = str(kill_at).partition("@")

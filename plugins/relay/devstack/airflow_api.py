@@ -9,6 +9,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import quote
 
 
 class AirflowAPIError(RuntimeError):
@@ -85,7 +86,6 @@ class AirflowAPI:
 
     def update_dag_run(self, dag_id: str, run_id: str, **fields) -> dict:
         """Set fields of a DAG run (state, note) as the UI's buttons do."""
-        from urllib.parse import quote
 
         mask = "&".join(f"update_mask={k}" for k in fields)
         return self._call("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}?{mask}", fields)

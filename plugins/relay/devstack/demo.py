@@ -10,7 +10,7 @@ from pathlib import Path
 from relay.common.project import root
 from relay.devstack import stack
 from relay.devstack.airflow_api import AirflowAPI
-from relay.runs.metrics import read_events, read_jsonl
+from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.spec import load_spec
 
 DEMO_SPEC = "include/runs/demo.yaml"
@@ -76,7 +76,6 @@ def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, timeout_s: fl
 
 def _resumed_chunk_2(spec, run_dir: Path, kill_at: int) -> bool:
     """Whether a retry of chunk 2 resumed from its start step; says what it cost."""
-    from relay.runs.metrics import SUPERSEDED
 
     starts = [e for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
     resumed = [e for e in starts[1:] if e.get("resumed_from") == spec.chunk_steps]

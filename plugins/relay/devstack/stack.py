@@ -22,7 +22,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import boto3
+
 from relay.common import project
+from relay.common.errors import SpecError
+from relay.devstack.airflow_api import AirflowAPI
+from relay.runs.spec import load_spec
 
 
 def ports() -> dict[str, int]:
@@ -107,7 +112,6 @@ def s3_start(buckets: tuple[str, ...] = ("relay",)) -> str:
 
 
 def _create_buckets(buckets) -> None:
-    import boto3
 
     client = boto3.client("s3", endpoint_url=s3_endpoint(), **{
         "aws_access_key_id": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
@@ -228,8 +232,6 @@ def ensure_pools(env: dict[str, str]) -> list[str]:
     """The train tasks' pools of every spec, one slot each, deferred tasks counted: one trainer per
     cluster at a time, whether a trigger, the schedule or a backfill made the DAG run. A pool that
     exists keeps its slots (an operator may have raised them for a bigger cluster)."""
-    from relay.common.errors import SpecError
-    from relay.runs.spec import load_spec
 
     pools = {"relay_trainers"}
     for path in sorted(Path(env.get("RELAY_RUNS_DIR") or project.runs_dir()).glob("*.yaml")):
@@ -361,7 +363,6 @@ def settle_dag_runs(wait_s: float, say=print) -> list[str]:
     """Before Airflow stops: wait up to wait_s for its unfinished DAG runs to end, then mark those still
     unfinished failed with a note that says why, so that no failed run is left unexplained (an
     evaluation DAG that a publication triggered just before the stop, say). Returns what was marked."""
-    from relay.devstack.airflow_api import AirflowAPI
 
     if "airflow-api-server" not in running_services() or not _http_ok(f"{airflow_url()}/api/v2/monitor/health"):
         return []

@@ -12,12 +12,18 @@ the same try again finds its job and re-attaches instead of starting a second on
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
+import urllib.request
 from dataclasses import dataclass
+from urllib.parse import urlencode
+
+import aiohttp
 
 from relay.common import project
 from relay.common.errors import RayJobError
+from relay.runs.kinds import KINDS
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -64,7 +70,6 @@ def job_env_vars(spec) -> dict[str, str]:
 
 def runtime_env(req: ChunkRequest, extra_env: dict[str, str] | None = None) -> dict:
     """Relay's code travels as a py_module; nothing is installed on the cluster by hand."""
-    from relay.runs.kinds import KINDS
 
     threads = str(req.spec.threads)
     env = {
@@ -178,7 +183,6 @@ class RayJobs:
     def log_tail(self, sub_id: str, lines: int = LOG_TAIL_LINES) -> str:
         """The job's last lines, for an error message or an alert, read on the driver's node (a bounded
         read, as the trigger's); '(...)' saying why when they cannot be read."""
-        import urllib.request
 
         try:
             path = driver_log_path(sub_id, self.client.get_job_info(sub_id).driver_node_id, lines)
@@ -190,7 +194,6 @@ class RayJobs:
 
 def driver_log_path(sub_id: str, node_id: str, lines: int) -> str:
     """The dashboard's log API path of a job's last `lines` driver log lines, read on the driver's node."""
-    from urllib.parse import urlencode
 
     return "/api/v0/logs/file?" + urlencode({"node_id": node_id, "filename": f"job-driver-{sub_id}.log",
                                               "lines": lines})
@@ -222,7 +225,6 @@ def _ray_logs_through_logging() -> None:
     """Ray's client logs INFO lines ("Package ... already exists, skipping upload") to stderr through a
     handler of its own; Airflow labels a task's stderr ERROR. Hand them to the process's logging, at
     their own level, instead."""
-    import logging
 
     ray_log = logging.getLogger("ray")
     for handler in list(ray_log.handlers):
@@ -241,7 +243,6 @@ class AsyncRayJobs:
         self.bytes_read = 0  # log bytes, for the tests' bound
 
     async def _request(self, method: str, path: str):
-        import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as s:
@@ -264,7 +265,6 @@ class AsyncRayJobs:
         """The last `lines` lines of the job's driver log, read on its node through the dashboard's log API:
         a bounded read however long the log (the Jobs API's logs endpoint returns all of it). '' before
         the driver has a node."""
-        import aiohttp
 
         node = self._driver_node.get(sub_id)
         if not node:

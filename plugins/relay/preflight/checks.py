@@ -12,8 +12,10 @@ import json
 from dataclasses import dataclass, field
 
 from relay.common.errors import RelayError
+from relay.common.redaction import redact
 from relay.data import freeze as frozen
 from relay.data import quality
+from relay.data.fingerprint import sha256_file
 from relay.preflight import guard
 from relay.runs import layout
 from relay.runs.metrics import record_event
@@ -74,8 +76,6 @@ def publish_record(spec, run: str, store) -> None:
 
 def _keep_report(run_dir, report: quality.QualityReport, store, run: str) -> None:
     """Keep a quality report with the run: in its folder, and in S3 beside the checkpoints."""
-    from relay.common.redaction import redact
-    from relay.data.fingerprint import sha256_file
 
     name = f"quality-{sha256_file(report.file)[0][:16]}.json"
     text = redact(report.to_json())  # observed values are the data's own: a registered secret among them is not kept

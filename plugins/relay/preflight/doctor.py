@@ -12,9 +12,13 @@ from __future__ import annotations
 import socket
 from dataclasses import asdict, dataclass
 
+from relay.checkpoints.resume import quarantined
+from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import RelayError
+from relay.data import freeze as frozen
 from relay.preflight import guard
 from relay.runs import layout
+from relay.runs.lease import Lease
 from relay.runs.record import read_record
 
 # Snapshot keys (guard.snapshot) by what they mean; spec keys are under trainer.settings.
@@ -60,8 +64,6 @@ def _changes(spec, run: str, topic: str | None = None) -> list[guard.Change]:
 
 def checkpoint(spec, run: str, store=None, *, deep: bool = True) -> Finding:
     """The newest valid checkpoint, local and published, and what was quarantined after it."""
-    from relay.checkpoints.resume import quarantined
-    from relay.checkpoints.validate import validate_checkpoint
 
     run_dir = spec.run_dir(run)
     name = "checkpoint"
@@ -108,7 +110,6 @@ def live(spec, run: str, jobs=None) -> Finding:
     """No live Ray job of the run, and no live trainer holding its lease on this host."""
     import psutil
 
-    from relay.runs.lease import Lease
 
     name = "no live attempt"
     alive = []
@@ -153,7 +154,6 @@ def model(spec, run: str) -> Finding:
 
 def parallelism(spec, run: str) -> Finding:
     """The spec's world size and FSDP version against the latest checkpoint's shard names."""
-    from relay.checkpoints.validate import validate_checkpoint
 
     s = spec.settings
     want = (getattr(s, "world_size", None), getattr(s, "fsdp_version", None))
@@ -190,7 +190,6 @@ def algorithm(spec, run: str) -> Finding:
 
 def data(spec, run: str) -> Finding:
     """The frozen copies against their sha256, and each source against the frozen fingerprint."""
-    from relay.data import freeze as frozen
 
     run_dir = spec.run_dir(run)
     files = frozen.frozen_files(run_dir)

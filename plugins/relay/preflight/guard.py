@@ -15,6 +15,8 @@ from typing import Any
 
 from relay.common.errors import RelayError
 from relay.common.timestamps import utc_now
+from relay.data.freeze import frozen_files
+from relay.runs.kinds import KINDS
 from relay.runs.record import read_record, update_record
 
 
@@ -37,8 +39,6 @@ MISSING = "<absent>"
 
 def snapshot(spec, run_dir=None) -> dict[str, Any]:
     """The resume-critical settings this chunk would run with (spec + trainer-derived + frozen data)."""
-    from relay.data.freeze import frozen_files
-    from relay.runs.kinds import KINDS
 
     files = frozen_files(run_dir) if run_dir is not None else None
     rows = sum(f.rows for f in files if f.role == "train") if files else None

@@ -21,9 +21,14 @@ import base64
 import calendar
 import hashlib
 import html
+import io
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from relay.checkpoints import manifest
 from relay.checkpoints.resume import quarantined
@@ -31,7 +36,9 @@ from relay.common.errors import RelayError
 from relay.common.redaction import redact
 from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_jsonl
+from relay.runs.plan import ChunkPlan
 from relay.runs.record import RECORD, read_record
+from relay.s3.store import CheckpointStore, parse_uri, s3_client
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
 HTML, PNG = "report.html", "report.png"
@@ -149,10 +156,7 @@ class Report:
     def plot_png(self) -> bytes:
         """The panels as PNG bytes (matplotlib's Agg canvas; no pyplot, no global backend). Named markers
         are labelled in a strip above the panels, one row per label that would overlap another."""
-        import io
 
-        from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
 
         right = max([self.total_steps or 0, *self.steps, *(m.step for m in self.markers), 1])
         xmax = right + max(1, right // 50)
@@ -489,7 +493,6 @@ def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str
     events and record (what a report from S3 is rebuilt from). Returns local paths and S3 URIs.
 
     Without a store (a spec with no s3 section) the report is only written locally."""
-    from relay.runs.plan import ChunkPlan
 
     run_dir = spec.run_dir(run)
     report = build(run_dir, store=store, run=run, plan=ChunkPlan.from_spec(spec))
@@ -511,9 +514,7 @@ def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str
 def current_html(spec, run: str, store) -> str:
     """The run's report as it is now: from its folder where this process sees it, else from S3 (the
     Airflow UI's "Run report" link is served through this, so it never expires)."""
-    import tempfile
 
-    from relay.runs.plan import ChunkPlan
 
     run_dir = spec.run_dir(run)
     if (run_dir / layout.METRICS).is_file() or (run_dir / layout.EVENTS).is_file():
@@ -531,7 +532,6 @@ def current_html(spec, run: str, store) -> str:
 def from_s3(uri: str, workdir: Path, client=None) -> Report:
     """The report of a run published under s3://bucket/prefix/<run>: its metrics, events and record
     are downloaded into workdir (laid out as a run folder), its manifests read from the store."""
-    from relay.s3.store import CheckpointStore, parse_uri, s3_client
 
     bucket, key = parse_uri(uri)
     prefix, _, run = key.rpartition("/")

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import reprlib
 import tempfile
 from datetime import date, datetime
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
-from relay.common import project
+from relay.common import project, redaction
 from relay.common.errors import SpecError
 from relay.runs.kinds import KINDS
 from relay.runs.specmodel import StrictModel, critical, critical_values
@@ -298,7 +299,6 @@ def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool 
 def _register_secrets(spec: RunSpec) -> None:
     """What ray.env_vars take from the environment (${VAR}) is secret: registered as soon as a process
     loads the spec, so that an error, a log line or an alert that carries it shows *** (relay.common.redaction)."""
-    from relay.common import redaction
 
     for value in spec.ray.env_vars.values():
         for name in project.variables(value):
@@ -349,7 +349,6 @@ def _validate(model: type[BaseModel], raw: Any, source: str, prefix: str) -> Any
 
 def _brief(value: Any) -> str:
     """A short repr of a bad value for an error message (bounded in depth and length)."""
-    import reprlib
 
     r = reprlib.Repr()
     r.maxlevel, r.maxstring, r.maxother, r.maxlist, r.maxdict = 3, 80, 80, 6, 6

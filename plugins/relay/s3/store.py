@@ -24,12 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import boto3
+from awscrt import checksums
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
 from relay.checkpoints import integrity, manifest
 from relay.common.errors import CheckpointError, StoreError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
 from relay.runs import layout
 from relay.runs.record import RECORD, incarnation_of
+from relay.runs.spec import RUN_NAME_PATTERN, check_run_name
 
 STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/")
 LATEST = "latest.json"
@@ -52,13 +58,11 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 def s3_client(max_pool_connections: int = 16):
     """A boto3 S3 client from the standard AWS environment (AWS_ENDPOINT_URL, keys, region)."""
-    import boto3
 
     return boto3.client("s3", config=client_config(max_pool_connections))
 
 
 def client_config(max_pool_connections: int = 16):
-    from botocore.config import Config
 
     # Relay sends its own CRC64NVME checksum with every object and part, and S3 verifies it: botocore
     # need not add another checksum, nor SHA256 the whole body for SigV4 (it does so by default over
@@ -95,7 +99,6 @@ class CheckpointStore:
     def run_key(self, run: str, *parts: str) -> str:
         """prefix/run/parts...: the run name is checked as a run name and every part as a relative path, so
         a name read back from a manifest, a record or a command line cannot reach another run's keys."""
-        from relay.runs.spec import check_run_name
 
         check_run_name(run)
         for p in parts:
@@ -113,7 +116,6 @@ class CheckpointStore:
         return f"s3://{self.bucket}/{self.step_key(run, step)}/"
 
     def _call(self, what: str, fn: Callable, **kwargs) -> Any:
-        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn(Bucket=self.bucket, **kwargs)
@@ -183,7 +185,6 @@ class CheckpointStore:
 
     def download_object(self, key_or_uri: str, dest: Path, expect: dict | None = None) -> None:
         """Download one object; with expect ({size, crc64nvme}), verify it."""
-        from awscrt import checksums
 
         if key_or_uri.startswith("s3://"):
             bucket, key = parse_uri(key_or_uri)
@@ -210,7 +211,6 @@ class CheckpointStore:
 
     def _pages(self, what: str, **kwargs):
         """The pages of a ListObjectsV2 (boto3's paginator), errors said as StoreErrors."""
-        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             yield from self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **kwargs)
@@ -232,7 +232,6 @@ class CheckpointStore:
 
     def runs(self) -> list[str]:
         """Run names under the prefix (a folder there whose name is no run name, .archive say, is left out)."""
-        from relay.runs.spec import RUN_NAME_PATTERN
 
         names = (cp["Prefix"].rstrip("/").rsplit("/", 1)[-1]
                  for page in self._pages("LIST", Prefix=(self.prefix + "/") if self.prefix else "", Delimiter="/")

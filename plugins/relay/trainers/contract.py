@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from relay.runs.kinds import KINDS
 from relay.runs.spec import RunSpec, spec_from_json
 
 ENV_VAR = "RELAY_CHUNK_REQUEST"
@@ -59,6 +60,5 @@ class ChunkResult:
 
 def run_chunk(req: ChunkRequest) -> ChunkResult:
     """Dispatch a chunk to its trainer kind."""
-    from relay.runs.kinds import KINDS
 
     return KINDS[req.spec.trainer.kind].chunk_function()(req)

@@ -20,12 +20,15 @@ from pathlib import Path
 from typing import Iterator
 
 from relay.checkpoints.resume import find_resume_point
-from relay.common.errors import CheckpointError
+from relay.common.errors import CheckpointError, RunError
 from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
+from relay.data.freeze import frozen_files, verify_frozen
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, record_event
+from relay.runs.record import folder_incarnation
+from relay.s3.restore import restore_for_resume
 from relay.trainers.contract import ChunkRequest
 
 
@@ -61,8 +64,6 @@ class ChunkSession:
         """The run's incarnation: the request's (the DAG's and the CLI's, from the run record), which the
         folder's record must agree with; the folder's for a request without one. A folder without a record
         (a new host) restores only checkpoints of the request's incarnation."""
-        from relay.common.errors import RunError
-        from relay.runs.record import folder_incarnation
 
         local = folder_incarnation(self.run_dir)
         if self.req.incarnation and local and local != self.req.incarnation:
@@ -79,7 +80,6 @@ class ChunkSession:
     def data_files(self) -> dict[str, list[str]]:
         """The files to train on: the run's frozen copies, verified by sha256 just before use (fetched
         from S3 if this host lacks them); the spec's sources only for a run never frozen (the CLI)."""
-        from relay.data.freeze import frozen_files, verify_frozen
 
         files = frozen_files(self.run_dir)
         if files is None:
@@ -218,7 +218,6 @@ def restore_function(req: ChunkRequest, incarnation: str | None):
     otherwise, and for a run of unknown incarnation (a new folder: nothing published can be its own)."""
     if req.spec.s3 is None or not req.restore or not incarnation:
         return None
-    from relay.s3.restore import restore_for_resume
 
     return lambda run_dir, above=0: restore_for_resume(req.spec, req.run_name, run_dir, incarnation, above)
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 VOCAB = {PAD: 0, BOS: 1, EOS: 2, **{str(d): 3 + d for d in range(10)}, "+": 13, "=": 14, "<unk>": 15}
 ID_TO_TOKEN = {i: t for t, i in VOCAB.items()}
@@ -51,8 +54,6 @@ def prompt_text(prompt) -> str:
 
 def hf_tokenizer():
     """A transformers tokenizer for the same vocabulary, saved into checkpoints' huggingface/ folder."""
-    from tokenizers import Regex, Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(WordLevel(VOCAB, unk_token="<unk>"))

@@ -20,6 +20,8 @@ import random
 import time
 import warnings
 
+from relay.checkpoints import safeload
+from relay.common.faultpoint import fault_point
 from relay.runs import layout
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession, pin_threads
@@ -106,8 +108,6 @@ def smoke(spec, step_dir) -> str:
     """Load a checkpoint's weights (safely) into a fresh model; one forward pass on a fixed prompt."""
     import torch
 
-    from relay.checkpoints import safeload
-    from relay.runs import layout
 
     world_size = len(list((step_dir / "actor").glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
@@ -267,7 +267,6 @@ class _TinyGRPO:
     # --------------------------------------------------------------------------------- checkpoints
     def save(self, folder, step: int) -> None:
         """verl's layout: actor/ via verl's FSDPCheckpointManager, then data.pt as verl's trainer saves it."""
-        from relay.common.faultpoint import fault_point
 
         self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
         fault_point("mid_save", step)  # a test hook: a kill here leaves a half-written staging folder
@@ -279,8 +278,6 @@ class _TinyGRPO:
         from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
         from verl.utils.fsdp_utils import get_fsdp_state_ctx
 
-        from relay.checkpoints import safeload
-        from relay.runs import layout
 
         actor = folder / "actor"
         name = lambda kind: actor / layout.shard_name(kind, 1, 0)  # noqa: E731

@@ -27,11 +27,18 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import MetricsLog
+from relay.trainers.contract import ChunkRequest
+from relay.trainers.session import ChunkSession
+from relay.trainers.verl_ppo import tracking
+from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
 PAYLOAD_KEY = "relay_chunk"  # top-level key the driver adds to verl's config; the TaskRunner pops it
 
@@ -181,7 +188,6 @@ def trainer_class():
                 staged = layout.step_dir(staging_root, step)
                 remove_rollout_state(staged)
                 session.commit(step, staged)
-            import shutil
 
             shutil.rmtree(staging_root, ignore_errors=True)
 
@@ -210,7 +216,6 @@ def install(chunk: VerlChunk) -> type:
     from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
     cls = trainer_class()
     current = trainer_base.TRAINER_REGISTRY.get("sync")
@@ -233,7 +238,6 @@ ROLLOUT_STATE = ("transfer_queue",)
 
 
 def remove_rollout_state(step_dir: Path) -> list[str]:
-    import shutil
 
     removed = []
     for name in ROLLOUT_STATE:
@@ -279,10 +283,6 @@ def _say(msg: str) -> None:
 def _actor_session(chunk: VerlChunk):
     """The parts of ChunkSession the actor needs: the lease (held by the driver, checked here), the
     staged and fenced commit, metrics rows. No resume: the driver validated it already."""
-    from relay.runs.lease import Lease
-    from relay.runs.metrics import MetricsLog
-    from relay.trainers.contract import ChunkRequest
-    from relay.trainers.session import ChunkSession
 
     class ActorSession(ChunkSession):
         def __init__(self, req: ChunkRequest, resume_step: int):  # no super().__init__: nothing to resume
@@ -306,7 +306,6 @@ def _actor_session(chunk: VerlChunk):
 
 def _record_tracking(trainer) -> None:
     """Keep the tracking run ids of this run (the MLflow run verl started in chunk 1 is reused later)."""
-    from relay.trainers.verl_ppo import tracking
 
     try:
         tracking.record_active(Path(trainer.relay.run_dir), trainer.config.trainer.logger)

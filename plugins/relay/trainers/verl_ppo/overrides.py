@@ -26,6 +26,8 @@ import importlib.util
 from pathlib import Path
 
 from relay.common.errors import SpecError
+from relay.trainers.verl_ppo import tracking
+from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
 
 ADDED_KEYS = ("ray_kwargs.ray_init.address",)  # the only '+' overrides: not in verl's yaml, their parent is
 
@@ -83,8 +85,6 @@ def chunk_overrides(spec, run_name: str, *, first_step_of_run: bool, data: dict[
     first_step_of_run: the job starts at step 0 (only then does val_before_train apply).
     end_step: the chunk's end; used for total_training_steps only with strategy total_steps.
     """
-    from relay.trainers.verl_ppo import tracking
-    from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
 
     s = spec.settings
     if not data.get("val"):

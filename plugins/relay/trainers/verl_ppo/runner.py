@@ -9,6 +9,7 @@ Everything else is verl's run(); verl's run_ppo() takes the runner class as a pa
 
 from __future__ import annotations
 
+from relay.trainers.verl_ppo import chunk_trainer, tracking
 from relay.trainers.verl_ppo.verl_contract import original_class
 
 _PLAIN = None
@@ -28,7 +29,6 @@ def relay_task_runner() -> type:
         """verl's TaskRunnerV1 for one Relay chunk: the trainer is installed here, in the actor."""
 
         def run(self, config):
-            from relay.trainers.verl_ppo import chunk_trainer, tracking
 
             chunk = chunk_trainer.detach(config)
             if chunk is None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
 from relay.runs import layout
+from relay.runs.record import read_record
 
 RECORD = "tracking.json"
 
@@ -34,7 +36,6 @@ def experiment_name(spec, run_name: str) -> str:
 
 def wandb_run_id(spec, run_name: str, run_dir: Path) -> str:
     """Stable for a training run; another after a fresh start (the run record is new then)."""
-    from relay.runs.record import read_record
 
     created = read_record(run_dir).get("created", "")
     digest = hashlib.sha256(f"{spec.name}/{run_name}/{created}".encode()).hexdigest()[:12]
@@ -72,7 +73,6 @@ def record_active(run_dir: Path, loggers) -> dict:
 
 def apply_env(env: dict[str, str]) -> None:
     """In the TaskRunner actor, before verl's Tracking starts: ids the job's environment lacks."""
-    import os
 
     for k, v in env.items():
         os.environ.setdefault(k, v)

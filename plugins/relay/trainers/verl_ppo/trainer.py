@@ -26,15 +26,22 @@ import socket
 import threading
 import time
 
+from relay.checkpoints import manifest
+from relay.checkpoints.validate import write_manifest
 from relay.common.errors import CheckpointError, RelayError
 from relay.common.progress import step_line
 from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import MetricsLog
 from relay.trainers.contract import ChunkRequest, ChunkResult
+from relay.trainers.session import ChunkSession
+from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides, tracking, verl_contract
+from relay.trainers.verl_ppo.horizon import describe_schedule
+from relay.trainers.verl_ppo.runner import task_runner_class
 
 
 def resolved_settings(spec, train_rows: int | None = None) -> dict:
     """What the trainer derives from the spec and would run with, beyond the spec's own keys."""
-    from relay.trainers.verl_ppo.horizon import describe_schedule
 
     s = spec.settings
     out = {"resolved.world_size": s.world_size, "resolved.fsdp_version": s.fsdp_version,
@@ -51,7 +58,6 @@ def job_env(req: ChunkRequest) -> dict[str, str]:
     RAY_OVERRIDE_JOB_RUNTIME_ENV=1: verl's run_ppo calls ray.init with its own runtime_env inside the
     job; Ray merges it with the job's and, without this, refuses any key both name.
     """
-    from relay.trainers.verl_ppo import tracking
 
     return {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
             **tracking.job_env(req.spec, req.run_name, req.run_dir)}
@@ -64,11 +70,6 @@ def tracking_env(req: ChunkRequest) -> dict[str, str]:
 
 
 def train_chunk(req: ChunkRequest) -> ChunkResult:
-    from relay.checkpoints import manifest
-    from relay.checkpoints.validate import write_manifest
-    from relay.runs.lease import Lease
-    from relay.trainers.session import ChunkSession
-    from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides, verl_contract
 
     spec = req.spec
     s = spec.settings
@@ -133,7 +134,6 @@ def run_verl(config) -> None:
     """verl's run_ppo with Relay's TaskRunner. A Relay error raised in the actor keeps its exit code."""
     from verl.trainer.main_ppo import run_ppo
 
-    from relay.trainers.verl_ppo.runner import task_runner_class
 
     try:
         run_ppo(config, task_runner_class=task_runner_class())
@@ -155,7 +155,6 @@ class ProgressWatcher:
     """Print `[relay] step N/T ...` for every metrics row the actor writes (the stall watch reads these)."""
 
     def __init__(self, session, start: int, end: int, poll_s: float = 2.0):
-        from relay.runs.metrics import MetricsLog
 
         self.session, self.last, self.end, self.poll_s = session, start, end, poll_s
         self.metrics = MetricsLog(session.run_dir)
