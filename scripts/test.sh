@@ -9,8 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
-# Lint and import order first (ruff; settings in pyproject.toml): a second, not a test run.
+# Lint and import order first (ruff), then types (mypy over plugins/relay; settings of both in
+# pyproject.toml): seconds, not a test run.
 .venv/bin/ruff check --quiet
+.venv/bin/mypy
 if [ "${1:-}" = "--fast" ]; then
   shift
   RELAY_FAST_LANE=1 exec .venv/bin/python -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile -q "$@"

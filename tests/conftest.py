@@ -3,26 +3,15 @@ it), an Airflow home on SQLite for `airflow dags test`, and small run specs writ
 
 from __future__ import annotations
 
-import copy
-import fcntl
-import json
 import os
 import shutil
-import subprocess
-import sys
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import yaml
 
 from support.faults import fault_row  # noqa: F401 (a fixture: a fault case's row of docs/FAULTS.md)
-
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
-
+from support.helpers import ROOT, model_state, relay_cli, session_shared, train, write_spec
 
 # The slowest files first: xdist hands out files in collection order, so a long file collected last
 # would run alone at the end while the other worker idles (longest-first scheduling).
@@ -69,50 +58,15 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if not needs_services(item)]
 
 
-DELETE = object()  # an override value that removes the key
-
-
-def spec_dict(**overrides) -> dict:
-    """The demo spec, shrunk for tests, with dotted-key overrides ("trainer.settings.rollout_n": 4)."""
-    d = yaml.safe_load(DEMO_SPEC.read_text())
-    d["total_steps"], d["chunk_steps"] = 12, 6
-    d["threads"] = 1  # two test workers share two cores
-    d["airflow"] = {"retries": 2, "retry_delay_seconds": 1}
-    d["ray"]["poll_seconds"] = 0.5
-    for key, value in overrides.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        if value is DELETE:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = copy.deepcopy(value)
-    return d
 
 
 
-def write_spec(folder: Path, name: str = "t", **overrides) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    # Each spec publishes under its own S3 prefix, so runs of different tests never meet.
-    d = spec_dict(name=name, **{"checkpoint_dir": str(folder / "ckpt"),
-                                "s3.uri": f"s3://relay/test-{uuid.uuid4().hex[:12]}", **overrides})
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
 
 
-def relay_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m relay ...` in a fresh process, as a user runs it from the repo root."""
-    return subprocess.run([PY, "-m", "relay", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
 
 
-def train(spec, run_dir, to_step) -> subprocess.CompletedProcess:
-    """`relay train` into run_dir, in a fresh process; asserts that it succeeded."""
-    r = relay_cli("train", str(spec), "--to-step", str(to_step), "--checkpoint-dir", str(run_dir))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
+
+
 
 
 @pytest.fixture(scope="module")
@@ -145,32 +99,12 @@ def s3_server():
         stack.stop_process("s3", timeout=2)
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def model_state(step_dir: Path) -> dict:
-    """The actor's weights at a checkpoint, as plain tensors (through Relay's safe loader)."""
-    from relay.checkpoints import safeload
-
-    sd = safeload.load(step_dir / "actor" / "model_world_size_1_rank_0.pt", mmap=False)
-    return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in sd.items()}
 
 
-def digests(folder: Path) -> dict[str, str]:
-    """sha256 of every file under folder, by relative path: what "untouched" means for a checkpoint."""
-    import hashlib
-
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    import torch
-
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"tensors differ: {different[:5]}"
 
 
 @pytest.fixture(scope="session")
@@ -202,20 +136,6 @@ def airflow_home(tmp_path_factory, ray_address):
     return {"env": env, "home": home, "runs": runs}
 
 
-@contextmanager
-def session_shared(tmp_path_factory, name: str):
-    """A folder shared by every xdist worker of this test session (one session's, never an earlier
-    one's), held under a lock while in the `with`: what one worker builds there, the others reuse."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # /tmp/pytest-of-USER/pytest-N/popen-gwK -> the session's pytest-N
-    folder = base / f"shared-{name}"
-    folder.mkdir(exist_ok=True)
-    with open(base / f"shared-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield folder
-
-
 @pytest.fixture(scope="session")
 def uninterrupted_run(tmp_path_factory) -> Path:
     """The test spec's run trained 0 -> 12 in one plain `relay train` process (read only): the baseline
@@ -234,43 +154,12 @@ def uninterrupted(uninterrupted_run) -> dict:
     return model_state(uninterrupted_run / "global_step_12")
 
 
-def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900,
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """`airflow dags test DAG -c CONF`: real Airflow code, the trigger run in line; returns the process."""
-    env = {**airflow_home["env"], **(env or {})}
-    return subprocess.run([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c", json.dumps(conf)],
-                          env=env, cwd=env["AIRFLOW_HOME"], capture_output=True, text=True, timeout=timeout)
 
 
-def jobs_of_run(ray_address: str, run: str, since: float) -> list:
-    """The Ray jobs (JobDetails) of run `run` submitted since `since` (epoch seconds): a Ray head left
-    running keeps the jobs of earlier test sessions, whose runs had the same names."""
-    from relay.jobs.ray_jobs import RayJobs
-
-    return [j for j in RayJobs(ray_address).client.list_jobs()
-            if (j.metadata or {}).get("relay_run") == run and (j.start_time or 0) / 1000 >= since - 1]
 
 
-class BackgroundDagTest:
-    """`airflow dags test` in the background. Its output goes to a file: a pipe nobody reads while the
-    test waits fills up and blocks Airflow's logging, which stalls the DAG run itself."""
-
-    def __init__(self, airflow_home: dict, dag_id: str, conf: dict, env: dict | None = None):
-        env = {**airflow_home["env"], **(env or {})}
-        self.log = Path(airflow_home["home"]) / f"dags-test-{dag_id}-{uuid.uuid4().hex[:8]}.log"
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c",
-                                          json.dumps(conf)], env=env, cwd=env["AIRFLOW_HOME"], stdout=out,
-                                         stderr=subprocess.STDOUT, text=True)
-
-    def wait(self, timeout: float = 600) -> tuple[int, str]:
-        """(return code, output) once the DAG run has ended."""
-        rc = self.proc.wait(timeout=timeout)
-        return rc, self.log.read_text(errors="replace")
 
 
-def start_dags_test(airflow_home: dict, dag_id: str, conf: dict, env: dict | None = None) -> BackgroundDagTest:
-    return BackgroundDagTest(airflow_home, dag_id, conf, env)
 
 
 @pytest.fixture(scope="module")

@@ -280,7 +280,9 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m relay", description=__doc__)
+    # `relay ...` (the console script) or `python -m relay ...`: usage lines name what was typed
+    prog = "python -m relay" if sys.argv[0].endswith("__main__.py") else "relay"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("plan", help="print a spec's chunk plan and what a run has done")

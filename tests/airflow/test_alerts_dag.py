@@ -9,11 +9,11 @@ from urllib.parse import quote
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, dags_test, read_metrics, relay_cli, start_dags_test, write_spec
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from support.helpers import ROOT, dags_test, read_metrics, relay_cli, start_dags_test, write_spec
 from support.receivers import MailSink, wait_for
 
 ALL_CHANNELS = {"alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",

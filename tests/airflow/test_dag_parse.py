@@ -3,7 +3,7 @@
 import json
 import subprocess
 
-from conftest import PY, ROOT, write_spec
+from support.helpers import PY, ROOT, write_spec
 
 PARSE = """
 import json, sys

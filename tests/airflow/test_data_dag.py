@@ -8,7 +8,11 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import (
+from relay.runs import layout
+from relay.runs.record import read_record
+from relay.runs.spec import load_spec
+from relay.s3.store import store_for_spec
+from support.helpers import (
     ROOT,
     assert_bitwise_equal,
     dags_test,
@@ -18,10 +22,6 @@ from conftest import (
     start_dags_test,
     write_spec,
 )
-from relay.runs import layout
-from relay.runs.record import read_record
-from relay.runs.spec import load_spec
-from relay.s3.store import store_for_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 STEPS = 12

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
+from relay.jobs.ray_jobs import RayJobs
+from relay.runs import layout
+from relay.runs.lease import Lease
+from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
+from relay.runs.spec import load_spec
+from relay.s3.store import store_for_spec
+from support.helpers import (
     assert_bitwise_equal,
     dags_test,
     jobs_of_run,
@@ -19,12 +25,6 @@ from conftest import (
     start_dags_test,
     write_spec,
 )
-from relay.jobs.ray_jobs import RayJobs
-from relay.runs import layout
-from relay.runs.lease import Lease
-from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
-from relay.runs.spec import load_spec
-from relay.s3.store import store_for_spec
 
 STEPS = 12  # 2 chunks of 6
 

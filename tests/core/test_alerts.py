@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from conftest import write_spec
 from relay.alerts import Alert, AlertLedger, StallWatch, kind_of, stall_limit_s
 from relay.common.errors import CheckpointError, RelayError, StoreError
 from relay.data.freeze import SourceDriftError
 from relay.data.quality import DataQualityError
 from relay.preflight.guard import DriftError
 from relay.runs.spec import load_spec
+from support.helpers import write_spec
 
 
 def an_alert(**kw) -> Alert:

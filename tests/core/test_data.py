@@ -6,7 +6,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import DEMO_SPEC, ROOT, write_spec
 from relay.data import quality
 from relay.data.fingerprint import DataError, fingerprint
 from relay.data.freeze import check_sources, frozen_files, verify_frozen
@@ -15,6 +14,7 @@ from relay.preflight.checks import before_chunk, prepare_data
 from relay.preflight.prepare import prepare_run
 from relay.runs.record import read_record
 from relay.runs.spec import load_spec
+from support.helpers import DEMO_SPEC, ROOT, write_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 

@@ -9,13 +9,13 @@ import time
 
 import pyarrow.parquet as pq
 
-from conftest import PY, ROOT, relay_cli, write_spec
 from relay.checkpoints.gate import admit_dir
 from relay.jobs.ray_jobs import RayJobs
 from relay.preflight import doctor
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.spec import load_spec
+from support.helpers import PY, ROOT, relay_cli, write_spec
 
 
 def failed(findings) -> dict:

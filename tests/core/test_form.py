@@ -1,8 +1,8 @@
 """The trigger form's fields and its refusals in plain words (relay.airflow.form), without Airflow."""
 
-from conftest import write_spec
 from relay.airflow import form
 from relay.runs.spec import load_spec
+from support.helpers import write_spec
 
 
 def spec(tmp_path, **overrides):

@@ -2,9 +2,9 @@
 
 import json
 
-from conftest import read_metrics, relay_cli
 from relay.checkpoints.preview import inspect_dir
 from relay.runs import layout
+from support.helpers import read_metrics, relay_cli
 
 
 def test_inspect_shows_the_step_epoch_and_dataloader_offset_a_resume_loads(interrupted):

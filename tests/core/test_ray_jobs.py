@@ -4,11 +4,11 @@ import time
 
 import pytest
 
-from conftest import ROOT
 from relay.common import project
 from relay.jobs.ray_jobs import RayJobs, runtime_env, shipped_code, submission_id
 from relay.runs.spec import load_spec
 from relay.trainers.contract import ENV_VAR, ChunkRequest
+from support.helpers import ROOT
 
 
 def wait(jobs: RayJobs, sub_id: str, timeout: float = 120) -> str:

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import DELETE, DEMO_SPEC, spec_dict, write_spec
 from relay.common.errors import SpecError
 from relay.runs.spec import load_spec
+from support.helpers import DELETE, DEMO_SPEC, spec_dict, write_spec
 
 
 def refused(tmp_path: Path, **overrides) -> SpecError:

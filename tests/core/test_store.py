@@ -10,13 +10,13 @@ import uuid
 
 import pytest
 
-from conftest import PY, ROOT, relay_cli
 from relay.checkpoints import retention
 from relay.checkpoints.gate import admit_dir
 from relay.runs import layout
 from relay.runs.spec import CheckpointPolicy
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, s3_client
+from support.helpers import PY, ROOT, relay_cli
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 import verl_checkpoint  # noqa: E402

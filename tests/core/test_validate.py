@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, relay_cli
 from relay.checkpoints import manifest
 from relay.checkpoints.gate import admit_dir
 from relay.checkpoints.resume import find_resume_point
 from relay.checkpoints.validate import validate_checkpoint
 from relay.runs import layout
 from support.corrupt import DEFECTS
+from support.helpers import ROOT, relay_cli
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 import verl_checkpoint  # noqa: E402

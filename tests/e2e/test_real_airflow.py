@@ -10,7 +10,6 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, train, write_spec
 from relay.data.fingerprint import sha256_file
 from relay.devstack import stack
 from relay.devstack.airflow_api import AirflowAPIError
@@ -19,6 +18,7 @@ from relay.runs.record import read_record
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.airflow_procs import airflow_processes, postgres_database, wait_for
+from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, train, write_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 MONDAYS = ("20250106", "20250113")

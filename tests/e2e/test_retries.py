@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_bitwise_equal, jobs_of_run, model_state, read_metrics, write_spec
 from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.airflow_procs import airflow_processes, postgres_database, wait_for
+from support.helpers import assert_bitwise_equal, jobs_of_run, model_state, read_metrics, write_spec
 from support.receivers import wait_for as arrived
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, session_shared, write_spec
 from relay.devstack import stack
 from relay.runs.spec import load_spec
 from support.airflow_procs import airflow_processes
+from support.helpers import ROOT, session_shared, write_spec
 
 SHOTS = ROOT / ".relay" / "test-results" / "screenshots"
 # As the machine notes start it: no background connections (this machine's network is closed), no sandbox (root).
@@ -158,9 +158,9 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     weights as a first run with the same seed; the old run is moved aside, locally and in S3, untouched."""
     import json
 
-    from conftest import assert_bitwise_equal, digests, model_state
     from relay.runs.record import read_record
     from relay.s3.store import CheckpointStore, store_for_spec
+    from support.helpers import assert_bitwise_equal, digests, model_state
 
     api = airflow["api"]
     assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=420)["state"] == "success"

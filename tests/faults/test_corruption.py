@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, write_spec
 from relay.checkpoints.gate import admit_dir
 from relay.checkpoints.resume import QUARANTINE
 from relay.checkpoints.validate import validate_checkpoint
@@ -28,6 +27,7 @@ from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 from support.corrupt import DEFECTS, MARKER, change_world_size
 from support.faults import ForkServer, assert_finished_as
+from support.helpers import read_metrics, write_spec
 
 STEPS, SAVE_FREQ, DAMAGED = 12, 3, 9
 

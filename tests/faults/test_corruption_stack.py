@@ -7,7 +7,6 @@ copy of step 6, verified against its checksums, and resumes there."""
 
 from __future__ import annotations
 
-from conftest import relay_cli, start_dags_test, write_spec
 from relay.checkpoints.resume import quarantined
 from relay.runs import layout
 from relay.runs.metrics import read_events
@@ -15,6 +14,7 @@ from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.corrupt import flip
 from support.faults import assert_finished_as
+from support.helpers import relay_cli, start_dags_test, write_spec
 
 STEPS = 12
 

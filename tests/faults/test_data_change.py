@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import ROOT, write_spec
 from relay.checkpoints.validate import validate_checkpoint
 from relay.data.fingerprint import sha256_file
 from relay.data.freeze import SourceDriftError
@@ -33,6 +32,7 @@ from relay.runs.metrics import SUPERSEDED
 from relay.runs.record import read_record
 from relay.runs.spec import load_spec
 from support.faults import ForkServer, assert_finished_as
+from support.helpers import ROOT, write_spec
 
 STEPS, CHUNK_END, SAVE_FREQ = 12, 6, 3
 DATA = ROOT / "include" / "data" / "arith_train.parquet"

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import jobs_of_run, start_dags_test, write_spec
 from relay.checkpoints.validate import validate_checkpoint
 from relay.jobs.ray_jobs import RayJobs
 from relay.runs import layout
 from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
 from support.faults import alive, assert_finished_as, wait_until
+from support.helpers import jobs_of_run, start_dags_test, write_spec
 
 STEPS, LAST_SAVED = 12, 9
 

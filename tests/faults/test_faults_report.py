@@ -4,7 +4,7 @@ with its real outcome; a fault case that failed before recording its row is list
 import json
 import sys
 
-from conftest import ROOT
+from support.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import faults_report  # noqa: E402

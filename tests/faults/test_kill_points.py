@@ -21,10 +21,10 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, read_metrics, write_spec
 from relay.common.faultpoint import FAULT_ENV, FAULT_PHASES
 from relay.runs import layout
 from support.faults import ForkServer, assert_finished_as, kill, wait_for_line
+from support.helpers import ROOT, read_metrics, write_spec
 
 STEPS, SAVE_FREQ, POINTS_PER_RUN, INSIDE_CHECKPOINT = 12, 3, 20, 12
 

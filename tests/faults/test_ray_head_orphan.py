@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import start_dags_test
 from relay.runs.lease import Lease
 from relay.runs.spec import load_spec
 from support.faults import alive, wait_until
+from support.helpers import start_dags_test
 from support.private_stack import PrivateRay
 from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupted, spec_for
 

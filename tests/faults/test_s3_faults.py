@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_bitwise_equal, model_state, write_spec
 from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, s3_client
 from support.faults import ForkServer
+from support.helpers import assert_bitwise_equal, model_state, write_spec
 from support.s3proxy import FaultyS3Proxy
 
 STEPS = 12

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import start_dags_test, write_spec
 from relay.common.errors import StoreError
 from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, s3_client
 from support.faults import assert_finished_as, wait_until
+from support.helpers import start_dags_test, write_spec
 from support.private_stack import PrivateS3, stack_env
 
 STEPS = 12

@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 import yaml
 
-from conftest import ROOT
+from support.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import audit_offline  # noqa: E402

@@ -13,10 +13,10 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import spec_dict
 from relay.checkpoints import manifest
 from relay.common.errors import CheckpointError, RelayError, SpecError
 from relay.runs import layout
+from support.helpers import spec_dict
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

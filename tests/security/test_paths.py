@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO_SPEC, relay_cli, write_spec
 from relay.checkpoints import manifest
 from relay.common.errors import CheckpointError, RelayError, SpecError
 from relay.runs import layout
 from relay.runs.spec import load_spec, spec_from_dict
+from support.helpers import DEMO_SPEC, relay_cli, write_spec
 
 BAD_RUN_NAMES = ["../escape", "..", ".", "a/b", "/abs", "a\\b", "run\n", "run\x00", "a..b", "", " run", ".hidden",
                  "x" * 200, "%2e%2e", "run/../../x", "ü-run"]
@@ -70,7 +70,7 @@ def test_the_cli_refuses_names_that_escape(tmp_path, args):
 @pytest.mark.parametrize("uri", ["s3://relay/a/../b", "s3://relay/./a", "s3://relay/a//b", "s3://Relay/x",
                                  "s3://relay/runs\n", "s3://relay/a/..", "http://relay/runs"])
 def test_a_spec_s3_uri_with_dot_segments_is_refused(uri):
-    from conftest import spec_dict
+    from support.helpers import spec_dict
 
     with pytest.raises(SpecError) as e:
         spec_from_dict(spec_dict(**{"s3.uri": uri}), check_environment=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from support.helpers import ROOT
 
 PACKAGE = ROOT / "plugins" / "relay"
 SOURCES = sorted(p for p in [*PACKAGE.rglob("*.py"), *(ROOT / "dags").rglob("*.py")] if "__pycache__" not in p.parts)

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, dags_test, write_spec
 from relay.common import redaction
 from relay.runs import layout
 from relay.runs.spec import load_spec
+from support.helpers import ROOT, dags_test, write_spec
 from support.receivers import MailSink, wait_for
 
 TOKEN = f"tok-{uuid.uuid4().hex}"  # an environment variable's value, used by ray.env_vars

@@ -144,8 +144,8 @@ def kill(pid: int) -> None:
 def assert_finished_as(run_dir: Path, baseline: dict, steps: int, out: str = "") -> None:
     """The run finished as an uninterrupted one: its tracker at the last step, one metrics row per step,
     and its final weights bitwise `baseline`'s."""
-    from conftest import assert_bitwise_equal, model_state, read_metrics  # (conftest imports this module)
     from relay.runs import layout
+    from support.helpers import assert_bitwise_equal, model_state, read_metrics  # (conftest imports this module)
 
     assert layout.read_tracker(run_dir) == steps, out[-5000:]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1)), "each step once"

@@ -88,14 +88,14 @@ class PrivateRay:
     def _start(self, role: str, args: list[str], resources: dict | None) -> str:
         temp = f"/tmp/rf-{self.tag}-{role}{len(self.nodes)}"
         ports = 24000 + 500 * (len(self.nodes) % 2)  # worker ports outside the session head's 11000-11999
-        cmd = [str(stack.bin_dir() / "ray"), "start", *args, f"--num-cpus={self.num_cpus}", "--disable-usage-stats",
+        cmd = [*stack.ray_cli(), "start", *args, f"--num-cpus={self.num_cpus}", "--disable-usage-stats",
                "--node-ip-address=127.0.0.1", f"--temp-dir={temp}", f"--min-worker-port={ports}",
                f"--max-worker-port={ports + 499}", f"--dashboard-agent-listen-port={free_port()}",
                *([f"--resources={json.dumps(resources)}"] if resources else [])]
         log = self.folder / f"ray-{role}{len(self.nodes)}.log"
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
-            rc = subprocess.call(cmd, cwd=self.folder, env=stack._clean_env(), stdout=out, stderr=subprocess.STDOUT,
+            rc = subprocess.call(cmd, cwd=self.folder, env=stack.ray_env(), stdout=out, stderr=subprocess.STDOUT,
                                  timeout=180)
         if rc != 0:
             raise RuntimeError(f"`ray start` ({role}) failed (exit {rc}):\n{log.read_text()[-3000:]}")

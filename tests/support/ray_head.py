@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import write_spec
 from relay.runs.metrics import read_events
 from support.faults import assert_finished_as
+from support.helpers import write_spec
 
 STEPS, PAUSED_AFTER, RESUMED_FROM = 12, 8, 6
 

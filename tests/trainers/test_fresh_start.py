@@ -1,10 +1,10 @@
 """A run is one run: a confirmed fresh start begins a new incarnation from step 0 and moves the old run
 aside, locally and in S3, without deleting it; nothing of the old life is restored into the new one."""
 
-from conftest import assert_bitwise_equal, digests, model_state, read_metrics, relay_cli, train
 from relay.runs.record import read_record
 from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, store_for_spec
+from support.helpers import assert_bitwise_equal, digests, model_state, read_metrics, relay_cli, train
 
 
 def test_a_confirmed_fresh_start_from_the_cli_starts_again_and_keeps_the_old_run(baseline, tmp_path):
@@ -44,7 +44,7 @@ def test_a_confirmed_fresh_start_from_the_cli_starts_again_and_keeps_the_old_run
 def test_train_with_s3_unreachable_says_that_offline_exists(tmp_path):
     """`relay train` looks at the run's published incarnation; with S3 unreachable it says so, and that
     --offline trains without it. Nothing is written in the checkpoint folder."""
-    from conftest import write_spec
+    from support.helpers import write_spec
     from support.receivers import free_port
 
     spec_path = write_spec(tmp_path, name="away")

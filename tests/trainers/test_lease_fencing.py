@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from conftest import PY, ROOT, read_metrics, write_spec
 from relay.runs import layout
 from relay.runs.lease import Lease
+from support.helpers import PY, ROOT, read_metrics, write_spec
 
 
 @pytest.mark.services

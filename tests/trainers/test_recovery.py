@@ -3,10 +3,10 @@ latest, refusal of unsafe pickles, restore from S3 onto an empty checkpoint dir.
 
 import os
 
-from conftest import assert_bitwise_equal, model_state, read_metrics, relay_cli, train
 from relay.runs import layout
 from relay.runs.record import read_record
 from relay.runs.spec import load_spec
+from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli, train
 
 STEPS = 12
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from conftest import PY, ROOT, assert_bitwise_equal, model_state, read_metrics, train, write_spec
 from relay.runs import layout
 from relay.trainers.tiny_grpo.task import make_dataset
+from support.helpers import PY, ROOT, assert_bitwise_equal, model_state, read_metrics, train, write_spec
 
 STEPS = 12  # the test spec: 12 steps in chunks of 6
 

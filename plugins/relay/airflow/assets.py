@@ -17,5 +17,6 @@ def checkpoint_alias(spec: RunSpec) -> AssetAlias:
 def run_checkpoints(spec: RunSpec, run: str) -> Asset:
     """One training run's published checkpoints: its S3 prefix, named by it (its URI is the truth;
     Airflow keeps URIs without a trailing slash)."""
+    assert spec.s3 is not None  # only specs that publish (have s3) have publish tasks
     uri = f"{spec.s3.uri.rstrip('/')}/{run}"
     return Asset(name=uri, uri=uri, group="relay")

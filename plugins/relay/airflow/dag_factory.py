@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 from airflow.providers.standard.operators.python import PythonOperator
-from airflow.sdk import DAG, Param, TaskGroup
+from airflow.sdk import DAG, BaseOperator, Param, TaskGroup
 
 from relay.airflow import form
 from relay.airflow.assets import checkpoint_alias
@@ -61,7 +62,7 @@ def build_dag(spec: RunSpec) -> DAG:
                + (f" Scheduled `{a.schedule}`: each DAG run trains run `{spec.name}-<logical date>`."
                   if a.schedule else ""),
     ) as dag:
-        kw = {"op_kwargs": {"spec_path": spec.source}, "retries": 0}
+        kw: dict[str, Any] = {"op_kwargs": {"spec_path": spec.source}, "retries": 0}
         with TaskGroup("preflight", tooltip="before any GPU time: the run, its settings, its data"):
             run = PythonOperator(task_id="run", python_callable=preflight, doc_md="Spec, run, fresh-start guard.", **kw)
             settings = PythonOperator(task_id="settings", python_callable=settings_guard,
@@ -70,7 +71,7 @@ def build_dag(spec: RunSpec) -> DAG:
                                   doc_md="First chunk: data quality, then freeze. Later: the sources against "
                                          "their frozen fingerprints.", **kw)
             run >> settings >> data
-        upstream = data
+        upstream: BaseOperator = data
         publish_before = None
         pool = {"pool": a.pool} if a.pool else {}
         # Supervised (verl_ppo): one long job for the run; the chunk tasks only wait for its checkpoints.
@@ -80,7 +81,7 @@ def build_dag(spec: RunSpec) -> DAG:
         for chunk in plan.chunks:
             with TaskGroup(chunk.task_group_id, tooltip=str(chunk)):
                 if supervisor is not None:
-                    validate = validate_task(spec, chunk)
+                    validate: BaseOperator = validate_task(spec, chunk)
                     upstream >> validate
                 else:
                     train = RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index, **pool,

@@ -96,7 +96,7 @@ def _plain(spec, name: str, field: dict, value: Any, error) -> str:
     bad = error.instance
     kind = error.validator
     if kind == "type":
-        types = field["type"] if isinstance(field["type"], list) else [field["type"]]
+        types: list[str] = field["type"] if isinstance(field["type"], list) else [field["type"]]
         if "boolean" in types:
             return f"{title}: {value!r} is not true or false, e.g. false"
         want = " or ".join({"string": "text", "array": "a list"}.get(t, t) for t in types if t != "null")

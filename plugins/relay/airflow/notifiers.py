@@ -64,10 +64,11 @@ class Channels:
         out: list[tuple[str, Callable[[Alert], None]]] = []
         if self.emails:
             out.append((f"email:{self.smtp_conn_id}", lambda a: send_email(a, self.smtp_conn_id, self.emails)))
-        if self.slack_conn_id:
-            out.append((f"slack:{self.slack_conn_id}", lambda a: send_slack(a, self.slack_conn_id)))
-        if self.webhook_conn_id:
-            out.append((f"webhook:{self.webhook_conn_id}", lambda a: send_webhook(a, self.webhook_conn_id)))
+        slack, webhook = self.slack_conn_id, self.webhook_conn_id  # locals: narrowed inside the lambdas too
+        if slack:
+            out.append((f"slack:{slack}", lambda a: send_slack(a, slack)))
+        if webhook:
+            out.append((f"webhook:{webhook}", lambda a: send_webhook(a, webhook)))
         return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -82,6 +82,12 @@ class ChunkTaskOperator(BaseOperator):
     def _context(self, context):
         spec, run = self._spec_and_run(context)
         return spec, run, ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+
+    if TYPE_CHECKING:
+        # BaseOperator.defer, as the task SDK declares it (mypy takes airflow as Any): it raises TaskDeferred,
+        # so an execute() that ends by deferring returns nothing.
+        def defer(self, *, trigger: Any, method_name: str, kwargs: dict[str, Any] | None = None,
+                  timeout: Any = None) -> NoReturn: ...
 
 
 class RayChunkOperator(ChunkTaskOperator):
@@ -351,7 +357,7 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
         return self._admitted(context, spec, run, chunk,
                               admit(spec, run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict())
 
-    def _validate_on_ray(self, context, spec, run: str, chunk) -> None:
+    def _validate_on_ray(self, context, spec, run: str, chunk) -> NoReturn:
 
         hook = RayJobsHook(spec.ray.conn_id)
         ti = context["ti"]

@@ -130,6 +130,7 @@ class RayJobTrigger(BaseTrigger):
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
             ti = self.task_instance
+            assert ti is not None  # the triggerer sets it before it runs (or kills) a trigger
             states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
                 dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id])
             return str((states.get(ti.run_id) or {}).get(ti.task_id) or "none")

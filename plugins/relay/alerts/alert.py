@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as dc_fields
 from datetime import datetime, timezone
+from typing import Any
 
 from relay.common.errors import CheckpointError, StoreError
 from relay.common.redaction import redact
@@ -134,7 +135,7 @@ class Alert:
     def slack(self) -> dict:
         """An incoming-webhook body: `text` (notifications, fallback) and Block Kit blocks."""
         facts = [{"type": "mrkdwn", "text": f"*{k}*\n{_mrkdwn(v)}"} for k, v in self.fields()]
-        blocks = [{"type": "header", "text": {"type": "plain_text", "text": self.subject()[:150]}}]
+        blocks: list[dict[str, Any]] = [{"type": "header", "text": {"type": "plain_text", "text": self.subject()[:150]}}]
         blocks += [{"type": "section", "fields": facts[i:i + 10]} for i in range(0, len(facts), 10)]
         if self.details:
             blocks.append({"type": "section", "text": {"type": "mrkdwn",

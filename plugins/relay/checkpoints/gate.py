@@ -66,6 +66,7 @@ def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | No
     report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke,
                                  expect_critic=expect_critic)
     if report.ok:
+        assert report.step is not None  # a valid report names the step it validated
         step_dir = layout.step_dir(run_dir, report.step)
         return Admission(report, manifest.read(step_dir) or write_manifest(report, run or run_dir.name, fingerprint))
     if report.step is None or not layout.step_dir(run_dir, report.step).is_dir():

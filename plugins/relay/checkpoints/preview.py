@@ -14,6 +14,7 @@ import math
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay.checkpoints import manifest, safeload
 from relay.checkpoints.validate import validate_checkpoint
@@ -108,7 +109,7 @@ def _read_state(preview: ResumePreview, step_dir: Path, world_size: int | None) 
     if optim.is_file():
         o = safeload.load(optim, mmap=True)
         states = (o.get("optimizer", o) if isinstance(o, dict) else {}).get("state", {})
-        steps = [v.get("step") for v in states.values() if isinstance(v, dict) and "step" in v]
+        steps: list[Any] = [v.get("step") for v in states.values() if isinstance(v, dict) and "step" in v]
         if steps:
             s = steps[0]
             preview.optimizer_steps = int(s.item() if hasattr(s, "item") else s)
@@ -180,7 +181,9 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
         preview.files = {rel: f["size"] for rel, f in report.files.items()}
         integrity = next((c for c in report.checks if c.name == "integrity"), None)
         if integrity is None or not integrity.ok:
-            preview.checksums, preview.checksums_ok = (integrity or report.failed).detail, False
+            failed = integrity or report.failed
+            assert failed is not None  # no passing integrity check: it failed, or an earlier check did
+            preview.checksums, preview.checksums_ok = failed.detail, False
         elif m is None:
             preview.checksums = f"{integrity.detail}; no manifest yet (the gate has not admitted it)"
         else:

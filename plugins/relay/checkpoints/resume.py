@@ -43,6 +43,7 @@ def quarantine(run_dir: Path, report: CheckReport) -> Path:
 
 
 def _quarantine(run_dir: Path, report: CheckReport) -> Path:
+    assert report.step is not None  # callers quarantine a step folder that exists: the report names its step
     src = layout.step_dir(run_dir, report.step)
     stamp = utc_stamp()
     dest = layout.relay_dir(run_dir, QUARANTINE, f"{src.name}.{stamp}")
@@ -53,6 +54,7 @@ def _quarantine(run_dir: Path, report: CheckReport) -> Path:
     src.rename(dest)
     (dest.parent / f"{dest.name}.report.json").write_text(report.to_json())
     failed = report.failed
+    assert failed is not None  # only invalid reports are quarantined: one of their checks failed
     record_event(run_dir, "quarantine", step=report.step, check=failed.name, detail=failed.detail, path=str(dest))
     return dest
 
@@ -106,7 +108,9 @@ def find_resume_point(run_dir: Path, *,
             point.step, point.report = step, report
             return point
         dest = quarantine(run_dir, report)
-        point.quarantined.append({"step": step, "check": report.failed.name, "detail": report.failed.detail,
+        failed = report.failed
+        assert failed is not None  # the report is not ok: one of its checks failed
+        point.quarantined.append({"step": step, "check": failed.name, "detail": failed.detail,
                                   "path": str(dest)})
     if restore is not None:
         restored = restore(run_dir)

@@ -51,6 +51,9 @@ def _stand_ins():
     class ProcessGroupStateRecord:
         """ShardedTensor.ProcessGroupState (ranks and world sizes at save time), inert."""
 
+        args: tuple
+        state: Any
+
         def __new__(cls, *args):
             obj = object.__new__(cls)
             obj.args = args
@@ -67,6 +70,7 @@ def allowed_globals() -> list:
     global _ALLOWED
     if _ALLOWED is None:
         import numpy as np
+        from numpy._core.multiarray import _reconstruct
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor.metadata import (
             MEM_FORMAT_ENCODING,
@@ -88,7 +92,7 @@ def allowed_globals() -> list:
             raise pickle.UnpicklingError(f"Unsupported global: GLOBAL getattr({obj!r}, {name!r})")
 
         _ALLOWED = [
-            np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType,
+            _reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType,
             Shard, ShardMetadata, ShardedTensorMetadata, TensorProperties, MEM_FORMAT_ENCODING, ChunkShardingSpec,
             _remote_device, pg_state, (record, _SHARDED_TENSOR), (restricted_getattr, "builtins.getattr"),
         ]

@@ -287,14 +287,14 @@ def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool) -> bool:
                + ("; checksums match the manifest" if recorded else ""))
     if not load:
         return True
-    unloadable = next((r for r in results if r.load_error), None)
-    if unloadable:
-        return report.add("loadability", False, unloadable.load_error)
+    load_error = next((r.load_error for r in results if r.load_error), None)
+    if load_error:
+        return report.add("loadability", False, load_error)
     n_pt = sum(1 for r in results if r.rel.endswith(".pt"))
     report.add("loadability", True, f"{n_pt} .pt files load with weights_only (mmap), nothing unsafe")
-    nonfinite = next((r for r in results if r.nonfinite), None)
+    nonfinite = next((r.nonfinite for r in results if r.nonfinite), None)
     if nonfinite:
-        return report.add("numerics", False, nonfinite.nonfinite)
+        return report.add("numerics", False, nonfinite)
     report.params = next((r.params for r in results if r.params), {})
     return True
 
@@ -324,7 +324,11 @@ def _compare_with_previous(report: CheckReport, run_dir: Path, step: int) -> boo
 def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | None = None) -> manifest.Manifest:
     """Record a valid checkpoint's manifest in its folder, with the incarnation of the run that folder holds."""
     if not report.ok:
-        raise CheckpointError(f"refusing to write a manifest for an invalid checkpoint: {report.failed.detail}")
+        failed = report.failed
+        assert failed is not None  # validate_checkpoint's reports always hold a check: not ok means one failed
+        raise CheckpointError(f"refusing to write a manifest for an invalid checkpoint: {failed.detail}")
+    # a valid report reached past structure: it has its step and the actor's world size
+    assert report.step is not None and report.world_size is not None
     m = manifest.Manifest(run=run, step=report.step, world_size=report.world_size,
                           fsdp_version=report.fsdp_version, files=report.files, params=report.params,
                           settings_fingerprint=settings_fingerprint, verl_version=manifest.verl_version(),
@@ -353,8 +357,10 @@ def latest_valid_step(run_dir: Path) -> int | None:
         return None
     report = validate_checkpoint(run_dir, step, upto="consistency")
     if not report.ok:
+        failed = report.failed
+        assert failed is not None  # validate_checkpoint's reports always hold a check: not ok means one failed
         raise CheckpointError(
-            f"the tracker of {run_dir} names step {step}, which is not a valid checkpoint: {report.failed.detail}",
+            f"the tracker of {run_dir} names step {step}, which is not a valid checkpoint: {failed.detail}",
             f"run `python -m relay checkpoint validate {run_dir}` and point the tracker at the newest valid step",
         )
     return step

@@ -29,7 +29,7 @@ class Fingerprint:
         return asdict(self)
 
 
-def sha256_file(path: Path) -> tuple[str, int]:
+def sha256_file(path: str | Path) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
     buf = bytearray(BLOCK)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -132,7 +133,7 @@ def load_expectations(path: Path) -> list[tuple[str, dict, str]]:
     return [(i["type"], i.get("kwargs", {}), i.get("meaning", "")) for i in items]
 
 
-def check(path: str | Path, *, min_rows: int = 1, extra: list[tuple[str, dict, str]] = ()) -> QualityReport:
+def check(path: str | Path, *, min_rows: int = 1, extra: Sequence[tuple[str, dict, str]] = ()) -> QualityReport:
     """Run the verl RL suite (and `extra` expectations) on a parquet file."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     df = flatten(path)
@@ -184,6 +185,7 @@ def _run_suite(df, expectations):
     for r in res.results:
         raised = _raised(r.exception_info)
         cfg = r.expectation_config
+        assert cfg is not None  # GE sets it on each result of a suite it validated
         if raised:
             raise QualityCheckError(f"great-expectations raised inside {cfg.type}: {raised}",
                                     "this is not a data problem; check the expectation's arguments")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from relay.common.project import root
 from relay.devstack import stack
@@ -33,7 +34,7 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
         say(f"Ray dashboard: {info['ray']}")
         api = AirflowAPI(info["airflow"], info["user"], info["password"])
         api.wait_for_dag(spec.dag_id)
-        conf = {"run": run_name}
+        conf: dict[str, Any] = {"run": run_name}
         if provoke_resume:
             # A crash drill: chunk 2's trainer SIGKILLs itself right after step kill_at, on its first attempt
             # only, before it saves (a graceful stop would save first); Airflow's retry resumes it.

@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -134,6 +135,33 @@ def _create_buckets(buckets) -> None:
 
 # ----------------------------------------------------------------------------------------- Ray
 
+def ray_venv() -> Path:
+    """The interpreter of the local Ray head: a venv (in the stack's folder) whose only content is a
+    path line to .venv's site-packages. It sees every package of .venv but not Relay, which .venv holds
+    as an editable install (`pip install -e .`): a .pth file in a folder reached through another .pth
+    file is not read, so Relay's editable finder stays out. Like a real cluster, the head then gets
+    Relay only through a job's runtime_env (py_modules), which is what the tests prove."""
+    venv = state_dir() / "ray-venv"
+    lib = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    overlay = venv / "lib" / lib / "site-packages" / "relay-stack-packages.pth"
+    wanted = "".join(f"{p}\n" for p in site.getsitepackages())
+    if not (venv / "bin" / "python").exists() or not overlay.exists() or overlay.read_text() != wanted:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
+        overlay.write_text(wanted)
+    return venv
+
+
+def ray_env() -> dict[str, str]:
+    """The services' environment with the Ray venv's bin first: `python` in a job's entrypoint is its."""
+    env = _clean_env()
+    env["PATH"] = f"{ray_venv() / 'bin'}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def ray_cli() -> list[str]:
+    return [str(ray_venv() / "bin" / "python"), "-m", "ray.scripts.scripts"]
+
+
 def ray_start(num_cpus: int = 2) -> str:
     """Start a Ray head (if none answers) and return its Jobs API address."""
     if _http_ok(f"{ray_address()}/api/version"):
@@ -142,7 +170,7 @@ def ray_start(num_cpus: int = 2) -> str:
     d = state_dir() / "ray"
     d.mkdir(parents=True, exist_ok=True)
     cmd = [
-        str(bin_dir() / "ray"), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+        *ray_cli(), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
         "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
         f"--port={p['RELAY_RAY_GCS_PORT']}", f"--dashboard-port={p['RELAY_RAY_DASHBOARD_PORT']}",
         f"--ray-client-server-port={p['RELAY_RAY_CLIENT_PORT']}",
@@ -155,7 +183,7 @@ def ray_start(num_cpus: int = 2) -> str:
         f"--min-worker-port={p['RELAY_RAY_MIN_WORKER_PORT']}", f"--max-worker-port={p['RELAY_RAY_MAX_WORKER_PORT']}",
     ]
     with open(d / "ray-start.log", "wb") as log:
-        rc = subprocess.call(cmd, cwd=d, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT)
+        rc = subprocess.call(cmd, cwd=d, env=ray_env(), stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
         raise RuntimeError(f"`ray start` failed (exit {rc}); see {d / 'ray-start.log'}")
     _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
@@ -163,7 +191,7 @@ def ray_start(num_cpus: int = 2) -> str:
 
 
 def ray_stop() -> None:
-    subprocess.call([str(bin_dir() / "ray"), "stop", "--force"], cwd=state_dir(), env=_clean_env(),
+    subprocess.call([*ray_cli(), "stop", "--force"], cwd=state_dir(), env=ray_env(),
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -17,6 +17,7 @@ import re
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 import aiohttp
@@ -25,6 +26,9 @@ from relay.common import project
 from relay.common.errors import RayJobError
 from relay.runs.kinds import KINDS
 from relay.trainers.contract import ENV_VAR, ChunkRequest
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 LIVE = {"PENDING", "RUNNING"}
@@ -109,7 +113,7 @@ class RayJobs:
 
     def __init__(self, address: str):
         self.address = address.rstrip("/")
-        self._client = None
+        self._client: JobSubmissionClient | None = None
 
     @property
     def client(self):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from relay.checkpoints.resume import quarantined
 from relay.checkpoints.validate import validate_checkpoint
@@ -88,13 +89,15 @@ def checkpoint(spec, run: str, store=None, *, deep: bool = True) -> Finding:
         return Finding(name, True, f"no checkpoint yet: a resume starts at step 0{in_s3}")
     report = validate_checkpoint(run_dir, tracker, upto="numerics" if deep else "consistency")
     if not report.ok:
-        return Finding(name, False, f"latest step {tracker} is INVALID: {report.failed.name}: {report.failed.detail}",
+        bad = report.failed
+        assert bad is not None  # the report is not ok: one of its checks failed
+        return Finding(name, False, f"latest step {tracker} is INVALID: {bad.name}: {bad.detail}",
                        "the next chunk quarantines it and falls back to the newest valid step; to see why, run "
                        f"`python -m relay checkpoint validate {run_dir} --step {tracker}`")
     later = [q for q in quarantined(run_dir) if (q.get("step") or 0) > tracker]
     if later:
         q = later[-1]
-        failed = next((c for c in q.get("checks", []) if not c.get("ok")), {})
+        failed: dict[str, Any] = next((c for c in q.get("checks", []) if not c.get("ok")), {})
         return Finding(name, False,
                        f"step {q['step']} was quarantined ({failed.get('name')}: {failed.get('detail')}) to "
                        f"{q['quarantine_path']}; a resume falls back to step {tracker} and trains "

@@ -10,6 +10,7 @@ record with who and when.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ def record(spec, run: str, *, by: str = "") -> dict:
     return values
 
 
-def check(spec, run: str, *, allow_drift: list[str] = (), by: str = "", dag_run: str = "",
+def check(spec, run: str, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: str = "",
           persist: bool = True) -> list[Change]:
     """Compare this chunk's settings with the run's recorded ones (nothing to compare before the freeze).
 

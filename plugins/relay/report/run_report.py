@@ -298,6 +298,8 @@ def data_fingerprint(files: list[dict]) -> str | None:
 
 
 def _ts(text: str | None) -> float | None:
+    if text is None:
+        return None
     try:
         return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
     except (TypeError, ValueError):
@@ -426,7 +428,7 @@ def _label_rows(markers: list[Marker], xmax: float) -> list[tuple[Marker, int, b
     other label. Text widths are estimated (7-point text: about 5 of the axes' 1000 pixels a character)."""
     per_char = 5.2 / 1000 * xmax
     taken: list[list[tuple[float, float]]] = []
-    out = []
+    out: list[tuple[Marker, int, bool]] = []
     for m in sorted(markers, key=lambda m: m.step):
         width = (len(m.label) + 1) * per_char
         left = m.step + width <= xmax
@@ -462,7 +464,7 @@ def _duration(seconds: float | None) -> str | None:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def _size(n: int | None) -> str | None:
+def _size(n: float | None) -> str | None:
     if n is None:
         return None
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class TrainerKind:
     resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
     job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
 
-    def settings_model(self) -> type:
+    def settings_model(self) -> type[BaseModel]:
         return _load(self.settings)
 
     def chunk_function(self) -> Callable[..., Any]:

@@ -46,7 +46,7 @@ def step_name(step: int) -> str:
     return f"global_step_{step}"
 
 
-def step_dir(run_dir: Path, step: int) -> Path:
+def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / step_name(step)
 
 

@@ -61,7 +61,9 @@ class Lease:
         process as the lease's writer (host and pid: what `relay doctor` and a person look for)."""
         with self.locked(f"starting the trainer of token {token}"):
             self.check(token)
-            atomic_write_json(self.path, {**self.current(), "host": socket.gethostname(), "pid": os.getpid(),
+            current = self.current()
+            assert current is not None  # check() just found the lease, and the lock is held
+            atomic_write_json(self.path, {**current, "host": socket.gethostname(), "pid": os.getpid(),
                                           "trainer_started_at": utc_now()})
 
     def holds(self, holder: str) -> bool:

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, TextIO
 
 from relay.common.filelock import file_lock
 from relay.common.timestamps import utc_now
@@ -22,7 +22,8 @@ SUPERSEDED = "metrics.superseded.jsonl"
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSONL file. A torn line (a writer killed mid-line) is skipped, said on stderr, and kept in
     the file; appends start on a line of their own after it (record_event), so no later row is lost."""
-    rows, torn = [], 0
+    rows: list[dict] = []
+    torn = 0
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
     except FileNotFoundError:
@@ -46,7 +47,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / METRICS
         self.superseded_path = Path(run_dir) / SUPERSEDED
-        self._fh = None
+        self._fh: TextIO | None = None
 
     def rows(self) -> list[dict]:
         return read_jsonl(self.path)

@@ -64,29 +64,29 @@ class CheckpointPolicy(StrictModel):
     """Validation, publication and retention of a run's checkpoints (none of it is resume-critical)."""
 
     validate_on: Literal["worker", "ray"] = Field(
-        "worker", description="where validation reads the files: the Airflow worker (storage mounted there) "
-                              "or a Ray job on the cluster")
-    smoke: bool = Field(True, description="also run the trainer's forward-pass smoke check (CPU trainer)")
-    keep_local: int = Field(3, ge=1, description="validated and published checkpoints kept on local storage")
-    keep_published: int = Field(5, ge=1, description="newest published checkpoints kept in S3")
-    milestone_every: int = Field(0, ge=0, description="every N steps is a milestone: kept forever, exported "
-                                                      "to Hugging Face format (0: only the final step)")
-    delete_grace_minutes: float = Field(60, ge=0, description="S3 deletions wait this long after being decided")
-    hf_export: bool = Field(True, description="publish a Hugging Face model for milestones and the final step")
+        default="worker", description="where validation reads the files: the Airflow worker (storage mounted there) "
+                                      "or a Ray job on the cluster")
+    smoke: bool = Field(default=True, description="also run the trainer's forward-pass smoke check (CPU trainer)")
+    keep_local: int = Field(default=3, ge=1, description="validated and published checkpoints kept on local storage")
+    keep_published: int = Field(default=5, ge=1, description="newest published checkpoints kept in S3")
+    milestone_every: int = Field(default=0, ge=0, description="every N steps is a milestone: kept forever, exported "
+                                                              "to Hugging Face format (0: only the final step)")
+    delete_grace_minutes: float = Field(default=60, ge=0, description="S3 deletions wait this long after being decided")
+    hf_export: bool = Field(default=True, description="publish a Hugging Face model for milestones and the final step")
 
     def is_milestone(self, step: int, total_steps: int) -> bool:
         return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
 
 
 class RaySpec(StrictModel):
-    conn_id: str = Field("relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
-    python: str = Field("python", description="interpreter the job's entrypoint runs on the cluster")
-    entrypoint_num_cpus: float = Field(1, ge=0)
+    conn_id: str = Field(default="relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
+    python: str = Field(default="python", description="interpreter the job's entrypoint runs on the cluster")
+    entrypoint_num_cpus: float = Field(default=1, ge=0)
     entrypoint_resources: dict[str, float] = Field(default_factory=dict, description=(
         "custom Ray resources the job's entrypoint (the trainer's driver) needs, e.g. {trainer_node: 1} to "
         "keep it off the head node"))
-    chunk_timeout_minutes: float = Field(120, gt=0, description="a chunk's job is stopped after this long")
-    poll_seconds: float = Field(2.0, gt=0)
+    chunk_timeout_minutes: float = Field(default=120, gt=0, description="a chunk's job is stopped after this long")
+    poll_seconds: float = Field(default=2.0, gt=0)
     env_vars: dict[str, str] = Field(default_factory=dict, description=(
         "extra environment for the chunk's job; a secret is written as ${VAR} (or ${VAR:-default}), expanded "
         "from the submitting worker's environment only when the job is submitted, and masked in logs and alerts"))
@@ -123,35 +123,35 @@ class AlertSpec(StrictModel):
     connections: the spec names the connections, never what is in them."""
 
     email: list[str] = Field(default_factory=list, description="addresses mailed on an alert")
-    smtp_conn_id: str = Field("smtp_default", description="Airflow connection (SMTP provider) that mails alerts")
-    slack_conn_id: str | None = Field(None, description="Airflow connection of a Slack incoming webhook")
-    webhook_conn_id: str | None = Field(None, description="Airflow connection (HTTP provider) of a JSON webhook")
-    on_retry: bool = Field(False, description="also alert on each retry, not only once per failure event")
-    recovery: bool = Field(True, description="say so when a run that alerted succeeds again")
+    smtp_conn_id: str = Field(default="smtp_default", description="Airflow connection (SMTP provider) that mails alerts")
+    slack_conn_id: str | None = Field(default=None, description="Airflow connection of a Slack incoming webhook")
+    webhook_conn_id: str | None = Field(default=None, description="Airflow connection (HTTP provider) of a JSON webhook")
+    on_retry: bool = Field(default=False, description="also alert on each retry, not only once per failure event")
+    recovery: bool = Field(default=True, description="say so when a run that alerted succeeds again")
     stall_minutes: float | None = Field(
-        None, gt=0, description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
-                                "retried. Empty: stall_factor x the run's median step time, at least "
-                                "stall_floor_minutes")
-    stall_factor: float = Field(20, gt=1, description="see stall_minutes")
-    stall_floor_minutes: float = Field(5, gt=0, description="see stall_minutes")
-    startup_minutes: float = Field(20, ge=0, description="allowed before a job's first step, on top of the stall "
-                                                         "limit (imports, model build, resume)")
+        default=None, gt=0, description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
+                                        "retried. Empty: stall_factor x the run's median step time, at least "
+                                        "stall_floor_minutes")
+    stall_factor: float = Field(default=20, gt=1, description="see stall_minutes")
+    stall_floor_minutes: float = Field(default=5, gt=0, description="see stall_minutes")
+    startup_minutes: float = Field(default=20, ge=0, description="allowed before a job's first step, on top of the stall "
+                                                                 "limit (imports, model build, resume)")
 
 
 class AirflowSpec(StrictModel):
-    retries: int = Field(2, ge=0)
-    retry_delay_seconds: float = Field(30, ge=0)
-    max_active_runs: int = Field(1, gt=0, description="DAG runs at once (one GPU cluster is shared); a backfill "
-                                                      "has its own --max-active-runs")
+    retries: int = Field(default=2, ge=0)
+    retry_delay_seconds: float = Field(default=30, ge=0)
+    max_active_runs: int = Field(default=1, gt=0, description="DAG runs at once (one GPU cluster is shared); a backfill "
+                                                              "has its own --max-active-runs")
     schedule: str | None = Field(
-        None, description="cron expression or preset (@daily, @weekly...): each DAG run is then a training run "
-                          "of its own, <name>-<logical date>, with its own checkpoints and frozen data; data "
-                          "paths may name the date as {{ ds }} or {{ ds_nodash }}")
-    start_date: date = Field(date(2025, 1, 1), description="the first interval of a schedule")
-    catchup: bool = Field(False, description="create the runs of past intervals when the DAG appears")
-    pool: str | None = Field("relay_trainers", description="Airflow pool of the train tasks: its slots, with "
-                                                           "deferred tasks counted, are the trainers a cluster runs "
-                                                           "at once, whatever triggered the runs")
+        default=None, description="cron expression or preset (@daily, @weekly...): each DAG run is then a training run "
+                                  "of its own, <name>-<logical date>, with its own checkpoints and frozen data; data "
+                                  "paths may name the date as {{ ds }} or {{ ds_nodash }}")
+    start_date: date = Field(default=date(2025, 1, 1), description="the first interval of a schedule")
+    catchup: bool = Field(default=False, description="create the runs of past intervals when the DAG appears")
+    pool: str | None = Field(default="relay_trainers", description="Airflow pool of the train tasks: its slots, with "
+                                                                   "deferred tasks counted, are the trainers a cluster runs "
+                                                                   "at once, whatever triggered the runs")
     tags: list[str] = Field(default_factory=list)
 
     @field_validator("schedule")

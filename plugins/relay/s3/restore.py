@@ -72,7 +72,9 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
             report = validate_checkpoint(run_dir, m.step)
             if not report.ok:
                 quarantine(run_dir, report)
-                log(f"skipping {uri}: {report.failed.name}: {report.failed.detail}")
+                failed = report.failed
+                assert failed is not None  # the report is not ok: one of its checks failed
+                log(f"skipping {uri}: {failed.name}: {failed.detail}")
                 continue
             layout.write_tracker(run_dir, m.step)
             if local is None:
@@ -81,7 +83,7 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
         return m.step, uri
     return None
 
-def _restore_record(store: CheckpointStore, run: str, run_dir: Path, incarnation: str, uri: str) -> None:
+def _restore_record(store: CheckpointStore, run: str, run_dir: Path, incarnation: str | None, uri: str) -> None:
     """The run record of a folder that a restore filled: the published one (settings snapshot, frozen data),
     else a minimal one naming the incarnation."""
     record = store.run_record(run)

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import boto3
 from awscrt import checksums
@@ -30,6 +30,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from relay.checkpoints import integrity, manifest
+from relay.checkpoints.manifest import Manifest  # for annotations: in CheckpointStore, `manifest` is a method
 from relay.common.errors import CheckpointError, StoreError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
@@ -164,7 +165,7 @@ class CheckpointStore:
                              "that rewrites latest.json")
         return d
 
-    def manifest(self, run: str, step: int) -> manifest.Manifest | None:
+    def manifest(self, run: str, step: int) -> Manifest | None:
         where = f"{self.step_uri(run, step)}{manifest.NAME}"
         r = self._call("GET", self.client.get_object, Key=self.step_key(run, step, manifest.NAME))
         if r is None:
@@ -175,7 +176,7 @@ class CheckpointStore:
                                   "publish the checkpoint of that step again")
         return m
 
-    def manifest_at(self, uri: str) -> manifest.Manifest:
+    def manifest_at(self, uri: str) -> Manifest:
         """A manifest by its S3 URI (what asset events carry)."""
         bucket, key = parse_uri(uri)
         r = self._call("GET", self.client.get_object, Key=key) if bucket == self.bucket else None
@@ -238,7 +239,7 @@ class CheckpointStore:
                  for cp in page.get("CommonPrefixes", []))
         return sorted(n for n in names if re.fullmatch(RUN_NAME_PATTERN, n) and ".." not in n)
 
-    def published(self, run: str) -> list[manifest.Manifest]:
+    def published(self, run: str) -> list[Manifest]:
         """Checkpoints whose manifest is in place (complete publications), ascending by step."""
         return [m for s in self.steps(run) if (m := self.manifest(run, s)) is not None]
 
@@ -311,7 +312,7 @@ class CheckpointStore:
                              f"{a.get('ContentLength')} bytes, {a.get('ChecksumCRC64NVME')})",
                              "nothing was removed; run the fresh start again: it copies what is missing first")
 
-    def _refuse_other_incarnation(self, run: str, m: manifest.Manifest) -> None:
+    def _refuse_other_incarnation(self, run: str, m: Manifest) -> None:
         held = self.incarnation(run)
         if held is not None and held != m.incarnation:
             raise StoreError(
@@ -361,10 +362,11 @@ class CheckpointStore:
         result.seconds = time.time() - t0
         return result
 
-    def _withdraw_if_changed(self, run: str, m: manifest.Manifest) -> None:
+    def _withdraw_if_changed(self, run: str, m: Manifest) -> None:
         """A step published before with other bytes (retrained after a quarantine, say) stops counting as
         published before any of its objects is replaced: its manifest goes first, and `latest` falls back
         to the newest other published step, so S3 never shows a manifest over bytes it does not list."""
+        before: Manifest | Literal[False] | None
         try:
             before = self.manifest(run, m.step)
         except CheckpointError:
@@ -390,7 +392,9 @@ class CheckpointStore:
 
     @staticmethod
     def _matches(head: dict | None, f: dict) -> bool:
-        return bool(head) and head.get("ContentLength") == f["size"] and head.get("ChecksumCRC64NVME") == f["crc64nvme"]
+        if not head:
+            return False
+        return head.get("ContentLength") == f["size"] and head.get("ChecksumCRC64NVME") == f["crc64nvme"]
 
     def put_file(self, key: str, path: Path) -> str:
         """Upload a file (frozen data, a report) unless an equal object is there; return its URI."""
@@ -467,7 +471,7 @@ class CheckpointStore:
             self._call("ABORT-MULTIPART", self.client.abort_multipart_upload, Key=u["Key"], UploadId=u["UploadId"])
         return len(uploads)
 
-    def verify(self, run: str, m: manifest.Manifest) -> None:
+    def verify(self, run: str, m: Manifest) -> None:
         """Every object exists with the size and CRC64NVME the manifest records."""
         bad = []
         for rel, f in m.files.items():
@@ -480,7 +484,7 @@ class CheckpointStore:
                              "publish again: objects that match are skipped, the others are uploaded again")
 
     # ------------------------------------------------------------------------------ restore
-    def download(self, run: str, m: manifest.Manifest, dest: Path) -> None:
+    def download(self, run: str, m: Manifest, dest: Path) -> None:
         """Download a published checkpoint into dest, verifying each file's size and CRC64NVME."""
         def one(rel: str) -> str | None:
             target = dest / layout.check_relpath(rel, f"the manifest of {self.step_uri(run, m.step)}")

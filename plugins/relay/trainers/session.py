@@ -187,7 +187,7 @@ class ChunkSession:
                      seconds=round(time.time() - self._t0, 3))
 
 
-def _disk_full(e: BaseException, free: int) -> bool:
+def _disk_full(e: BaseException | None, free: int) -> bool:
     """Did this write fail for lack of space? Python says OSError ENOSPC (or EDQUOT, a quota); torch.save's
     zip writer says only "unexpected pos" or "file write failed", so that counts when the disk is near full."""
     seen = set()

@@ -25,7 +25,7 @@ def encode_prompt(text: str) -> list[int]:
 
 def decode_response(ids: list[int]) -> str | None:
     """The response text up to EOS, or None when the response never ended (ran out of length)."""
-    out = []
+    out: list[str] = []
     for i in ids:
         if i == VOCAB[EOS]:
             return "".join(out)

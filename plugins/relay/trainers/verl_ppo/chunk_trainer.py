@@ -31,6 +31,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -113,6 +114,7 @@ def trainer_class():
         """verl's sync trainer for one chunk of a Relay run (see the module's docstring)."""
 
         __relay_chunk__ = True
+        total_training_steps: int  # set by verl's _init_dataloader (mypy takes verl's trainer as Any)
 
         def __init__(self, config):
             super().__init__(config)
@@ -263,7 +265,7 @@ def metrics_row(metrics: dict) -> dict[str, float]:
     out = {}
     for column, names in METRICS.items():
         for n in names:
-            v = metrics.get(n)
+            v: Any = metrics.get(n)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[column] = float(v)
                 break
@@ -288,6 +290,7 @@ def _actor_session(chunk: VerlChunk):
         def __init__(self, req: ChunkRequest, resume_step: int):  # no super().__init__: nothing to resume
             self.req, self.spec, self.run_dir = req, req.spec, req.run_dir
             self.lease = Lease(self.run_dir)
+            assert req.lease_token is not None  # the driver took the lease: its token travels in the request
             self.token = req.lease_token
             self.lease.check(self.token)
             self.resume_step = resume_step

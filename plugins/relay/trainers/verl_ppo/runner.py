@@ -9,11 +9,13 @@ Everything else is verl's run(); verl's run_ppo() takes the runner class as a pa
 
 from __future__ import annotations
 
+from typing import Any
+
 from relay.trainers.verl_ppo import chunk_trainer, tracking
 from relay.trainers.verl_ppo.verl_contract import original_class
 
 _PLAIN = None
-_REMOTE = None
+_REMOTE: Any = None  # the ray.remote actor class
 
 
 def relay_task_runner() -> type:
@@ -23,7 +25,7 @@ def relay_task_runner() -> type:
         return _PLAIN
     from verl.trainer.main_ppo import TaskRunnerV1
 
-    base = original_class(TaskRunnerV1)
+    base: Any = original_class(TaskRunnerV1)  # a class only known at runtime: mypy takes it as Any
 
     class RelayTaskRunner(base):
         """verl's TaskRunnerV1 for one Relay chunk: the trainer is installed here, in the actor."""

@@ -52,6 +52,13 @@ class VerlOptimSettings(StrictModel):
         return self.lr_scheduler_type == "cosine" or (self.lr_warmup_steps <= 0 and self.lr_warmup_steps_ratio > 0)
 
 
+TrackingBackend = Literal["console", "wandb", "mlflow", "tensorboard", "file"]
+
+
+def _console_only() -> list[TrackingBackend]:
+    return ["console"]
+
+
 class VerlPPOSettings(StrictModel):
     """verl's main_ppo (v1 sync trainer) on a GPU Ray cluster, one Ray job per chunk or one supervised job."""
 
@@ -91,8 +98,7 @@ class VerlPPOSettings(StrictModel):
     log_prob_micro_batch_size_per_gpu: int = Field(32, gt=0)
     tensor_model_parallel_size: int = Field(2, ge=1, description="rollout tensor parallelism")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
-    logger: list[Literal["console", "wandb", "mlflow", "tensorboard", "file"]] = Field(
-        default_factory=lambda: ["console"], description="verl's tracking backends")
+    logger: list[TrackingBackend] = Field(default_factory=_console_only, description="verl's tracking backends")
     test_freq: int = Field(-1, description="validate every N steps (verl's test_freq); <= 0: only at the run's end")
     validate_every_chunk: bool = Field(False, description="also validate at every chunk's end (verl validates on "
                                                           "its last step; only the run's real end does by default)")
