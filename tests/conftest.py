@@ -58,17 +58,6 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if not needs_services(item)]
 
 
-
-
-
-
-
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, uninterrupted_run):
     """A test spec of the module's own (its own S3 prefix), and the uninterrupted run of that spec's
@@ -97,14 +86,6 @@ def s3_server():
             os.environ[k] = v
     if not already:
         stack.stop_process("s3", timeout=2)
-
-
-
-
-
-
-
-
 
 
 @pytest.fixture(scope="session")
@@ -152,14 +133,6 @@ def uninterrupted_run(tmp_path_factory) -> Path:
 def uninterrupted(uninterrupted_run) -> dict:
     """Its final weights."""
     return model_state(uninterrupted_run / "global_step_12")
-
-
-
-
-
-
-
-
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,10 @@ from relay.trainers.contract import ChunkRequest, run_chunk
 
 
 def _spec(path: str, check_environment: bool = True):
-
     return load_spec(path, check_environment=check_environment)
 
 
 def cmd_plan(args) -> int:
-
     spec = _spec(args.spec, check_environment=False)
     latest, problem = latest_step_or_problem(spec.run_dir(args.run or spec.name))
     if problem:
@@ -60,8 +58,6 @@ def cmd_spec_check(args) -> int:
 
 
 def cmd_train(args) -> int:
-
-
     spec = _spec(args.spec)
     run = args.run or spec.name
     if args.checkpoint_dir:
@@ -91,7 +87,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_checkpoint_validate(args) -> int:
-
     if args.quarantine:
         admission = admit_dir(Path(args.dir), args.step)
         print(json.dumps(admission.to_dict(), indent=2) if args.json else admission.explain())
@@ -130,7 +125,6 @@ def _upload_options(c) -> None:
 
 
 def cmd_checkpoint_publish(args) -> int:
-
     run_dir = Path(args.dir)
     step = args.step or layout.read_tracker(run_dir)
     if step is None:
@@ -148,7 +142,6 @@ def cmd_checkpoint_publish(args) -> int:
 
 
 def cmd_checkpoint_restore(args) -> int:
-
     run_dir = Path(args.dir)
     restored = restore(_store(args.uri), args.run or run_dir.name, run_dir, step=args.step)
     if restored is None:
@@ -180,7 +173,6 @@ def cmd_checkpoint_ls(args) -> int:
 
 
 def cmd_checkpoint_inspect(args) -> int:
-
     if args.source.startswith("s3://"):
         bucket, key = parse_uri(args.source)
         parts = key.rstrip("/").split("/")
@@ -199,8 +191,6 @@ def cmd_checkpoint_inspect(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-
-
     try:
         spec = load_spec(args.spec, check_environment=False)
     except RelayError as e:
@@ -221,7 +211,6 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_data_check(args) -> int:
-
     extra = [e for f in (args.suite or []) for e in quality.load_expectations(Path(f))]
     report = quality.check(args.parquet, min_rows=args.min_rows, extra=extra)
     print(report.to_json() if args.json else report.summary())
@@ -229,7 +218,6 @@ def cmd_data_check(args) -> int:
 
 
 def cmd_data_freeze(args) -> int:
-
     fp = fingerprint(args.parquet)
     store = _store(args.uri, args)
     uri = store.put_file("/".join(p for p in (store.prefix, "data", f"{fp.sha256}.parquet") if p), Path(args.parquet))
@@ -238,15 +226,12 @@ def cmd_data_freeze(args) -> int:
 
 
 def cmd_data_diff(args) -> int:
-
     d = diff(args.a, args.b)
     print(d.summary())
     return 0 if d.identical else 1
 
 
 def cmd_report(args) -> int:
-
-
     if args.source.startswith("s3://"):
         with tempfile.TemporaryDirectory() as tmp:
             rep = report.from_s3(args.source, Path(tmp))
@@ -261,7 +246,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_stack(args) -> int:
-
     if args.action == "up":
         info = stack.up(with_airflow=not args.no_airflow, db_url=args.db)
         for k, v in info.items():
@@ -275,7 +259,6 @@ def cmd_stack(args) -> int:
 
 
 def cmd_demo(args) -> int:
-
     return demo.run(keep_running=args.keep_running, provoke_resume=not args.no_kill)
 
 

@@ -109,3 +109,10 @@ def test_a_job_without_new_steps_is_stalled_after_its_limit():
     assert watch.stalled(now=171) == "no new step for 61s after step 8 (limit 60s)"
     never = StallWatch(limit_s=60, startup_s=300, started_at=0)
     assert never.stalled(now=361) == "no new step for 361s since the job started (limit 360s)"
+
+
+def test_the_save_after_a_chunks_last_step_gets_the_startup_allowance():
+    watch = StallWatch(limit_s=60, startup_s=300, started_at=0, end_step=12)
+    watch.saw("[relay] step 12/12 chunk 2 reward=0.3\n", now=100)
+    assert watch.stalled(now=400) is None, "a long save of the chunk's checkpoint is not a stall"
+    assert watch.stalled(now=461) == "no new step for 361s after step 12, the chunk's last (saving) (limit 360s)"

@@ -116,4 +116,3 @@ def test_a_new_host_restores_its_own_run_from_s3_by_its_incarnation(baseline, tm
     assert own.resume_step == 6 and own.resume.restored_from == f"{uri}/newhost/global_step_6/"
     assert read_record(fresh)["incarnation"] == incarnation, "the published record came along"
 
-

@@ -67,7 +67,6 @@ class CheckpointLink(BaseOperatorLink):
     name = "Checkpoint"
 
     def get_link(self, operator, *, ti_key) -> str:
-
         run = _run_of(operator, ti_key)
         if not run:
             return ""

@@ -259,7 +259,6 @@ class RelayAlertNotifier(BaseNotifier):
         self.retry = retry
 
     def notify(self, context) -> None:
-
         ti = context["ti"]
         spec = load_spec(self.spec_path, check_environment=False)
         run = run_of(context, spec)

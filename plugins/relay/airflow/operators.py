@@ -196,12 +196,13 @@ class RayChunkOperator(ChunkTaskOperator):
 
         deadline = started + spec.ray.chunk_timeout_minutes * 60
         stall_after = stall_limit_s(spec, spec.run_dir(run))
-        self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step) is a stall: alerted, job "
-                      "stopped, retried", stall_after, spec.alerts.startup_minutes * 60)
+        self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step and after the last) is a "
+                      "stall: alerted, job stopped, retried", stall_after, spec.alerts.startup_minutes * 60)
         self.defer(
             trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
                                   poll_seconds=spec.ray.poll_seconds, stall_after_s=stall_after,
-                                  startup_s=spec.alerts.startup_minutes * 60, adoptable=True),
+                                  startup_s=spec.alerts.startup_minutes * 60, end_step=chunk.end_step,
+                                  adoptable=True),
             method_name="execute_complete",
         )
 
@@ -209,7 +210,6 @@ class RayChunkOperator(ChunkTaskOperator):
     def _drill_env(context, spec, run: str, chunk) -> dict[str, str]:
         """A crash drill asked for in the DAG run's conf (`relay_fault`, the demo's provoked resume): armed in
         the chunk's job once per DAG run, so the retry that resumes is not killed again."""
-
 
         drill = (context["dag_run"].conf or {}).get("relay_fault")
         if not drill:
@@ -240,6 +240,8 @@ class RayChunkOperator(ChunkTaskOperator):
             if steps:
                 idle = time.time() - float(steps[-1].get("time") or 0)
                 why = f"it holds the run's lease and made step {steps[-1]['step']} {idle:.0f}s ago"
+                if steps[-1]["step"] >= chunk.end_step:  # saving: the same allowance as the trigger's
+                    limit += spec.alerts.startup_minutes * 60
             else:
                 limit += spec.alerts.startup_minutes * 60
                 idle = time.time() - (job.start_time or 0)
@@ -320,7 +322,6 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
         self.train_task = train_task
 
     def execute(self, context) -> dict:
-
         spec, run, chunk = self._context(context)
         trained = (context["ti"].xcom_pull(task_ids=self.train_task) or {}) if self.train_task else {}
         here = step_dir(spec.run_dir(run), chunk.end_step)
@@ -358,7 +359,6 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
                               admit(spec, run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict())
 
     def _validate_on_ray(self, context, spec, run: str, chunk) -> NoReturn:
-
         hook = RayJobsHook(spec.ray.conn_id)
         ti = context["ti"]
         sub_id = submission_id(spec.name, run, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
@@ -372,7 +372,6 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
                    method_name="ray_validation_complete")
 
     def _ray_admission(self, spec, event: dict) -> dict:
-
         logs = RayJobsHook(spec.ray.conn_id).jobs.logs(event["submission_id"])
         admission = parse_job_output(logs)
         if admission is None:
@@ -410,7 +409,6 @@ class PublishCheckpointOperator(ChunkTaskOperator):
     operator_extra_links = (CheckpointLink(), RunReportLink())
 
     def execute(self, context) -> dict:
-
         spec, run, chunk = self._context(context)
         store = checkpoint_store(spec)
         if self._already_published(spec, run, chunk.end_step, store):

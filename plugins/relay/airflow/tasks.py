@@ -36,7 +36,6 @@ def run_spec(spec_path: str, context, run_from_task: str = RUN_TASK):
     """(spec, run) of this DAG run, as preflight.run resolved them: the spec's data paths dated with
     the DAG run's logical date, and the training run's name."""
 
-
     spec = load_spec(spec_path, check_environment=False)
     resolved = context["ti"].xcom_pull(task_ids=run_from_task)
     if resolved.get("logical_date"):
@@ -179,7 +178,6 @@ def publish_report(spec, run: str, store, context) -> None:
 def evaluate_published(spec_path: str, **context) -> list[dict]:
     """Example evaluation stub, scheduled on a spec's checkpoint asset: load each published checkpoint's
     model (through the safe loader) and report its step. Triggered by hand, conf {"manifest": URI} works too."""
-
 
     spec = load_spec(spec_path, check_environment=False)
     store = checkpoint_store(spec)

@@ -31,7 +31,7 @@ FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  #
 class RayJobTrigger(BaseTrigger):
     def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
                  unreachable_grace_s: float = 300.0, stall_after_s: float | None = None,
-                 startup_s: float = 0.0, adoptable: bool = False):
+                 startup_s: float = 0.0, end_step: int | None = None, adoptable: bool = False):
         super().__init__()
         self.address = address
         self.submission_id = submission_id
@@ -40,6 +40,7 @@ class RayJobTrigger(BaseTrigger):
         self.unreachable_grace_s = unreachable_grace_s
         self.stall_after_s = stall_after_s  # None: no stall detection (validation jobs)
         self.startup_s = startup_s
+        self.end_step = end_step  # the chunk's last step: the save after it gets startup_s too
         self.adoptable = adoptable  # a cleared task's next try may adopt the job (a chunk's): leave it running
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -53,6 +54,7 @@ class RayJobTrigger(BaseTrigger):
                 "unreachable_grace_s": self.unreachable_grace_s,
                 "stall_after_s": self.stall_after_s,
                 "startup_s": self.startup_s,
+                "end_step": self.end_step,
                 "adoptable": self.adoptable,
             },
         )
@@ -96,7 +98,7 @@ class RayJobTrigger(BaseTrigger):
                 yield self._event(state.status, state.message)
                 return
             if self.stall_after_s and state.status == "RUNNING":
-                watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time())
+                watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time(), self.end_step)
                 watch.saw("\n".join(new), time.time())
                 if stalled := watch.stalled(time.time()):
                     await jobs.stop(self.submission_id)
@@ -156,7 +158,6 @@ class CheckpointTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-
         while True:
             try:
                 reached = await asyncio.to_thread(checkpoint_reached, self.run_dir, self.step)

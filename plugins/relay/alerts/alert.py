@@ -90,7 +90,6 @@ class Alert:
         """This alert with every known secret (relay.common.redaction: Airflow's masked connections, ray.env_vars
         expanded from the environment) replaced by ***: what every channel, the ledger and the log get."""
 
-
         return replace(self, **{f.name: redact(getattr(self, f.name)) for f in dc_fields(self)
                                 if isinstance(getattr(self, f.name), (str, list)) and f.name != "kind"})
 

@@ -2,7 +2,8 @@
 
 The limit is the spec's alerts.stall_minutes, or else stall_factor x the run's median step time
 (from metrics.jsonl), at least stall_floor_minutes. A job gets startup_minutes more before its first
-step: imports, model build and resume come before it.
+step (imports, model build and resume come before it) and after its chunk's last step (the save, its
+fsync and the job's exit come after it): neither is a step-less stretch of training.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def stall_limit_s(spec, run_dir: Path) -> float:
 class StallWatch:
     """Follows a job's log and says when it has gone `limit_s` without a new step."""
 
-    def __init__(self, limit_s: float, startup_s: float, started_at: float):
+    def __init__(self, limit_s: float, startup_s: float, started_at: float, end_step: int | None = None):
         self.limit_s = limit_s
         self.startup_s = startup_s
+        self.end_step = end_step  # the chunk's last step: after it the job saves and exits
         self.last_step: int | None = None
         self.since = started_at  # when the last step was seen, or the watch started
 
@@ -41,9 +43,13 @@ class StallWatch:
 
     def stalled(self, now: float) -> str | None:
         """None while the job makes progress; else why it is stalled, in words."""
-        allowed = self.limit_s + (self.startup_s if self.last_step is None else 0)
+        saving = self.last_step is not None and self.end_step is not None and self.last_step >= self.end_step
+        allowed = self.limit_s + (self.startup_s if self.last_step is None or saving else 0)
         idle = now - self.since
         if idle <= allowed:
             return None
-        after = f"after step {self.last_step}" if self.last_step is not None else "since the job started"
+        if self.last_step is None:
+            after = "since the job started"
+        else:
+            after = f"after step {self.last_step}" + (", the chunk's last (saving)" if saving else "")
         return f"no new step for {idle:.0f}s {after} (limit {allowed:.0f}s)"

@@ -85,13 +85,11 @@ MARKER = "RELAY_ADMISSION "
 
 
 def request_json(spec, run: str, step: int, expected_step: int | None) -> str:
-
     return json.dumps({"spec": json.loads(spec.to_json()), "run": run, "step": step, "expected_step": expected_step})
 
 
 def main() -> int:
     """`python -m relay.checkpoints.gate`: admit a checkpoint where it lives; print the admission on one marked line."""
-
 
     req = json.loads(os.environ[ENV_VAR])
     spec = spec_from_json(json.dumps(req["spec"]))
@@ -102,7 +100,6 @@ def main() -> int:
 
 
 def parse_job_output(logs: str) -> dict | None:
-
     lines = [ln for ln in logs.splitlines() if ln.startswith(MARKER)]
     return json.loads(lines[-1][len(MARKER):]) if lines else None
 

@@ -29,7 +29,6 @@ def crc64nvme_b64(value: int) -> str:
 
 
 def crc64nvme_bytes(data: bytes, previous: int = 0) -> int:
-
     return checksums.crc64nvme(data, previous)
 
 

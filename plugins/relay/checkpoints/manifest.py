@@ -132,7 +132,6 @@ def checkpoint_files(step_dir: Path) -> list[str]:
 
 
 def verl_version() -> str | None:
-
     try:
         return version("verl")
     except PackageNotFoundError:

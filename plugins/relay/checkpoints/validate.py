@@ -233,7 +233,6 @@ def _tensors(obj: Any, prefix: str = ""):
 
 
 def _global_shape(value: Any) -> list:
-
     shape = value.global_shape if is_sharded_record(value) else tuple(value.shape)
     return [int(x) for x in shape] + [str(value.dtype).removeprefix("torch.")]
 

@@ -11,7 +11,6 @@ class RelayError(Exception):
     exit_code = 1
 
     def __init__(self, what: str, fix: str | None = None):
-
         self.what = what = redact(what)
         self.fix = fix = redact(fix) if fix else fix
         super().__init__(what if not fix else f"{what}\n  What to do: {fix}")

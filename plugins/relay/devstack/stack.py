@@ -113,7 +113,6 @@ def s3_start(buckets: tuple[str, ...] = ("relay",)) -> str:
 
 
 def _create_buckets(buckets) -> None:
-
     client = boto3.client("s3", endpoint_url=s3_endpoint(), **{
         "aws_access_key_id": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
         "aws_secret_access_key": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"], "region_name": "us-east-1"})

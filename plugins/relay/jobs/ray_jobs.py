@@ -247,7 +247,6 @@ class AsyncRayJobs:
         self.bytes_read = 0  # log bytes, for the tests' bound
 
     async def _request(self, method: str, path: str):
-
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             async with s.request(method, f"{self.address}{path}") as r:

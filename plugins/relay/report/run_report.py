@@ -27,9 +27,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-
 from relay.checkpoints import manifest
 from relay.checkpoints.resume import quarantined
 from relay.common.errors import RelayError
@@ -156,7 +153,10 @@ class Report:
     def plot_png(self) -> bytes:
         """The panels as PNG bytes (matplotlib's Agg canvas; no pyplot, no global backend). Named markers
         are labelled in a strip above the panels, one row per label that would overlap another."""
-
+        # Imported here, like torch elsewhere: matplotlib costs a third of a second, and the DAG file, every
+        # Airflow task and every `relay` command import this module without drawing anything.
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
 
         right = max([self.total_steps or 0, *self.steps, *(m.step for m in self.markers), 1])
         xmax = right + max(1, right // 50)
@@ -516,7 +516,6 @@ def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str
 def current_html(spec, run: str, store) -> str:
     """The run's report as it is now: from its folder where this process sees it, else from S3 (the
     Airflow UI's "Run report" link is served through this, so it never expires)."""
-
 
     run_dir = spec.run_dir(run)
     if (run_dir / layout.METRICS).is_file() or (run_dir / layout.EVENTS).is_file():

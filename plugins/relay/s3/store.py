@@ -117,7 +117,6 @@ class CheckpointStore:
         return f"s3://{self.bucket}/{self.step_key(run, step)}/"
 
     def _call(self, what: str, fn: Callable, **kwargs) -> Any:
-
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except ClientError as e:

@@ -240,7 +240,6 @@ ROLLOUT_STATE = ("transfer_queue",)
 
 
 def remove_rollout_state(step_dir: Path) -> list[str]:
-
     removed = []
     for name in ROLLOUT_STATE:
         p = Path(step_dir) / name

@@ -31,7 +31,6 @@ def relay_task_runner() -> type:
         """verl's TaskRunnerV1 for one Relay chunk: the trainer is installed here, in the actor."""
 
         def run(self, config):
-
             chunk = chunk_trainer.detach(config)
             if chunk is None:
                 from relay.common.errors import RelayError

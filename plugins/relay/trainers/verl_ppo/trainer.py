@@ -70,7 +70,6 @@ def tracking_env(req: ChunkRequest) -> dict[str, str]:
 
 
 def train_chunk(req: ChunkRequest) -> ChunkResult:
-
     spec = req.spec
     s = spec.settings
     run_dir = req.run_dir
@@ -155,7 +154,6 @@ class ProgressWatcher:
     """Print `[relay] step N/T ...` for every metrics row the actor writes (the stall watch reads these)."""
 
     def __init__(self, session, start: int, end: int, poll_s: float = 2.0):
-
         self.session, self.last, self.end, self.poll_s = session, start, end, poll_s
         self.metrics = MetricsLog(session.run_dir)
         self._times: list[float] = []
