@@ -6,8 +6,9 @@ Folders in layers, each importing only those below it (tests/core/test_architect
            < devstack < airflow;   cli.py on top
 
 The core (everything but relay.airflow) is plain Python with no Airflow import; torch, verl, ray,
-pyarrow and great-expectations are imported only inside the functions that need them, so that a DAG
-file or a spec check stays light. Everything else is imported at the top of a module.
+pyarrow, great-expectations and matplotlib (a third of a second, for the report's picture only) are
+imported only inside the functions that need them, so that a DAG file or a spec check stays light.
+Everything else is imported at the top of a module.
 """
 
 __version__ = "0.1.0"
