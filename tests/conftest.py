@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from relay.runs.run import Run
 from support.faults import fault_row  # noqa: F401 (a fixture: a fault case's row of docs/FAULTS.md)
 from support.helpers import ROOT, model_state, relay_cli, session_shared, train, write_spec
 
@@ -163,7 +164,7 @@ def interrupted(tmp_path_factory):
     spec_path = write_spec(base, **overrides)
     spec = load_spec(spec_path)
     prepare_run(spec, "r")
-    prepare_data(spec, "r")
+    prepare_data(Run.of(spec, "r"))
     trained = relay_cli("train", str(spec_path), "--to-step", "6", "--run", "r", "--offline")
     assert trained.returncode == 0, trained.stderr[-3000:]
     return {"base": base, "spec_path": spec_path, "spec": spec, "run_dir": spec.run_dir("r"), "source": source,

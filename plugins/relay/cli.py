@@ -26,6 +26,7 @@ from relay.preflight.prepare import prepare_run
 from relay.report import run_report as report
 from relay.runs import layout
 from relay.runs.plan import ChunkPlan
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, parse_uri, s3_client, store_for_spec, upload_args
@@ -38,10 +39,11 @@ def _spec(path: str, check_environment: bool = True):
 
 def cmd_plan(args) -> int:
     spec = _spec(args.spec, check_environment=False)
-    latest, problem = latest_step_or_problem(spec.run_dir(args.run or spec.name))
+    run = Run.of(spec, args.run)
+    latest, problem = latest_step_or_problem(run.dir)
     if problem:
         print(f"warning: {problem}", file=sys.stderr)
-    print(f"spec {spec.source} -> DAG {spec.dag_id}; run dir {spec.run_dir(args.run or spec.name)}")
+    print(f"spec {spec.source} -> DAG {spec.dag_id}; run dir {run.dir}")
     print(ChunkPlan.from_spec(spec).describe(latest))
     return 0
 
@@ -59,29 +61,28 @@ def cmd_spec_check(args) -> int:
 
 def cmd_train(args) -> int:
     spec = _spec(args.spec)
-    run = args.run or spec.name
+    run_name = args.run or spec.name
     if args.checkpoint_dir:
         run_dir = Path(args.checkpoint_dir).resolve()
-        spec, run = spec.model_copy(update={"checkpoint_dir": str(run_dir.parent)}), run_dir.name
+        spec, run_name = spec.model_copy(update={"checkpoint_dir": str(run_dir.parent)}), run_dir.name
     if not 1 <= args.to_step <= spec.total_steps:
         print(f"--to-step must be within 1..{spec.total_steps}", file=sys.stderr)
         return 2
     store = store_for_spec(spec) if spec.s3 is not None and not args.offline else None
     try:
         # The DAG's preflight.run, by the same code: the run's incarnation, a confirmed fresh start.
-        state = prepare_run(spec, run, fresh_start=args.fresh_start, confirm=args.confirm or "",
+        state = prepare_run(spec, run_name, fresh_start=args.fresh_start, confirm=args.confirm or "",
                             started_by=f"relay train (local:{socket.gethostname()}:{os.getpid()})", store=store)
         if state.archived_to or state.archived_uri:
-            print(f"fresh start of run {run}: the old run was moved aside to "
+            print(f"fresh start of run {state.run_name}: the old run was moved aside to "
                   f"{' and '.join(x for x in (state.archived_to, state.archived_uri) if x)}")
-        result = run_chunk(ChunkRequest(spec=spec, run_name=run, to_step=args.to_step, restore=not args.offline,
-                                        incarnation=state.incarnation))
+        result = run_chunk(ChunkRequest(run=state.run(spec), to_step=args.to_step, restore=not args.offline))
     except StoreError as e:
         # The store's own fix speaks of publishing; here nothing was published or written yet.
         raise StoreError(e.what, "start the S3 server, or point AWS_ENDPOINT_URL and the AWS credentials at it; or "
                                  "train without S3 with --offline (nothing is restored from S3 and the published "
                                  "run is not looked at); nothing was written") from None
-    print(f"run {run}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
+    print(f"run {result.run_name}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
           f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}")
     return 0
 
@@ -196,17 +197,17 @@ def cmd_doctor(args) -> int:
     except RelayError as e:
         print(f"relay: {e}", file=sys.stderr)
         return 2
-    run = args.run or spec.name
+    run = Run.of(spec, args.run)
     store = jobs = None
     if not args.offline:
         store = store_for_spec(spec) if spec.s3 is not None else None
         jobs = RayJobs(args.ray_address or os.environ.get("RAY_ADDRESS") or stack.ray_address())
-    findings = doctor.diagnose(spec, run, store=store, jobs=jobs)
+    findings = doctor.diagnose(run, store=store, jobs=jobs)
     if args.json:
-        print(json.dumps({"run": run, "safe": all(f.ok for f in findings),
+        print(json.dumps({"run": run.name, "safe": all(f.ok for f in findings),
                           "checks": [f.to_dict() for f in findings]}, indent=2))
     else:
-        print(doctor.report(findings, spec, run))
+        print(doctor.report(findings, run))
     return 0 if all(f.ok for f in findings) else 1
 
 

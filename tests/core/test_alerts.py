@@ -9,6 +9,7 @@ from relay.common.errors import CheckpointError, RelayError, StoreError
 from relay.data.freeze import SourceDriftError
 from relay.data.quality import DataQualityError
 from relay.preflight.guard import DriftError
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.helpers import write_spec
 
@@ -89,14 +90,14 @@ def test_a_torn_ledger_is_set_aside_not_fatal(tmp_path):
 def test_stall_limit_comes_from_the_spec_or_the_runs_median_step_time(tmp_path):
     spec = load_spec(write_spec(tmp_path, "s", **{"alerts.stall_factor": 10, "alerts.stall_floor_minutes": 0.5}),
                      check_environment=False)
-    run_dir = spec.run_dir("r")
-    assert stall_limit_s(spec, run_dir) == 30, "no steps yet: the floor"
-    run_dir.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "seconds": s}) + "\n"
+    run = Run.of(spec, "r")
+    assert stall_limit_s(run) == 30, "no steps yet: the floor"
+    run.dir.mkdir(parents=True)
+    (run.dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "seconds": s}) + "\n"
                                                    for i, s in enumerate([2.0, 5.0, 6.0, 100.0], 1)))
-    assert stall_limit_s(spec, run_dir) == 55, "10 x the median 5.5 s: one slow step does not move it"
+    assert stall_limit_s(run) == 55, "10 x the median 5.5 s: one slow step does not move it"
     fixed = load_spec(write_spec(tmp_path, "f", **{"alerts.stall_minutes": 2}), check_environment=False)
-    assert stall_limit_s(fixed, run_dir) == 120
+    assert stall_limit_s(Run.of(fixed, "r")) == 120
 
 
 def test_a_job_without_new_steps_is_stalled_after_its_limit():

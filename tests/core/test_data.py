@@ -13,6 +13,7 @@ from relay.preflight import guard
 from relay.preflight.checks import before_chunk, prepare_data
 from relay.preflight.prepare import prepare_run
 from relay.runs.record import read_record
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.helpers import DEMO_SPEC, ROOT, write_spec
 
@@ -87,7 +88,7 @@ def frozen_run(tmp_path):
     src = shutil.copy(DATA, tmp_path / "source.parquet")
     spec = load_spec(write_spec(tmp_path, **{"data.train_files": [str(src)], "data.val_files": []}))
     prepare_run(spec, "r")
-    state = prepare_data(spec, "r")
+    state = prepare_data(Run.of(spec, "r"))
     assert state.froze_now
     return spec, src
 
@@ -110,7 +111,7 @@ def test_a_source_changed_between_chunks_is_caught_before_the_next(frozen_run, m
     change, words = MUTATIONS[mutation]
     write(src, change(rows()))
     with pytest.raises(DataError) as e:
-        before_chunk(spec, "r")
+        before_chunk(Run.of(spec, "r"))
     assert "the training data changed under run r" in str(e.value) and words in str(e.value), str(e.value)
     assert "use_frozen" in str(e.value)
 
@@ -120,14 +121,14 @@ def test_a_renamed_column_in_the_source_is_caught(frozen_run):
     table = pq.read_table(src).rename_columns(["data_source", "prompt", "ability", "reward", "extra_info"])
     pq.write_table(table, src)
     with pytest.raises(DataError, match=r"schema: - reward_model"):
-        before_chunk(spec, "r")
+        before_chunk(Run.of(spec, "r"))
 
 
 def test_use_frozen_continues_on_the_frozen_bytes(tmp_path, frozen_run):
     spec, src = frozen_run
     spec = spec.model_copy(update={"data": spec.data.model_copy(update={"on_source_change": "use_frozen"})})
     write(src, rows()[:-1])
-    changes = check_sources(spec, "r")
+    changes = check_sources(Run.of(spec, "r"))
     assert len(changes) == 1 and "1 row(s) removed" in changes[0].summary()
     files = frozen_files(spec.run_dir("r"))
     paths = verify_frozen(spec.run_dir("r"), files)
@@ -157,14 +158,14 @@ def test_settings_drift_is_refused_with_a_diff_and_accepted_only_when_allowed(tm
     key, value = DRIFTS[drift]
     changed = load_spec(write_spec(tmp_path, **{"data.train_files": [str(src)], "data.val_files": [], key: value}))
     with pytest.raises(guard.DriftError) as e:
-        before_chunk(changed, "r")
+        before_chunk(Run.of(changed, "r"))
     assert key in str(e.value) and f"-> {value!r}" in str(e.value) and "allow_drift" in str(e.value)
-    allowed = guard.check(changed, "r", allow_drift=[key], by="alice", dag_run="manual__1")
+    allowed = guard.check(Run.of(changed, "r"), allow_drift=[key], by="alice", dag_run="manual__1")
     assert [c.key for c in allowed if c.key == key] == [key]
     drift_log = read_record(changed.run_dir("r"))["drift"]
     assert drift_log[-1]["by"] == "alice" and drift_log[-1]["dag_run"] == "manual__1"
     assert any(c["key"] == key and c["now"] == value for c in drift_log[-1]["changes"])
-    before_chunk(changed, "r")  # the allowed settings are now the run's own
+    before_chunk(Run.of(changed, "r"))  # the allowed settings are now the run's own
 
 
 def test_the_recorded_snapshot_holds_model_parallelism_algorithm_schedule_data_and_seed(frozen_run):

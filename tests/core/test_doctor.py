@@ -14,6 +14,7 @@ from relay.jobs.ray_jobs import RayJobs
 from relay.preflight import doctor
 from relay.runs import layout
 from relay.runs.lease import Lease
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.helpers import PY, ROOT, relay_cli, write_spec
 
@@ -44,20 +45,20 @@ def test_a_quarantined_latest(interrupted):
     raw[len(raw) // 2] ^= 0xFF
     model.write_bytes(bytes(raw))
     assert not admit_dir(spec.run_dir("q"), 6).ok  # the gate quarantines it; the tracker falls back to 3
-    bad = failed(doctor.diagnose(spec, "q"))
+    bad = failed(doctor.diagnose(Run.of(spec, "q")))
     assert set(bad) == {"checkpoint"}
     assert "step 6 was quarantined (integrity" in bad["checkpoint"].detail
     assert "falls back to step 3" in bad["checkpoint"].detail and "restore" in bad["checkpoint"].fix
 
 
 def test_a_changed_rollout_n(interrupted):
-    bad = failed(doctor.diagnose(respec(interrupted, **{"trainer.settings.rollout_n": 4}), "r"))
+    bad = failed(doctor.diagnose(Run.of(respec(interrupted, **{"trainer.settings.rollout_n": 4}), "r")))
     assert set(bad) == {"algorithm", "settings"}
     assert "trainer.settings.rollout_n: 8 -> 4" in bad["algorithm"].detail and "allow_drift" in bad["algorithm"].fix
 
 
 def test_a_changed_world_size(interrupted):
-    bad = failed(doctor.diagnose(respec(interrupted, **{"trainer.settings.world_size": 2}), "r"))
+    bad = failed(doctor.diagnose(Run.of(respec(interrupted, **{"trainer.settings.world_size": 2}), "r")))
     assert set(bad) == {"parallelism", "settings"}
     assert "world size 2" in bad["parallelism"].detail and "model_world_size_1_rank_0.pt" in bad["parallelism"].detail
     assert "world_size: 1" in bad["parallelism"].fix
@@ -70,7 +71,7 @@ def test_a_modified_parquet(interrupted):
     rows.append(dict(rows[0], extra_info={"split": "train", "index": 4242}))
     pq.write_table(pq.read_table(src).from_pylist(rows, schema=pq.read_schema(src)), src)
     try:
-        bad = failed(doctor.diagnose(interrupted["spec"], "r"))
+        bad = failed(doctor.diagnose(Run.of(interrupted["spec"], "r")))
     finally:
         src.write_bytes(original)
     assert set(bad) == {"data"}
@@ -88,7 +89,7 @@ def test_a_live_earlier_attempt(interrupted, ray_address):
         while (Lease(spec.run_dir("live")).current() or {}).get("pid") != proc.pid and time.time() < deadline:
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGSTOP)  # an attempt that hangs, alive
-        bad = failed(doctor.diagnose(spec, "live", jobs=RayJobs(ray_address)))
+        bad = failed(doctor.diagnose(Run.of(spec, "live"), jobs=RayJobs(ray_address)))
     finally:
         proc.kill()
         proc.wait()

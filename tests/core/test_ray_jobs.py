@@ -6,6 +6,7 @@ import pytest
 
 from relay.common import project
 from relay.jobs.ray_jobs import RayJobs, runtime_env, shipped_code, submission_id
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 from support.helpers import ROOT
@@ -50,7 +51,7 @@ def test_submission_ids_are_deterministic_per_run_chunk_and_try():
 
 def test_runtime_env_carries_the_request_and_pins_threads():
     spec = load_spec(ROOT / "include" / "runs" / "demo.yaml", check_environment=False)
-    req = ChunkRequest(spec=spec, run_name="r", to_step=20, chunk=1, attempt="x")
+    req = ChunkRequest(run=Run.of(spec, "r"), to_step=20, chunk=1, attempt="x")
     env = runtime_env(req)
     assert env["py_modules"] == [str(project.package_dir())]
     assert env["env_vars"]["OMP_NUM_THREADS"] == str(spec.threads)

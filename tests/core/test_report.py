@@ -13,6 +13,7 @@ from relay.preflight import guard
 from relay.report import run_report as report
 from relay.runs import layout
 from relay.runs.plan import ChunkPlan
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.helpers import PY, ROOT, read_metrics, relay_cli, write_spec
 
@@ -34,7 +35,7 @@ def resumed(interrupted):
     # only the record matters here.)
     changed = load_spec(write_spec(interrupted["base"] / "changed", **{**interrupted["overrides"],
                                                                        "trainer.settings.kl_loss_coef": 0.002}))
-    guard.check(changed, "r", allow_drift=["trainer.settings.kl_loss_coef"], by="test")
+    guard.check(Run.of(changed, "r"), allow_drift=["trainer.settings.kl_loss_coef"], by="test")
     proc = subprocess.Popen([PY, "-m", "relay", "train", str(spec_path), "--to-step", str(STEPS), "--run", "r",
                              "--offline"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -106,7 +107,7 @@ def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
     assert admit_dir(run_dir, STEPS).ok  # the gate writes the manifest; then S3 holds step 12
     store = store_for_spec(spec)
     store.publish("r", run_dir, STEPS)
-    out = report.publish(spec, "r", store)
+    out = report.publish(Run.of(spec, "r"), store)
     base = f"{spec.s3.uri}/r"
     assert out["html_uri"] == f"{base}/report/report.html" and out["png_uri"] == f"{base}/report/report.png"
     assert store.head(store.run_key("r", "report", "report.html"))["ContentType"].startswith("text/html")

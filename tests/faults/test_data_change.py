@@ -30,6 +30,7 @@ from relay.preflight.prepare import prepare_run
 from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED
 from relay.runs.record import read_record
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.faults import ForkServer, assert_finished_as
 from support.helpers import ROOT, write_spec
@@ -111,7 +112,7 @@ def interrupted_run(world, name: str):
     spec_path = write_spec(base, **{"data.train_files": [str(source)], **SETTINGS})
     spec = load_spec(spec_path)
     prepare_run(spec, "r")
-    prepare_data(spec, "r")
+    prepare_data(Run.of(spec, "r"))
     log = base / "chunk-1.log"
     rc = world["server"].run(["train", str(spec_path), "--to-step", str(CHUNK_END), "--run", "r", "--offline"], log)
     assert rc == 0, log.read_text()[-3000:]
@@ -137,7 +138,7 @@ def test_a_source_changed_between_chunks_is_refused_and_the_run_ends_bitwise(wor
 
     # Before chunk 2's job (default policy, on_source_change: fail): refused, naming what changed.
     with pytest.raises(SourceDriftError) as refused:
-        before_chunk(spec, "r")
+        before_chunk(Run.of(spec, "r"))
     message = str(refused.value)
     assert message.startswith("the training data changed under run r:\ntrain source changed since the freeze:")
     assert all(line in message for line in named), message
@@ -151,13 +152,13 @@ def test_a_source_changed_between_chunks_is_refused_and_the_run_ends_bitwise(wor
     # The user's fix, then the same check again.
     if fix == "restore":
         source.write_bytes(original)
-        assert before_chunk(spec, "r")["source_changes"] == []
+        assert before_chunk(Run.of(spec, "r"))["source_changes"] == []
     else:
         d = yaml.safe_load(spec_path.read_text())
         d["data"]["on_source_change"] = "use_frozen"
         spec_path.write_text(yaml.safe_dump(d, sort_keys=False))
         spec = load_spec(spec_path)
-        (warning,) = before_chunk(spec, "r")["source_changes"]
+        (warning,) = before_chunk(Run.of(spec, "r"))["source_changes"]
         assert all(line in warning for line in named), warning
     assert digest(run_dir) == before
 

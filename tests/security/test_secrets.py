@@ -15,6 +15,7 @@ import pytest
 
 from relay.common import redaction
 from relay.runs import layout
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.helpers import ROOT, dags_test, write_spec
 from support.receivers import MailSink, wait_for
@@ -37,7 +38,7 @@ def test_ray_env_vars_are_expanded_only_when_a_job_is_submitted(tmp_path, secret
     spec = load_spec(write_spec(tmp_path, **{"ray.env_vars": {"HF_TOKEN": "${RELAY_TEST_TOKEN}", "MODE": "plain",
                                                               "LEVEL": "${RELAY_UNSET_LEVEL:-info}"}}),
                      check_environment=False)
-    req = ChunkRequest(spec=spec, run_name="r", to_step=6)
+    req = ChunkRequest(run=Run.of(spec, "r"), to_step=6)
     env = runtime_env(req)["env_vars"]
     assert (env["HF_TOKEN"], env["MODE"], env["LEVEL"]) == (TOKEN, "plain", "info")
     # The secret is in the job's environment only: not in the spec, the chunk request or the fingerprint.
@@ -82,7 +83,7 @@ def test_alerts_and_their_ledger_redact_connection_and_environment_secrets(tmp_p
     alert = Alert(kind="chunk_failed", run="r", what=f"chunk failed: {leaky}", details=f"last lines:\n{leaky}",
                   action="retried", dag_run="manual__1", task="chunk_01.train", try_number=1)
     with caplog.at_level("INFO"):
-        assert send_once(_context("manual__1"), spec, "r", alert, "manual__1|chunk_01.train|chunk_failed")
+        assert send_once(_context("manual__1"), Run.of(spec, "r"), alert, "manual__1|chunk_01.train|chunk_failed")
     assert wait_for(lambda: len(receivers["mail"].messages) == 1 and http.at("/secret-alerts"))
     payload = json.dumps(http.at("/secret-alerts")[0])
     mail = MailSink.html(receivers["mail"].messages[0]) + str(receivers["mail"].messages[0])

@@ -5,6 +5,7 @@ import os
 
 from relay.runs import layout
 from relay.runs.record import read_record
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli, train
 
@@ -109,10 +110,10 @@ def test_a_new_host_restores_its_own_run_from_s3_by_its_incarnation(baseline, tm
     incarnation = read_record(local)["incarnation"]
     fresh = tmp_path / "host-b" / "newhost"
     spec = load_spec(spec_path).model_copy(update={"checkpoint_dir": str(fresh.parent)})
-    other = ChunkSession(ChunkRequest(spec=spec, run_name="newhost", to_step=7, incarnation="20991231T000000Z-0000"))
+    other = ChunkSession(ChunkRequest(run=Run.of(spec, "newhost", "20991231T000000Z-0000"), to_step=7))
     assert other.resume_step == 0 and not (fresh / "global_step_6").exists(), "another life's checkpoints: never"
     shutil.rmtree(fresh)
-    own = ChunkSession(ChunkRequest(spec=spec, run_name="newhost", to_step=7, incarnation=incarnation))
+    own = ChunkSession(ChunkRequest(run=Run.of(spec, "newhost", incarnation), to_step=7))
     assert own.resume_step == 6 and own.resume.restored_from == f"{uri}/newhost/global_step_6/"
     assert read_record(fresh)["incarnation"] == incarnation, "the published record came along"
 

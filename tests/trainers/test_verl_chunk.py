@@ -21,6 +21,7 @@ import pytest
 
 from relay.common.errors import CheckpointError, SpecError
 from relay.runs import layout
+from relay.runs.run import Run
 from relay.runs.spec import spec_from_dict
 from relay.trainers.contract import ChunkRequest
 
@@ -168,7 +169,7 @@ def gpu_stand_ins(monkeypatch):
 def run_chunks(spec, run: str, ends: list[int]) -> list:
     from relay.trainers.verl_ppo.trainer import train_chunk
 
-    return [train_chunk(ChunkRequest(spec=spec, run_name=run, to_step=end, chunk=i + 1, attempt=f"{run}-c{i + 1}"))
+    return [train_chunk(ChunkRequest(run=Run.of(spec, run), to_step=end, chunk=i + 1, attempt=f"{run}-c{i + 1}"))
             for i, end in enumerate(ends)]
 
 
@@ -176,7 +177,7 @@ def verl_lrs(spec, horizon: int, steps: int) -> list[float]:
     """LR at each step from verl's own scheduler builder with this spec's optimizer settings."""
     from relay.trainers.verl_ppo import overrides
 
-    cfg = overrides.compose(overrides.chunk_overrides(spec, "x", first_step_of_run=True, data={
+    cfg = overrides.compose(overrides.chunk_overrides(Run.of(spec, "x"), first_step_of_run=True, data={
         "train": list(spec.data.train_files), "val": list(spec.data.val_files)}))
     cfg.actor_rollout_ref.actor.optim.total_training_steps = horizon
     wg = FakeWorkerGroup(cfg.actor_rollout_ref.actor.optim, {"lr": {}, "saved": []})
@@ -232,7 +233,7 @@ def test_a_killed_chunk_resumes_from_the_latest_checkpoint_and_matches(tmp_path,
     run_chunks(spec, "r", [10, 15])  # "chunk 2" died: its attempt got to 15 (saved), never to 20
     from relay.trainers.verl_ppo.trainer import train_chunk
 
-    r = train_chunk(ChunkRequest(spec=spec, run_name="r", to_step=20, chunk=2, attempt="r-c2-t2"))
+    r = train_chunk(ChunkRequest(run=Run.of(spec, "r"), to_step=20, chunk=2, attempt="r-c2-t2"))
     assert r.resumed_from == 15 and layout.read_tracker(spec.run_dir("r")) == 20
     assert log["saved"] == [5, 10, 15, 20]
     assert [log["lr"][s] for s in range(1, 21)] == verl_lrs(spec, TOTAL, 20)
@@ -383,17 +384,17 @@ def test_supervised_mode_one_job_saves_every_chunk_and_the_chunk_tasks_validate_
     assert view.resume_critical() == spec.resume_critical()  # the guard sees the same run
     from relay.trainers.verl_ppo.trainer import train_chunk
 
-    r = train_chunk(ChunkRequest(spec=view, run_name="s", to_step=TOTAL, chunk=1, attempt="s-c01-t1"))
+    r = train_chunk(ChunkRequest(run=Run.of(view, "s"), to_step=TOTAL, chunk=1, attempt="s-c01-t1"))
     assert r.resumed_from == 0 and r.end_step == TOTAL
     assert log["saved"] == [10, 20, 30] and log["horizon"] == [TOTAL] and log["validated"] == [0, 30]
     assert [log["lr"][s] for s in range(1, 31)] == verl_lrs(spec, TOTAL, TOTAL)
     op = SupervisedValidateOperator(task_id="validate", spec_path="unused", chunk_index=1, train_task=None)
     chunk1 = ChunkPlan.from_spec(spec).chunk(1)
     context = {"ti": types.SimpleNamespace(task_id="chunk_01.validate"), "dag_run": types.SimpleNamespace(run_id="r")}
-    admitted = op._validate(context, spec, "s", chunk1)  # tracker at 30, step 10 checked on its own
+    admitted = op._validate(context, Run.of(spec, "s"), chunk1)  # tracker at 30, step 10 checked on its own
     assert admitted["ok"] and admitted["step"] == 10
     # The chunked gate would have refused it: it asks the tracker to name the chunk's end.
-    strict = admit(spec, "s", 20, expected_step=20)
+    strict = admit(Run.of(spec, "s"), 20, expected_step=20)
     assert not strict.ok and "the tracker names step 30" in strict.report.failed.detail
 
 
@@ -406,7 +407,7 @@ def test_a_failed_supervised_job_is_resubmitted_and_resumes(tmp_path, gpu_stand_
     view = whole_run_view(spec)
     # The first try died after step 20's checkpoint (as if its job was stopped there).
     partial = view.model_copy(update={"total_steps": TOTAL})
-    train_chunk(ChunkRequest(spec=partial, run_name="s", to_step=20, chunk=1, attempt="s-c01-t1"))
-    r = train_chunk(ChunkRequest(spec=view, run_name="s", to_step=TOTAL, chunk=1, attempt="s-c01-t2"))
+    train_chunk(ChunkRequest(run=Run.of(partial, "s"), to_step=20, chunk=1, attempt="s-c01-t1"))
+    r = train_chunk(ChunkRequest(run=Run.of(view, "s"), to_step=TOTAL, chunk=1, attempt="s-c01-t2"))
     assert r.resumed_from == 20 and log["saved"] == [10, 20, 30]
     assert [log["lr"][s] for s in range(1, 31)] == verl_lrs(spec, TOTAL, TOTAL)

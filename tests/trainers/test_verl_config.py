@@ -9,6 +9,7 @@ import json
 import pytest
 
 from relay.common.errors import SpecError
+from relay.runs.run import Run
 from relay.runs.spec import spec_from_dict
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 
@@ -31,7 +32,7 @@ FROZEN = {"train": ["/ckpt/r/data/aaa.parquet"], "val": ["/ckpt/r/data/bbb.parqu
 def overrides_for(spec, first=True, **kw):
     from relay.trainers.verl_ppo import overrides
 
-    return overrides.chunk_overrides(spec, "r", first_step_of_run=first, data=FROZEN, **kw)
+    return overrides.chunk_overrides(Run.of(spec, "r"), first_step_of_run=first, data=FROZEN, **kw)
 
 
 def as_dict(lines):
@@ -110,7 +111,7 @@ def test_values_survive_hydra_quoting(tmp_path):
     from relay.trainers.verl_ppo import overrides
 
     odd = {"train": ["/data/with space/it's.parquet", "/data/b=c,d.parquet"], "val": ["/v/x.parquet"]}
-    cfg = overrides.compose(overrides.chunk_overrides(spec_of(tmp_path), "r", first_step_of_run=True, data=odd))
+    cfg = overrides.compose(overrides.chunk_overrides(Run.of(spec_of(tmp_path), "r"), first_step_of_run=True, data=odd))
     assert list(cfg.data.train_files) == odd["train"]
 
 
@@ -162,17 +163,17 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
 
     spec = spec_of(tmp_path)
     prepare_run(spec, "r")
-    req = ChunkRequest(spec=spec, run_name="r", to_step=20, chunk=2, attempt="relay-gsm8k-r-abc-c02-t1")
+    req = ChunkRequest(run=Run.of(spec, "r"), to_step=20, chunk=2, attempt="relay-gsm8k-r-abc-c02-t1")
     assert ray_jobs.entrypoint(req) == "python -m relay.trainers.job"
     env = ray_jobs.runtime_env(req)
-    wandb_id = tracking.wandb_run_id(spec, "r", spec.run_dir("r"))
+    wandb_id = tracking.wandb_run_id(Run.of(spec, "r"))
     assert env == {"py_modules": [str(project.package_dir())], "excludes": ray_jobs.NOT_SHIPPED, "env_vars": {
         "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
         "WANDB_RUN_ID": wandb_id, "WANDB_RESUME": "allow",
         ENV_VAR: req.to_json(), "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4",
         "PYTHONUNBUFFERED": "1"}}
     # The same id for every chunk of the run (it is derived from the run, not the chunk or the try)...
-    req3 = ChunkRequest(spec=spec, run_name="r", to_step=30, chunk=3, attempt="relay-gsm8k-r-abc-c03-t2")
+    req3 = ChunkRequest(run=Run.of(spec, "r"), to_step=30, chunk=3, attempt="relay-gsm8k-r-abc-c03-t2")
     assert ray_jobs.runtime_env(req3)["env_vars"]["WANDB_RUN_ID"] == wandb_id
     # ...and a new one after a fresh start (a new run record).
     import shutil
@@ -180,7 +181,7 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
     shutil.rmtree(spec.run_dir("r"))
     monkeypatch.setattr("time.strftime", lambda *a: "2099-01-01T00:00:00Z")
     prepare_run(spec, "r")
-    assert tracking.wandb_run_id(spec, "r", spec.run_dir("r")) != wandb_id
+    assert tracking.wandb_run_id(Run.of(spec, "r")) != wandb_id
     # MLflow: the run that chunk 1 started is resumed by every later chunk.
     from relay.runs import layout
 
@@ -232,6 +233,6 @@ def test_the_shipped_gsm8k_example_composes_and_passes_verls_validation():
     s = spec.settings
     assert (s.rollout_n, s.fsdp_version, s.rollout_name, s.n_gpus_per_node, s.adv_estimator) == (5, 2, "vllm", 8, "grpo")
     assert s.steps_available(7473) >= spec.total_steps  # GSM8K's train split, as verl counts
-    cfg = overrides.compose(overrides.chunk_overrides(spec, "gsm8k_grpo", first_step_of_run=True, data=FROZEN))
+    cfg = overrides.compose(overrides.chunk_overrides(Run.of(spec, "gsm8k_grpo"), first_step_of_run=True, data=FROZEN))
     overrides.check_config(cfg)
     assert cfg.actor_rollout_ref.actor.strategy == "fsdp2" and cfg.actor_rollout_ref.model.use_remove_padding

@@ -29,6 +29,7 @@ from relay.airflow.links import RELAY_APP_PREFIX
 from relay.common.errors import RelayError
 from relay.preflight.prepare import resolve_run_name
 from relay.report import run_report as report
+from relay.runs.run import Run
 from relay.runs.spec import dated_run_name, spec_for_dag
 
 log = logging.getLogger(__name__)
@@ -158,14 +159,13 @@ def _pages() -> FastAPI:
     @app.get("/dags/{dag_id}/runs/{run}/report", response_class=HTMLResponse, dependencies=can_read_runs)
     def run_report(dag_id: str, run: str) -> HTMLResponse:
         """The run report, built now from the run's folder (or S3 where this server cannot see it)."""
-
         spec = spec_for_dag(dag_id)
         if spec is None:
             raise HTTPException(404, f"{dag_id} is not a DAG of a Relay run spec in include/runs")
         try:
             from relay.airflow.hooks import checkpoint_store
 
-            return HTMLResponse(report.current_html(spec, run, checkpoint_store(spec)))
+            return HTMLResponse(report.current_html(Run.of(spec, run), checkpoint_store(spec)))
         except RelayError as e:
             raise HTTPException(404, f"{e.what}. {e.fix}") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from airflow.sdk import Asset, AssetAlias
 
+from relay.runs.run import Run
 from relay.runs.spec import RunSpec
 
 
@@ -14,9 +15,9 @@ def checkpoint_alias(spec: RunSpec) -> AssetAlias:
     return AssetAlias(name=f"relay_{spec.name}_checkpoints")
 
 
-def run_checkpoints(spec: RunSpec, run: str) -> Asset:
+def run_checkpoints(run: Run) -> Asset:
     """One training run's published checkpoints: its S3 prefix, named by it (its URI is the truth;
     Airflow keeps URIs without a trailing slash)."""
-    assert spec.s3 is not None  # only specs that publish (have s3) have publish tasks
-    uri = f"{spec.s3.uri.rstrip('/')}/{run}"
+    assert run.spec.s3 is not None  # only specs that publish (have s3) have publish tasks
+    uri = f"{run.spec.s3.uri.rstrip('/')}/{run.name}"
     return Asset(name=uri, uri=uri, group="relay")

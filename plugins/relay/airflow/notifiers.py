@@ -31,6 +31,7 @@ from relay.alerts import Alert, AlertLedger, kind_of
 from relay.checkpoints.validate import latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 
 log = logging.getLogger(__name__)
@@ -128,21 +129,23 @@ def _not_configured(error: Exception) -> bool:
 
 
 # ------------------------------------------------------------------------------------- building alerts
-def run_of(context, spec) -> str:
-    """The training run of this DAG run: preflight.run's XCom, else the run Param, else the spec's name."""
+def run_of(context, spec) -> Run:
+    """The training run of this DAG run: preflight.run's XCom, else the run Param, else the spec's run. (A
+    run name that is not one never gets here: the trigger's params schema refuses it.)"""
     try:
-        pushed = context["ti"].xcom_pull(task_ids=RUN_TASK)
+        pushed = context["ti"].xcom_pull(task_ids=RUN_TASK) or {}
     except Exception:  # noqa: BLE001 - no XCom before preflight.run succeeded
-        pushed = None
-    return (pushed or {}).get("run_name") or (context.get("params") or {}).get("run") or spec.name
+        pushed = {}
+    asked = str((context.get("params") or {}).get("run") or "").strip()
+    return Run.of(spec, pushed.get("run_name") or asked or None, pushed.get("incarnation"))
 
 
-def last_valid(spec, run: str) -> tuple[int | None, str | None]:
+def last_valid(run: Run) -> tuple[int | None, str | None]:
     """The run's newest valid checkpoint and, when S3 holds it, its URI. Best effort: an alert about an
     unreachable S3 must still go out."""
-
+    spec = run.spec
     try:
-        step = latest_valid_step(spec.run_dir(run))
+        step = latest_valid_step(run.dir)
     except Exception as e:  # noqa: BLE001
         log.warning("alert: cannot read run %s's latest checkpoint: %s", run, e)
         return None, None
@@ -150,27 +153,27 @@ def last_valid(spec, run: str) -> tuple[int | None, str | None]:
         return step, None
     try:
         store = checkpoint_store(spec, probe=True)
-        return step, store.step_uri(run, step) if store.manifest(run, step) else None
+        return step, store.step_uri(run.name, step) if store.manifest(run.name, step) else None
     except Exception as e:  # noqa: BLE001
         log.warning("alert: cannot ask S3 whether step %s is published: %s", step, e)
         return step, None
 
 
-def alert_for(context, spec, run: str, kind: str, what: str, **fields) -> Alert:
+def alert_for(context, run: Run, kind: str, what: str, **fields) -> Alert:
     ti = context["ti"]
-    step, uri = last_valid(spec, run)
-    return Alert(kind=kind, run=run, what=what, spec=spec.name, dag_id=ti.dag_id,
+    step, uri = last_valid(run)
+    return Alert(kind=kind, run=run.name, what=what, spec=run.spec.name, dag_id=ti.dag_id,
                  dag_run=context["dag_run"].run_id, task=ti.task_id, try_number=ti.try_number,
                  log_url=getattr(ti, "log_url", ""), last_valid_step=step, last_valid_uri=uri, **fields)
 
 
-def send_once(context, spec, run: str, alert: Alert, key: str) -> bool:
+def send_once(context, run: Run, alert: Alert, key: str) -> bool:
     """Deliver `alert` unless the event `key` was alerted before; what is delivered is also in the task log."""
     alert = alert.redacted()  # secrets (masked connections, expanded ray.env_vars) never leave as text
     ledger, fresh = None, True
     try:
-        if spec.run_dir(run).is_dir():  # a run refused before it had a folder gets none from its alert
-            ledger = AlertLedger(spec.run_dir(run))
+        if run.dir.is_dir():  # a run refused before it had a folder gets none from its alert
+            ledger = AlertLedger(run.dir)
             fresh = ledger.claim(key, alert)
     except Exception as e:  # noqa: BLE001 - an unreadable ledger: alert anyway
         log.warning("alert ledger of run %s unavailable (%s): sending without de-duplication", run, e)
@@ -178,7 +181,7 @@ def send_once(context, spec, run: str, alert: Alert, key: str) -> bool:
         log.info("alert %s already sent for this event (%s); not sent again", alert.kind, key)
         return False
     log.warning("ALERT\n%s", alert.text())
-    results = deliver(alert, Channels.of(spec, context.get("params")))
+    results = deliver(alert, Channels.of(run.spec, context.get("params")))
     if ledger is not None:
         ledger.delivered(key, results)
     return True
@@ -196,39 +199,39 @@ def event_key(context, spec, kind: str, scope: str = "") -> str:
     return f"{key}|try{ti.try_number}" if spec.alerts.on_retry else key
 
 
-def notify(context, spec, run: str, kind: str, what: str, *, scope: str = "", **fields) -> Alert:
+def notify(context, run: Run, kind: str, what: str, *, scope: str = "", **fields) -> Alert:
     """An explicit alert from inside a task."""
-    alert = alert_for(context, spec, run, kind, what, **fields)
-    send_once(context, spec, run, alert, event_key(context, spec, kind, scope))
+    alert = alert_for(context, run, kind, what, **fields)
+    send_once(context, run, alert, event_key(context, run.spec, kind, scope))
     return alert
 
 
-def notify_error(context, spec, run: str, error: RelayError, *, default_kind: str = "task_failed",
+def notify_error(context, run: Run, error: RelayError, *, default_kind: str = "task_failed",
                  action: str = "", **fields) -> Alert:
     """Alert on a Relay error: its first line is what failed, the rest the details, its fix what to do."""
     first, _, rest = error.what.partition("\n")
     todo = f"What to do: {error.fix}" if error.fix else ""
-    return notify(context, spec, run, kind_of(error, default_kind), first, details=rest.strip(),
+    return notify(context, run, kind_of(error, default_kind), first, details=rest.strip(),
                   action=" ".join(x for x in (action, todo) if x), **fields)
 
 
-def notify_use_frozen(context, spec, run: str, change: str) -> None:
+def notify_use_frozen(context, run: Run, change: str) -> None:
     """A source changed under a use_frozen run: once per distinct change, not once per chunk."""
     digest = hashlib.sha256(change.encode()).hexdigest()[:16]
-    alert = alert_for(context, spec, run, "use_frozen", change.partition("\n")[0], details=change,
+    alert = alert_for(context, run, "use_frozen", change.partition("\n")[0], details=change,
                       action="training continues on the frozen copy (data.on_source_change: use_frozen)")
-    send_once(context, spec, run, alert, f"use_frozen|{digest}")
+    send_once(context, run, alert, f"use_frozen|{digest}")
 
 
-def notify_recovery(context, spec, run: str, what: str, *, whole_run: bool = False, **fields) -> None:
+def notify_recovery(context, run: Run, what: str, *, whole_run: bool = False, **fields) -> None:
     """The work that failed has succeeded: one message that closes its open failure alerts. A task closes
     the failures of its own task (a chunk that is done closes that chunk's failures, not another's that
     has not run again yet); the run's `finish` (whole_run) closes every one left."""
-    if not spec.alerts.recovery:
+    if not run.spec.alerts.recovery:
         return
     task = context["ti"].task_id
     try:
-        ledger = AlertLedger(spec.run_dir(run))
+        ledger = AlertLedger(run.dir)
         open_failures = [e for e in ledger.open_failures() if whole_run or e.get("task") == task]
     except Exception as e:  # noqa: BLE001
         log.warning("alert ledger of run %s unavailable: %s", run, e)
@@ -239,9 +242,9 @@ def notify_recovery(context, spec, run: str, what: str, *, whole_run: bool = Fal
     resolves = [f"{e['kind']}" + (f" at step {e['step']}" if e.get("step") is not None else "") + f" ({e['at']})"
                 for e in open_failures]
     ti = context["ti"]
-    alert = alert_for(context, spec, run, "recovered", what, resolves=resolves,
+    alert = alert_for(context, run, "recovered", what, resolves=resolves,
                       action="nothing to do; the run goes on", **fields)
-    send_once(context, spec, run, alert, f"recovered|{context['dag_run'].run_id}|{ti.task_id}|{ti.try_number}")
+    send_once(context, run, alert, f"recovered|{context['dag_run'].run_id}|{ti.task_id}|{ti.try_number}")
 
 
 # ------------------------------------------------------------------------------------- the notifier
@@ -263,7 +266,7 @@ class RelayAlertNotifier(BaseNotifier):
         spec = load_spec(self.spec_path, check_environment=False)
         run = run_of(context, spec)
         try:
-            if AlertLedger(spec.run_dir(run)).alerted_in_try(context["dag_run"].run_id, ti.task_id, ti.try_number):
+            if AlertLedger(run.dir).alerted_in_try(context["dag_run"].run_id, ti.task_id, ti.try_number):
                 return
         except Exception:  # noqa: BLE001 - no ledger: alert
             pass
@@ -271,7 +274,7 @@ class RelayAlertNotifier(BaseNotifier):
         text = str(error) if error is not None else "the task failed (no exception was passed to the callback)"
         first, _, rest = text.partition("\n")
         kind = "retry" if self.retry else kind_of(error, _failure_kind(ti.task_id))
-        alert = alert_for(context, spec, run, kind, first, details=rest.strip(), chunk=_chunk_of(ti.task_id))
+        alert = alert_for(context, run, kind, first, details=rest.strip(), chunk=_chunk_of(ti.task_id))
         resume = f"the run resumes from step {alert.last_valid_step or 0}"  # last_valid read once, S3 included
         if self.retry:
             alert.action = f"Airflow retries the task (try {ti.try_number + 1} of {ti.max_tries + 1}); {resume}"
@@ -279,7 +282,7 @@ class RelayAlertNotifier(BaseNotifier):
             alert.action = (f"Airflow gave up after try {ti.try_number}; this DAG run stops here, nothing is lost. "
                             f"Clear the task (or trigger with run={run}) and {resume}")
         scope = f"try{ti.try_number}" if self.retry else ""
-        send_once(context, spec, run, alert, event_key(context, spec, kind, scope))
+        send_once(context, run, alert, event_key(context, spec, kind, scope))
 
 
 def _failure_kind(task_id: str) -> str:

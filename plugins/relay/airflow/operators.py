@@ -28,7 +28,7 @@ from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
 from relay.airflow.task_ids import RUN_TASK
-from relay.airflow.tasks import publish_report, run_incarnation, run_spec
+from relay.airflow.tasks import publish_report, training_run
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.alerts import stall_limit_s
 from relay.checkpoints import gate, manifest
@@ -44,7 +44,8 @@ from relay.runs import layout
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events
-from relay.runs.plan import ChunkPlan
+from relay.runs.plan import Chunk, ChunkPlan
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from relay.s3.publication import publish_checkpoint
 from relay.trainers.contract import ChunkRequest
@@ -68,7 +69,7 @@ def event_status(event, what: str, *keys: str) -> str:
 
 class ChunkTaskOperator(BaseOperator):
     """What a chunk's train, validate and publish tasks share: the spec file, the chunk's index and the task
-    whose XCom names the training run; (spec, run, chunk) are rebuilt from them at each call."""
+    whose XCom names the training run; (run, chunk) are rebuilt from them at each call."""
 
     def __init__(self, *, spec_path: str, chunk_index: int, run_from_task: str = RUN_TASK, **kwargs):
         super().__init__(**kwargs)
@@ -76,12 +77,12 @@ class ChunkTaskOperator(BaseOperator):
         self.chunk_index = chunk_index
         self.run_from_task = run_from_task
 
-    def _spec_and_run(self, context) -> tuple[Any, str]:
-        return run_spec(self.spec_path, context, self.run_from_task)
+    def _run(self, context) -> Run:
+        return training_run(self.spec_path, context, self.run_from_task)
 
-    def _context(self, context):
-        spec, run = self._spec_and_run(context)
-        return spec, run, ChunkPlan.from_spec(spec).chunk(self.chunk_index)
+    def _context(self, context) -> tuple[Run, Chunk]:
+        run = self._run(context)
+        return run, ChunkPlan.from_spec(run.spec).chunk(self.chunk_index)
 
     if TYPE_CHECKING:
         # BaseOperator.defer, as the task SDK declares it (mypy takes airflow as Any): it raises TaskDeferred,
@@ -100,89 +101,86 @@ class RayChunkOperator(ChunkTaskOperator):
 
     # ---------------------------------------------------------------------------- helpers
 
-    def _done(self, context, spec, run: str, chunk, how: str) -> dict:
-        latest = latest_valid_step(spec.run_dir(run))
+    def _done(self, context, run: Run, chunk, how: str) -> dict:
+        latest = latest_valid_step(run.dir)
         if not chunk.done_by(latest):
             raise AirflowException(
                 f"{chunk} of run {run}: the job ended but the latest valid checkpoint is step {latest}, not "
                 f"{chunk.end_step}. The retry resumes from step {latest or 0}."
             )
         self.log.info("%s of run %s: done (%s); latest checkpoint step %s", chunk, run, how, latest)
-        notify_recovery(context, spec, run, f"{chunk} of run {run} is done: step {latest}", chunk=chunk.index,
+        notify_recovery(context, run, f"{chunk} of run {run} is done: step {latest}", chunk=chunk.index,
                         step=latest)
-        return {"run_name": run, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest,
+        return {"run_name": run.name, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest,
                 "how": how}
 
-    def _checks_before_chunk(self, context, spec, run: str, chunk) -> None:
+    def _checks_before_chunk(self, context, run: Run, chunk) -> None:
         """Settings drift and changed sources are caught before the chunk's job starts, every chunk."""
-
         try:
-            checked = before_chunk(spec, run, allow_drift=context["params"].get("allow_drift") or [],
+            checked = before_chunk(run, allow_drift=context["params"].get("allow_drift") or [],
                                    dag_run=context["dag_run"].run_id)
         except RelayError as e:
-            notify_error(context, spec, run, e, chunk=chunk.index,
+            notify_error(context, run, e, chunk=chunk.index,
                          action=f"{chunk} not started (no retries); the run's checkpoints are untouched.")
             raise AirflowFailException(f"{chunk} of run {run} not started: {e}") from None
         for change in checked["source_changes"]:
             self.log.warning("training continues on the frozen copy (data.on_source_change: use_frozen):\n%s", change)
-            notify_use_frozen(context, spec, run, change)
+            notify_use_frozen(context, run, change)
 
-    def _log_resume_preview(self, spec, run: str, chunk, latest: int | None) -> None:
+    def _log_resume_preview(self, run: Run, chunk, latest: int | None) -> None:
         """What the job will load, as `python -m relay checkpoint inspect` shows it (small files only)."""
-
         if not latest:
             self.log.info("%s of run %s starts at step 0: no checkpoint to resume from", chunk, run)
             return
         try:
-            self.log.info("%s of run %s %s", chunk, run, inspect_dir(spec.run_dir(run), latest, verify=False).one_line())
+            self.log.info("%s of run %s %s", chunk, run, inspect_dir(run.dir, latest, verify=False).one_line())
         except RelayError as e:  # the trainer validates again, quarantines and falls back
             self.log.warning("%s of run %s: no resume preview: %s", chunk, run, e.what)
 
     # ---------------------------------------------------------------------------- execute
     def execute(self, context) -> dict:
-        spec, run = self._spec_and_run(context)
-        chunk = ChunkPlan.from_spec(spec).chunk(self.chunk_index)
-        latest, problem = latest_step_or_problem(spec.run_dir(run))
+        run, chunk = self._context(context)
+        spec = run.spec
+        latest, problem = latest_step_or_problem(run.dir)
         if problem:
             self.log.warning("run %s: %s; the chunk's trainer quarantines it and falls back to the newest valid "
                              "checkpoint", run, problem)
         if chunk.done_by(latest):
-            return self._done(context, spec, run, chunk, f"already reached step {latest}; nothing to train")
+            return self._done(context, run, chunk, f"already reached step {latest}; nothing to train")
 
-        self._log_resume_preview(spec, run, chunk, latest)
-        self._checks_before_chunk(context, spec, run, chunk)
+        self._log_resume_preview(run, chunk, latest)
+        self._checks_before_chunk(context, run, chunk)
         ti = context["ti"]
         dag_run_id = context["dag_run"].run_id
-        sub_id = submission_id(spec.name, run, dag_run_id, chunk.index, ti.try_number)
+        sub_id = submission_id(spec.name, run.name, dag_run_id, chunk.index, ti.try_number)
         self._submission_id = sub_id
         hook = RayJobsHook(spec.ray.conn_id)
         existing = hook.jobs.get(sub_id)
         started = time.time()
-        if existing is None and (adopted := self._healthy_earlier_job(context, hook, spec, run, chunk)) is not None:
+        if existing is None and (adopted := self._healthy_earlier_job(context, hook, run, chunk)) is not None:
             job, why = adopted
             sub_id = self._submission_id = job.submission_id
             started = job.start_time or started
             self.log.info("%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
                           chunk, run, sub_id, why, ray_job_page(hook.dashboard_url, sub_id))
         elif existing is None:
-            stopped = hook.jobs.stop_run(spec.name, run, keep=sub_id)
+            stopped = hook.jobs.stop_run(spec.name, run.name, keep=sub_id)
             if stopped:
                 self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s",
                                  run, stopped)
             # The fencing token is taken here, at submission, and travels in the request: a stale job that
             # starts late (a PENDING one of an earlier try) finds a newer token and never writes.
-            token = Lease(spec.run_dir(run)).acquire(sub_id)
-            req = ChunkRequest(spec=spec, run_name=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id,
-                               incarnation=run_incarnation(context, self.run_from_task), lease_token=token)
+            token = Lease(run.dir).acquire(sub_id)
+            req = ChunkRequest(run=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id, lease_token=token)
             hook.jobs.submit(req, sub_id, job_metadata(req, dag_run_id, ti.try_number),
-                             self._drill_env(context, spec, run, chunk))
+                             self._drill_env(context, run, chunk))
             fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
             if (state_store := context.get("task_state_store")) is not None:
                 state_store.set(JOB_STATE_KEY, sub_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
             self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s (lease token %s): %s",
                           chunk, run, latest or 0, sub_id, token, ray_job_page(hook.dashboard_url, sub_id))
         elif existing.status == "SUCCEEDED":
-            return self._done(context, spec, run, chunk, f"job {sub_id} had already succeeded")
+            return self._done(context, run, chunk, f"job {sub_id} had already succeeded")
         elif existing.status in LIVE:
             self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one: %s", sub_id,
                           existing.status, ray_job_page(hook.dashboard_url, sub_id))
@@ -195,7 +193,7 @@ class RayChunkOperator(ChunkTaskOperator):
                                               "url": ray_job_page(hook.dashboard_url, sub_id)})
 
         deadline = started + spec.ray.chunk_timeout_minutes * 60
-        stall_after = stall_limit_s(spec, spec.run_dir(run))
+        stall_after = stall_limit_s(run)
         self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step and after the last) is a "
                       "stall: alerted, job stopped, retried", stall_after, spec.alerts.startup_minutes * 60)
         self.defer(
@@ -207,36 +205,34 @@ class RayChunkOperator(ChunkTaskOperator):
         )
 
     @staticmethod
-    def _drill_env(context, spec, run: str, chunk) -> dict[str, str]:
+    def _drill_env(context, run: Run, chunk) -> dict[str, str]:
         """A crash drill asked for in the DAG run's conf (`relay_fault`, the demo's provoked resume): armed in
         the chunk's job once per DAG run, so the retry that resumes is not killed again."""
-
         drill = (context["dag_run"].conf or {}).get("relay_fault")
         if not drill:
             return {}
         dag_run = hashlib.sha256(context["dag_run"].run_id.encode()).hexdigest()[:8]
-        return drill_env(drill, relay_dir(spec.run_dir(run), "drills", f"{dag_run}-c{chunk.index:02d}.fired"))
+        return drill_env(drill, relay_dir(run.dir, "drills", f"{dag_run}-c{chunk.index:02d}.fired"))
 
-    def _healthy_earlier_job(self, context, hook, spec, run: str, chunk):
+    def _healthy_earlier_job(self, context, hook, run: Run, chunk):
         """A live job of this chunk that an earlier try submitted and that still trains well: it holds the
         run's lease (a newer attempt fenced it out otherwise) and made a step within the stall limit (or is
         still within its start-up allowance). (job, why) or None. A try that failed for a reason of
         Airflow's own (a lost worker, a trigger timed out while the triggerer was down, a person clearing
         the task) adopts it instead of stopping it and training its steps again."""
-
-        run_dir = spec.run_dir(run)
+        spec, run_dir = run.spec, run.dir
         state_store = context.get("task_state_store")
         remembered = state_store.get(JOB_STATE_KEY) if state_store is not None else None
         # Airflow remembers the id once it was stored; a worker killed between the submission and that
         # write leaves it unstored, and the job's metadata (run, chunk) finds it all the same.
-        candidates = sorted(hook.jobs.live_jobs_of_run(spec.name, run),
+        candidates = sorted(hook.jobs.live_jobs_of_run(spec.name, run.name),
                             key=lambda j: (j.submission_id != remembered, -(j.start_time or 0)))
         lease = Lease(run_dir)
         ours = [j for j in candidates if j.metadata.get("relay_chunk") == str(chunk.index) and lease.holds(j.submission_id)]
         rows = MetricsLog(run_dir).rows() if ours else []
         for job in ours:
             steps = [r for r in rows if r.get("attempt") == job.submission_id]
-            limit = stall_limit_s(spec, run_dir)
+            limit = stall_limit_s(run)
             if steps:
                 idle = time.time() - float(steps[-1].get("time") or 0)
                 why = f"it holds the run's lease and made step {steps[-1]['step']} {idle:.0f}s ago"
@@ -253,16 +249,17 @@ class RayChunkOperator(ChunkTaskOperator):
         return None
 
     def execute_complete(self, context, event: dict) -> dict:
-        spec, run, chunk = self._context(context)
+        run, chunk = self._context(context)
+        spec = run.spec
         status = event_status(event, f"{chunk} of run {run}", "submission_id")
-        self._alert_fallback(context, spec, run, chunk, event["submission_id"])
+        self._alert_fallback(context, run, chunk, event["submission_id"])
         if status == "STALLED":
             ti = context["ti"]
-            latest = latest_valid_step(spec.run_dir(run))
+            latest = latest_valid_step(run.dir)
             then = (f"Airflow's retry (try {ti.try_number + 1} of {ti.max_tries + 1}) resumes from step {latest or 0}"
                     if ti.try_number <= ti.max_tries else "no retries left: this DAG run stops; clear the task to "
                                                           f"resume from step {latest or 0}")
-            notify(context, spec, run, "stall", f"{chunk}: {event.get('message', '')}", chunk=chunk.index,
+            notify(context, run, "stall", f"{chunk}: {event.get('message', '')}", chunk=chunk.index,
                    step=event.get("step"), details=job_log_tail(spec, event),
                    action=f"stopped Ray job {event['submission_id']}; {then}")
         if status != "SUCCEEDED":
@@ -270,12 +267,11 @@ class RayChunkOperator(ChunkTaskOperator):
                 f"{chunk} of run {run}: Ray job {event['submission_id']} ended {status}: "
                 f"{event.get('message', '')}\n--- last lines of the job's log ---\n{job_log_tail(spec, event)}"
             )
-        return self._done(context, spec, run, chunk, f"job {event['submission_id']} succeeded")
+        return self._done(context, run, chunk, f"job {event['submission_id']} succeeded")
 
-    def _alert_fallback(self, context, spec, run: str, chunk, attempt: str) -> None:
+    def _alert_fallback(self, context, run: Run, chunk, attempt: str) -> None:
         """The job's trainer quarantined checkpoints and resumed from an older one: people should know."""
-
-        for e in read_events(spec.run_dir(run)):
+        for e in read_events(run.dir):
             if e["event"] != "chunk_start" or e.get("attempt") != attempt:
                 continue
             step, bad = e["resumed_from"], e.get("quarantined")
@@ -289,8 +285,8 @@ class RayChunkOperator(ChunkTaskOperator):
                 action = f"set the tracker aside and resumed from the newest valid checkpoint, step {step}"
             else:
                 continue
-            notify(context, spec, run, "fallback", f"{chunk}: {what} at resume; resumed from step {step}",
-                   chunk=chunk.index, step=step, quarantined_to=str(relay_dir(spec.run_dir(run), QUARANTINE)),
+            notify(context, run, "fallback", f"{chunk}: {what} at resume; resumed from step {step}",
+                   chunk=chunk.index, step=step, quarantined_to=str(relay_dir(run.dir, QUARANTINE)),
                    action=action, scope=attempt)
 
     def on_kill(self) -> None:
@@ -322,50 +318,52 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
         self.train_task = train_task
 
     def execute(self, context) -> dict:
-        spec, run, chunk = self._context(context)
+        run, chunk = self._context(context)
+        spec = run.spec
         trained = (context["ti"].xcom_pull(task_ids=self.train_task) or {}) if self.train_task else {}
-        here = step_dir(spec.run_dir(run), chunk.end_step)
+        here = step_dir(run.dir, chunk.end_step)
         if trained.get("how", "").startswith("already reached") and (not here.is_dir() or manifest.read(here)):
             # Admitted by an earlier gate (and perhaps pruned by retention since). A checkpoint that
             # reached its end step without one (its job was stopped after the commit) is validated now.
             self.log.info("%s of run %s was done and admitted before this try", chunk, run)
             return {"ok": True, "step": chunk.end_step, "already": True}
-        if checkpoint_reached(spec.run_dir(run), chunk.end_step):
-            return self._validate(context, spec, run, chunk)
-        self.defer(trigger=CheckpointTrigger(str(spec.run_dir(run)), chunk.end_step,
+        if checkpoint_reached(run.dir, chunk.end_step):
+            return self._validate(context, run, chunk)
+        self.defer(trigger=CheckpointTrigger(str(run.dir), chunk.end_step,
                                              deadline=time.time() + spec.ray.chunk_timeout_minutes * 60),
                    method_name="execute_complete")
 
     def execute_complete(self, context, event: dict) -> dict:
-        spec, run, chunk = self._context(context)
+        run, chunk = self._context(context)
         if event_status(event, f"{chunk} of run {run}") == "present":
-            return self._validate(context, spec, run, chunk)
+            return self._validate(context, run, chunk)
         raise AirflowException(f"{chunk} of run {run}: {event.get('message', '')}")
 
     def ray_validation_complete(self, context, event: dict) -> dict:
         """The Ray job that validated the checkpoint on the cluster has ended."""
-        spec, run, chunk = self._context(context)
+        run, chunk = self._context(context)
+        spec = run.spec
         status = event_status(event, f"{chunk} of run {run}", "submission_id")
         if status != "SUCCEEDED":
             raise AirflowException(f"{chunk} of run {run}: validation job {event['submission_id']} ended "
                                    f"{status}: {event.get('message', '')}\n{job_log_tail(spec, event)}")
-        return self._admitted(context, spec, run, chunk, self._ray_admission(spec, event))
+        return self._admitted(context, run, chunk, self._ray_admission(spec, event))
 
-    def _validate(self, context, spec, run: str, chunk) -> dict:
-        if spec.checkpoints.validate_on == "ray":
-            return self._validate_on_ray(context, spec, run, chunk)
+    def _validate(self, context, run: Run, chunk) -> dict:
+        if run.spec.checkpoints.validate_on == "ray":
+            return self._validate_on_ray(context, run, chunk)
+        return self._admitted(context, run, chunk,
+                              admit(run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict())
 
-        return self._admitted(context, spec, run, chunk,
-                              admit(spec, run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict())
-
-    def _validate_on_ray(self, context, spec, run: str, chunk) -> NoReturn:
+    def _validate_on_ray(self, context, run: Run, chunk) -> NoReturn:
+        spec = run.spec
         hook = RayJobsHook(spec.ray.conn_id)
         ti = context["ti"]
-        sub_id = submission_id(spec.name, run, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
+        sub_id = submission_id(spec.name, run.name, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
         if hook.jobs.get(sub_id) is None:
-            hook.jobs.submit_module(spec, "relay.checkpoints.gate", {gate.ENV_VAR: gate.request_json(
-                spec, run, chunk.end_step, self._expected_step(chunk))},
-                                    sub_id, {"relay_spec": spec.name, "relay_run": run, "relay_role": "validate"})
+            request = gate.request_json(run, chunk.end_step, self._expected_step(chunk))
+            hook.jobs.submit_module(spec, "relay.checkpoints.gate", {gate.ENV_VAR: request}, sub_id,
+                                    {"relay_spec": spec.name, "relay_run": run.name, "relay_role": "validate"})
         self.defer(trigger=RayJobTrigger(address=hook.address, submission_id=sub_id,
                                          deadline=time.time() + spec.ray.chunk_timeout_minutes * 60,
                                          poll_seconds=spec.ray.poll_seconds),
@@ -379,15 +377,15 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
                                    + "\n".join(logs.splitlines()[-LOG_TAIL_LINES:]))
         return admission
 
-    def _admitted(self, context, spec, run: str, chunk, admission: dict) -> dict:
+    def _admitted(self, context, run: Run, chunk, admission: dict) -> dict:
         report = "\n".join(f"  {'✔' if c['ok'] else '✘'} {c['name']}: {c['detail']}" for c in admission["checks"])
         if admission["ok"]:
             self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run, report)
-            notify_recovery(context, spec, run, f"{chunk} of run {run}: checkpoint step {chunk.end_step} is valid",
+            notify_recovery(context, run, f"{chunk} of run {run}: checkpoint step {chunk.end_step} is valid",
                             chunk=chunk.index, step=chunk.end_step)
             return admission
         failed = next(c for c in admission["checks"] if not c["ok"])
-        notify(context, spec, run, "checkpoint_invalid",
+        notify(context, run, "checkpoint_invalid",
                f"checkpoint step {chunk.end_step} failed the {failed['name']} check: {failed['detail']}",
                chunk=chunk.index, step=chunk.end_step, details=f"check report of step {chunk.end_step}:\n{report}",
                quarantined_to=admission["quarantined_to"],
@@ -409,47 +407,47 @@ class PublishCheckpointOperator(ChunkTaskOperator):
     operator_extra_links = (CheckpointLink(), RunReportLink())
 
     def execute(self, context) -> dict:
-        spec, run, chunk = self._context(context)
+        run, chunk = self._context(context)
+        spec = run.spec
         store = checkpoint_store(spec)
-        if self._already_published(spec, run, chunk.end_step, store):
-            self.log.info("%s of run %s: already published to %s", chunk, run, store.step_uri(run, chunk.end_step))
-            publish_report(spec, run, store, context)
-            return {"step": chunk.end_step, "uri": store.step_uri(run, chunk.end_step), "already": True}
-        if not layout.step_dir(spec.run_dir(run), chunk.end_step).is_dir():
+        if self._already_published(run, chunk.end_step, store):
+            uri = store.step_uri(run.name, chunk.end_step)
+            self.log.info("%s of run %s: already published to %s", chunk, run, uri)
+            publish_report(run, store, context)
+            return {"step": chunk.end_step, "uri": uri, "already": True}
+        if not layout.step_dir(run.dir, chunk.end_step).is_dir():
             # Trained past this chunk's end without saving there (with `relay train`, say): its
             # later chunk's checkpoint is the one to publish.
             self.log.warning("%s of run %s: no checkpoint at step %s and none published; nothing to publish",
                              chunk, run, chunk.end_step)
-            self._announce(context, spec, run, {"run": run, "step": chunk.end_step, "skipped": True})
-            publish_report(spec, run, store, context)
+            self._announce(context, run, {"run": run.name, "step": chunk.end_step, "skipped": True})
+            publish_report(run, store, context)
             return {"step": chunk.end_step, "skipped": True}
-        pub = publish_checkpoint(spec, run, chunk.end_step, store)
+        pub = publish_checkpoint(run, chunk.end_step, store)
         self.log.info("%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
                       chunk, run, pub.uri, pub.uploaded, pub.skipped, pub.bytes_uploaded, pub.seconds,
                       f"; Hugging Face model at {pub.hf_uri}" if pub.hf_uri else "")
         if pub.deleted_local or pub.published_retention.get("deleted"):
             self.log.info("retention: deleted local steps %s, published steps %s", pub.deleted_local,
                           pub.published_retention.get("deleted"))
-        self._announce(context, spec, run, {
-            "run": run, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
+        self._announce(context, run, {
+            "run": run.name, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
             "hf_model": pub.hf_uri, "spec": spec.name, "dag_run": context["dag_run"].run_id})
-        publish_report(spec, run, store, context)
-        notify_recovery(context, spec, run, f"{chunk} of run {run}: step {chunk.end_step} is published",
+        publish_report(run, store, context)
+        notify_recovery(context, run, f"{chunk} of run {run}: step {chunk.end_step} is published",
                         chunk=chunk.index, step=chunk.end_step)
         return pub.to_dict()
 
-    def _announce(self, context, spec, run: str, extra: dict) -> None:
+    def _announce(self, context, run: Run, extra: dict) -> None:
         """The asset event of this publication, on the run's own asset, through the spec's alias."""
-
         for alias in self.outlets:
-            context["outlet_events"][alias].add(run_checkpoints(spec, run), extra=extra)
+            context["outlet_events"][alias].add(run_checkpoints(run), extra=extra)
 
     @staticmethod
-    def _already_published(spec, run: str, step: int, store) -> bool:
+    def _already_published(run: Run, step: int, store) -> bool:
         """Published by an earlier DAG run: S3's manifest is the local one (or the local copy was pruned)."""
-
-        published = store.manifest(run, step)
+        published = store.manifest(run.name, step)
         if published is None:
             return False
-        local = manifest.read(layout.step_dir(spec.run_dir(run), step))
+        local = manifest.read(layout.step_dir(run.dir, step))
         return local is None or local.files == published.files

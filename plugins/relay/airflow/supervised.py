@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from relay.airflow.operators import RayChunkOperator, ValidateCheckpointOperator
 from relay.runs.plan import ChunkPlan
+from relay.runs.run import Run
 from relay.trainers.verl_ppo import overrides
 
 SUPERVISE_TASK = "supervise"
@@ -55,9 +56,9 @@ class SupervisedRunOperator(RayChunkOperator):
         kwargs.setdefault("chunk_index", 1)
         super().__init__(**kwargs)
 
-    def _spec_and_run(self, context):
-        spec, run = super()._spec_and_run(context)
-        return whole_run_view(spec), run
+    def _run(self, context) -> Run:
+        run = super()._run(context)
+        return Run.of(whole_run_view(run.spec), run.name, run.incarnation)
 
 
 class SupervisedValidateOperator(ValidateCheckpointOperator):

@@ -16,31 +16,26 @@ from relay.airflow.task_ids import RUN_TASK
 from relay.checkpoints import safeload
 from relay.common.errors import RelayError
 from relay.preflight import doctor
-from relay.preflight.checks import check_settings, prepare_data
+from relay.preflight.checks import check_settings, prepare_data, publish_record
 from relay.preflight.prepare import prepare_run, run_state
 from relay.report import run_report as report
 from relay.runs import layout
 from relay.runs.metrics import read_events
 from relay.runs.plan import ChunkPlan
-from relay.runs.spec import dated, load_spec
+from relay.runs.run import Run
+from relay.runs.spec import check_spec_environment, dated, dated_run_name, load_spec
 
 log = logging.getLogger(__name__)
 
 
-def run_incarnation(context, run_from_task: str = RUN_TASK) -> str | None:
-    """The incarnation of this DAG run's training run, as preflight.run found or began it."""
-    return (context["ti"].xcom_pull(task_ids=run_from_task) or {}).get("incarnation")
-
-
-def run_spec(spec_path: str, context, run_from_task: str = RUN_TASK):
-    """(spec, run) of this DAG run, as preflight.run resolved them: the spec's data paths dated with
-    the DAG run's logical date, and the training run's name."""
-
+def training_run(spec_path: str, context, run_from_task: str = RUN_TASK) -> Run:
+    """This DAG run's training run, as preflight.run resolved it: the spec's data paths dated with the DAG
+    run's logical date, the run's name, and the incarnation it found or began."""
     spec = load_spec(spec_path, check_environment=False)
     resolved = context["ti"].xcom_pull(task_ids=run_from_task)
     if resolved.get("logical_date"):
         spec = dated(spec, datetime.fromisoformat(resolved["logical_date"]))
-    return spec, resolved["run_name"]
+    return Run.of(spec, resolved["run_name"], resolved.get("incarnation"))
 
 
 def logical_date(context):
@@ -56,42 +51,38 @@ def _who(context) -> str:
 
 def settings_guard(spec_path: str, **context) -> list[str]:
     """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded)."""
-
-    spec, run = run_spec(spec_path, context)
+    run = training_run(spec_path, context)
     try:
-        allowed = check_settings(spec, run, allow_drift=context["params"].get("allow_drift") or [],
+        allowed = check_settings(run, allow_drift=context["params"].get("allow_drift") or [],
                                  by=_who(context), dag_run=context["dag_run"].run_id)
     except RelayError as e:
-        notify_error(context, spec, run, e, action="no chunk started; the run's checkpoints are untouched.")
+        notify_error(context, run, e, action="no chunk started; the run's checkpoints are untouched.")
         raise AirflowFailException(str(e)) from None
     if allowed:
-        from relay.preflight.checks import publish_record
-
-        publish_record(spec, run, checkpoint_store(spec))
+        publish_record(run, checkpoint_store(run.spec))
         log.warning("run %s: drift allowed by allow_drift and recorded: %s", run, "; ".join(allowed))
     else:
         log.info("run %s: resume-critical settings match the run's recorded ones", run)
-    notify_recovery(context, spec, run, f"run {run}: its settings pass the guard again")
+    notify_recovery(context, run, f"run {run}: its settings pass the guard again")
     return allowed
 
 
 def data_freeze(spec_path: str, **context) -> dict:
     """First chunk: check the data's quality, freeze it, record the settings. Later: guard the sources."""
-
-    spec, run = run_spec(spec_path, context)
+    run = training_run(spec_path, context)
     try:
-        state = prepare_data(spec, run, store=checkpoint_store(spec), by=_who(context))
+        state = prepare_data(run, store=checkpoint_store(run.spec), by=_who(context))
     except RelayError as e:
-        notify_error(context, spec, run, e, action="no chunk started; nothing was frozen or changed.")
+        notify_error(context, run, e, action="no chunk started; nothing was frozen or changed.")
         raise AirflowFailException(str(e)) from None
     for summary in state.quality:
         log.info("%s", summary)
     for change in state.source_changes:
         log.warning("data.on_source_change is use_frozen: training continues on the frozen copy.\n%s", change)
-        notify_use_frozen(context, spec, run, change)
+        notify_use_frozen(context, run, change)
     log.info("run %s trains on frozen data: %s", run,
              ", ".join(f"{f['role']} {f['sha256'][:12]} ({f['rows']} rows, from {f['source']})" for f in state.frozen))
-    notify_recovery(context, spec, run, f"run {run}: its data passes its checks again")
+    notify_recovery(context, run, f"run {run}: its data passes its checks again")
     return {"froze_now": state.froze_now, "frozen": state.frozen, "source_changes": state.source_changes}
 
 
@@ -101,8 +92,6 @@ def preflight(spec_path: str, **context) -> dict:
     A RelayError fails the task without retries: retrying a bad spec or an unconfirmed fresh start
     cannot help, and no chunk starts.
     """
-    from relay.runs.spec import check_spec_environment, dated, dated_run_name
-
     params = context["params"]
     when = logical_date(context)
     try:
@@ -128,18 +117,18 @@ def preflight(spec_path: str, **context) -> dict:
              ", ".join(f"{name} {', '.join(channels.emails)}" if name.startswith("email") else name
                        for name, _ in channels.senders()) or "nobody (no alert channel configured)")
     log.info("chunk plan:\n%s", ChunkPlan.from_spec(spec).describe(state.latest_step))
-    _log_checklist(spec, state.run_name)
+    _log_checklist(state.run(spec))
     return {**state.to_dict(), "alert_emails": list(channels.emails), "logical_date": when.isoformat(),
             "data_files": list(spec.data.train_files)}
 
 
-def _log_checklist(spec, run: str) -> None:
+def _log_checklist(run: Run) -> None:
     """`python -m relay doctor`'s checklist, by the same code (cheap checkpoint level): what the next
     tasks enforce (settings, data), and what the chunks handle themselves (fallback, live jobs).
     Informational here: a check that cannot run is logged, never fails the task."""
-
+    spec = run.spec
     try:
-        findings = doctor.diagnose(spec, run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs,
+        findings = doctor.diagnose(run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs,
                                    deep=False)
     except Exception as e:  # a missing connection, say: the chunk's own submit says so, with what to do
         log.warning("resume checklist not run: %s", e)
@@ -150,28 +139,29 @@ def _log_checklist(spec, run: str) -> None:
 
 def finish(spec_path: str, **context) -> dict:
     """Report where the run's checkpoints and metrics are."""
-    spec, run = run_spec(spec_path, context)
-    state = run_state(spec, run)
-    resumes = [e for e in read_events(spec.run_dir(run)) if e["event"] == "chunk_start" and e["resumed_from"]]
+    run = training_run(spec_path, context)
+    spec = run.spec
+    state = run_state(run)
+    resumes = [e for e in read_events(run.dir) if e["event"] == "chunk_start" and e["resumed_from"]]
     log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
              run, state.latest_step, spec.total_steps, state.run_dir, state.run_dir, len(resumes))
-    notify_recovery(context, spec, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
+    notify_recovery(context, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
                     step=state.latest_step, whole_run=True)
-    publish_report(spec, run, checkpoint_store(spec), context)
+    publish_report(run, checkpoint_store(spec), context)
     return state.to_dict()
 
 
-def publish_report(spec, run: str, store, context) -> None:
+def publish_report(run: Run, store, context) -> None:
     """The run report (plots, chunk table, fingerprints) beside the run, and beside its checkpoints in S3
     with a store; the task log names its page in the UI. A report that cannot be made never fails the
     task that asked for it."""
 
     try:
-        out = report.publish(spec, run, store)
+        out = report.publish(run, store)
     except Exception as e:  # noqa: BLE001
         log.warning("run report of %s not written: %s", run, e)
         return
-    log.info("run report: %s (kept at %s)\n%s", report_page(context["dag_run"].dag_id, run),
+    log.info("run report: %s (kept at %s)\n%s", report_page(context["dag_run"].dag_id, run.name),
              out.get("html_uri", out["html"]), out["summary"])
 
 

@@ -9,18 +9,18 @@ fsync and the job's exit come after it): neither is a step-less stretch of train
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 from relay.common.progress import STEP_LINE
 from relay.runs.metrics import MetricsLog
+from relay.runs.run import Run
 
 
-def stall_limit_s(spec, run_dir: Path) -> float:
-    """Seconds without a new step after which a chunk is stalled."""
-    a = spec.alerts
+def stall_limit_s(run: Run) -> float:
+    """Seconds without a new step after which a chunk of the run is stalled."""
+    a = run.spec.alerts
     if a.stall_minutes:
         return a.stall_minutes * 60
-    seconds = [r["seconds"] for r in MetricsLog(run_dir).rows() if isinstance(r.get("seconds"), (int, float))]
+    seconds = [r["seconds"] for r in MetricsLog(run.dir).rows() if isinstance(r.get("seconds"), (int, float))]
     floor = a.stall_floor_minutes * 60
     return max(floor, a.stall_factor * statistics.median(seconds)) if seconds else floor
 

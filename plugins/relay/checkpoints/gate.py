@@ -16,6 +16,7 @@ from relay.checkpoints.validate import CheckReport, validate_checkpoint, write_m
 from relay.common.errors import CheckpointError
 from relay.runs import layout
 from relay.runs.kinds import KINDS
+from relay.runs.run import Run
 from relay.runs.spec import spec_from_json
 
 
@@ -52,9 +53,10 @@ def smoke_check(spec):
     return None if fn is None else (lambda step_dir: fn(spec, step_dir))
 
 
-def admit(spec, run: str, step: int, *, expected_step: int | None = None) -> Admission:
-    """Validate global_step_<step> of a spec's run (with the trainer's smoke check)."""
-    return admit_dir(spec.run_dir(run), step, expected_step=expected_step, smoke=smoke_check(spec), run=run,
+def admit(run: Run, step: int, *, expected_step: int | None = None) -> Admission:
+    """Validate global_step_<step> of a run (with the trainer's smoke check)."""
+    spec = run.spec
+    return admit_dir(run.dir, step, expected_step=expected_step, smoke=smoke_check(spec), run=run.name,
                      fingerprint=spec.settings_fingerprint(), expect_critic=spec.settings.has_critic)
 
 
@@ -84,8 +86,9 @@ ENV_VAR = "RELAY_GATE_REQUEST"
 MARKER = "RELAY_ADMISSION "
 
 
-def request_json(spec, run: str, step: int, expected_step: int | None) -> str:
-    return json.dumps({"spec": json.loads(spec.to_json()), "run": run, "step": step, "expected_step": expected_step})
+def request_json(run: Run, step: int, expected_step: int | None) -> str:
+    return json.dumps({"spec": json.loads(run.spec.to_json()), "run": run.name, "step": step,
+                       "expected_step": expected_step})
 
 
 def main() -> int:
@@ -93,7 +96,7 @@ def main() -> int:
 
     req = json.loads(os.environ[ENV_VAR])
     spec = spec_from_json(json.dumps(req["spec"]))
-    admission = admit(spec, req["run"], req["step"], expected_step=req["expected_step"])
+    admission = admit(Run.of(spec, req["run"]), req["step"], expected_step=req["expected_step"])
     print(admission.explain(), flush=True)
     print(MARKER + json.dumps(admission.to_dict()), flush=True)
     return 0

@@ -21,6 +21,7 @@ from relay.data.diff import DataDiff, diff
 from relay.data.fingerprint import DataError, fingerprint, sha256_file
 from relay.runs import layout
 from relay.runs.record import read_record, update_record
+from relay.runs.run import Run
 
 FROZEN_DIR = "data"
 
@@ -66,18 +67,18 @@ def frozen_files(run_dir: Path) -> list[FrozenFile] | None:
     return files
 
 
-def freeze(spec, run: str, store=None, quality: dict | None = None) -> list[FrozenFile]:
+def freeze(run: Run, store=None, quality: dict | None = None) -> list[FrozenFile]:
     """Fingerprint and copy every data file of the spec into the run (and S3); record it in the run record."""
-    run_dir = spec.run_dir(run)
+    run_dir = run.dir
     out = []
-    for role, files in (("train", spec.data.train_files), ("val", spec.data.val_files)):
+    for role, files in (("train", run.spec.data.train_files), ("val", run.spec.data.val_files)):
         for src in files:
             fp = fingerprint(src)
             rel = f"{FROZEN_DIR}/{fp.sha256}.parquet"
             dest = run_dir / rel
             if not dest.is_file() or sha256_file(dest)[0] != fp.sha256:
                 _copy_verified(Path(src), dest, fp.sha256)
-            uri = store.put_file(store.run_key(run, rel), dest) if store is not None else None
+            uri = store.put_file(store.run_key(run.name, rel), dest) if store is not None else None
             out.append(FrozenFile(role, str(src), fp.sha256, fp.size, fp.rows, fp.schema, rel, uri))
     update_record(run_dir, data={"frozen_at": utc_now(),
                                  "files": [f.to_dict() for f in out], "quality": quality or {}})
@@ -146,15 +147,15 @@ def source_changes(run_dir: Path, files: list[FrozenFile]) -> list[SourceChange]
     return out
 
 
-def check_sources(spec, run: str) -> list[SourceChange]:
+def check_sources(run: Run) -> list[SourceChange]:
     """Apply the spec's data.on_source_change to the run's sources; return the changes tolerated."""
-    files = frozen_files(spec.run_dir(run))
+    files = frozen_files(run.dir)
     if not files:
         return []
-    changes = source_changes(spec.run_dir(run), files)
-    if changes and spec.data.on_source_change == "fail":
+    changes = source_changes(run.dir, files)
+    if changes and run.spec.data.on_source_change == "fail":
         raise SourceDriftError(
-            "the training data changed under run " + run + ":\n" + "\n".join(c.summary() for c in changes),
+            "the training data changed under run " + run.name + ":\n" + "\n".join(c.summary() for c in changes),
             "restore the source files, or set data.on_source_change: use_frozen to continue on the frozen copy "
             "(a new dataset is a new run: trigger with another run name or fresh_start)",
             changes,

@@ -5,13 +5,15 @@ is. It exits non-zero when the run fails or no retry resumed chunk 2 from its st
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from relay.common.project import root
 from relay.devstack import stack
 from relay.devstack.airflow_api import AirflowAPI
+from relay.report import run_report as report
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
+from relay.runs.plan import ChunkPlan
+from relay.runs.run import Run
 from relay.runs.spec import load_spec
 
 DEMO_SPEC = "include/runs/demo.yaml"
@@ -23,8 +25,7 @@ def say(msg: str) -> None:
 
 def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: float = 1200) -> int:
     spec = load_spec(root() / DEMO_SPEC)
-    run_name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = spec.run_dir(run_name)
+    demo_run = Run.of(spec, f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     kill_at = spec.chunk_steps + spec.chunk_steps // 2  # the middle of chunk 2
     say("starting the local stack: S3 (SeaweedFS), Ray head, Airflow (api-server, scheduler, dag-processor, "
         "triggerer)")
@@ -34,7 +35,7 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
         say(f"Ray dashboard: {info['ray']}")
         api = AirflowAPI(info["airflow"], info["user"], info["password"])
         api.wait_for_dag(spec.dag_id)
-        conf: dict[str, Any] = {"run": run_name}
+        conf: dict[str, Any] = {"run": demo_run.name}
         if provoke_resume:
             # A crash drill: chunk 2's trainer SIGKILLs itself right after step kill_at, on its first attempt
             # only, before it saves (a graceful stop would save first); Airflow's retry resumes it.
@@ -42,12 +43,12 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
             say(f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): Airflow's "
                 f"retry resumes it from its latest checkpoint, step {spec.chunk_steps}")
         dag_run = api.trigger(spec.dag_id, conf)
-        say(f"triggered {spec.dag_id}, DAG run {dag_run['dag_run_id']}, training run {run_name}")
-        state = _follow(api, spec, dag_run["dag_run_id"], run_dir, timeout_s)
-        _summary(spec, run_dir, state)
+        say(f"triggered {spec.dag_id}, DAG run {dag_run['dag_run_id']}, training run {demo_run}")
+        state = _follow(api, demo_run, dag_run["dag_run_id"], timeout_s)
+        _summary(demo_run, state)
         if state != "success":
             return 1
-        if provoke_resume and not _resumed_chunk_2(spec, run_dir, kill_at):
+        if provoke_resume and not _resumed_chunk_2(demo_run, kill_at):
             return 1
         return 0
     finally:
@@ -58,7 +59,8 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
             stack.down(wait_s=180, say=say)
 
 
-def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, timeout_s: float) -> str:
+def _follow(api: AirflowAPI, run: Run, dag_run_id: str, timeout_s: float) -> str:
+    spec, run_dir = run.spec, run.dir
     shown = 0
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -75,9 +77,9 @@ def _follow(api: AirflowAPI, spec, dag_run_id: str, run_dir: Path, timeout_s: fl
     return "timed out"
 
 
-def _resumed_chunk_2(spec, run_dir: Path, kill_at: int) -> bool:
+def _resumed_chunk_2(run: Run, kill_at: int) -> bool:
     """Whether a retry of chunk 2 resumed from its start step; says what it cost."""
-
+    spec, run_dir = run.spec, run.dir
     starts = [e for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
     resumed = [e for e in starts[1:] if e.get("resumed_from") == spec.chunk_steps]
     if not resumed:
@@ -90,7 +92,8 @@ def _resumed_chunk_2(spec, run_dir: Path, kill_at: int) -> bool:
     return True
 
 
-def _summary(spec, run_dir: Path, state: str) -> None:
+def _summary(run: Run, state: str) -> None:
+    spec, run_dir = run.spec, run.dir
     rows = read_jsonl(run_dir / "metrics.jsonl")
     say(f"DAG run finished: {state}")
     if rows:
@@ -108,12 +111,9 @@ def _summary(spec, run_dir: Path, state: str) -> None:
     say(f"metrics:     {run_dir / 'metrics.jsonl'}  (one row per step)")
     say(f"events:      {run_dir / 'events.jsonl'}")
     if spec.s3:
-        say(f"S3:          {spec.s3.uri}/{run_dir.name}/latest.json on {stack.s3_endpoint()}  "
-            f"(`python -m relay checkpoint ls {spec.s3.uri} --run {run_dir.name}` with AWS_ENDPOINT_URL set)")
+        say(f"S3:          {spec.s3.uri}/{run}/latest.json on {stack.s3_endpoint()}  "
+            f"(`python -m relay checkpoint ls {spec.s3.uri} --run {run}` with AWS_ENDPOINT_URL set)")
     if rows:
-        from relay.report import run_report as report
-        from relay.runs.plan import ChunkPlan
-
         rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec))
         paths = report.write(rep, report.default_out(run_dir))
         for line in rep.summary().splitlines():

@@ -46,7 +46,7 @@ def submission_id(spec_name: str, run_name: str, dag_run_id: str, chunk: int, tr
 
 
 def job_metadata(req: ChunkRequest, dag_run_id: str, try_number: int) -> dict[str, str]:
-    return {"relay_spec": req.spec.name, "relay_run": req.run_name, "relay_chunk": str(req.chunk),
+    return {"relay_spec": req.spec.name, "relay_run": req.run.name, "relay_chunk": str(req.chunk),
             "relay_try": str(try_number), "relay_dag_run": dag_run_id}
 
 

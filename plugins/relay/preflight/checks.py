@@ -20,6 +20,7 @@ from relay.preflight import guard
 from relay.runs import layout
 from relay.runs.metrics import record_event
 from relay.runs.record import RECORD, read_record
+from relay.runs.run import Run
 
 
 @dataclass
@@ -30,11 +31,11 @@ class DataState:
     source_changes: list[str] = field(default_factory=list)  # tolerated (use_frozen) changes
 
 
-def check_settings(spec, run: str, *, allow_drift=(), by: str = "", dag_run: str = "") -> list[str]:
+def check_settings(run: Run, *, allow_drift=(), by: str = "", dag_run: str = "") -> list[str]:
     """Raise DriftError on unallowed drift; return the allowed changes (recorded). Blank entries (the
     trigger form's text box sends one per empty line) are ignored."""
     keys = [k.strip() for k in allow_drift or () if isinstance(k, str) and k.strip()]
-    return [str(c) for c in guard.check(spec, run, allow_drift=keys, by=by, dag_run=dag_run)]
+    return [str(c) for c in guard.check(run, allow_drift=keys, by=by, dag_run=dag_run)]
 
 
 def check_quality(spec, files: list[str]) -> list[quality.QualityReport]:
@@ -42,12 +43,12 @@ def check_quality(spec, files: list[str]) -> list[quality.QualityReport]:
     return [quality.check(f, min_rows=spec.settings.train_batch_size, extra=extra) for f in files]
 
 
-def prepare_data(spec, run: str, *, store=None, by: str = "") -> DataState:
+def prepare_data(run: Run, *, store=None, by: str = "") -> DataState:
     """Freeze the data at the run's first chunk (after its quality checks); later, guard the sources."""
-    run_dir = spec.run_dir(run)
+    spec, run_dir = run.spec, run.dir
     files = frozen.frozen_files(run_dir)
     if files is not None:
-        changes = frozen.check_sources(spec, run)  # raises under on_source_change: fail
+        changes = frozen.check_sources(run)  # raises under on_source_change: fail
         for c in changes:
             record_event(run_dir, "source_drift", policy=spec.data.on_source_change, detail=c.summary())
         return DataState([f.to_dict() for f in files], source_changes=[c.summary() for c in changes])
@@ -55,42 +56,41 @@ def prepare_data(spec, run: str, *, store=None, by: str = "") -> DataState:
     summaries = [r.summary() for r in reports]
     failed = [r for r in reports if not r.ok]
     for r in reports:
-        _keep_report(run_dir, r, store, run)
+        _keep_report(run, r, store)
     if failed:
         raise quality.DataQualityError("data quality checks failed; nothing was frozen and no chunk ran:\n"
                                        + "\n".join(r.summary() for r in failed),
                                        "fix the rows named above in the source files (or the expectations), then "
                                        "trigger again", failed)
-    files = frozen.freeze(spec, run, store, quality={r.file: r.ok for r in reports})
-    guard.record(spec, run, by=by)
-    publish_record(spec, run, store)
+    files = frozen.freeze(run, store, quality={r.file: r.ok for r in reports})
+    guard.record(run, by=by)
+    publish_record(run, store)
     record_event(run_dir, "freeze", files=[{"source": f.source, "sha256": f.sha256, "rows": f.rows} for f in files])
     return DataState([f.to_dict() for f in files], froze_now=True, quality=summaries)
 
 
-def publish_record(spec, run: str, store) -> None:
+def publish_record(run: Run, store) -> None:
     """Keep the run record (frozen data, settings snapshot, drift decisions) beside the run in S3."""
     if store is not None:
-        store.put_json(store.run_key(run, RECORD), read_record(spec.run_dir(run)))
+        store.put_json(store.run_key(run.name, RECORD), read_record(run.dir))
 
 
-def _keep_report(run_dir, report: quality.QualityReport, store, run: str) -> None:
+def _keep_report(run: Run, report: quality.QualityReport, store) -> None:
     """Keep a quality report with the run: in its folder, and in S3 beside the checkpoints."""
-
     name = f"quality-{sha256_file(report.file)[0][:16]}.json"
     text = redact(report.to_json())  # observed values are the data's own: a registered secret among them is not kept
-    layout.atomic_write(layout.relay_dir(run_dir, "data", name), text.encode())
+    layout.atomic_write(layout.relay_dir(run.dir, "data", name), text.encode())
     if store is not None:
-        store.put_json(store.run_key(run, "data", name), json.loads(text))
+        store.put_json(store.run_key(run.name, "data", name), json.loads(text))
 
 
-def before_chunk(spec, run: str, *, allow_drift=(), by: str = "", dag_run: str = "") -> dict:
+def before_chunk(run: Run, *, allow_drift=(), by: str = "", dag_run: str = "") -> dict:
     """What every chunk re-checks just before its job: settings drift and the data sources."""
-    allowed = check_settings(spec, run, allow_drift=allow_drift, by=by, dag_run=dag_run)
+    allowed = check_settings(run, allow_drift=allow_drift, by=by, dag_run=dag_run)
     try:
-        changes = frozen.check_sources(spec, run)  # nothing before the freeze
+        changes = frozen.check_sources(run)  # nothing before the freeze
     except frozen.SourceDriftError as e:
-        raise _with_quality(spec, e) from None
+        raise _with_quality(run.spec, e) from None
     return {"allowed_drift": allowed, "source_changes": [c.summary() for c in changes]}
 
 

@@ -13,6 +13,8 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import psutil
+
 from relay.checkpoints.resume import quarantined
 from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import RelayError
@@ -21,6 +23,7 @@ from relay.preflight import guard
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.record import read_record
+from relay.runs.run import Run
 
 # Snapshot keys (guard.snapshot) by what they mean; spec keys are under trainer.settings.
 ALGORITHM = {"adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "clip_ratio",
@@ -54,24 +57,23 @@ class Finding:
         return asdict(self)
 
 
-def _changes(spec, run: str, topic: str | None = None) -> list[guard.Change]:
+def _changes(run: Run, topic: str | None = None) -> list[guard.Change]:
     """The settings this chunk would run with, against the run's recorded snapshot (nothing written)."""
-    recorded = (read_record(spec.run_dir(run)).get("settings") or {}).get("values")
+    recorded = (read_record(run.dir).get("settings") or {}).get("values")
     if recorded is None:
         return []
-    changes = guard.compare(recorded, guard.snapshot(spec, spec.run_dir(run)))
+    changes = guard.compare(recorded, guard.snapshot(run.spec, run.dir))
     return [c for c in changes if topic is None or _topic(c.key) == topic]
 
 
-def checkpoint(spec, run: str, store=None, *, deep: bool = True) -> Finding:
+def checkpoint(run: Run, store=None, *, deep: bool = True) -> Finding:
     """The newest valid checkpoint, local and published, and what was quarantined after it."""
-
-    run_dir = spec.run_dir(run)
+    run_dir = run.dir
     name = "checkpoint"
     published = None
     if store is not None:
         try:
-            published = (store.latest(run) or {}).get("step")
+            published = (store.latest(run.name) or {}).get("step")
         except RelayError as e:
             return Finding(name, False, f"S3 unreachable: {e.what}", e.fix or "")
     in_s3 = f"; published latest: {published if published is not None else 'none'}" if store is not None else ""
@@ -109,23 +111,20 @@ def checkpoint(spec, run: str, store=None, *, deep: bool = True) -> Finding:
     return Finding(name, True, f"newest valid step {tracker} ({how}){in_s3}; nothing quarantined after it")
 
 
-def live(spec, run: str, jobs=None) -> Finding:
+def live(run: Run, jobs=None) -> Finding:
     """No live Ray job of the run, and no live trainer holding its lease on this host."""
-    import psutil
-
-
     name = "no live attempt"
     alive = []
     if jobs is not None:
         try:
-            alive = [f"Ray job {j.submission_id} ({j.status})" for j in jobs.live_jobs_of_run(spec.name, run)]
+            alive = [f"Ray job {j.submission_id} ({j.status})" for j in jobs.live_jobs_of_run(run.spec.name, run.name)]
         except RelayError as e:
             return Finding(name, False, e.what, "start the Ray head or give its dashboard address (--ray-address, "
                                                 "RAY_ADDRESS, or the DAG's Ray connection)")
         except Exception as e:  # any other failure to reach the Jobs API
             return Finding(name, False, f"cannot ask Ray at {jobs.address} for live jobs: {e}",
                            "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS)")
-    held = Lease(spec.run_dir(run)).current() if spec.run_dir(run).is_dir() else None
+    held = Lease(run.dir).current() if run.dir.is_dir() else None
     holder = ""
     if held:
         holder = f"lease token {held.get('token')} last taken by {held.get('holder')} (pid {held.get('pid')} on " \
@@ -147,20 +146,19 @@ def _is_trainer(psutil, pid) -> bool:
     return "relay" in cmd
 
 
-def model(spec, run: str) -> Finding:
-    changed = _changes(spec, run, "model")
+def model(run: Run) -> Finding:
+    changed = _changes(run, "model")
     if changed:
         return Finding("model", False, "; ".join(map(str, changed)),
                        "restore the model settings in the spec, or start a new run from this checkpoint's weights")
-    return Finding("model", True, "unchanged since the freeze" if _recorded(spec, run) else "nothing recorded yet")
+    return Finding("model", True, "unchanged since the freeze" if _recorded(run) else "nothing recorded yet")
 
 
-def parallelism(spec, run: str) -> Finding:
+def parallelism(run: Run) -> Finding:
     """The spec's world size and FSDP version against the latest checkpoint's shard names."""
-
-    s = spec.settings
+    s = run.spec.settings
     want = (getattr(s, "world_size", None), getattr(s, "fsdp_version", None))
-    run_dir = spec.run_dir(run)
+    run_dir = run.dir
     try:
         step = layout.read_tracker(run_dir)
     except RelayError:
@@ -179,22 +177,21 @@ def parallelism(spec, run: str) -> Finding:
     return Finding("parallelism", True, f"world size {have[0]}, FSDP{have[1]}, as step {step}'s shards")
 
 
-def algorithm(spec, run: str) -> Finding:
-    changed = _changes(spec, run, "algorithm")
+def algorithm(run: Run) -> Finding:
+    changed = _changes(run, "algorithm")
     if changed:
         return Finding("algorithm", False, "; ".join(map(str, changed)),
                        f"restore them in the spec, or trigger with allow_drift: {[c.key for c in changed]} if the "
                        "change is deliberate (recorded)")
-    s = spec.settings
+    s = run.spec.settings
     parts = [f"{k}={getattr(s, k)}" for k in ("adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef")
              if hasattr(s, k)]
-    return Finding("algorithm", True, ", ".join(parts) + (" as recorded" if _recorded(spec, run) else ""))
+    return Finding("algorithm", True, ", ".join(parts) + (" as recorded" if _recorded(run) else ""))
 
 
-def data(spec, run: str) -> Finding:
+def data(run: Run) -> Finding:
     """The frozen copies against their sha256, and each source against the frozen fingerprint."""
-
-    run_dir = spec.run_dir(run)
+    run_dir = run.dir
     files = frozen.frozen_files(run_dir)
     if files is None:
         return Finding("data", True, "not frozen yet: the first chunk freezes it")
@@ -204,7 +201,7 @@ def data(spec, run: str) -> Finding:
         return Finding("data", False, e.what, e.fix or "")
     changes = frozen.source_changes(run_dir, files)
     shas = ", ".join(f"{f.role} {f.sha256[:12]} ({f.rows} rows)" for f in files)
-    if changes and spec.data.on_source_change == "fail":
+    if changes and run.spec.data.on_source_change == "fail":
         return Finding("data", False, " ".join(c.summary() for c in changes).replace("\n", "; "),
                        "restore the source files, or set data.on_source_change: use_frozen to go on with the frozen "
                        "copy (a new dataset is a new run)")
@@ -214,13 +211,14 @@ def data(spec, run: str) -> Finding:
     return Finding("data", True, f"frozen copies and sources match ({shas})")
 
 
-def settings(spec, run: str) -> Finding:
+def settings(run: Run) -> Finding:
     """Every resume-critical setting, as preflight.settings checks them (no allow_drift here)."""
-    if not _recorded(spec, run):
+    spec = run.spec
+    if not _recorded(run):
         return Finding("settings", True, f"fingerprint {spec.settings_fingerprint()}; nothing recorded yet "
                                          "(recorded at the freeze)")
     try:
-        guard.check(spec, run, persist=False)
+        guard.check(run, persist=False)
     except guard.DriftError as e:
         head, *rows = e.what.splitlines()
         return Finding("settings", False, f"{head} {'; '.join(r.strip() for r in rows)}", e.fix or "")
@@ -228,19 +226,19 @@ def settings(spec, run: str) -> Finding:
                                      "matches the run's recorded ones")
 
 
-def _recorded(spec, run: str) -> bool:
-    return bool(read_record(spec.run_dir(run)).get("settings"))
+def _recorded(run: Run) -> bool:
+    return bool(read_record(run.dir).get("settings"))
 
 
-def diagnose(spec, run: str, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
+def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
     """The whole checklist, cheap checks first where it matters little."""
-    return [checkpoint(spec, run, store, deep=deep), live(spec, run, jobs), model(spec, run),
-            parallelism(spec, run), algorithm(spec, run), data(spec, run), settings(spec, run)]
+    return [checkpoint(run, store, deep=deep), live(run, jobs), model(run), parallelism(run), algorithm(run),
+            data(run), settings(run)]
 
 
-def report(findings: list[Finding], spec, run: str) -> str:
+def report(findings: list[Finding], run: Run) -> str:
     ok = all(f.ok for f in findings)
-    head = f"relay doctor: run {run} of spec {spec.name} ({spec.run_dir(run)})"
+    head = f"relay doctor: run {run} of spec {run.spec.name} ({run.dir})"
     tail = "a resume is safe" if ok else f"a resume is NOT safe: {sum(not f.ok for f in findings)} check(s) failed"
     return "\n".join([head] + [f.line() for f in findings] + [tail])
 

@@ -19,6 +19,7 @@ from relay.common.timestamps import utc_now
 from relay.data.freeze import frozen_files
 from relay.runs.kinds import KINDS
 from relay.runs.record import read_record, update_record
+from relay.runs.run import Run
 
 
 class DriftError(RelayError):
@@ -59,14 +60,14 @@ def _allowed(key: str, allow: list[str]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in allow)
 
 
-def record(spec, run: str, *, by: str = "") -> dict:
+def record(run: Run, *, by: str = "") -> dict:
     """Record the run's settings snapshot: at the freeze, once the data's fingerprint is known."""
-    values = snapshot(spec, spec.run_dir(run))
-    update_record(spec.run_dir(run), settings={"values": values, "recorded_at": _now(), "by": by})
+    values = snapshot(run.spec, run.dir)
+    update_record(run.dir, settings={"values": values, "recorded_at": _now(), "by": by})
     return values
 
 
-def check(spec, run: str, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: str = "",
+def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: str = "",
           persist: bool = True) -> list[Change]:
     """Compare this chunk's settings with the run's recorded ones (nothing to compare before the freeze).
 
@@ -74,12 +75,12 @@ def check(spec, run: str, *, allow_drift: Sequence[str] = (), by: str = "", dag_
     recorded (who, when, what) and become the run's settings from then on (with persist=True).
     Returns the allowed changes.
     """
-    run_dir = spec.run_dir(run)
+    run_dir = run.dir
     rec = read_record(run_dir)
     settings = rec.get("settings")
     if settings is None:
         return []
-    current = snapshot(spec, run_dir)
+    current = snapshot(run.spec, run_dir)
     changes = compare(settings["values"], current)
     allowed = [c for c in changes if _allowed(c.key, list(allow_drift))]
     # What the trainer derives (resolved.*) follows an allowed change of the spec; on its own (a new

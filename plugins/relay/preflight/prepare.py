@@ -21,6 +21,7 @@ from relay.common.errors import RunError
 from relay.common.timestamps import utc_now, utc_stamp
 from relay.runs.plan import ChunkPlan
 from relay.runs.record import VERSION, folder_incarnation, new_incarnation, write_record
+from relay.runs.run import Run
 from relay.runs.spec import RunSpec, check_run_name
 
 
@@ -38,6 +39,10 @@ class RunState:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def run(self, spec: RunSpec) -> Run:
+        """The run this state is of, as the value every later step receives."""
+        return Run.of(spec, self.run_name, self.incarnation)
 
 
 def resolve_run_name(spec: RunSpec, requested: str | None) -> str:
@@ -90,7 +95,7 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
             **({"previous": {"archived_to": str(archived) if archived else None, "archived_uri": archived_uri}}
                if archived or archived_uri else {}),
         })
-    return run_state(spec, name, archived, archived_uri)
+    return run_state(Run.of(spec, name), archived, archived_uri)
 
 
 def _incarnations_differ(name: str, run_dir: Path, local: str | None, published: str, store) -> str:
@@ -100,11 +105,11 @@ def _incarnations_differ(name: str, run_dir: Path, local: str | None, published:
             f"two runs under one name (a resume would restore the other run's weights and data position)")
 
 
-def run_state(spec: RunSpec, name: str, archived: Path | None = None, archived_uri: str | None = None) -> RunState:
-    run_dir = spec.run_dir(name)
+def run_state(run: Run, archived: Path | None = None, archived_uri: str | None = None) -> RunState:
+    run_dir = run.dir
     latest, problem = latest_step_or_problem(run_dir)
-    nxt = ChunkPlan.from_spec(spec).next_chunk(latest)
-    return RunState(name, str(run_dir), latest or 0, spec.total_steps, nxt.index if nxt else None,
+    nxt = ChunkPlan.from_spec(run.spec).next_chunk(latest)
+    return RunState(run.name, str(run_dir), latest or 0, run.spec.total_steps, nxt.index if nxt else None,
                     str(archived) if archived else None, problem, folder_incarnation(run_dir), archived_uri)
 
 

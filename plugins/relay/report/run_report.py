@@ -35,6 +35,7 @@ from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 from relay.runs.plan import ChunkPlan
 from relay.runs.record import RECORD, read_record
+from relay.runs.run import Run
 from relay.s3.store import CheckpointStore, parse_uri, s3_client
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
@@ -490,14 +491,13 @@ def write(report: Report, out_dir: Path) -> dict[str, Path]:
     return {"png": out_dir / PNG, "html": out_dir / HTML}
 
 
-def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str]:
+def publish(run: Run, store, out_dir: Path | None = None) -> dict[str, str]:
     """Build and write a run's report, then put it in S3 beside the checkpoints with the run's metrics,
     events and record (what a report from S3 is rebuilt from). Returns local paths and S3 URIs.
 
     Without a store (a spec with no s3 section) the report is only written locally."""
-
-    run_dir = spec.run_dir(run)
-    report = build(run_dir, store=store, run=run, plan=ChunkPlan.from_spec(spec))
+    run_dir = run.dir
+    report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec))
     paths = write(report, out_dir or default_out(run_dir))
     out = {"summary": redact(report.summary()), "html": str(paths["html"]), "png": str(paths["png"])}
     if store is None:
@@ -505,21 +505,21 @@ def publish(spec, run: str, store, out_dir: Path | None = None) -> dict[str, str
     for name in (layout.METRICS, SUPERSEDED, layout.EVENTS):
         if (run_dir / name).is_file():
             # One read, one PUT: the next chunk's trainer may be appending to the file right now.
-            store.put_bytes(store.run_key(run, name), (run_dir / name).read_bytes(), "application/x-ndjson")
-    store.put_json(store.run_key(run, RECORD), read_record(run_dir))
-    out["png_uri"] = store.put_bytes(store.run_key(run, REPORT_DIR, PNG), paths["png"].read_bytes(), "image/png")
-    out["html_uri"] = store.put_bytes(store.run_key(run, REPORT_DIR, HTML), paths["html"].read_bytes(),
+            store.put_bytes(store.run_key(run.name, name), (run_dir / name).read_bytes(), "application/x-ndjson")
+    store.put_json(store.run_key(run.name, RECORD), read_record(run_dir))
+    out["png_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, PNG), paths["png"].read_bytes(),
+                                     "image/png")
+    out["html_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, HTML), paths["html"].read_bytes(),
                                       "text/html; charset=utf-8")
     return out
 
 
-def current_html(spec, run: str, store) -> str:
+def current_html(run: Run, store) -> str:
     """The run's report as it is now: from its folder where this process sees it, else from S3 (the
     Airflow UI's "Run report" link is served through this, so it never expires)."""
-
-    run_dir = spec.run_dir(run)
+    run_dir = run.dir
     if (run_dir / layout.METRICS).is_file() or (run_dir / layout.EVENTS).is_file():
-        report = build(run_dir, store=store, run=run, plan=ChunkPlan.from_spec(spec))
+        report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec))
     elif store is not None:
         with tempfile.TemporaryDirectory(prefix="relay-report-") as tmp:
             report = from_s3(f"{store.uri}/{run}", Path(tmp), store.client)

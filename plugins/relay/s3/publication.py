@@ -14,6 +14,7 @@ from relay.checkpoints.manifest import unchanged_since_validation
 from relay.common.errors import CheckpointError
 from relay.runs import layout
 from relay.runs.metrics import record_event
+from relay.runs.run import Run
 from relay.s3.store import CheckpointStore
 
 HF_DIR = layout.HF_DIR
@@ -65,17 +66,18 @@ def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str
     return f"s3://{store.bucket}/{key_prefix}/"
 
 
-def publish_checkpoint(spec, run: str, step: int, store: CheckpointStore) -> Publication:
-    run_dir = spec.run_dir(run)
-    r = store.publish(run, run_dir, step)
-    pub = Publication(run, step, r.uri, f"{r.uri}relay_manifest.json", len(r.uploaded), len(r.skipped),
+def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publication:
+    spec, run_dir = run.spec, run.dir
+    r = store.publish(run.name, run_dir, step)
+    pub = Publication(run.name, step, r.uri, f"{r.uri}relay_manifest.json", len(r.uploaded), len(r.skipped),
                       r.bytes_uploaded, round(r.seconds, 3), r.latest_moved)
     policy = spec.checkpoints
     if policy.hf_export and policy.is_milestone(step, spec.total_steps):
-        pub.hf_uri = publish_folder(store, export_hf(run_dir, step), store.run_key(run, HF_DIR, layout.step_name(step)))
+        hf_key = store.run_key(run.name, HF_DIR, layout.step_name(step))
+        pub.hf_uri = publish_folder(store, export_hf(run_dir, step), hf_key)
     record_event(run_dir, "publish", step=step, uri=r.uri, uploaded=pub.uploaded, skipped=pub.skipped,
                  hf_uri=pub.hf_uri)
-    published = {m.step for m in store.published(run)}
+    published = {m.step for m in store.published(run.name)}
     pub.deleted_local = retention.apply_local(run_dir, policy, spec.total_steps, published)
-    pub.published_retention = retention.apply_published(store, run, policy, spec.total_steps)
+    pub.published_retention = retention.apply_published(store, run.name, policy, spec.total_steps)
     return pub

@@ -20,6 +20,7 @@ from relay.runs.lease import Lease
 from relay.runs.metrics import record_event
 from relay.runs.record import VERSION as RECORD_VERSION
 from relay.runs.record import folder_incarnation, incarnation_of, write_record
+from relay.runs.run import Run
 from relay.s3.store import CheckpointStore, StoreError, store_for_spec
 
 
@@ -92,8 +93,8 @@ def _restore_record(store: CheckpointStore, run: str, run_dir: Path, incarnation
     write_record(run_dir, {**record, "restored_from": uri})
 
 
-def restore_for_resume(spec, run: str, run_dir: Path, incarnation: str, above: int = 0) -> tuple[int, str] | None:
+def restore_for_resume(run: Run, above: int = 0) -> tuple[int, str] | None:
     """Called by a trainer whose run has no valid local checkpoint newer than `above`: restore one of the run's
-    own incarnation from S3 if one is published."""
-    return restore(store_for_spec(spec), run, run_dir, above=above, incarnation=incarnation,
+    own incarnation (run.incarnation) from S3 if one is published."""
+    return restore(store_for_spec(run.spec), run.name, run.dir, above=above, incarnation=run.incarnation,
                    log=lambda msg: print(f"[relay] {msg}", flush=True))

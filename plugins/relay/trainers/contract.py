@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from relay.runs.kinds import KINDS
+from relay.runs.run import Run
 from relay.runs.spec import RunSpec, spec_from_json
 
 ENV_VAR = "RELAY_CHUNK_REQUEST"
@@ -20,28 +21,31 @@ ENV_VAR = "RELAY_CHUNK_REQUEST"
 
 @dataclass
 class ChunkRequest:
-    spec: RunSpec
-    run_name: str
+    run: Run  # its incarnation: only that life's checkpoints are restored (relay.runs.record)
     to_step: int
     chunk: int | None = None  # chunk index, for logs and metrics
     attempt: str = "local"  # who is training: a Ray submission id, or local:<host>:<pid>
     lease_token: int | None = None  # None: take the lease in this process (the CLI)
     restore: bool = True  # with no valid local checkpoint, restore the newest published one (spec.s3)
-    incarnation: str | None = None  # the run's incarnation (relay.runs.record): only its checkpoints are restored
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.run.spec
 
     @property
     def run_dir(self) -> Path:
-        return self.spec.run_dir(self.run_name)
+        return self.run.dir
 
     def to_json(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if k != "spec"}
-        return json.dumps({"spec": json.loads(self.spec.to_json()), **d})
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
+        return json.dumps({"spec": json.loads(self.spec.to_json()), "run_name": self.run.name,
+                           "incarnation": self.run.incarnation, **d})
 
     @classmethod
     def from_json(cls, blob: str) -> "ChunkRequest":
         d = json.loads(blob)
         spec = spec_from_json(json.dumps(d.pop("spec")))
-        return cls(spec=spec, **d)
+        return cls(run=Run.of(spec, d.pop("run_name"), d.pop("incarnation")), **d)
 
     @classmethod
     def from_env(cls) -> "ChunkRequest":

@@ -17,9 +17,9 @@ def main() -> int:
     try:
         result = run_chunk(req)
     except RelayError as e:
-        print(f"[relay] chunk {req.chunk} of run {req.run_name} failed: {e}", flush=True)
+        print(f"[relay] chunk {req.chunk} of run {req.run} failed: {e}", flush=True)
         return e.exit_code
-    print(f"[relay] chunk {req.chunk} of run {req.run_name} done: steps {result.resumed_from} -> "
+    print(f"[relay] chunk {req.chunk} of run {req.run} done: steps {result.resumed_from} -> "
           f"{result.end_step} in {result.seconds:.1f}s", flush=True)
     return 0
 

@@ -28,6 +28,7 @@ from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, record_event
 from relay.runs.record import folder_incarnation
+from relay.runs.run import Run
 from relay.s3.restore import restore_for_resume
 from relay.trainers.contract import ChunkRequest
 
@@ -44,10 +45,10 @@ class ChunkSession:
         else:
             self.lease.claim(req.lease_token)
         self.token = req.lease_token
-        self.incarnation = self._incarnation()
+        self.run = req.run.with_incarnation(self._incarnation())
         # Validated (integrity against the manifest, safe load, numerics) just before the trainer
         # loads it; invalid checkpoints are quarantined and the tracker falls back to a valid one.
-        self.resume = find_resume_point(self.run_dir, restore=restore_function(req, self.incarnation))
+        self.resume = find_resume_point(self.run_dir, restore=restore_function(self.run, req.restore))
         self.resume_step = self.resume.step
         for q in self.resume.quarantined:
             if q["path"]:
@@ -64,13 +65,13 @@ class ChunkSession:
         """The run's incarnation: the request's (the DAG's and the CLI's, from the run record), which the
         folder's record must agree with; the folder's for a request without one. A folder without a record
         (a new host) restores only checkpoints of the request's incarnation."""
-
+        asked = self.req.run.incarnation
         local = folder_incarnation(self.run_dir)
-        if self.req.incarnation and local and local != self.req.incarnation:
-            raise RunError(f"run {self.req.run_name}: this chunk belongs to incarnation {self.req.incarnation}, but "
+        if asked and local and local != asked:
+            raise RunError(f"run {self.req.run}: this chunk belongs to incarnation {asked}, but "
                            f"{self.run_dir} now holds incarnation {local} (the run was started again since)",
                            "nothing to do: this attempt stops without writing; the run's own chunks go on")
-        return self.req.incarnation or local
+        return asked or local
 
     # ------------------------------------------------------------------------------ resume
     def resume_checkpoint(self) -> Path | None:
@@ -103,7 +104,7 @@ class ChunkSession:
                      quarantined=[q["step"] for q in self.resume.quarantined if q["path"]],
                      tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]])
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
-        self.say(f"run {self.req.run_name}: chunk {self.req.chunk or '-'} resumes from {where}, "
+        self.say(f"run {self.req.run}: chunk {self.req.chunk or '-'} resumes from {where}, "
                  f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "
                  f"lease token {self.token})")
 
@@ -213,13 +214,12 @@ def _free_bytes(folder: Path) -> int:
         return 0
 
 
-def restore_function(req: ChunkRequest, incarnation: str | None):
+def restore_function(run: Run, restore: bool = True):
     """Restore from the run's published checkpoints of its own incarnation when the spec names a store; None
     otherwise, and for a run of unknown incarnation (a new folder: nothing published can be its own)."""
-    if req.spec.s3 is None or not req.restore or not incarnation:
+    if run.spec.s3 is None or not restore or not run.incarnation:
         return None
-
-    return lambda run_dir, above=0: restore_for_resume(req.spec, req.run_name, run_dir, incarnation, above)
+    return lambda _run_dir, above=0: restore_for_resume(run, above)  # _run_dir is run.dir
 
 
 def pin_threads(threads: int) -> None:

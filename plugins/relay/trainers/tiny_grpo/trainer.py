@@ -58,8 +58,8 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     session = ChunkSession(req)
     start = session.resume_step
     if start >= req.to_step:
-        session.say(f"run {req.run_name} already reached step {start} >= {req.to_step}: nothing to train")
-        return ChunkResult(req.run_name, start, start, 0, 0.0, str(layout.step_dir(session.run_dir, start)))
+        session.say(f"run {req.run.name} already reached step {start} >= {req.to_step}: nothing to train")
+        return ChunkResult(req.run.name, start, start, 0, 0.0, str(layout.step_dir(session.run_dir, start)))
     resume_from = session.resume_checkpoint()
 
     t0 = time.time()
@@ -85,7 +85,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     finally:
         session.finish(step)
         trainer.close()
-    return ChunkResult(req.run_name, start, step, step - start, time.time() - t0, str(checkpoint))
+    return ChunkResult(req.run.name, start, step, step - start, time.time() - t0, str(checkpoint))
 
 
 def build_model(settings):

@@ -26,6 +26,7 @@ import importlib.util
 from pathlib import Path
 
 from relay.common.errors import SpecError
+from relay.runs.run import Run
 from relay.trainers.verl_ppo import tracking
 from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
 
@@ -78,7 +79,7 @@ def test_freq(spec) -> int:
     return s.test_freq if s.test_freq > 0 else spec.total_steps + 1
 
 
-def chunk_overrides(spec, run_name: str, *, first_step_of_run: bool, data: dict[str, list[str]],
+def chunk_overrides(run: Run, *, first_step_of_run: bool, data: dict[str, list[str]],
                     strategy: str = "loop_bound", end_step: int | None = None) -> list[str]:
     """verl's overrides for one chunk (chunked mode) or the one job (supervised mode).
 
@@ -86,11 +87,12 @@ def chunk_overrides(spec, run_name: str, *, first_step_of_run: bool, data: dict[
     end_step: the chunk's end; used for total_training_steps only with strategy total_steps.
     """
 
+    spec = run.spec
     s = spec.settings
     if not data.get("val"):
         raise SpecError(spec.source, "data.val_files", "verl's main_ppo needs validation files",
                         "add data.val_files (e.g. GSM8K's test split)")
-    run_dir = spec.run_dir(run_name)
+    run_dir = run.dir
     if not run_dir.is_absolute():
         raise SpecError(spec.source, "checkpoint_dir", f"{run_dir} is not absolute",
                         "use an absolute checkpoint_dir on storage that every node mounts")
@@ -105,7 +107,7 @@ def chunk_overrides(spec, run_name: str, *, first_step_of_run: bool, data: dict[
         "trainer.val_before_train": bool(s.val_before_train and first_step_of_run),
         "trainer.test_freq": test_freq(spec),
         "trainer.project_name": tracking.project_name(spec),
-        "trainer.experiment_name": tracking.experiment_name(spec, run_name),
+        "trainer.experiment_name": tracking.experiment_name(run),
         "trainer.logger": list(s.logger),
         "trainer.nnodes": s.nnodes,
         "trainer.n_gpus_per_node": s.n_gpus_per_node,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from relay.runs import layout
 from relay.runs.record import read_record
+from relay.runs.run import Run
 
 RECORD = "tracking.json"
 
@@ -30,16 +31,15 @@ def project_name(spec) -> str:
     return spec.settings.project_name or f"relay-{spec.name}"
 
 
-def experiment_name(spec, run_name: str) -> str:
-    return spec.settings.experiment_name or run_name
+def experiment_name(run: Run) -> str:
+    return run.spec.settings.experiment_name or run.name
 
 
-def wandb_run_id(spec, run_name: str, run_dir: Path) -> str:
+def wandb_run_id(run: Run) -> str:
     """Stable for a training run; another after a fresh start (the run record is new then)."""
-
-    created = read_record(run_dir).get("created", "")
-    digest = hashlib.sha256(f"{spec.name}/{run_name}/{created}".encode()).hexdigest()[:12]
-    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_name)[:48]}-{digest}"
+    created = read_record(run.dir).get("created", "")
+    digest = hashlib.sha256(f"{run.spec.name}/{run.name}/{created}".encode()).hexdigest()[:12]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run.name)[:48]}-{digest}"
 
 
 def read(run_dir: Path) -> dict:
@@ -49,10 +49,10 @@ def read(run_dir: Path) -> dict:
         return {}
 
 
-def job_env(spec, run_name: str, run_dir: Path) -> dict[str, str]:
+def job_env(run: Run) -> dict[str, str]:
     """Environment every chunk's job gets, so that all chunks of the run log to one tracking run."""
-    env = {"WANDB_RUN_ID": wandb_run_id(spec, run_name, run_dir), "WANDB_RESUME": "allow"}
-    if mlflow_id := read(run_dir).get("mlflow_run_id"):
+    env = {"WANDB_RUN_ID": wandb_run_id(run), "WANDB_RESUME": "allow"}
+    if mlflow_id := read(run.dir).get("mlflow_run_id"):
         env["MLFLOW_RUN_ID"] = mlflow_id
     return env
 

@@ -60,7 +60,7 @@ def job_env(req: ChunkRequest) -> dict[str, str]:
     """
 
     return {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
-            **tracking.job_env(req.spec, req.run_name, req.run_dir)}
+            **tracking.job_env(req.run)}
 
 
 def tracking_env(req: ChunkRequest) -> dict[str, str]:
@@ -83,14 +83,14 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
                     + ", ".join(moved))
     start = session.resume_step
     if start >= req.to_step:
-        session.say(f"run {req.run_name} already reached step {start} >= {req.to_step}: nothing to train")
-        return ChunkResult(req.run_name, start, start, 0, 0.0, str(layout.step_dir(run_dir, start)))
+        session.say(f"run {req.run.name} already reached step {start} >= {req.to_step}: nothing to train")
+        return ChunkResult(req.run.name, start, start, 0, 0.0, str(layout.step_dir(run_dir, start)))
     hygiene.check_parallelism(spec, run_dir, start, session.resume.report)
     hygiene.check_tracker_agrees(run_dir, start)
     if start and session.resume.report is not None and manifest.read(layout.step_dir(run_dir, start)) is None:
         # A checkpoint no gate saw (a mid-chunk save, a restore): the resume just validated it at every
         # level; its manifest lets the trainer re-check the bytes right before verl's loader reads them.
-        write_manifest(session.resume.report, req.run_name, spec.settings_fingerprint())
+        write_manifest(session.resume.report, req.run.name, spec.settings_fingerprint())
 
     problems = horizon.registry_problems()
     if problems:
@@ -102,7 +102,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
                     f"{horizon.describe_schedule(s.optim, spec.total_steps)} does not depend on the horizon, so "
                     f"the chunk ends through total_training_steps={req.to_step}")
     data = session.data_files()
-    config = overrides.compose(overrides.chunk_overrides(spec, req.run_name, first_step_of_run=start == 0, data=data,
+    config = overrides.compose(overrides.chunk_overrides(req.run, first_step_of_run=start == 0, data=data,
                                                          strategy=strategy, end_step=req.to_step))
     from verl.utils.device import auto_set_device
 
@@ -125,7 +125,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     if latest is None or latest < req.to_step:
         raise CheckpointError(f"verl ended at step {latest or start}, before the chunk's end step {req.to_step}",
                               "the retry resumes from the latest valid checkpoint")
-    return ChunkResult(req.run_name, start, req.to_step, req.to_step - start, time.time() - t0,
+    return ChunkResult(req.run.name, start, req.to_step, req.to_step - start, time.time() - t0,
                        str(layout.step_dir(run_dir, req.to_step)))
 
 
