@@ -31,6 +31,7 @@ from relay.runs.spec import load_spec
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, parse_uri, s3_client, store_for_spec, upload_args
 from relay.trainers.contract import ChunkRequest, run_chunk
+from relay.trainers.verl_ppo.tiny_model import make_tiny_model
 
 
 def _spec(path: str, check_environment: bool = True):
@@ -259,6 +260,12 @@ def cmd_stack(args) -> int:
     return 0
 
 
+def cmd_model_tiny(args) -> int:
+    folder = make_tiny_model(Path(args.dir))
+    print(f"tiny model (Qwen2, byte-level tokenizer with a chat template; no download) written to {folder}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     return demo.run(keep_running=args.keep_running, provoke_resume=not args.no_kill)
 
@@ -294,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "deleted; a run that has checkpoints also needs --confirm NAME")
     s.add_argument("--confirm", metavar="NAME", help="the run's name, confirming --fresh-start")
     s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("model", help="model commands")
+    ms = s.add_subparsers(dest="model_command", required=True)
+    c = ms.add_parser("tiny", help="write a tiny verl-ready model (a 2-layer Qwen2 and a byte-level tokenizer with a "
+                                   "chat template) into a new folder, with no download: the same bytes every time")
+    c.add_argument("dir")
+    c.set_defaults(func=cmd_model_tiny)
 
     s = sub.add_parser("checkpoint", help="checkpoint commands")
     cs = s.add_subparsers(dest="checkpoint_command", required=True)

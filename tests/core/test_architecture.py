@@ -116,3 +116,15 @@ def test_what_ships_to_ray_jobs_never_imports_what_stays_behind():
                  if _folder(module) not in behind and module not in {"relay.cli", "relay.__main__"}
                  for _, target in _imports(path) if _folder(target) in behind]
     assert not offenders, offenders
+
+
+def test_a_runs_folder_is_worked_out_in_one_place():
+    """The run is a value (relay.runs.run.Run): its folder comes from `spec.run_dir(name)` in Run.of only,
+    so the folder of a run, from the trigger form's name to the trainer's default_local_dir and the S3
+    key, never goes back and forth between a spec and a bare name."""
+    calls = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "run_dir":
+                calls.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert calls and all(c.startswith("runs/run.py:") for c in calls), calls

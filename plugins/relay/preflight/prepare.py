@@ -57,8 +57,8 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
     aside, and a folder that holds another incarnation of the run, or none, is refused. Without one
     (no s3 section, or the CLI's --offline), S3 is never looked at.
     """
-    name = resolve_run_name(spec, requested)
-    run_dir = spec.run_dir(name)
+    run = Run.of(spec, resolve_run_name(spec, requested))
+    name, run_dir = run.name, run.dir
     local = folder_incarnation(run_dir) if run_dir.is_dir() else None
     has_local = run_dir.is_dir() and any(run_dir.iterdir())
     published = store.incarnation(name) if store is not None else None
@@ -95,7 +95,7 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
             **({"previous": {"archived_to": str(archived) if archived else None, "archived_uri": archived_uri}}
                if archived or archived_uri else {}),
         })
-    return run_state(Run.of(spec, name), archived, archived_uri)
+    return run_state(run, archived, archived_uri)
 
 
 def _incarnations_differ(name: str, run_dir: Path, local: str | None, published: str, store) -> str:

@@ -4,7 +4,8 @@ settings (pydantic only), overrides (Hydra overrides from the spec; compose verl
 horizon (the LR horizon across chunks; verl's contract), chunk_trainer (the subclass of verl's
 sync trainer that stops at a chunk's end), runner (verl's TaskRunner with the trainer installed in
 the actor), hygiene (before a resume), tracking (one tracking run per training run), trainer (the
-job's driver), supervised (one long job whose checkpoints the chunk tasks wait for).
+job's driver), supervised (one long job whose checkpoints the chunk tasks wait for), tiny_model (a
+few-layer Qwen2 with a byte-level tokenizer made here, for verl on a CPU).
 Only settings, tracking and supervised are imported on the Airflow side; nothing here imports verl,
 torch or ray at module level.
 """
