@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from relay.common.errors import RelayError
 
+# verl's CPU path (relay.trainers.verl_ppo.cpu_platform): the environment a job sets so that every verl
+# process picks the `cpu` platform (verl/plugin/platform/platform_manager.py reads VERL_PLATFORM) and
+# imports the module that registers it (verl/__init__.py imports VERL_USE_EXTERNAL_MODULES). Kept here,
+# in a light module, so that whoever builds a job's environment does not import verl.
+CPU_PLATFORM = "cpu"
+CPU_PLATFORM_ENV = {"VERL_PLATFORM": CPU_PLATFORM, "VERL_USE_EXTERNAL_MODULES": "relay.trainers.verl_ppo.cpu_platform"}
+
 
 class VerlContractError(RelayError):
     """verl's trainer lookup changed: Relay cannot put its chunk trainer where verl looks for it."""
