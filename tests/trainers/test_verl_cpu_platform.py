@@ -11,8 +11,10 @@ import subprocess
 import sys
 
 from relay.checkpoints.validate import validate_checkpoint
+from relay.trainers.verl_ppo.tiny_model import make_tiny_model
 from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM_ENV as ENV
 from support import verl_checkpoint
+from support.helpers import ROOT
 
 PROBE = """
 import json, warnings
@@ -70,3 +72,23 @@ def test_verls_checkpoint_manager_on_the_cpu_platform_writes_checkpoints_that_pa
     report = validate_checkpoint(tmp_path / "run", 2)
     assert report.ok, report.summary()
     assert (step_dir / "actor" / "model_world_size_2_rank_1.pt").is_file()
+
+
+def test_verls_fsdp_engine_builds_steps_saves_and_loads_the_tiny_model_on_the_cpu(tmp_path):
+    """verl's FSDP engine, as verl's workers build it (EngineRegistry.new), on the cpu platform: one step of
+    verl's optimizer_step moves the weights, and a fresh engine loads them back bitwise from its checkpoint."""
+    model = make_tiny_model(tmp_path / "model")
+    ckpt = tmp_path / "run" / "global_step_1" / "actor"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    results = []
+    for mode in ("step", "load"):
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "verl_engine_cpu.py"), str(model), str(ckpt),
+                            mode, str(verl_checkpoint._free_port())], capture_output=True, text=True, timeout=300,
+                           env={**clean, "VERL_LOGGING_LEVEL": "WARN", **ENV})
+        assert r.returncode == 0, r.stderr[-3000:]
+        results.append(json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:]))
+    step, load = results
+    assert step["engine"] == load["engine"] == "FSDPEngineWithLMHead" and step["device"] == "cpu"
+    assert step["grad_norm"] > 0 and step["lr"] == 0.01 and "lm_head.weight" in step["moved"]
+    assert (ckpt / "model_world_size_1_rank_0.pt").is_file() and (ckpt / "optim_world_size_1_rank_0.pt").is_file()
+    assert load["equal"], "the weights loaded by a fresh engine are the ones saved"

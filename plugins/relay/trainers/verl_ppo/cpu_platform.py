@@ -57,8 +57,10 @@ class PlatformCPU(PlatformBase):
         # Never auto-detected: a CPU is everywhere, so it is chosen only by VERL_PLATFORM=cpu.
         return False
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> Any:
+        # verl passes get_device_id() to .to() and device= as "this process's accelerator"; on a CPU that is
+        # the CPU itself (an index 0 would ask torch for an accelerator that is not there).
+        return torch.device("cpu")
 
     def device_count(self) -> int:
         return 1
