@@ -53,7 +53,7 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
         return 0
     finally:
         if keep_running:
-            say("the stack keeps running; stop it with `.venv/bin/python -m relay stack down`")
+            say("the stack keeps running; stop it with `.venv/bin/relay stack down`")
         else:
             say("stopping the local stack (after the DAG runs that the run's publications triggered)")
             stack.down(wait_s=180, say=say)
@@ -112,10 +112,10 @@ def _summary(run: Run, state: str) -> None:
     say(f"events:      {run_dir / 'events.jsonl'}")
     if spec.s3:
         say(f"S3:          {spec.s3.uri}/{run}/latest.json on {stack.s3_endpoint()}  "
-            f"(`python -m relay checkpoint ls {spec.s3.uri} --run {run}` with AWS_ENDPOINT_URL set)")
+            f"(`.venv/bin/relay checkpoint ls {spec.s3.uri} --run {run}` with AWS_ENDPOINT_URL set)")
     if rows:
         rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec))
         paths = report.write(rep, report.default_out(run_dir))
         for line in rep.summary().splitlines():
             say(line)
-        say(f"report:      {paths['html']}  (plot: {paths['png']}; `python -m relay report {run_dir}`)")
+        say(f"report:      {paths['html']}  (plot: {paths['png']}; `.venv/bin/relay report {run_dir}`)")
