@@ -13,6 +13,8 @@ RelayChunkTrainer is a subclass of verl's own PPOTrainerSync. It changes only th
 - `_save_checkpoint`: verl's own save, into Relay's staging folder, then the fenced commit (rename
   to global_step_N, tracker written atomically, holding the run's lease), as every Relay trainer does.
 - every step: the run's lease is checked and one row goes to metrics.jsonl.
+- `_init_resource_pool_mgr`: verl's resource pools are checked against the cluster's nodes before verl
+  waits for them without a timeout (relay.trainers.verl_ppo.placement).
 
 It is registered where verl looks it up: TRAINER_REGISTRY["sync"], inside the TaskRunner actor
 (runner.RelayTaskRunner calls install()), never in the job's driver, whose registry the actor
@@ -38,7 +40,7 @@ from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog
 from relay.trainers.contract import ChunkRequest
 from relay.trainers.session import ChunkSession
-from relay.trainers.verl_ppo import tracking
+from relay.trainers.verl_ppo import placement, tracking
 from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
 PAYLOAD_KEY = "relay_chunk"  # top-level key the driver adds to verl's config; the TaskRunner pops it
@@ -120,6 +122,14 @@ def trainer_class():
             super().__init__(config)
             self.relay = active_chunk()
             self.relay_session = _actor_session(self.relay)
+
+        # ---- workers that can be placed, or a loud failure
+        def _init_resource_pool_mgr(self):
+            super()._init_resource_pool_mgr()
+            from verl.utils.device import get_resource_name
+
+            m = self.resource_pool_manager
+            placement.check(m.resource_pool_spec, m.max_colocate_count, get_resource_name(), placement.ray_nodes())
 
         # ---- the loop bound, never the horizon
         def _init_dataloader(self):
@@ -217,7 +227,6 @@ def install(chunk: VerlChunk) -> type:
     global _ACTIVE
     from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-
 
     cls = trainer_class()
     current = trainer_base.TRAINER_REGISTRY.get("sync")

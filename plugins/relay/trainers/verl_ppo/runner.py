@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from relay.common.errors import RelayError
 from relay.trainers.verl_ppo import chunk_trainer, tracking
 from relay.trainers.verl_ppo.verl_contract import original_class
 
@@ -33,8 +34,6 @@ def relay_task_runner() -> type:
         def run(self, config):
             chunk = chunk_trainer.detach(config)
             if chunk is None:
-                from relay.common.errors import RelayError
-
                 raise RelayError("verl's config carries no Relay chunk", "start main_ppo through Relay's entrypoint")
             chunk_trainer.install(chunk)
             tracking.apply_env(chunk.tracking_env)
