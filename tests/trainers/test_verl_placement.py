@@ -64,3 +64,20 @@ def test_the_chunk_trainer_checks_before_verl_creates_its_pools(monkeypatch):
     trainer = object.__new__(cls)
     with pytest.raises(PlacementError, match="pool 'global_pool' needs one node with CPU 3, GPU 1"):
         trainer._init_resource_pool_mgr()
+
+
+def test_the_local_stacks_ray_head_holds_the_cpu_paths_worker(ray_address):
+    """`relay stack up`'s head (the tests' too) advertises logical GPUs on a host without NVIDIA GPUs, so
+    verl's pool of one worker at one CPU per bundle fits it; verl's default of 3 CPUs per bundle does not."""
+    import json
+    import urllib.request
+
+    from relay.devstack import stack
+
+    with urllib.request.urlopen(f"{ray_address}/api/v0/nodes", timeout=30) as r:
+        nodes = [n["resources_total"] for n in json.load(r)["data"]["result"]["result"] if n["state"] == "ALIVE"]
+    if stack.logical_gpus() is not None:
+        assert max(n.get("GPU", 0) for n in nodes) >= stack.LOGICAL_GPUS
+    placement.check({"global_pool": [1]}, 1, "GPU", nodes)
+    with pytest.raises(PlacementError, match="CPU 3, GPU 1"):
+        placement.check({"global_pool": [1]}, 3, "GPU", nodes)

@@ -161,6 +161,16 @@ def ray_cli() -> list[str]:
     return [str(ray_venv() / "bin" / "python"), "-m", "ray.scripts.scripts"]
 
 
+# verl's resource pools count GPUs even for its `cpu` platform (relay.trainers.verl_ppo.cpu_platform): a head
+# on a host without NVIDIA GPUs advertises this many logical ones, which Ray hands out with no device behind.
+LOGICAL_GPUS = 1
+
+
+def logical_gpus() -> int | None:
+    """The --num-gpus of the local head: LOGICAL_GPUS without nvidia-smi, else None (Ray counts the GPUs)."""
+    return None if shutil.which("nvidia-smi") else LOGICAL_GPUS
+
+
 def ray_start(num_cpus: int = 2) -> str:
     """Start a Ray head (if none answers) and return its Jobs API address."""
     if _http_ok(f"{ray_address()}/api/version"):
@@ -180,6 +190,7 @@ def ray_start(num_cpus: int = 2) -> str:
         f"--dashboard-agent-listen-port={p['RELAY_RAY_DASHBOARD_AGENT_LISTEN_PORT']}",
         f"--metrics-export-port={p['RELAY_RAY_METRICS_EXPORT_PORT']}",
         f"--min-worker-port={p['RELAY_RAY_MIN_WORKER_PORT']}", f"--max-worker-port={p['RELAY_RAY_MAX_WORKER_PORT']}",
+        *([f"--num-gpus={n}"] if (n := logical_gpus()) is not None else []),
     ]
     with open(d / "ray-start.log", "wb") as log:
         rc = subprocess.call(cmd, cwd=d, env=ray_env(), stdout=log, stderr=subprocess.STDOUT)
