@@ -9,7 +9,9 @@ of 3 CPUs per bundle; a CPU node without logical GPUs) makes the chunk wait fore
 
 Relay asks first, against every node's total resources: a placement group that no node can hold now
 will never be placed, and the chunk fails at once with the resources named. (One that only waits for
-busy resources is bounded by the chunk's start-up limit, like any start-up.)
+busy resources is bounded by the chunk's start-up limit, like any start-up.) An autoscaling cluster that
+would add such a node on demand is refused too, as verl's own check already refuses one whose GPUs are
+not up yet: start the nodes before the chunk.
 """
 
 from __future__ import annotations
