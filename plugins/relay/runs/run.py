@@ -7,10 +7,9 @@ in one place and the name a person typed in the trigger form reaches the trainer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from relay.runs.record import folder_incarnation
 from relay.runs.spec import RunSpec
 
 
@@ -29,15 +28,6 @@ class Run:
         """The run `name` of `spec` (the spec's own run when no name is given)."""
         name = name or spec.name
         return cls(spec, name, spec.run_dir(name), incarnation)
-
-    @classmethod
-    def in_folder(cls, spec: RunSpec, name: str | None = None) -> "Run":
-        """The run with the incarnation its folder's record names now (None: no record yet)."""
-        run = cls.of(spec, name)
-        return replace(run, incarnation=folder_incarnation(run.dir) if run.dir.is_dir() else None)
-
-    def with_incarnation(self, incarnation: str | None) -> "Run":
-        return replace(self, incarnation=incarnation)
 
     def __str__(self) -> str:
         return self.name

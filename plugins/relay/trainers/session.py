@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -45,7 +46,7 @@ class ChunkSession:
         else:
             self.lease.claim(req.lease_token)
         self.token = req.lease_token
-        self.run = req.run.with_incarnation(self._incarnation())
+        self.run = replace(req.run, incarnation=self._incarnation())
         # Validated (integrity against the manifest, safe load, numerics) just before the trainer
         # loads it; invalid checkpoints are quarantined and the tracker falls back to a valid one.
         self.resume = find_resume_point(self.run_dir, restore=restore_function(self.run, req.restore))

@@ -126,6 +126,7 @@ def register_fsdp_engines() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     for model_type, cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        # register() refuses a key it holds; a process may import this module again (a reload, a test)
         if PLATFORM not in EngineRegistry._engines.get(model_type, {}).get("fsdp", {}):
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM)(cls)
 
