@@ -18,6 +18,9 @@ The baseline is the chunk's own wall time in the same run (train task queued... 
 The projection keeps Airflow's and Ray's parts in seconds and puts them beside a 1-hour GPU chunk:
 the trainer's start-up there is the GPU job's own (model load, rollout-engine warm-up), not Relay's.
 
+Then bench/verl_startup.py splits a verl chunk's start-up on the CPU path (verl_tiny_cpu.yaml) on the same
+Ray head.
+
 Run with ./scripts/bench.sh overhead
 """
 
@@ -31,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins"))
+
+import verl_startup  # noqa: E402
 
 from relay.devstack import stack  # noqa: E402
 from relay.devstack.airflow_api import AirflowAPI  # noqa: E402
@@ -108,7 +113,8 @@ def main() -> int:
             print(f"the DAG run ended {state}; see the Airflow UI", file=sys.stderr)
             return 1
         report(measure(api, spec, run_id, spec.run_dir(run)))
-        return 0
+        # verl's own chunk on the CPU path, on the same head: what its start-up costs (bench/verl_startup.py)
+        return verl_startup.main(stack.ray_address())
     finally:
         if started:
             stack.down()

@@ -16,12 +16,12 @@ from support.helpers import ROOT, model_state, relay_cli, session_shared, train,
 
 # The slowest files first: xdist hands out files in collection order, so a long file collected last
 # would run alone at the end while the other worker idles (longest-first scheduling).
-SLOW_FIRST = ("e2e/test_real_airflow.py", "e2e/test_ui.py", "airflow/test_run_dag.py", "faults/test_ray_head_orphan.py",
-              "faults/test_ray_head_restart.py", "airflow/test_data_dag.py", "airflow/test_alerts_dag.py",
-              "faults/test_kill_points.py", "faults/test_s3_outage.py", "faults/test_disk_full.py",
-              "trainers/test_verl_chunk.py", "faults/test_corruption_stack.py", "core/test_validate.py",
-              "faults/test_s3_faults.py", "faults/test_corruption.py", "faults/test_data_change.py",
-              "core/test_report.py")
+SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "e2e/test_real_airflow.py", "e2e/test_ui.py", "airflow/test_run_dag.py",
+              "faults/test_ray_head_orphan.py", "faults/test_ray_head_restart.py", "airflow/test_data_dag.py",
+              "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "faults/test_s3_outage.py",
+              "faults/test_disk_full.py", "trainers/test_verl_chunk.py", "faults/test_corruption_stack.py",
+              "core/test_validate.py", "faults/test_s3_faults.py", "faults/test_corruption.py",
+              "faults/test_data_change.py", "core/test_report.py")
 
 
 # The fast lane (`scripts/test.sh --fast`, RELAY_FAST_LANE=1): only tests that need no service run, and

@@ -14,14 +14,15 @@ from pathlib import Path
 
 from relay.checkpoints import preview
 from relay.checkpoints.gate import admit_dir
-from relay.checkpoints.validate import latest_step_or_problem, validate_checkpoint
+from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step, validate_checkpoint
 from relay.common.errors import RelayError, StoreError
 from relay.data import quality
 from relay.data.diff import diff
 from relay.data.fingerprint import fingerprint
 from relay.devstack import demo, stack
+from relay.jobs import chunk_job, local_head
 from relay.jobs.ray_jobs import RayJobs
-from relay.preflight import doctor
+from relay.preflight import attention, doctor
 from relay.preflight.prepare import prepare_run
 from relay.report import run_report as report
 from relay.runs import layout
@@ -57,6 +58,9 @@ def cmd_spec_check(args) -> int:
     if args.verbose:
         for k, v in sorted(spec.resume_critical().items()):
             print(f"  {k} = {v!r}")
+    found = attention.check(spec)
+    if found is not None and not found.ok:  # a warning: the spec is valid
+        print(f"warning: attention: {found.detail}\n    fix: {found.fix}", file=sys.stderr)
     return 0
 
 
@@ -77,7 +81,10 @@ def cmd_train(args) -> int:
         if state.archived_to or state.archived_uri:
             print(f"fresh start of run {state.run_name}: the old run was moved aside to "
                   f"{' and '.join(x for x in (state.archived_to, state.archived_uri) if x)}")
-        result = run_chunk(ChunkRequest(run=state.run(spec), to_step=args.to_step, restore=not args.offline))
+        run = state.run(spec)
+        if chunk_job.runs_as_job(spec):
+            return _train_as_ray_job(args, run)
+        result = run_chunk(ChunkRequest(run=run, to_step=args.to_step, restore=not args.offline))
     except StoreError as e:
         # The store's own fix speaks of publishing; here nothing was published or written yet.
         raise StoreError(e.what, "start the S3 server, or point AWS_ENDPOINT_URL and the AWS credentials at it; or "
@@ -86,6 +93,45 @@ def cmd_train(args) -> int:
     print(f"run {result.run_name}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
           f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}")
     return 0
+
+
+def _train_as_ray_job(args, run: Run) -> int:
+    """A trainer kind whose chunks run as Ray jobs (verl_ppo): the chunk as the DAG's Ray job, its log on
+    stdout. On the cluster at --ray-address, else RAY_ADDRESS, else the local stack's head when it answers;
+    else on a private head of this command's own (free ports, its own temp dir) that ends with it, even
+    when the command is SIGKILLed. Ctrl-C or SIGTERM stops the job (and the private head)."""
+    address = args.ray_address or os.environ.get("RAY_ADDRESS") or (stack.ray_address() if stack.ray_running()
+                                                                     else None)
+    private = address is None
+    try:
+        with chunk_job.interrupts():
+            with local_head.guarded(address) if address else stack.private_ray_head(say=_say) as where:
+                jobs = RayJobs(where.address)
+                _say(f"run {run.name}: training to step {args.to_step} as a Ray job on {where.address}")
+                sub_id = chunk_job.local_submission_id(run)
+                state = chunk_job.run_attached(
+                    jobs, sub_id, lambda: chunk_job.submit_chunk(jobs, run, args.to_step, sub_id, not args.offline),
+                    watch=where.watch_job)
+    except KeyboardInterrupt as e:
+        print(f"relay: interrupted ({e if isinstance(e, chunk_job.Interrupted) else 'Ctrl-C'}): "
+              f"{'the private Ray head is stopped; ' if private else ''}the next `relay train` resumes run "
+              f"{run.name} from its latest checkpoint", file=sys.stderr)
+        return chunk_job.exit_code(e)
+    if state.status != "SUCCEEDED":
+        what, code = chunk_job.failure(state)
+        print(f"relay: Ray job {state.submission_id} of run {run.name} {what} (its log is above)", file=sys.stderr)
+        return code
+    latest = latest_valid_step(run.dir)
+    if latest is None or latest < args.to_step:
+        print(f"relay: Ray job {state.submission_id} succeeded, but run {run.name}'s latest valid checkpoint is step "
+              f"{latest or 0}, not {args.to_step}", file=sys.stderr)
+        return 1
+    print(f"run {run.name}: Ray job {state.submission_id} succeeded; checkpoint {layout.step_dir(run.dir, latest)}")
+    return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def cmd_checkpoint_validate(args) -> int:
@@ -288,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-v", "--verbose", action="store_true", help="list the resume-critical settings")
     c.set_defaults(func=cmd_spec_check)
 
-    s = sub.add_parser("train", help="run the trainer in-process (no Airflow, no Ray), resuming from the latest")
+    s = sub.add_parser("train", help="train a run to --to-step, resuming from the latest: in this process (no Airflow, "
+                                     "no Ray; tiny_grpo), or as one Ray job, the DAG's, its log here (verl_ppo)")
     s.add_argument("spec")
     s.add_argument("--to-step", type=int, required=True)
     s.add_argument("--checkpoint-dir", help="the run's checkpoint folder (default: <spec checkpoint_dir>/<run>)")
@@ -300,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start the run again from step 0: the old run is moved aside (locally and in S3), never "
                         "deleted; a run that has checkpoints also needs --confirm NAME")
     s.add_argument("--confirm", metavar="NAME", help="the run's name, confirming --fresh-start")
+    s.add_argument("--ray-address", help="verl_ppo: the Ray dashboard to run the job on (default: RAY_ADDRESS, else the "
+                                         "local stack's head if it answers, else a private head of this command's "
+                                         "own that ends with it)")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("model", help="model commands")

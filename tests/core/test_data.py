@@ -176,3 +176,20 @@ def test_the_recorded_snapshot_holds_model_parallelism_algorithm_schedule_data_a
                 "trainer.settings.train_batch_size", "trainer.settings.optim.schedule", "total_steps", "seed",
                 "data.fingerprint", "resolved.steps_per_epoch", "resolved.lr_horizon"):
         assert key in values, key
+
+
+def test_a_setting_added_by_a_relay_upgrade_at_its_default_is_not_drift(frozen_run):
+    """A run recorded before a setting existed (trainer.settings.device, say) resumes after the upgrade;
+    the same key recorded with another value, or an unknown key, is still drift."""
+    from relay.runs.record import update_record
+
+    spec, _ = frozen_run
+    run = Run.of(spec, "r")
+    values = read_record(run.dir)["settings"]["values"]
+    key = "trainer.settings.world_size"
+    older = {k: v for k, v in values.items() if k != key}
+    update_record(run.dir, settings={**read_record(run.dir)["settings"], "values": older})
+    assert guard.check(run) == []
+    update_record(run.dir, settings={**read_record(run.dir)["settings"], "values": {**values, key: 2}})
+    with pytest.raises(guard.DriftError, match=key):
+        guard.check(run)

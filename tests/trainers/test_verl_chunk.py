@@ -44,6 +44,8 @@ def make_spec(tmp_path: Path, *, chunk_steps=CHUNK, optim=None, **settings):
          "overrides": ["data.dataloader_num_workers=0"], **settings}
     d = {"name": "gsm", "trainer": {"kind": "verl_ppo", "settings": s}, "total_steps": TOTAL,
          "chunk_steps": chunk_steps, "seed": 7, "threads": 1, "checkpoint_dir": str(tmp_path / "ckpt"),
+         # (the stand-in worker group writes no model verl's huggingface/ config could build)
+         "checkpoints": {"smoke": False},
          "data": {"train_files": [str(data / "train.parquet")], "val_files": [str(data / "val.parquet")]}}
     return spec_from_dict(d, check_environment=False)
 

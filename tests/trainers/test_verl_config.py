@@ -99,7 +99,7 @@ def test_every_key_relay_sets_exists_in_verls_schema(tmp_path):
     assert [k for k in plain if not exists(k)] == []
     assert "actor_rollout_ref.rollout.name" in plain and OmegaConf.is_missing(base.actor_rollout_ref.rollout, "name")
     added = [k[1:] for k in keys if k.startswith("+")]
-    assert added == list(overrides.ADDED_KEYS)
+    assert "ray_kwargs.ray_init.address" in added and set(added) <= set(overrides.ADDED_KEYS)
     for k in added:  # added under a node verl's schema has, and not already there
         parent, _, leaf = k.rpartition(".")
         assert OmegaConf.select(base, parent) is not None and leaf not in OmegaConf.select(base, parent)

@@ -7,7 +7,7 @@ import pytest
 from relay.trainers.verl_ppo import placement
 from relay.trainers.verl_ppo.placement import PlacementError
 
-CPU_HEAD = {"CPU": 2.0, "memory": 8e9, "node:127.0.0.1": 1.0}  # `relay stack up`'s head today: no GPUs
+CPU_HEAD = {"CPU": 2.0, "memory": 8e9, "node:127.0.0.1": 1.0}  # a small head without GPUs
 
 
 def verl_pool_manager(n_gpus_per_node: int, nnodes: int = 1):

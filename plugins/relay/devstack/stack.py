@@ -28,6 +28,7 @@ import boto3
 from relay.common import project
 from relay.common.errors import SpecError
 from relay.devstack.airflow_api import AirflowAPI
+from relay.jobs import local_head
 from relay.runs.spec import load_spec
 
 
@@ -77,13 +78,13 @@ def s3_env() -> dict[str, str]:
     return {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint()}
 
 
-def _clean_env() -> dict[str, str]:
+def _clean_env(local_s3: bool = True) -> dict[str, str]:
     """The environment services start with: the venv first on PATH, no PYTHONPATH into the repo,
-    and the local S3 server as the default endpoint (a restore inside a Ray job reads it)."""
+    and (local_s3) the local S3 server as the default endpoint (a restore inside a Ray job reads it)."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{bin_dir()}{os.pathsep}{env.get('PATH', '')}"
-    for k, v in s3_env().items():
+    for k, v in s3_env().items() if local_s3 else ():
         env.setdefault(k, v)
     return env
 
@@ -150,9 +151,14 @@ def ray_venv() -> Path:
     return venv
 
 
-def ray_env() -> dict[str, str]:
-    """The services' environment with the Ray venv's bin first: `python` in a job's entrypoint is its."""
-    env = _clean_env()
+def ray_env(local_s3: bool = True) -> dict[str, str]:
+    """The services' environment with the Ray venv's bin first: `python` in a job's entrypoint is its.
+
+    RAY_AUTH_MODE=disabled unless the caller's environment sets it: `ray start` turns token authentication
+    on by itself as soon as ~/.ray/auth_token exists (any local `ray.init()`, verl's say, writes one), and
+    then the Jobs API refuses Relay's clients, which send no token."""
+    env = _clean_env(local_s3)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
     env["PATH"] = f"{ray_venv() / 'bin'}{os.pathsep}{env['PATH']}"
     return env
 
@@ -171,33 +177,70 @@ def logical_gpus() -> int | None:
     return None if shutil.which("nvidia-smi") else LOGICAL_GPUS
 
 
-def ray_start(num_cpus: int = 2) -> str:
-    """Start a Ray head (if none answers) and return its Jobs API address."""
-    if _http_ok(f"{ray_address()}/api/version"):
-        return ray_address()
+# The `ray start` option of each port of the local stack's head (include/stack.env names them).
+RAY_HEAD_PORTS = {
+    "port": "RELAY_RAY_GCS_PORT", "dashboard-port": "RELAY_RAY_DASHBOARD_PORT",
+    "ray-client-server-port": "RELAY_RAY_CLIENT_PORT", "node-manager-port": "RELAY_RAY_NODE_MANAGER_PORT",
+    "object-manager-port": "RELAY_RAY_OBJECT_MANAGER_PORT", "runtime-env-agent-port": "RELAY_RAY_RUNTIME_ENV_AGENT_PORT",
+    "dashboard-agent-grpc-port": "RELAY_RAY_DASHBOARD_AGENT_GRPC_PORT",
+    "dashboard-agent-listen-port": "RELAY_RAY_DASHBOARD_AGENT_LISTEN_PORT",
+    "metrics-export-port": "RELAY_RAY_METRICS_EXPORT_PORT",
+    "min-worker-port": "RELAY_RAY_MIN_WORKER_PORT", "max-worker-port": "RELAY_RAY_MAX_WORKER_PORT",
+}
+
+
+def ray_head_ports() -> dict[str, int]:
+    """The local stack's head's ports, by `ray start` option."""
     p = ports()
+    return {option: p[key] for option, key in RAY_HEAD_PORTS.items()}
+
+
+def stack_ray_ports() -> set[int]:
+    """Every port the local stack's head may take (its worker range included): a private head takes none."""
+    p = ray_head_ports()
+    return {v for k, v in p.items() if k not in local_head.WORKER_PORT_OPTIONS} | set(
+        range(p["min-worker-port"], p["max-worker-port"] + 1))
+
+
+def ray_running() -> bool:
+    """Whether the local stack's Ray head answers (its dashboard, the Jobs API)."""
+    return _http_ok(f"{ray_address()}/api/version")
+
+
+def ray_start(num_cpus: int | None = None) -> str:
+    """Start a Ray head (if none answers) and return its Jobs API address."""
+    if ray_running():
+        return ray_address()
     d = state_dir() / "ray"
     d.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        *ray_cli(), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
-        "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-        f"--port={p['RELAY_RAY_GCS_PORT']}", f"--dashboard-port={p['RELAY_RAY_DASHBOARD_PORT']}",
-        f"--ray-client-server-port={p['RELAY_RAY_CLIENT_PORT']}",
-        f"--node-manager-port={p['RELAY_RAY_NODE_MANAGER_PORT']}",
-        f"--object-manager-port={p['RELAY_RAY_OBJECT_MANAGER_PORT']}",
-        f"--runtime-env-agent-port={p['RELAY_RAY_RUNTIME_ENV_AGENT_PORT']}",
-        f"--dashboard-agent-grpc-port={p['RELAY_RAY_DASHBOARD_AGENT_GRPC_PORT']}",
-        f"--dashboard-agent-listen-port={p['RELAY_RAY_DASHBOARD_AGENT_LISTEN_PORT']}",
-        f"--metrics-export-port={p['RELAY_RAY_METRICS_EXPORT_PORT']}",
-        f"--min-worker-port={p['RELAY_RAY_MIN_WORKER_PORT']}", f"--max-worker-port={p['RELAY_RAY_MAX_WORKER_PORT']}",
-        *([f"--num-gpus={n}"] if (n := logical_gpus()) is not None else []),
-    ]
-    with open(d / "ray-start.log", "wb") as log:
-        rc = subprocess.call(cmd, cwd=d, env=ray_env(), stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        raise RuntimeError(f"`ray start` failed (exit {rc}); see {d / 'ray-start.log'}")
+    cmd = local_head.head_command(ray_cli(), ray_head_ports(), num_cpus=num_cpus or head_cpus(),
+                                  num_gpus=logical_gpus())
+    local_head.run_ray_start(cmd, ray_env(), cwd=d, log=d / "ray-start.log")
     _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
     return ray_address()
+
+
+# Ray's CPUs are a count to schedule by, not cores it pins. A verl chunk on the CPU path holds 4 (the job's
+# entrypoint, TransferQueue's controller and storage unit, the worker's bundle) and places its other helpers
+# (TaskRunner, agent-loop and reward workers) only where one more is free: with fewer, verl waits forever.
+# Every local head (the stack's, a private one) advertises at least this many.
+MIN_HEAD_CPUS = 8
+
+
+def head_cpus() -> int:
+    return max(os.cpu_count() or 1, MIN_HEAD_CPUS)
+
+
+def private_ray_head(num_cpus: int | None = None, say=None):
+    """A Ray head of the calling process's own (relay.jobs.local_head.local_head: free ports, none of the
+    stack's; its own temp dir; stopped with the process, even a SIGKILLed one), started as the stack's
+    head is: Ray from ray_venv() (Relay reaches its jobs only through runtime_env), LOGICAL_GPUS on a host
+    without NVIDIA GPUs. Its environment is the caller's (not the stack's S3 defaults): a job sees what
+    an in-process `relay train` would. num_cpus: default head_cpus().
+    A context manager yielding the head (.address)."""
+    cpus = num_cpus or head_cpus()
+    return local_head.local_head(ray_cli(), ray_env(local_s3=False), num_cpus=cpus, num_gpus=logical_gpus(),
+                                 avoid=stack_ray_ports(), say=say)
 
 
 def ray_stop() -> None:

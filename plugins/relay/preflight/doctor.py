@@ -3,7 +3,9 @@
 Field guides for verl ask for these checks by hand before every resume. Each is answered here by
 the code the DAG itself runs: the resume validation and quarantine records (resume, validate), the
 live-job query the chunk operator makes before it submits (ray_jobs), the run's lease, the settings
-guard of preflight.settings (guard) and the source check of preflight.data (data.freeze). The
+guard of preflight.settings (guard) and the source check of preflight.data (data.freeze). For a
+verl_ppo spec it also says whether its attention implementation can be loaded, as far as that can be
+known from here (preflight.attention): a warning (⚠), which never makes a resume unsafe. The
 DAG's preflight.run task logs this same checklist, so the UI and the terminal never disagree.
 """
 
@@ -19,6 +21,7 @@ from relay.checkpoints.resume import quarantined
 from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import RelayError
 from relay.data import freeze as frozen
+from relay.preflight import attention as attn
 from relay.preflight import guard
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -48,10 +51,11 @@ class Finding:
     ok: bool
     detail: str
     fix: str = ""
+    warning: bool = False  # ok for a resume, but worth acting on (its fix is shown)
 
     def line(self) -> str:
-        text = f"{'✔' if self.ok else '✘'} {self.name}: {self.detail}"
-        return text + (f"\n    fix: {self.fix}" if not self.ok and self.fix else "")
+        mark = "✘" if not self.ok else "⚠" if self.warning else "✔"
+        return f"{mark} {self.name}: {self.detail}" + (f"\n    fix: {self.fix}" if mark != "✔" and self.fix else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -226,19 +230,30 @@ def settings(run: Run) -> Finding:
                                      "matches the run's recorded ones")
 
 
+def attention(run: Run) -> Finding | None:
+    """The spec's attention implementation against what this host and the cluster image provide (verl_ppo)."""
+    result = attn.check(run.spec)
+    if result is None:
+        return None
+    return Finding("attention", True, result.detail, result.fix, warning=not result.ok)
+
+
 def _recorded(run: Run) -> bool:
     return bool(read_record(run.dir).get("settings"))
 
 
 def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
     """The whole checklist, cheap checks first where it matters little."""
-    return [checkpoint(run, store, deep=deep), live(run, jobs), model(run), parallelism(run), algorithm(run),
-            data(run), settings(run)]
+    findings = [checkpoint(run, store, deep=deep), live(run, jobs), model(run), parallelism(run), algorithm(run),
+                data(run), settings(run), attention(run)]
+    return [f for f in findings if f is not None]
 
 
 def report(findings: list[Finding], run: Run) -> str:
     ok = all(f.ok for f in findings)
     head = f"relay doctor: run {run} of spec {run.spec.name} ({run.dir})"
     tail = "a resume is safe" if ok else f"a resume is NOT safe: {sum(not f.ok for f in findings)} check(s) failed"
+    warned = sum(f.ok and f.warning for f in findings)
+    tail += f" ({warned} warning(s) above)" if warned else ""
     return "\n".join([head] + [f.line() for f in findings] + [tail])
 

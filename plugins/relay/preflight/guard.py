@@ -56,6 +56,19 @@ def compare(recorded: dict, current: dict) -> list[Change]:
             if recorded.get(k, MISSING) != current.get(k, MISSING)]
 
 
+def _added_since(spec, change: Change) -> bool:
+    """A setting Relay added after the run recorded its settings, at the default that keeps the old behaviour
+    (trainer.settings.device: cuda, say): an upgrade of Relay, not a change of the run."""
+    if change.was != MISSING or change.now == MISSING:
+        return False
+    prefix, obj = ("trainer.settings.", spec.settings) if change.key.startswith("trainer.settings.") else ("", spec)
+    *parents, leaf = change.key[len(prefix):].split(".")
+    for part in parents:
+        obj = getattr(obj, part, None)
+    field = getattr(type(obj), "model_fields", {}).get(leaf)
+    return field is not None and not field.is_required() and field.get_default(call_default_factory=True) == change.now
+
+
 def _allowed(key: str, allow: list[str]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in allow)
 
@@ -81,7 +94,7 @@ def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: s
     if settings is None:
         return []
     current = snapshot(run.spec, run_dir)
-    changes = compare(settings["values"], current)
+    changes = [c for c in compare(settings["values"], current) if not _added_since(run.spec, c)]
     allowed = [c for c in changes if _allowed(c.key, list(allow_drift))]
     # What the trainer derives (resolved.*) follows an allowed change of the spec; on its own (a new
     # trainer version resolving other defaults, say) it is drift like any other.

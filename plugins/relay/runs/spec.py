@@ -66,7 +66,8 @@ class CheckpointPolicy(StrictModel):
     validate_on: Literal["worker", "ray"] = Field(
         default="worker", description="where validation reads the files: the Airflow worker (storage mounted there) "
                                       "or a Ray job on the cluster")
-    smoke: bool = Field(default=True, description="also run the trainer's forward-pass smoke check (CPU trainer)")
+    smoke: bool = Field(default=True, description="also run the trainer's forward-pass smoke check (the CPU "
+                                                 "trainer's; verl's at world size 1 and under 2 GiB)")
     keep_local: int = Field(default=3, ge=1, description="validated and published checkpoints kept on local storage")
     keep_published: int = Field(default=5, ge=1, description="newest published checkpoints kept in S3")
     milestone_every: int = Field(default=0, ge=0, description="every N steps is a milestone: kept forever, exported "

@@ -12,9 +12,13 @@ RelayChunkTrainer is a subclass of verl's own PPOTrainerSync. It changes only th
 - `_load_checkpoint`: the step verl resumes from must be the one Relay validated just before.
 - `_save_checkpoint`: verl's own save, into Relay's staging folder, then the fenced commit (rename
   to global_step_N, tracker written atomically, holding the run's lease), as every Relay trainer does.
+- `_balance_batch`: the step's responses are put in one order (dataset index, place in the group) before
+  verl balances them, so that the order they were generated in changes no bit of training.
 - every step: the run's lease is checked and one row goes to metrics.jsonl.
+- start-up: a phase mark in events.jsonl at each stage verl passes (relay.runs.phases).
 - `_init_resource_pool_mgr`: verl's resource pools are checked against the cluster's nodes before verl
-  waits for them without a timeout (relay.trainers.verl_ppo.placement).
+  waits for them without a timeout (relay.trainers.verl_ppo.placement); on the cpu platform each worker
+  reserves one CPU, not verl's three.
 
 It is registered where verl looks it up: TRAINER_REGISTRY["sync"], inside the TaskRunner actor
 (runner.RelayTaskRunner calls install()), never in the job's driver, whose registry the actor
@@ -38,6 +42,7 @@ from typing import Any
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog
+from relay.runs.phases import record_phase
 from relay.trainers.contract import ChunkRequest
 from relay.trainers.session import ChunkSession
 from relay.trainers.verl_ppo import placement, tracking
@@ -122,13 +127,24 @@ def trainer_class():
             super().__init__(config)
             self.relay = active_chunk()
             self.relay_session = _actor_session(self.relay)
+            self._relay_phase("trainer_built")
+
+        def _relay_phase(self, phase: str) -> None:
+            """A start-up mark in events.jsonl (relay.runs.phases): where a verl chunk's start-up goes."""
+            req = self.relay_session.req
+            record_phase(self.relay.run_dir, phase, chunk=req.chunk, attempt=req.attempt)
 
         # ---- workers that can be placed, or a loud failure
         def _init_resource_pool_mgr(self):
             super()._init_resource_pool_mgr()
-            from verl.utils.device import get_resource_name
+            from verl.utils.device import get_device_name, get_resource_name
 
             m = self.resource_pool_manager
+            if get_device_name() == "cpu":
+                # verl reserves 3 CPUs per worker (ResourcePoolManager.max_colocate_count, not in its config: one
+                # process each for actor, rollout and reward model); on the CPU path the one hybrid worker process
+                # does all three, and a laptop's head has few CPUs to spare.
+                m.max_colocate_count = 1
             placement.check(m.resource_pool_spec, m.max_colocate_count, get_resource_name(), placement.ray_nodes())
 
         # ---- the loop bound, never the horizon
@@ -155,9 +171,11 @@ def trainer_class():
                 raise HorizonError(f"verl's loop bound is {self.total_training_steps}, the chunk ends at {c.end_step}")
             _say(f"chunk trainer: loop stops at step {self.total_training_steps}; LR horizon {optim_horizon} "
                  f"optimizer steps (run total {c.total_steps}, {c.strategy})")
+            self._relay_phase("dataloader_ready")
 
         # ---- resume: verl must resume from the checkpoint Relay validated
         def _load_checkpoint(self):
+            self._relay_phase("workers_ready")  # verl calls this last in _setup, after workers and rollout
             if self.relay.resume_step:
                 # verl's loader unpickles (weights_only=False): it reads only the bytes Relay validated.
                 from relay.checkpoints.manifest import unchanged_since_validation
@@ -173,6 +191,11 @@ def trainer_class():
                     f"in {self.config.trainer.default_local_dir}: the tracker and the folders disagree",
                     "run `python -m relay doctor SPEC --run RUN` and retry the chunk")
             _say(f"verl resumed at step {self.global_steps}" if self.global_steps else "verl starts at step 0")
+            self._relay_phase("checkpoint_loaded")
+
+        def on_init_end(self):
+            super().on_init_end()  # verl's sync trainer hands the (loaded) weights to the rollout here
+            self._relay_phase("weights_synced")
 
         # ---- validation: only at the run's real end unless asked
         def _validate(self, *args, **kwargs):
@@ -203,18 +226,36 @@ def trainer_class():
 
             shutil.rmtree(staging_root, ignore_errors=True)
 
-        # ---- every step: the lease and one metrics row
+        # ---- every step: the lease and one metrics row, with the dataset indices the step trained on
+        def _next_train_batch(self, num_prompts=None):
+            batch = super()._next_train_batch(num_prompts)  # verl fetches each step's prompts as the step begins
+            self._relay_indices = sample_indices(batch)
+            if self._relay_indices is not None:
+                self._relay_uid_index = dict(zip(_plain(batch["uid"]), self._relay_indices, strict=True))
+            return batch
+
+        # ---- the step's batch in one order, whatever order its responses were generated in
+        def _balance_batch(self, batch, metrics, *args, **kwargs):
+            order = canonical_order(batch.keys, getattr(self, "_relay_uid_index", {}))
+            if order is not None:
+                batch.reorder(order)
+            return super()._balance_batch(batch, metrics, *args, **kwargs)
+
         def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
             super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
             self._relay_step_done(global_steps, epoch, metrics, timing_raw)
 
         def _relay_step_done(self, step, epoch, metrics, timing_raw):
             row = metrics_row(metrics)
+            indices = getattr(self, "_relay_indices", None)
+            if indices is not None:
+                row["sample_indices"] = indices
             self.relay_session.record_step(step, float(timing_raw.get("step", 0.0)), epoch=epoch, **row)
 
         def on_train_begin(self):
             super().on_train_begin()
             _record_tracking(self)
+            self._relay_phase("first_step_begins")
 
     RelayChunkTrainer.__module__ = __name__
     RelayChunkTrainer.__qualname__ = "RelayChunkTrainer"
@@ -284,6 +325,38 @@ def metrics_row(metrics: dict) -> dict[str, float]:
                 except (TypeError, ValueError):
                     continue
     return out
+
+
+def _plain(values) -> list:
+    """A TensorDict column (tensor, numpy array or stack of non-tensor data) as a list of plain values."""
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
+    return [getattr(v, "data", v) for v in values]
+
+
+def sample_indices(batch) -> list[int] | None:
+    """The dataset rows of a prompt batch (RLHFDataset's `index`, from extra_info.index), in batch order."""
+    try:
+        return [int(v) for v in _plain(batch["index"])]
+    except KeyError:
+        return None
+
+
+def canonical_order(keys: list[str], uid_index: dict[str, int]) -> list[int] | None:
+    """The positions of a step's samples sorted by (dataset index, place in the GRPO group, turn).
+
+    verl's agent loop stores each response in TransferQueue under `{uid}_{session_id}_{turn}` as it finishes,
+    and the step's batch comes back in that order, which depends on timing. The loss sums over the batch
+    in its order, and a float sum in another order differs in its last bits, which Adam can turn into
+    whole updates of a parameter whose gradient is near 0: two runs of the same data would not train alike.
+    Sorted, they do. None when a key does not have that form (verl changed it): the order is left alone."""
+    ranks = []
+    for pos, key in enumerate(keys):
+        uid, _, rest = str(key).partition("_")
+        session, _, turn = rest.partition("_")
+        if uid not in uid_index or not session.isdigit() or not turn.isdigit():
+            return None
+        ranks.append((uid_index[uid], int(session), int(turn), pos))
+    return [pos for *_, pos in sorted(ranks)]
 
 
 def _say(msg: str) -> None:

@@ -23,6 +23,7 @@ process that is about to run verl.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Optional
@@ -30,8 +31,9 @@ from typing import Any, Optional
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from relay.trainers.verl_ppo import cpu_device
+from relay.trainers.verl_ppo import cpu_device, cpu_patches
 from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM as PLATFORM
+from relay.trainers.verl_ppo.verl_contract import HF_AGENT_LOOP, HF_ROLLOUT
 
 
 @PlatformRegistry.register(platform=PLATFORM)
@@ -122,6 +124,9 @@ def register_fsdp_engines() -> None:
     """verl's own FSDP engines (actor and critic), registered for device `cpu` too. verl registers them for
     cuda and npu only (`verl/workers/engine/fsdp/transformer_impl.py`, `@EngineRegistry.register(...,
     device=["cuda", "npu"])`); the classes run on a CPU as they are, over gloo."""
+    # verl says, in every process, which of its optional engines (Megatron, torchtitan...) it could not import;
+    # the CPU path uses its FSDP engine only.
+    warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
@@ -131,4 +136,29 @@ def register_fsdp_engines() -> None:
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM)(cls)
 
 
-register_fsdp_engines()  # at import: verl imports this module before any worker builds an engine
+def register_hf_rollout() -> None:
+    """The `hf` rollout (relay.trainers.verl_ppo.hf_rollout: transformers in the hybrid worker), named in
+    verl's two rollout registries: the adapter a worker builds (`_ROLLOUT_REGISTRY`, by its path) and the
+    replica the trainer launches (`RolloutReplicaRegistry`, by a loader); and its agent loop, which tags
+    each request with its sample (verl's agent-loop registry). None is imported until used."""
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    base._ROLLOUT_REGISTRY[(HF_ROLLOUT, "async")] = "relay.trainers.verl_ppo.hf_rollout.HFServerAdapter"
+    RolloutReplicaRegistry.register(HF_ROLLOUT, _hf_replica)
+    # verl's agent-loop registry holds Hydra targets: naming the class imports nothing until a worker builds it.
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    _agent_loop_registry[HF_AGENT_LOOP] = {"_target_": "relay.trainers.verl_ppo.hf_rollout.RelaySingleTurnAgentLoop"}
+
+
+def _hf_replica() -> type:
+    from relay.trainers.verl_ppo.hf_rollout import HFReplica
+
+    return HFReplica
+
+
+# At import: verl imports this module (VERL_USE_EXTERNAL_MODULES) before any worker builds an engine or a rollout.
+register_fsdp_engines()
+register_hf_rollout()
+cpu_patches.apply()

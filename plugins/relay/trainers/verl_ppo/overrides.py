@@ -18,6 +18,10 @@ What Relay sets, and why:
   retention keeps what is validated and published.
 - data.train_files / val_files: the run's frozen copies, never the source paths.
 - ray_kwargs.ray_init.address: the cluster the job runs on, never a new local Ray.
+- rollout.agent.default_agent_loop: with the hf rollout, its agent loop (hf_rollout.RelaySingleTurnAgentLoop).
+- trainer.device: the spec's device (cpu: Relay's cpu platform, see cpu_platform.py).
+- the models' attn_implementation (override_config, an empty mapping in verl's yaml, hence '+'): the
+  spec's, else sdpa on a CPU (verl's default flash_attention_2 needs flash-attn and a GPU).
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from relay.common.errors import SpecError
 from relay.runs.run import Run
 from relay.trainers.verl_ppo import tracking
 from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
+from relay.trainers.verl_ppo.verl_contract import HF_AGENT_LOOP, HF_ROLLOUT
 
-ADDED_KEYS = ("ray_kwargs.ray_init.address",)  # the only '+' overrides: not in verl's yaml, their parent is
+# the only '+' overrides: not in verl's yaml, their parent is
+ADDED_KEYS = ("ray_kwargs.ray_init.address", "actor_rollout_ref.model.override_config.attn_implementation",
+              "critic.model.override_config.attn_implementation")
 
 
 def verl_config_dir() -> Path:
@@ -114,6 +121,7 @@ def chunk_overrides(run: Run, *, first_step_of_run: bool, data: dict[str, list[s
         "trainer.max_actor_ckpt_to_keep": None,
         "trainer.max_critic_ckpt_to_keep": None,
         "trainer.del_local_ckpt_after_load": False,
+        "trainer.device": s.device,
         "trainer.use_v1": True,
         "trainer.v1.trainer_mode": "sync",
         "data.train_files": list(data["train"]),
@@ -153,11 +161,16 @@ def chunk_overrides(run: Run, *, first_step_of_run: bool, data: dict[str, list[s
         "algorithm.adv_estimator": s.adv_estimator,
         "algorithm.use_kl_in_reward": s.use_kl_in_reward,
     }
+    if s.rollout_name == HF_ROLLOUT:
+        out["actor_rollout_ref.rollout.agent.default_agent_loop"] = HF_AGENT_LOOP
     if s.has_critic:
         out.update({"critic.model.path": s.model_path, "critic.strategy": s.strategy,
                     "critic.checkpoint.async_save": False})
     lines = [f"{k}={quote(v)}" for k, v in out.items()]
     lines.append(f"+ray_kwargs.ray_init.address={quote(s.ray_address)}")
+    if s.attention:
+        models = ["actor_rollout_ref.model"] + (["critic.model"] if s.has_critic else [])
+        lines += [f"+{m}.override_config.attn_implementation={quote(s.attention)}" for m in models]
     return lines + [o.strip() for o in s.overrides]
 
 

@@ -22,7 +22,7 @@ RELAY_OWNED_KEYS = (
     "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.nnodes",
     "trainer.n_gpus_per_node", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
     "trainer.remove_previous_ckpt_in_save", "trainer.del_local_ckpt_after_load", "trainer.default_hdfs_dir",
-    "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.val_only",
+    "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.val_only", "trainer.device",
     "data.train_files", "data.val_files", "data.train_batch_size", "data.shuffle", "data.seed",
     "data.max_prompt_length", "data.max_response_length", "data.train_max_samples",
     "actor_rollout_ref.model.path", "actor_rollout_ref.actor.strategy", "actor_rollout_ref.actor.optim",
@@ -66,7 +66,16 @@ class VerlPPOSettings(StrictModel):
         "chunked", description="chunked: one Ray job per chunk, each stops at the chunk's end step; supervised: "
                                "one long job saving every chunk_steps, each chunk task waits for its checkpoint")
     model_path: str = critical(min_length=1, description="Hugging Face model folder on shared storage")
-    rollout_name: Literal["vllm", "sglang"] = critical("vllm")
+    tiny_model: bool = critical(False, description="make Relay's tiny Qwen2 model (relay model tiny: no download) "
+                                                   "at model_path when it is missing; for trials on a CPU")
+    device: Literal["cuda", "cpu"] = critical(
+        "cuda", description="cpu: verl's trainer on CPUs through Relay's cpu platform (gloo, logical GPUs, "
+                            "rollout_name hf); cuda: a GPU cluster")
+    attn_implementation: Literal["flash_attention_2", "sdpa", "eager"] | None = critical(
+        None, description="the model's attention; default: verl's (flash_attention_2, which needs flash-attn in "
+                          "the image) on cuda, sdpa on cpu")
+    rollout_name: Literal["vllm", "sglang", "hf"] = critical(
+        "vllm", description="vllm | sglang (GPU engines) | hf: transformers' generate(), for the tiny model on a CPU")
     fsdp_version: Literal[1, 2] = critical(2, description="1: strategy fsdp, 2: fsdp2")
     nnodes: int = critical(1, ge=1)
     n_gpus_per_node: int = critical(8, ge=1)
@@ -132,6 +141,20 @@ class VerlPPOSettings(StrictModel):
                                  "(use the spec's own keys: total_steps, chunk_steps, checkpoint_dir, data, "
                                  "trainer.settings)")
         return v
+
+    @model_validator(mode="after")
+    def _cpu_rollout(self) -> "VerlPPOSettings":
+        if self.device == "cpu" and self.rollout_name != "hf":
+            raise ValueError(f"device cpu generates with rollout_name hf (transformers in verl's worker); "
+                             f"{self.rollout_name} needs GPUs")
+        if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
+            raise ValueError("flash_attention_2 needs a GPU: on device cpu use sdpa or eager")
+        return self
+
+    @property
+    def attention(self) -> str | None:
+        """The attention implementation Relay asks verl for (None: verl's default)."""
+        return self.attn_implementation or ("sdpa" if self.device == "cpu" else None)
 
     @model_validator(mode="after")
     def _batches(self) -> "VerlPPOSettings":

@@ -33,6 +33,7 @@ from relay.common.progress import step_line
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog
+from relay.runs.phases import record_phase
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession
 from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides, tracking, verl_contract
@@ -57,9 +58,11 @@ def job_env(req: ChunkRequest) -> dict[str, str]:
 
     RAY_OVERRIDE_JOB_RUNTIME_ENV=1: verl's run_ppo calls ray.init with its own runtime_env inside the
     job; Ray merges it with the job's and, without this, refuses any key both name.
+    device cpu: verl's cpu platform in every verl process of the job (verl_contract.CPU_PLATFORM_ENV).
     """
 
-    return {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
+    cpu = verl_contract.CPU_PLATFORM_ENV if req.spec.settings.device == "cpu" else {}
+    return {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1", **cpu,
             **tracking.job_env(req.run)}
 
 
@@ -102,6 +105,11 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
                     f"{horizon.describe_schedule(s.optim, spec.total_steps)} does not depend on the horizon, so "
                     f"the chunk ends through total_training_steps={req.to_step}")
     data = session.data_files()
+    if s.tiny_model:
+        from relay.trainers.verl_ppo.tiny_model import ensure_tiny_model
+
+        if ensure_tiny_model(s.model_path):
+            session.say(f"made Relay's tiny model at {s.model_path} (tiny_model: true)")
     config = overrides.compose(overrides.chunk_overrides(req.run, first_step_of_run=start == 0, data=data,
                                                          strategy=strategy, end_step=req.to_step))
     from verl.utils.device import auto_set_device
@@ -114,6 +122,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
         tracking_env=tracking_env(req), run_dir=str(run_dir)))
 
     session.begin()
+    record_phase(run_dir, "resume_checked", chunk=req.chunk, attempt=req.attempt)
     watcher = ProgressWatcher(session, start, req.to_step)
     t0 = time.time()
     try:

@@ -13,6 +13,8 @@ from relay.common.errors import RelayError
 # imports the module that registers it (verl/__init__.py imports VERL_USE_EXTERNAL_MODULES). Kept here,
 # in a light module, so that whoever builds a job's environment does not import verl.
 CPU_PLATFORM = "cpu"
+HF_ROLLOUT = "hf"  # the rollout that generates with transformers in verl's hybrid worker (hf_rollout.py)
+HF_AGENT_LOOP = "relay_single_turn_agent"  # its agent loop: verl's single-turn one, requests tagged by sample
 CPU_PLATFORM_ENV = {"VERL_PLATFORM": CPU_PLATFORM, "VERL_USE_EXTERNAL_MODULES": "relay.trainers.verl_ppo.cpu_platform"}
 
 

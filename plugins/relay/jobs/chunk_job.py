@@ -1,0 +1,211 @@
+"""A chunk as one Ray job, followed from a terminal: `relay train` of a trainer kind whose chunks only
+run as Ray jobs (verl_ppo: verl's trainer drives Ray workers of its own).
+
+The job is the one the DAG's train task submits (ray_jobs.RayJobs.submit: `python -m
+relay.trainers.job`, Relay's code in runtime_env, the request in its environment): the run's lease is
+taken here, at submission, for the job's submission id, and its fencing token travels in the request,
+as the operator does it. The job's log is printed as it comes (the Jobs API's log stream); the job's
+end is the command's. An interruption (Ctrl-C, or SIGTERM/SIGHUP turned into `Interrupted` by
+interrupts()) stops the job before it is passed on.
+
+Imports nothing heavy at module level (ray only inside RayJobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TextIO
+
+from relay.common.errors import RayJobError
+from relay.jobs.ray_jobs import TERMINAL, JobState, RayJobs
+from relay.runs.lease import Lease
+from relay.runs.plan import ChunkPlan
+from relay.runs.run import Run
+from relay.runs.spec import RunSpec
+from relay.trainers.contract import ChunkRequest
+from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM, CPU_PLATFORM_ENV
+
+# Trainer kinds whose `relay train` runs the chunk as a Ray job; the others train in the CLI's process.
+JOB_KINDS = frozenset({"verl_ppo"})
+STOP_WAIT_S = 30  # how long an interrupted command waits for its stopped job to end
+
+
+def runs_as_job(spec: RunSpec) -> bool:
+    return spec.trainer.kind in JOB_KINDS
+
+
+class Interrupted(KeyboardInterrupt):
+    """The command was asked to stop by a signal (SIGTERM, SIGHUP); SIGINT stays a KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts(signals=(signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Interrupted in the main thread for the while (a KeyboardInterrupt, which
+    no `except Exception` swallows), so that the job and the head are stopped on the way out."""
+
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+
+    saved = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def exit_code(e: KeyboardInterrupt) -> int:
+    """128 + the signal's number, as a shell reports a command a signal ended."""
+    return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
+
+
+def cpu_platform_env(spec: RunSpec) -> dict[str, str]:
+    """CPU_PLATFORM_ENV when the spec asks for verl's cpu platform (`device: cpu` in the trainer's settings, or
+    VERL_PLATFORM=cpu in ray.env_vars): the whole of it, so that every verl process of the job also imports
+    the module that registers the platform. (verl_ppo's own job_env sets it for device cpu too: the same
+    values, whoever submits.)"""
+    asked = (getattr(spec.settings, "device", None) == CPU_PLATFORM
+             or spec.ray.env_vars.get("VERL_PLATFORM") == CPU_PLATFORM)
+    return dict(CPU_PLATFORM_ENV) if asked else {}
+
+
+def local_submission_id(run: Run) -> str:
+    """relay-<spec>-<run>-local-<host and pid hash>-<time>: a `relay train` command's job, never one of the DAG's."""
+    who = hashlib.sha256(f"{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:6]
+    safe_run = re.sub(r"[^A-Za-z0-9_-]", "_", run.name)
+    return f"relay-{run.spec.name}-{safe_run}-local-{who}-{int(time.time())}"
+
+
+def chunk_index(spec: RunSpec, to_step: int) -> int | None:
+    """The chunk of the spec's plan that ends at to_step, if one does (logs and the job's metadata)."""
+    plan = ChunkPlan.from_spec(spec)
+    return next((c.index for c in plan.chunks if c.end_step == to_step), None)
+
+
+def chunk_request(run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
+    """The job's request, with the run's lease taken for sub_id now (the token travels in the request: a
+    job that starts late finds a newer token and never writes)."""
+    token = Lease(run.dir).acquire(sub_id)
+    return ChunkRequest(run=run, to_step=to_step, chunk=chunk_index(run.spec, to_step), attempt=sub_id,
+                        lease_token=token, restore=restore)
+
+
+def metadata(req: ChunkRequest) -> dict[str, str]:
+    """What the DAG's jobs carry (a train task stops a live job of its run: one writer per run), and who
+    submitted it."""
+    return {"relay_spec": req.spec.name, "relay_run": req.run.name, "relay_chunk": str(req.chunk),
+            "relay_try": "0", "relay_dag_run": "", "relay_submitted_by": f"relay train ({req.attempt})"}
+
+
+def submit_chunk(jobs: RayJobs, run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
+    """Submit the chunk's job, as the DAG's train task does (RayJobs.submit), the lease taken for sub_id."""
+    req = chunk_request(run, to_step, sub_id, restore)
+    jobs.submit(req, sub_id, metadata(req), cpu_platform_env(run.spec))
+    return req
+
+
+def follow(jobs: RayJobs, sub_id: str, out: TextIO | None = None, poll_s: float = 1.0) -> JobState:
+    """Write the job's log to `out` as it comes (the Jobs API's log stream, in a thread) until the job
+    ends; return its final state. What the stream has not written by then (its last lines, or all it
+    missed when it broke off) is read from the whole log, once."""
+    out = out or sys.stdout
+    _ = jobs.client  # made here, once, before the stream's thread uses it too
+    lock = threading.Lock()
+    written = [0]  # characters of the log written so far
+    closed = threading.Event()
+
+    def stream() -> None:
+        async def tail() -> None:  # ends with the job, or when the main thread has closed it
+            async for chunk in jobs.client.tail_job_logs(sub_id):
+                with lock:
+                    if closed.is_set():
+                        return
+                    out.write(chunk)
+                    out.flush()
+                    written[0] += len(chunk)
+
+        try:
+            asyncio.run(tail())
+        except Exception:  # noqa: BLE001 - a broken stream: the rest is read from the whole log below
+            pass
+
+    threading.Thread(target=stream, name=f"log-{sub_id}", daemon=True).start()
+    while True:
+        state = jobs.get(sub_id)
+        if state is None:
+            raise RayJobError(f"Ray job {sub_id} is no longer known at {jobs.address}",
+                              "the Ray head was restarted under it; run the command again (it resumes from the "
+                              "latest checkpoint)")
+        if state.status in TERMINAL:
+            break
+        time.sleep(poll_s)
+    with lock:  # the stream ends some seconds after the job: what it has not written yet comes from the whole log
+        closed.set()
+        try:
+            rest = jobs.logs(sub_id)[written[0]:]
+        except Exception:  # noqa: BLE001 - the state matters more than the last lines
+            rest = ""
+        if rest:
+            out.write(rest)
+            out.flush()
+    return state
+
+
+def stop(jobs: RayJobs, sub_id: str, wait_s: float = STOP_WAIT_S) -> str:
+    """Stop the job and wait (bounded) for its end; its final status, or why it is not known."""
+    try:
+        state = jobs.get(sub_id)
+        if state is None or state.status in TERMINAL:
+            return state.status if state else "never submitted"
+        jobs.stop(sub_id)
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            state = jobs.get(sub_id)
+            if state is None or state.status in TERMINAL:
+                return state.status if state else "gone"
+            time.sleep(0.5)
+        return "still stopping"
+    except Exception as e:  # noqa: BLE001 - the head may be gone already
+        return f"not stopped: {e}"
+
+
+def failure(state: JobState) -> tuple[str, int]:
+    """(what went wrong, the command's exit code) of a job that did not succeed: Ray's message without the
+    log it appends (already printed), and the entrypoint's exit code (relay.trainers.job: 3 the lease was
+    lost, 1 anything else), as the in-process trainer would have exited."""
+    message = re.split(r",? last available logs", (state.message or "").strip().split("\n", 1)[0])[0]
+    m = re.search(r"exit code (\d+)", message)
+    code = int(m.group(1)) if m else 1
+    return f"ended {state.status}: {message or 'no message'}", code if 1 <= code <= 125 else 1
+
+
+def run_attached(jobs: RayJobs, sub_id: str, submit: Callable[[], object], *,
+                 watch: Callable[[str, str], None] | None = None, out: TextIO | None = None) -> JobState:
+    """submit() the job sub_id, follow it to its end, and stop it if this process is interrupted or fails
+    meanwhile (from the submission on: a job whose submission was cut short is stopped too, if it
+    exists). watch(address, sub_id): names the job to a watchdog first (local_head.Guarded.watch_job)."""
+    _ = jobs.client  # a cluster that does not answer fails here, before anything is submitted
+    if watch is not None:
+        watch(jobs.address, sub_id)
+    try:
+        submit()
+        return follow(jobs, sub_id, out)
+    except BaseException as e:
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({e})"
+        print(f"relay: {why}: stopping Ray job {sub_id} ...", file=sys.stderr, flush=True)
+        print(f"relay: Ray job {sub_id}: {stop(jobs, sub_id)}", file=sys.stderr, flush=True)
+        raise

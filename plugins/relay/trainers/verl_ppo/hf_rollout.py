@@ -1,0 +1,275 @@
+"""Text generation with transformers inside verl's hybrid worker: the CPU path's rollout, named `hf`.
+
+verl 0.9.1 generates through rollout *replicas* (`verl/workers/rollout/replica.py`): each replica
+launches server actors, and verl's agent loop sends token-in, token-out requests to a server's
+`generate()` through `LLMServerClient`. Only vLLM, SGLang and TensorRT-LLM replicas exist, and none
+runs on a CPU. This module adds a fourth, registered through verl's own registries:
+
+- `HFServerAdapter` (verl's `_ROLLOUT_REGISTRY[("hf", "async")]`): the rollout object verl's
+  `ActorRolloutRefWorker.init_model` builds inside the hybrid worker. It holds a transformers copy of
+  the policy. verl's naive checkpoint engine feeds it: `ActorRolloutRefWorker.update_weights` passes
+  the actor engine's `get_per_tensor_param()` generator to `update_weights()` after every step,
+  in-process, as it does for vLLM's adapter.
+- `HFReplica` (verl's `RolloutReplicaRegistry["hf"]`): in hybrid mode, one server actor per replica.
+- `HFRolloutServer`: the server verl's client calls. It holds no model: each `generate()` runs in the
+  replica's hybrid worker (Ray's `__ray_call__`), so generation uses exactly the weights the actor
+  just trained.
+
+Sampling draws from a `torch.Generator` of its own, seeded from the rollout seed, the step, the sample's
+index in the dataset and its place in its GRPO group (`RelaySingleTurnAgentLoop`, verl's single-turn
+agent loop that passes that identity along with each request), so that neither which worker serves a
+request nor the order requests arrive in changes a response; and generation never touches the worker's
+global RNG, whose state verl saves with every checkpoint and restores on resume.
+
+This stands in for a production inference engine only in speed: the weights, the prompts, the
+sampling parameters and the token ids verl receives are those of verl's own loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+_ADAPTER: "HFServerAdapter | None" = None  # the adapter of this process (a hybrid worker holds one)
+
+
+class HFServerAdapter(BaseRollout):
+    """The policy's copy for generation, in the hybrid worker; weights come from verl's naive engine."""
+
+    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+        super().__init__(config, model_config, device_mesh, *args, **kwargs)
+        global _ADAPTER
+        from transformers import AutoModelForCausalLM
+
+        path = self.model_config.local_path
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="sdpa")
+        self.model.eval()
+        self.eos_ids = _eos_ids(self.model_config, self.model)
+        self.global_steps = 0
+        self._seen: dict[str, int] = {}  # responses given per prompt in this step (seeds the next one)
+        self._lock = threading.Lock()
+        _ADAPTER = self
+
+    async def resume(self, tags: list[str]):
+        pass  # weights and cache live in host memory; nothing was released
+
+    async def release(self):
+        pass
+
+    async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"the hf rollout takes full named tensors, not {wire_format!r}")
+        own = self.model.state_dict()
+        loaded = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in own:
+                    raise KeyError(f"the actor sent {name!r}, which the rollout model "
+                                   f"{self.model_config.local_path} does not have")
+                own[name].copy_(tensor.to(own[name].dtype))
+                loaded.add(name)
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = set(own) - loaded - tied
+        if missing:
+            raise KeyError(f"the actor's weights lack {sorted(missing)[:5]}: the rollout would generate with stale ones")
+        with self._lock:
+            if kwargs.get("global_steps") is not None:
+                self.global_steps = int(kwargs["global_steps"])
+            self._seen.clear()
+
+    def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any],
+                 sample_id: str | None = None) -> TokenOutput:
+        """One response to one prompt, sampled with a generator of its own (see the module's docstring).
+        sample_id: the request's identity (dataset index/place in group); without it, the prompt and how many
+        responses it had in this step so far (then the order requests arrive in matters)."""
+        with self._lock:
+            step = self.global_steps
+            if sample_id is None:
+                key = hashlib.sha256(repr(list(prompt_ids)).encode()).hexdigest()
+                nth = self._seen.get(key, 0)
+                self._seen[key] = nth + 1
+                sample_id = f"prompt:{key}:{nth}"
+        seed = _seed(self.config.seed, step, sample_id)
+        max_new = int(sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens")
+                      or self.config.response_length)
+        tokens, logps = sample(self.model, prompt_ids, max_new, self.eos_ids, seed,
+                               temperature=float(sampling_params.get("temperature", 1.0)),
+                               top_k=int(sampling_params.get("top_k", -1) or -1),
+                               top_p=float(sampling_params.get("top_p", 1.0) or 1.0))
+        return TokenOutput(token_ids=tokens, log_probs=logps if sampling_params.get("logprobs") else None,
+                           stop_reason="completed", num_preempted=0, extra_fields={"global_steps": step})
+
+
+def _seed(base: int, step: int, sample_id: str) -> int:
+    digest = hashlib.sha256(f"{base}:{step}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _eos_ids(model_config, model) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model_config, "generation_config", None), model.generation_config, model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    tok = getattr(model_config, "tokenizer", None)
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: list[int], max_new: int, eos_ids: set[int], seed: int, *, temperature: float = 1.0,
+           top_k: int = -1, top_p: float = 1.0) -> tuple[list[int], list[float]]:
+    """Autoregressive sampling with a KV cache. temperature 0 is greedy (verl's validation)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    out = model(input_ids=ids, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[:, -1, :].float()
+    tokens: list[int] = []
+    logps: list[float] = []
+    for _ in range(max_new):
+        if temperature <= 0:
+            tok = int(torch.argmax(logits, dim=-1))
+            logp = float(torch.log_softmax(logits, dim=-1)[0, tok])
+        else:
+            scaled = _filter(logits / temperature, top_k, top_p)
+            probs = torch.softmax(scaled, dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=gen)[0, 0])
+            logp = float(torch.log(probs[0, tok]))
+        tokens.append(tok)
+        logps.append(logp)
+        if tok in eos_ids:
+            break
+        out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+    return tokens, logps
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def _generate_in_worker(_worker, prompt_ids, sampling_params, sample_id) -> TokenOutput:
+    """Run by Ray's __ray_call__ inside the hybrid worker's process, where the adapter lives."""
+    if _ADAPTER is None:
+        raise RuntimeError("no hf rollout in this worker: actor_rollout_ref.rollout.name must be 'hf' "
+                           "and the worker's init_model must have run")
+    return _ADAPTER.generate(prompt_ids, sampling_params, sample_id)
+
+
+SAMPLE_KWARG = "relay_sample"  # the request's identity, from RelaySingleTurnAgentLoop to HFRolloutServer
+
+
+class RelaySingleTurnAgentLoop(SingleTurnAgentLoop):
+    """verl's single-turn agent loop, its requests tagged with the sample's identity: the dataset index and
+    the place in the GRPO group (verl's session_id), which seed that response's sampling."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> Any:
+        index, session = kwargs.get("index"), kwargs.get("session_id")
+        if index is not None and session is not None:
+            # (setattr: verl's class is untyped here, and mypy cannot tell the attribute's type)
+            setattr(self, "server_manager", _Tagged(self.server_manager, f"{index}/{session}"))
+        return await super().run(sampling_params, **kwargs)
+
+
+class _Tagged:
+    """verl's LLMServerClient, adding the sample's identity to each generate() (it forwards extra keyword
+    arguments to the server's generate)."""
+
+    def __init__(self, client, sample_id: str):
+        self._client, self._sample_id = client, sample_id
+
+    async def generate(self, *args, **kwargs):
+        return await self._client.generate(*args, **{**kwargs, SAMPLE_KWARG: self._sample_id})
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def _node_id(_worker) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+class HFRolloutServer:
+    """The server verl's LLMServerClient calls; the generation itself runs in the hybrid worker."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       relay_sample: str | None = None, **_multimodal) -> TokenOutput:
+        return await self.worker.__ray_call__.remote(_generate_in_worker, list(prompt_ids), dict(sampling_params),
+                                                     relay_sample)
+
+    # What verl asks of every server between steps: nothing to free or resume here.
+    async def wake_up(self):
+        pass
+
+    async def sleep(self):
+        pass
+
+    async def abort_all_requests(self, reject_request: bool = False):
+        pass
+
+    async def resume_generation(self):
+        pass
+
+    async def clear_kv_cache(self):
+        pass
+
+    async def release_kv_cache(self):
+        pass
+
+    async def resume_kv_cache(self):
+        pass
+
+    async def start_profile(self, **kwargs):
+        pass
+
+    async def stop_profile(self):
+        pass
+
+
+# An actor of no CPU: it only forwards each request to the worker, which does the work.
+_SERVER_ACTOR = ray.remote(num_cpus=0)(HFRolloutServer)
+
+
+class HFReplica(RolloutReplica):
+    """A replica of one hybrid worker (tensor, data and pipeline parallel sizes of 1)."""
+
+    async def launch_servers(self):
+        if len(self.workers) != 1:
+            raise ValueError(f"the hf rollout serves from one hybrid worker per replica, got {len(self.workers)}: "
+                             "set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
+        worker = self.workers[0]
+        node = await worker.__ray_call__.remote(_node_id)
+        server = _SERVER_ACTOR.options(
+            name=f"relay_hf_rollout_{self.replica_rank}{self.name_suffix}",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(worker)
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"hf-rollout-{self.replica_rank}{self.name_suffix}"
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+

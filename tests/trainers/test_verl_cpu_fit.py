@@ -1,0 +1,181 @@
+"""verl's own trainer, end to end on a CPU: `relay train` of include/runs/verl_tiny_cpu.yaml as Ray jobs on the
+session's head, through verl's TaskRunner, PPOTrainerSync.fit(), its FSDP engine, reference model, GRPO
+advantage and FSDPCheckpointManager; the transformers rollout (hf) stands in for vLLM only.
+
+One file, run by one xdist worker (--dist loadfile): its jobs run one after another, as verl's jobs each hold
+the head's logical GPU. Together they take a few minutes: each job starts Ray actors and imports verl and torch
+in several processes.
+
+- an uninterrupted job trains 0 -> 4;
+- a chunked run: a job 0 -> 2; a job 2 -> 4 whose driver is SIGKILLed after step 3 and before its checkpoint;
+  `relay train` again resumes from step 2 and finishes at 4;
+- the two runs have every step once, the same LR, the same data order (dataset indices per step), the same
+  resume point; whether their final weights are bitwise equal is asserted (the hf rollout seeds each response
+  from the seed, the step and the sample, and verl restores every RNG it saves);
+- every checkpoint passes the gate at every level, the smoke check included.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from relay.checkpoints.gate import admit_dir
+from relay.runs import layout
+from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
+from relay.runs.phases import STARTUP, phase_marks
+from relay.runs.spec import load_spec
+from relay.trainers.verl_ppo import chunk_trainer
+from support.faults import alive, kill
+from support.helpers import PY, ROOT, assert_bitwise_equal, model_state, read_metrics
+
+SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"
+JOB_TIMEOUT = 900
+
+
+def relay_train(run_dir: Path, to_step: int, ray_address: str, log: Path) -> subprocess.Popen:
+    """`relay train` of the verl spec into run_dir, as a user runs it, on the session's Ray head."""
+    return subprocess.Popen([PY, "-m", "relay", "train", str(SPEC), "--to-step", str(to_step), "--checkpoint-dir",
+                             str(run_dir), "--offline", "--ray-address", ray_address], cwd=ROOT,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+
+
+def finish(proc: subprocess.Popen, log: Path) -> str:
+    rc = proc.wait(timeout=JOB_TIMEOUT)
+    out = log.read_text(errors="replace")
+    assert rc == 0, out[-6000:]
+    return out
+
+
+def job_driver_pid(run_dir: Path) -> int | None:
+    """The Ray job's driver: the Python process (not the shell Ray starts it with) running
+    `-m relay.trainers.job` whose chunk request names run_dir's checkpoint folder."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if not Path(argv[0].decode()).name.startswith("python") or b"relay.trainers.job" not in argv:
+                continue
+            if str(run_dir.parent).encode() in (proc / "environ").read_bytes():
+                return int(proc.name)
+        except (OSError, UnicodeDecodeError):
+            continue
+    return None
+
+
+def wait_for_step(run_dir: Path, step: int, attempt_other_than: set, timeout: float = JOB_TIMEOUT) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for row in read_jsonl(run_dir / layout.METRICS):
+            if row.get("step") == step and row.get("attempt") not in attempt_other_than:
+                return row
+        time.sleep(0.2)
+    raise AssertionError(f"no metrics row of step {step} in {run_dir} within {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ray_address):
+    base = tmp_path_factory.mktemp("verl_cpu")
+    straight, chunked = base / "straight" / "run", base / "chunked" / "run"
+
+    # The uninterrupted run: one job, 0 -> 4.
+    finish(relay_train(straight, 4, ray_address, base / "straight.log"), base / "straight.log")
+
+    # The chunked run: 0 -> 2; then 2 -> 4, its driver SIGKILLed after step 3, before the checkpoint of step 4.
+    finish(relay_train(chunked, 2, ray_address, base / "c1.log"), base / "c1.log")
+    first = {r["attempt"] for r in read_metrics(chunked)}
+    proc = relay_train(chunked, 4, ray_address, base / "c2.log")
+    wait_for_step(chunked, 3, first)
+    pid = job_driver_pid(chunked)
+    assert pid is not None, "the chunk's Ray job driver was not found"
+    assert not (chunked / "global_step_4").exists()
+    kill(pid)
+    assert proc.wait(timeout=JOB_TIMEOUT) != 0, "relay train succeeded although its job was killed"
+    killed_log = (base / "c2.log").read_text(errors="replace")
+    assert not alive(pid)
+    time.sleep(20)  # longer than a step: verl's actors die with their driver, and nothing commits step 4
+    assert layout.read_tracker(chunked) == 2 and not (chunked / "global_step_4").exists()
+
+    # The retry: `relay train` again resumes from the latest checkpoint.
+    retry = finish(relay_train(chunked, 4, ray_address, base / "c3.log"), base / "c3.log")
+    return {"straight": straight, "chunked": chunked, "killed_log": killed_log, "retry_log": retry}
+
+
+def test_a_killed_verl_chunk_resumes_and_every_step_is_trained_once(runs):
+    straight, chunked = runs["straight"], runs["chunked"]
+    assert layout.read_tracker(straight) == 4 and layout.read_tracker(chunked) == 4
+    rows, base = read_metrics(chunked), read_metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] == [r["step"] for r in base]
+    superseded = read_jsonl(chunked / SUPERSEDED)
+    assert [r["step"] for r in superseded] == [3], "the killed attempt's step 3 is kept aside, trained again"
+    starts = [e for e in read_events(chunked) if e["event"] == "chunk_start"]
+    assert [e["resumed_from"] for e in starts] == [0, 2, 2]
+    assert "resumes from step 2" in runs["retry_log"] and "verl resumed at step 2" in runs["retry_log"]
+
+
+def test_the_resumed_run_has_the_uninterrupted_runs_lr_and_data_order(runs):
+    rows, base = read_metrics(runs["chunked"]), read_metrics(runs["straight"])
+    assert [r["lr"] for r in rows] == [r["lr"] for r in base]
+    assert all(r["sample_indices"] for r in rows)
+    assert [r["sample_indices"] for r in rows] == [r["sample_indices"] for r in base]
+
+
+def test_the_resumed_run_ends_with_the_uninterrupted_runs_weights_bit_for_bit(runs):
+    straight = model_state(layout.step_dir(runs["straight"], 4))
+    chunked = model_state(layout.step_dir(runs["chunked"], 4))
+    assert_bitwise_equal(chunked, straight)
+    rows, base = read_metrics(runs["chunked"]), read_metrics(runs["straight"])
+    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in base]
+
+
+def test_the_weights_moved(runs):
+    """A GRPO step with an uneven reward changes the policy (an all-zero advantage would not)."""
+    first = model_state(layout.step_dir(runs["chunked"], 2))
+    last = model_state(layout.step_dir(runs["chunked"], 4))
+    assert any(not (first[k] == last[k]).all() for k in first)
+    assert any(r["reward_mean"] > 0 for r in read_metrics(runs["chunked"]))
+
+
+def test_verls_checkpoints_pass_the_gate_at_every_level_with_the_smoke_check(runs):
+    from relay.checkpoints.gate import smoke_check
+
+    spec = load_spec(SPEC)
+    assert spec.checkpoints.smoke
+    for run_dir in (runs["straight"], runs["chunked"]):
+        for step in (2, 4) if run_dir == runs["chunked"] else (4,):
+            admission = admit_dir(run_dir, step, smoke=smoke_check(spec))
+            assert admission.ok, admission.explain()
+            assert "forward pass" in admission.explain()
+
+
+def test_each_verl_chunk_records_its_start_up_phases(runs):
+    events = read_events(runs["chunked"])
+    attempts = [e["attempt"] for e in events if e["event"] == "chunk_start"]
+    resumed = phase_marks(events, attempts[-1])
+    assert list(resumed) == list(STARTUP), resumed
+
+
+def test_the_chunk_trainer_is_verls_own_loop():
+    """Everything but the chunk's edges is verl's: a stand-in for fit, step or the workers fails here."""
+    from verl.trainer.main_ppo import TaskRunnerV1
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from relay.trainers.verl_ppo.runner import relay_task_runner
+    from relay.trainers.verl_ppo.verl_contract import original_class
+
+    cls = chunk_trainer.trainer_class()
+    assert issubclass(cls, PPOTrainerSync)
+    for name in ("fit", "step", "_step_once", "_setup", "_compute_advantage", "_compute_ref_log_prob",
+                 "_compute_old_log_prob", "_update_actor", "_compute_reward_colocate", "init"):
+        assert getattr(cls, name) is getattr(PPOTrainer, name), name
+    assert cls.on_step_end is PPOTrainerSync.on_step_end and cls.on_sample_end is PPOTrainerSync.on_sample_end
+    # (Relay's own: the chunk's edges, the batch's order, the metrics row; each calls verl's method)
+    runner = relay_task_runner()
+    assert issubclass(runner, original_class(TaskRunnerV1))
+    assert runner.init_agent_loop_manager is original_class(TaskRunnerV1).init_agent_loop_manager
