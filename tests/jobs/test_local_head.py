@@ -200,13 +200,13 @@ def test_a_sigkilled_command_leaves_no_head_and_no_job(tmp_path):
 
 # ------------------------------------------------------------------ `relay train`: which path (no service)
 
-def _verl_spec(tmp_path: Path, **ray):
+def _verl_spec(tmp_path: Path, **settings):
     from relay.runs.spec import spec_from_dict
 
     s = {"model_path": str(tmp_path / "model"), "nnodes": 1, "n_gpus_per_node": 1, "train_batch_size": 4,
-         "ppo_mini_batch_size": 2, "rollout_n": 2}
+         "ppo_mini_batch_size": 2, "rollout_n": 2, **settings}
     return spec_from_dict({"name": "v", "trainer": {"kind": "verl_ppo", "settings": s}, "total_steps": 4,
-                           "chunk_steps": 2, "seed": 1, "threads": 1, "checkpoint_dir": str(tmp_path / "ckpt"), "ray": ray,
+                           "chunk_steps": 2, "seed": 1, "threads": 1, "checkpoint_dir": str(tmp_path / "ckpt"),
                            "data": {"train_files": [str(tmp_path / "t.parquet")]}}, check_environment=False)
 
 
@@ -227,10 +227,19 @@ def test_relay_train_runs_verl_ppo_as_a_ray_job_and_the_cpu_trainer_in_process(t
 
 
 def test_the_cpu_platform_reaches_the_job_when_the_spec_asks(tmp_path):
+    """device: cpu puts verl's cpu platform into the job's environment (the trainer kind's job_env), as the
+    DAG's train task submits it; a GPU spec gets none of it."""
+    from relay.jobs.ray_jobs import runtime_env
+    from relay.runs.run import Run
+    from relay.trainers.contract import ChunkRequest
     from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM_ENV
 
-    assert chunk_job.cpu_platform_env(_verl_spec(tmp_path)) == {}
-    assert chunk_job.cpu_platform_env(_verl_spec(tmp_path, env_vars={"VERL_PLATFORM": "cpu"})) == CPU_PLATFORM_ENV
+    def env(spec) -> dict:
+        return runtime_env(ChunkRequest(run=Run.of(spec, "r"), to_step=2))["env_vars"]
+
+    assert not CPU_PLATFORM_ENV.keys() & env(_verl_spec(tmp_path)).keys()
+    cpu = _verl_spec(tmp_path, device="cpu", rollout_name="hf")
+    assert CPU_PLATFORM_ENV.items() <= env(cpu).items()
 
 
 def test_a_failed_jobs_exit_code_is_its_entrypoints():

@@ -33,7 +33,6 @@ from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
 from relay.runs.spec import RunSpec
 from relay.trainers.contract import ChunkRequest
-from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM, CPU_PLATFORM_ENV
 
 # Trainer kinds whose `relay train` runs the chunk as a Ray job; the others train in the CLI's process.
 JOB_KINDS = frozenset({"verl_ppo"})
@@ -73,16 +72,6 @@ def exit_code(e: KeyboardInterrupt) -> int:
     return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
 
 
-def cpu_platform_env(spec: RunSpec) -> dict[str, str]:
-    """CPU_PLATFORM_ENV when the spec asks for verl's cpu platform (`device: cpu` in the trainer's settings, or
-    VERL_PLATFORM=cpu in ray.env_vars): the whole of it, so that every verl process of the job also imports
-    the module that registers the platform. (verl_ppo's own job_env sets it for device cpu too: the same
-    values, whoever submits.)"""
-    asked = (getattr(spec.settings, "device", None) == CPU_PLATFORM
-             or spec.ray.env_vars.get("VERL_PLATFORM") == CPU_PLATFORM)
-    return dict(CPU_PLATFORM_ENV) if asked else {}
-
-
 def local_submission_id(run: Run) -> str:
     """relay-<spec>-<run>-local-<host and pid hash>-<time>: a `relay train` command's job, never one of the DAG's."""
     who = hashlib.sha256(f"{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:6]
@@ -114,7 +103,7 @@ def metadata(req: ChunkRequest) -> dict[str, str]:
 def submit_chunk(jobs: RayJobs, run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
     """Submit the chunk's job, as the DAG's train task does (RayJobs.submit), the lease taken for sub_id."""
     req = chunk_request(run, to_step, sub_id, restore)
-    jobs.submit(req, sub_id, metadata(req), cpu_platform_env(run.spec))
+    jobs.submit(req, sub_id, metadata(req))  # (the trainer kind's job_env: verl's cpu platform for device cpu)
     return req
 
 
