@@ -50,8 +50,8 @@ class HFServerAdapter(BaseRollout):
         from transformers import AutoModelForCausalLM
 
         path = self.model_config.local_path
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                          attn_implementation="sdpa")
+        attention = (self.model_config.override_config or {}).get("attn_implementation") or "sdpa"  # the actor's
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
         self.model.eval()
         self.eos_ids = _eos_ids(self.model_config, self.model)
         self.global_steps = 0
