@@ -11,6 +11,18 @@
    and loaded by a new scheduler at each chunk, as a resumed chunk does) equals the unchunked run's, and the
    parameters end bitwise equal. The obvious trick (horizon = the chunk's end) is shown to differ.
 
+3. verl_engine: as much of the chunked verl trainer as a machine without Ray can run. verl's own FSDP2 engine
+   (FSDPEngineWithLMHead, built by EngineRegistry.new as verl's workers build it) trains the tiny model (Relay's
+   `relay model tiny`, made here) with GRPO on the CPU spec's addition task: each step the rollout model is fed
+   the engine's weights through get_per_tensor_param() (what verl's naive checkpoint engine hands the hf rollout)
+   and samples 4 answers to each of 2 prompts with Relay's hf sampling (a generator seeded from the seed, the
+   step and the sample), the partial-credit reward scores them, and the engine takes an optimizer step on the
+   group-normalised policy-gradient loss. 4 steps straight, against 2 steps, the engine's save_checkpoint
+   (verl's FSDPCheckpointManager), the process ended (the kill), and 2 more in a fresh process after the
+   engine's load_checkpoint: rewards and weights must be bitwise equal (and differ without the load: the
+   control). What does not run here: Ray, verl's
+   TaskRunner, worker groups, agent and reward loops, TransferQueue (the CPU path in CI runs those).
+
 Needs, beyond torch (a CUDA build) and transformers: verl==0.9.1 without extras (it brings hydra-core, omegaconf,
 tensordict, torchdata, ray), pydantic and PyYAML (Relay's spec models), tokenizers. Relay itself comes from this
 checkout (plugins/ on sys.path). Run from the repo root:
@@ -221,14 +233,119 @@ def lr_chunks() -> tuple[bool, str]:
                 f"differs from step {first_diff}")
 
 
+# ------------------------------------------------------------------ 3. verl's engine, checkpoint manager and sampling
+ENGINE_STEPS, ENGINE_SPLIT, GROUP = 4, 2, 4
+PROBLEMS = ((12, 7), (30, 45))
+
+
+def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str | None) -> dict:
+    """Steps start+1..end of the engine's GRPO, in this (fresh) process; see the module's docstring."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    if DEVICE == "cpu":  # verl's cpu platform (a dry run of the script's logic)
+        from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM_ENV
+
+        os.environ.update(CPU_PLATFORM_ENV)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
+    import verl  # noqa: F401  (on a CPU: imports the cpu platform, VERL_USE_EXTERNAL_MODULES)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    from relay.trainers.verl_ppo import tiny_task
+    from relay.trainers.verl_ppo.hf_sampling import sample, seed_of
+
+    engine = EngineRegistry.new(
+        model_type="language_model", backend="fsdp2",
+        model_config=HFModelConfig(path=model_dir, use_remove_padding=False,
+                                   override_config={"attn_implementation": "sdpa"}),
+        engine_config=FSDPEngineConfig(strategy="fsdp2"),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=ENGINE_STEPS),
+        checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    if load:
+        engine.load_checkpoint(load)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rollout = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    rollout = rollout.to(DEVICE).eval()
+    rewards: list[float] = []
+    for step in range(start + 1, end + 1):
+        params, _ = engine.get_per_tensor_param()  # what verl's naive checkpoint engine hands the rollout
+        rollout.load_state_dict({k: v.float() for k, v in params}, strict=False)
+        engine.optimizer_zero_grad()
+        loss = torch.zeros((), device=DEVICE)
+        for i, (a, b) in enumerate(PROBLEMS):
+            prompt = tok.apply_chat_template([{"role": "user", "content": tiny_task.question(a, b)}],
+                                             add_generation_prompt=True, tokenize=True)
+            prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])  # (a BatchEncoding in 5.x)
+            group = []
+            for j in range(GROUP):
+                tokens, _ = sample(rollout, prompt, 8, {tok.eos_token_id}, seed_of(SEED, step, f"{i}/{j}"))
+                group.append((tokens, tiny_task.compute_score(tiny_task.DATA_SOURCE, tok.decode(tokens), str(a + b))))
+            mean = sum(r for _, r in group) / GROUP
+            for tokens, reward in group:
+                ids = torch.tensor([prompt + tokens], device=DEVICE)
+                logits = engine.module(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+                logp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).sum()
+                loss = loss - (reward - mean) * logp / (GROUP * len(PROBLEMS))
+                rewards.append(reward)
+        loss.backward()
+        engine.optimizer_step()
+        engine.lr_scheduler_step()
+    if save:
+        engine.save_checkpoint(save, global_step=end)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().double().cpu()
+             for k, v in engine.module.state_dict().items()}
+    dist.destroy_process_group()
+    return {"rewards": rewards, "params_sha": _sha(torch.cat([state[k].flatten() for k in sorted(state)]))}
+
+
+def verl_engine() -> tuple[bool, str]:
+    from relay.trainers.verl_ppo.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as d:
+        model = str(make_tiny_model(Path(d) / "tiny"))
+        ckpt = str(Path(d) / "global_step_2" / "actor")
+        straight = fresh_process("--engine", model, "0", str(ENGINE_STEPS))
+        first = fresh_process("--engine", model, "0", str(ENGINE_SPLIT), "--save", ckpt)
+        resumed = fresh_process("--engine", model, str(ENGINE_SPLIT), str(ENGINE_STEPS), "--load", ckpt)
+        control = fresh_process("--engine", model, str(ENGINE_SPLIT), str(ENGINE_STEPS))  # no checkpoint loaded
+    rewards = first["rewards"] + resumed["rewards"] == straight["rewards"]
+    weights = resumed["params_sha"] == straight["params_sha"]
+    moved = len(set(straight["rewards"])) > 1
+    sensitive = control["params_sha"] != straight["params_sha"]
+    return rewards and weights and moved and sensitive, (
+        f"verl's FSDP2 engine, GRPO on the tiny model, {ENGINE_STEPS} steps straight vs {ENGINE_SPLIT} + "
+        f"FSDPCheckpointManager save, a new process, load + {ENGINE_STEPS - ENGINE_SPLIT}: rewards "
+        f"{'equal' if rewards else 'DIFFER'}, weights {'bitwise equal' if weights else 'DIFFER'}; rewards "
+        f"{'uneven within groups' if moved else 'all equal (nothing to learn)'}; without the load the weights "
+        f"{'differ (as they must)' if sensitive else 'do NOT differ: the check cannot fail'}; Ray, the TaskRunner, "
+        f"worker groups and TransferQueue did not run here")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--policy", nargs=2, type=int)
+    ap.add_argument("--engine", nargs=3)
     ap.add_argument("--save")
     ap.add_argument("--load")
     ap.add_argument("--no-cuda-rng", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.engine:  # a child process of verl_engine
+        out = engine_run(a.engine[0], int(a.engine[1]), int(a.engine[2]), a.load, a.save)
+        print(json.dumps(out))
+        return 0
     if a.policy:  # a child process of cuda_resume
         out = run_policy(a.policy[0], a.policy[1], Path(a.load) if a.load else None,
                          Path(a.save) if a.save else None, cuda_rng=not a.no_cuda_rng)
@@ -242,7 +359,7 @@ def main() -> int:
     t0, results = time.time(), {}
     print(f"device: {torch.cuda.get_device_name(0) if DEVICE == 'cuda' else DEVICE}; torch {torch.__version__}",
           flush=True)
-    for name, fn in (("cuda_resume", cuda_resume), ("lr_chunks", lr_chunks)):
+    for name, fn in (("cuda_resume", cuda_resume), ("lr_chunks", lr_chunks), ("verl_engine", verl_engine)):
         t = time.time()
         try:
             ok, detail = fn()

@@ -38,6 +38,8 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from relay.trainers.verl_ppo.hf_sampling import sample, seed_of
+
 _ADAPTER: "HFServerAdapter | None" = None  # the adapter of this process (a hybrid worker holds one)
 
 
@@ -98,7 +100,7 @@ class HFServerAdapter(BaseRollout):
                 nth = self._seen.get(key, 0)
                 self._seen[key] = nth + 1
                 sample_id = f"prompt:{key}:{nth}"
-        seed = _seed(self.config.seed, step, sample_id)
+        seed = seed_of(self.config.seed, step, sample_id)
         max_new = int(sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens")
                       or self.config.response_length)
         tokens, logps = sample(self.model, prompt_ids, max_new, self.eos_ids, seed,
@@ -107,11 +109,6 @@ class HFServerAdapter(BaseRollout):
                                top_p=float(sampling_params.get("top_p", 1.0) or 1.0))
         return TokenOutput(token_ids=tokens, log_probs=logps if sampling_params.get("logprobs") else None,
                            stop_reason="completed", num_preempted=0, extra_fields={"global_steps": step})
-
-
-def _seed(base: int, step: int, sample_id: str) -> int:
-    digest = hashlib.sha256(f"{base}:{step}:{sample_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _eos_ids(model_config, model) -> set[int]:
@@ -124,48 +121,6 @@ def _eos_ids(model_config, model) -> set[int]:
     if tok is not None and tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
     return ids
-
-
-@torch.no_grad()
-def sample(model, prompt_ids: list[int], max_new: int, eos_ids: set[int], seed: int, *, temperature: float = 1.0,
-           top_k: int = -1, top_p: float = 1.0) -> tuple[list[int], list[float]]:
-    """Autoregressive sampling with a KV cache. temperature 0 is greedy (verl's validation)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-    out = model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
-    logits = out.logits[:, -1, :].float()
-    tokens: list[int] = []
-    logps: list[float] = []
-    for _ in range(max_new):
-        if temperature <= 0:
-            tok = int(torch.argmax(logits, dim=-1))
-            logp = float(torch.log_softmax(logits, dim=-1)[0, tok])
-        else:
-            scaled = _filter(logits / temperature, top_k, top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=gen)[0, 0])
-            logp = float(torch.log(probs[0, tok]))
-        tokens.append(tok)
-        logps.append(logp)
-        if tok in eos_ids:
-            break
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits = out.logits[:, -1, :].float()
-    return tokens, logps
-
-
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1, None]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
 
 
 def _generate_in_worker(_worker, prompt_ids, sampling_params, sample_id) -> TokenOutput:
