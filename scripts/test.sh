@@ -5,6 +5,7 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/core -x).
 # --fast first: the fast lane, every test that needs no service (tests/conftest.py: needs_services);
 # nothing is installed but .venv and nothing is started (scripts/test.sh --fast tests/core -x).
+# --verl first: verl's trainer end to end on CPUs, its own lane (tests/trainers/test_verl_cpu_fit.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
@@ -16,6 +17,11 @@ export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 if [ "${1:-}" = "--fast" ]; then
   shift
   RELAY_FAST_LANE=1 exec .venv/bin/python -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile -q "$@"
+fi
+# --verl: verl's own trainer end to end on CPUs, alone (about 12 minutes; tests/conftest.py: VERL_E2E).
+if [ "${1:-}" = "--verl" ]; then
+  shift
+  RELAY_VERL_E2E=1 exec .venv/bin/python -m pytest -q tests/trainers/test_verl_cpu_fit.py "$@"
 fi
 
 # Debian's chromium for the browser tests (tests/e2e/test_ui.py): Playwright drives it, nothing is downloaded

@@ -34,6 +34,7 @@ from support.faults import alive, kill
 from support.helpers import PY, ROOT, assert_bitwise_equal, model_state, read_metrics
 
 SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"
+E2E = pytest.mark.verl_e2e  # the tests of the runs: their own lane, ./scripts/test.sh --verl (conftest: VERL_E2E)
 JOB_TIMEOUT = 900
 
 
@@ -106,6 +107,7 @@ def runs(tmp_path_factory, ray_address):
     return {"straight": straight, "chunked": chunked, "killed_log": killed_log, "retry_log": retry}
 
 
+@E2E
 def test_a_killed_verl_chunk_resumes_and_every_step_is_trained_once(runs):
     straight, chunked = runs["straight"], runs["chunked"]
     assert layout.read_tracker(straight) == 4 and layout.read_tracker(chunked) == 4
@@ -118,6 +120,7 @@ def test_a_killed_verl_chunk_resumes_and_every_step_is_trained_once(runs):
     assert "resumes from step 2" in runs["retry_log"] and "verl resumed at step 2" in runs["retry_log"]
 
 
+@E2E
 def test_the_resumed_run_has_the_uninterrupted_runs_lr_and_data_order(runs):
     rows, base = read_metrics(runs["chunked"]), read_metrics(runs["straight"])
     assert [r["lr"] for r in rows] == [r["lr"] for r in base]
@@ -125,6 +128,7 @@ def test_the_resumed_run_has_the_uninterrupted_runs_lr_and_data_order(runs):
     assert [r["sample_indices"] for r in rows] == [r["sample_indices"] for r in base]
 
 
+@E2E
 def test_the_resumed_run_ends_with_the_uninterrupted_runs_weights_bit_for_bit(runs):
     straight = model_state(layout.step_dir(runs["straight"], 4))
     chunked = model_state(layout.step_dir(runs["chunked"], 4))
@@ -133,6 +137,7 @@ def test_the_resumed_run_ends_with_the_uninterrupted_runs_weights_bit_for_bit(ru
     assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in base]
 
 
+@E2E
 def test_the_weights_moved(runs):
     """A GRPO step with an uneven reward changes the policy (an all-zero advantage would not)."""
     first = model_state(layout.step_dir(runs["chunked"], 2))
@@ -141,6 +146,7 @@ def test_the_weights_moved(runs):
     assert any(r["reward_mean"] > 0 for r in read_metrics(runs["chunked"]))
 
 
+@E2E
 def test_verls_checkpoints_pass_the_gate_at_every_level_with_the_smoke_check(runs):
     from relay.checkpoints.gate import smoke_check
 
@@ -153,6 +159,7 @@ def test_verls_checkpoints_pass_the_gate_at_every_level_with_the_smoke_check(run
             assert "forward pass" in admission.explain()
 
 
+@E2E
 def test_each_verl_chunk_records_its_start_up_phases(runs):
     events = read_events(runs["chunked"])
     attempts = [e["attempt"] for e in events if e["event"] == "chunk_start"]
