@@ -51,7 +51,9 @@ fi
 if $PY -c 'import sys; sys.path.insert(0, "plugins"); import relay.devstack.stack as s; sys.exit(0 if s._http_ok(s.ray_address() + "/api/version") else 1)'; then
   echo "[test] using the Ray head already running"
 else
-  $PY -m relay stack up --no-airflow
+  # 2 logical CPUs, as many chunk jobs at once as the 2 cores take (tests/conftest.py: ray_address); the
+  # stack's default (at least 8, for verl's lane) let the suite's jobs pile onto the cores.
+  $PY -m relay stack up --no-airflow --ray-cpus 2
   stop+=("$PY -m relay stack down")
 fi
 

@@ -295,7 +295,7 @@ def cmd_report(args) -> int:
 
 def cmd_stack(args) -> int:
     if args.action == "up":
-        info = stack.up(with_airflow=not args.no_airflow, db_url=args.db)
+        info = stack.up(with_airflow=not args.no_airflow, db_url=args.db, ray_cpus=args.ray_cpus)
         for k, v in info.items():
             print(f"{k:>12}: {v}")
     elif args.action == "down":
@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=["up", "down", "status"])
     s.add_argument("--no-airflow", action="store_true", help="only the Ray head")
     s.add_argument("--db", help="Airflow metadata DB URL (default: SQLite in the stack's state folder)")
+    s.add_argument("--ray-cpus", type=int, metavar="N",
+                   help="up: logical CPUs the Ray head advertises (default: the cores, at least 8, as a verl chunk "
+                        "on CPUs needs); fewer runs fewer chunk jobs at once")
     s.add_argument("--wait", type=float, default=0, metavar="SECONDS",
                    help="down: wait this long for unfinished DAG runs to end first; those still unfinished are "
                         "marked failed with a note saying the stack was stopped under them (default 0)")

@@ -429,9 +429,9 @@ def _wait_http(url: str, timeout: float, what: str) -> None:
     raise RuntimeError(f"{what} did not answer at {url} within {timeout:.0f}s; see logs in {state_dir() / 'logs'}")
 
 
-def up(with_airflow: bool = True, db_url: str | None = None) -> dict:
-    """Start the whole local stack; return how to reach it."""
-    info = {"s3": s3_start(), "ray": ray_start()}
+def up(with_airflow: bool = True, db_url: str | None = None, ray_cpus: int | None = None) -> dict:
+    """Start the whole local stack; return how to reach it. ray_cpus: the head's logical CPUs (head_cpus())."""
+    info = {"s3": s3_start(), "ray": ray_start(ray_cpus)}
     if with_airflow:
         env = airflow_env(state_dir() / "airflow", db_url)
         airflow_start(env)
