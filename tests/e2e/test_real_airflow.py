@@ -65,7 +65,7 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
         stack.start_process(f"airflow-{comp}", [str(stack.bin_dir() / "airflow"), comp], airflow["env"],
                             cwd=airflow["home"])
 
-    run = api.wait_for_run("relay_e2e", run_id, timeout=300)
+    run = api.wait_for_run("relay_e2e", run_id, timeout=900)
     assert run["state"] == "success", api.task_instances("relay_e2e", run_id)
     chunk_2 = [j for j in jobs_of_run(ray_address, "ui", t0) if (j.metadata or {}).get("relay_chunk") == "2"]
     assert [str(j.status) for j in chunk_2] == ["SUCCEEDED"], "re-attached to its job, not a second one"

@@ -86,7 +86,7 @@ def adopted(api, ray_address, dag_id: str, run_id: str, run: str, since: float, 
         assert [str(j.status) for j in jobs] == ["RUNNING"], "the first try's job was adopted, not stopped or doubled"
     finally:
         Path(f"{release}.go").touch()
-    finished = api.wait_for_run(dag_id, run_id, timeout=600)
+    finished = api.wait_for_run(dag_id, run_id, timeout=900)
     assert finished["state"] == "success", api.task_instances(dag_id, run_id)
     assert [str(j.status) for j in chunk_jobs(ray_address, run, since, 1)] == ["SUCCEEDED"]
     assert task(api, dag_id, run_id, "chunk_01.train")["try_number"] == 2
@@ -152,7 +152,7 @@ def test_a_frozen_job_is_still_stopped_and_resumed(airflow, ray_address, uninter
     wait_for(lambda: marker.exists() and marker.read_text().strip(), 600, "chunk 2's job to reach step 8")
     os.kill(int(marker.read_text()), signal.SIGSTOP)
     Path(f"{marker}.go").touch()  # it would go on, but it is frozen
-    finished = api.wait_for_run(dag_id, run_id, timeout=600)
+    finished = api.wait_for_run(dag_id, run_id, timeout=900)
     assert finished["state"] == "success", api.task_instances(dag_id, run_id)
     assert sorted(str(j.status) for j in chunk_jobs(ray_address, "f", since, 2)) == ["STOPPED", "SUCCEEDED"]
     run_dir = load_spec(airflow["runs"] / "frozen.yaml", check_environment=False).run_dir("f")
@@ -177,14 +177,14 @@ def test_every_failure_alerts_once_and_recovery_waits_for_the_failed_work(airflo
         return [a for a in sink.at("/alerts") if a.get("run") == "x"]
 
     first = api.trigger(dag_id, {"run": "x"})["dag_run_id"]
-    assert api.wait_for_run(dag_id, first, timeout=600)["state"] == "failed"
+    assert api.wait_for_run(dag_id, first, timeout=900)["state"] == "failed"
     assert arrived(lambda: len(alerts()) == 1, 30), alerts()
     api.clear_task_instances(dag_id, first, ["chunk_02.train"])
     wait_for(lambda: api.dag_run(dag_id, first)["state"] == "failed"
              and task(api, dag_id, first, "chunk_02.train")["try_number"] == 2, 600, "the cleared chunk to fail again")
     assert arrived(lambda: len(alerts()) == 2, 30), alerts()
     second = api.trigger(dag_id, {"run": "x"})["dag_run_id"]
-    assert api.wait_for_run(dag_id, second, timeout=600)["state"] == "failed"
+    assert api.wait_for_run(dag_id, second, timeout=900)["state"] == "failed"
     assert arrived(lambda: len(alerts()) == 3, 30), alerts()
     time.sleep(2)
     got = alerts()
@@ -204,7 +204,7 @@ def test_two_runs_in_a_one_slot_pool_never_train_at_the_same_time(airflow, ray_a
     for name in ("one", "two"):
         runs[name] = api.trigger(f"relay_{name}", {"run": name})["dag_run_id"]
     for name, run_id in runs.items():
-        assert api.wait_for_run(f"relay_{name}", run_id, timeout=400)["state"] == "success"
+        assert api.wait_for_run(f"relay_{name}", run_id, timeout=900)["state"] == "success"
 
     jobs = sorted((j.start_time, j.end_time, name) for name in runs for j in jobs_of_run(ray_address, name, since))
     assert len(jobs) == 4, jobs

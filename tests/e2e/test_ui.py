@@ -101,7 +101,7 @@ def test_triggering_relay_demo_with_the_form_defaults_runs_it_to_success(page, a
     assert triggered["enabled"], "the Trigger button is enabled with the form's defaults"
     assert triggered["required"] == 0, "no field of the form is required"
     assert triggered["run_id"].startswith("demo__manual__"), "the DAG run's id names the training run"
-    run = airflow["api"].wait_for_run("relay_demo", triggered["run_id"], timeout=420)
+    run = airflow["api"].wait_for_run("relay_demo", triggered["run_id"], timeout=900)
     assert run["state"] == "success", airflow["api"].task_instances("relay_demo", triggered["run_id"])
 
     page.goto(triggered["url"])
@@ -132,7 +132,7 @@ def test_an_invalid_run_name_is_refused_in_plain_words(page, airflow, triggered)
 
 
 def test_the_train_task_links_to_its_ray_job_and_the_run_report(page, airflow, triggered):
-    airflow["api"].wait_for_run("relay_demo", triggered["run_id"], timeout=420)
+    airflow["api"].wait_for_run("relay_demo", triggered["run_id"], timeout=900)
     page.goto(f"{triggered['url']}/tasks/chunk_01.train/details")
     link = page.get_by_role("link", name="Ray job")
     href = link.get_attribute("href")
@@ -163,7 +163,7 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     from support.helpers import assert_bitwise_equal, digests, model_state
 
     api = airflow["api"]
-    assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=420)["state"] == "success"
+    assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=900)["state"] == "success"
     spec = load_spec(airflow["runs"] / "demo.yaml", check_environment=False)
     run_dir, store = spec.run_dir("demo"), store_for_spec(spec)
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
@@ -181,7 +181,7 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     from urllib.parse import unquote
 
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
-    assert api.wait_for_run("relay_demo", run_id, timeout=420)["state"] == "success", api.task_instances(
+    assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
         "relay_demo", run_id)
 
     assert read_record(run_dir)["incarnation"] != old["incarnation"]
