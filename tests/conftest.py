@@ -14,8 +14,9 @@ from relay.runs.run import Run
 from support.faults import fault_row  # noqa: F401 (a fixture: a fault case's row of docs/FAULTS.md)
 from support.helpers import ROOT, model_state, relay_cli, session_shared, train, write_spec
 
-# The slowest files first: xdist hands out files in collection order, so a long file collected last
-# would run alone at the end while the other worker idles (longest-first scheduling).
+# The slowest files first: a long file handed out last would run alone at the end while the other workers
+# idle (longest-first scheduling). xdist 3.8 hands out the files with the most tests first
+# (--loadscope-reorder, its default), so without --no-loadscope-reorder this order only breaks ties.
 SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "e2e/test_real_airflow.py", "e2e/test_ui.py", "airflow/test_run_dag.py",
               "faults/test_ray_head_orphan.py", "faults/test_ray_head_restart.py", "airflow/test_data_dag.py",
               "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "faults/test_s3_outage.py",
