@@ -25,7 +25,7 @@ from relay.jobs.ray_jobs import RayJobs
 from relay.preflight import attention, doctor
 from relay.preflight.prepare import prepare_run
 from relay.report import run_report as report
-from relay.runs import layout
+from relay.runs import failure_cause, layout
 from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
 from relay.runs.spec import load_spec
@@ -120,6 +120,12 @@ def _train_as_ray_job(args, run: Run) -> int:
     if state.status != "SUCCEEDED":
         what, code = chunk_job.failure(state)
         print(f"relay: Ray job {state.submission_id} of run {run.name} {what} (its log is above)", file=sys.stderr)
+        cause = failure_cause.classify(state.status, state.message, exit_code=state.exit_code,
+                                       step=failure_cause.step_of_failure(run.dir, state.submission_id),
+                                       oom_kills=failure_cause.oom_kills_since_start(run.dir, state.submission_id))
+        failure_cause.record_failure(run.dir, cause, chunk=chunk_job.chunk_index(run.spec, args.to_step),
+                                     attempt=state.submission_id)
+        print("relay: " + cause.report().replace("\n", "\nrelay: "), file=sys.stderr)
         return code
     latest = latest_valid_step(run.dir)
     if latest is None or latest < args.to_step:

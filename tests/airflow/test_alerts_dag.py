@@ -11,6 +11,7 @@ import pytest
 
 from relay.runs import layout
 from relay.runs.lease import Lease
+from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.helpers import ROOT, dags_test, read_metrics, relay_cli, start_dags_test, write_spec
@@ -125,3 +126,36 @@ def test_a_stalled_chunk_alerts_and_is_retried_and_a_broken_webhook_does_not_fai
     assert "alert stall via webhook:relay_broken_webhook: failed" in out
     assert sinks["http"].posts == []
     assert [r["step"] for r in read_metrics(rd)] == list(range(1, 13)), "the retry resumed and finished the run"
+
+
+def test_a_reward_function_that_raises_at_a_step_stops_after_two_tries_with_one_alert_naming_the_cause(
+        airflow_home, sinks, ray_address, tmp_path):
+    """The same exception at the same step in two tries is deterministic: no third try, one alert that names
+    the cause, the step, the evidence and what to do."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if extra_info['global_step'] == 5:\n"
+                      "        raise ValueError(f'cannot score row {extra_info[\"index\"]}: {ground_truth!r}')\n"
+                      "    return float(solution_str == ground_truth)\n")
+    spec_path = write_spec(airflow_home["runs"], name="areward", **{
+        "alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",
+        "alerts.webhook_conn_id": "relay_webhook", "airflow.retries": 2, "airflow.retry_delay_seconds": 1,
+        "trainer.settings.custom_reward_function": {"path": str(reward)}})
+    rd = load_spec(spec_path, check_environment=False).run_dir("areward")
+
+    r = dags_test(airflow_home, "relay_areward", {}, env=sinks["env"])
+    assert r.returncode != 0
+    settled(sinks, emails=1)
+    posts = sinks["http"].at("/alerts")
+    assert len(sinks["mail"].messages) == 1 and len(posts) == 1, posts
+    alert = posts[0]
+    assert (alert["kind"], alert["task"], alert["try_number"], alert["step"]) == ("chunk_failed", "chunk_01.train", 2, 5)
+    assert alert["cause"].startswith("cause: exception at step 5, an exception in the training code")
+    assert "ValueError: cannot score row" in alert["cause"]
+    assert "reward.py" in alert["details"] and "the same exception at the same step" in alert["details"]
+    assert "fix the reward function" in alert["action"]
+    assert "Cause" in MailSink.html(sinks["mail"].messages[0])
+    assert sinks["mail"].messages[0]["Subject"] == "[relay ERROR] areward: chunk failed; no more retries (chunk 1, step 5)"
+    failed = [e for e in read_events(rd) if e["event"] == "chunk_failed"]
+    assert [(e["try_number"], e["cause"], e["step"], e["policy"]) for e in failed] == [
+        (1, "exception", 5, "retry"), (2, "exception", 5, "stop")], "two tries, the second stopped for good"

@@ -55,7 +55,7 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
         states = {t["task_id"]: t["state"] for t in api.task_instances("relay_e2e", run_id)}
         return states.get("chunk_02.train") == "deferred"
 
-    wait_for(chunk_2_deferred, 300, "chunk 2's train task to defer to its Ray job")
+    wait_for(chunk_2_deferred, 600, "chunk 2's train task to defer to its Ray job")
     jobs = RayJobs(ray_address)
     assert [j.status for j in jobs.live_jobs_of_run("e2e", "ui")], "chunk 2's job is training"
     for comp in ("scheduler", "triggerer"):
@@ -118,7 +118,7 @@ def test_a_backfill_trains_each_week_in_order_in_its_own_namespace(airflow):
         runs = [x for x in api.dag_runs("relay_weekly") if x["run_type"] == "backfill"]
         return runs if len(runs) == 2 and all(x["state"] in ("success", "failed") for x in runs) else None
 
-    runs = sorted(wait_for(ended, 400, "both backfill runs to end"), key=lambda x: x["logical_date"])
+    runs = sorted(wait_for(ended, 900, "both backfill runs to end"), key=lambda x: x["logical_date"])
     assert [x["state"] for x in runs] == ["success", "success"]
     assert [x["logical_date"][:10] for x in runs] == ["2025-01-06", "2025-01-13"]
     assert runs[0]["end_date"] <= runs[1]["start_date"], "one run at a time, oldest first"

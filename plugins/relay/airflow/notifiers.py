@@ -281,6 +281,9 @@ class RelayAlertNotifier(BaseNotifier):
         else:
             alert.action = (f"Airflow gave up after try {ti.try_number}; this DAG run stops here, nothing is lost. "
                             f"Clear the task (or trigger with run={run}) and {resume}")
+        if (cause := getattr(error, "cause", None)) is not None:  # a failed chunk's classified cause (operators)
+            alert.cause, alert.step = cause.describe(), cause.step if cause.step is not None else alert.step
+            alert.action += f". What to do: {cause.todo}"
         scope = f"try{ti.try_number}" if self.retry else ""
         send_once(context, run, alert, event_key(context, spec, kind, scope))
 

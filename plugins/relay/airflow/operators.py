@@ -40,7 +40,7 @@ from relay.common.errors import RelayError
 from relay.common.faultpoint import drill_env, fault_point
 from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, job_metadata, submission_id
 from relay.preflight.checks import before_chunk
-from relay.runs import layout
+from relay.runs import failure_cause, layout
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events
@@ -51,6 +51,24 @@ from relay.s3.publication import publish_checkpoint
 from relay.trainers.contract import ChunkRequest
 
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
+
+
+class ChunkFailed(AirflowException):
+    """A chunk's job failed; Airflow retries the task. `cause`: its classification (relay.runs.failure_cause),
+    which the failure alert names."""
+
+    def __init__(self, message: str, cause: failure_cause.Cause | None = None):  # one positional arg: picklable
+        super().__init__(message)
+        self.cause = cause
+
+
+class ChunkFailedForGood(AirflowFailException):
+    """A chunk's job failed for a cause whose policy is to stop (or the same exception at the same step
+    twice): Airflow does not retry it."""
+
+    def __init__(self, message: str, cause: failure_cause.Cause | None = None):  # one positional arg: picklable
+        super().__init__(message)
+        self.cause = cause
 
 
 def job_log_tail(spec, event: dict) -> str:
@@ -263,11 +281,43 @@ class RayChunkOperator(ChunkTaskOperator):
                    step=event.get("step"), details=job_log_tail(spec, event),
                    action=f"stopped Ray job {event['submission_id']}; {then}")
         if status != "SUCCEEDED":
-            raise AirflowException(
-                f"{chunk} of run {run}: Ray job {event['submission_id']} ended {status}: "
-                f"{event.get('message', '')}\n--- last lines of the job's log ---\n{job_log_tail(spec, event)}"
-            )
+            self._failed(context, run, chunk, event, status)
         return self._done(context, run, chunk, f"job {event['submission_id']} succeeded")
+
+    def _failed(self, context, run: Run, chunk, event: dict, status: str) -> NoReturn:
+        """Classify the failed job's cause, record it (events.jsonl: chunk_failed) and fail the try as its
+        policy says: retry, retry after a backoff (deferred: no worker slot held), or no retry."""
+        spec, sub_id, ti = run.spec, event["submission_id"], context["ti"]
+        tail = job_log_tail(spec, event)
+        step = failure_cause.step_of_failure(run.dir, sub_id) or event.get("step")
+        cause = failure_cause.classify(status, event.get("message", ""), tail, event.get("exit_code"), step=step,
+                                       oom_kills=failure_cause.oom_kills_since_start(run.dir, sub_id))
+        dag_run = context["dag_run"].run_id
+        repeated = failure_cause.repeats(cause, failure_cause.earlier_failures(run.dir, chunk.index, dag_run))
+        policy = failure_cause.STOP if repeated else failure_cause.policy(cause, spec.airflow.retry_on)
+        failure_cause.record_failure(run.dir, cause, chunk=chunk.index, attempt=sub_id, dag_run=dag_run,
+                                     try_number=ti.try_number, policy=policy)
+        why = ("the same exception at the same step as an earlier try: it is deterministic, so Airflow does not "
+               "retry it" if repeated else f"policy for {cause.cause}: {policy} (spec airflow.retry_on)")
+        message = (f"{chunk} of run {run}: Ray job {sub_id} ended {status}; {cause.describe()}\n{cause.report()}\n"
+                   f"{why}\n--- last lines of the job's log ---\n{tail}")
+        self.log.error("%s", message)
+        if policy == failure_cause.STOP:
+            raise ChunkFailedForGood(message, cause)
+        if policy == failure_cause.BACKOFF and ti.try_number <= ti.max_tries and spec.airflow.retry_backoff_seconds:
+            from datetime import timedelta
+
+            from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
+
+            self.log.warning("waiting %.0fs before failing this try, so that its retry starts later (backoff)",
+                             spec.airflow.retry_backoff_seconds)
+            self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=spec.airflow.retry_backoff_seconds)),
+                       method_name="backoff_complete", kwargs={"message": message, "cause": cause.to_event()})
+        raise ChunkFailed(message, cause)
+
+    def backoff_complete(self, context, event: Any = None, message: str = "", cause: dict | None = None) -> NoReturn:
+        """The backoff of a failed try is over: fail it, so that Airflow retries now."""
+        raise ChunkFailed(message, failure_cause.Cause(**(cause or {"cause": failure_cause.UNKNOWN})))
 
     def _alert_fallback(self, context, run: Run, chunk, attempt: str) -> None:
         """The job's trainer quarantined checkpoints and resumed from an older one: people should know."""

@@ -95,7 +95,7 @@ class RayJobTrigger(BaseTrigger):
                 self.log.info("%s", line)
             seen = tail or seen
             if state.status in TERMINAL:
-                yield self._event(state.status, state.message)
+                yield self._event(state.status, state.message, exit_code=state.exit_code)
                 return
             if self.stall_after_s and state.status == "RUNNING":
                 watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time(), self.end_step)

@@ -31,7 +31,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "data_quality": ("error", "training data failed its quality checks"),
     "data_drift": ("error", "training data changed under the run"),
     "settings_drift": ("error", "resume-critical settings changed"),
-    "chunk_failed": ("error", "chunk failed after its last retry"),
+    "chunk_failed": ("error", "chunk failed; no more retries"),
     "publish_failed": ("error", "S3 publication failed after its retries"),
     "stall": ("error", "chunk stalled: no new step"),
     "task_failed": ("error", "task failed"),
@@ -60,6 +60,7 @@ class Alert:
     what: str  # one line: what failed, in the words of the check that failed
     details: str = ""  # the check report, the failed expectations, the job's last log lines
     action: str = ""  # what Relay did (quarantined, fell back, stopped the job) and what to do next
+    cause: str = ""  # a failed chunk's cause as classified (relay.runs.failure_cause): cause, step, signature
     spec: str = ""
     dag_id: str = ""
     dag_run: str = ""
@@ -104,7 +105,8 @@ class Alert:
         last = ("none" if self.last_valid_step is None else f"step {self.last_valid_step}")
         last += f" ({self.last_valid_uri})" if self.last_valid_uri else " (not published to S3)"
         rows = [
-            ("Run", self.run), ("What failed", self.what), ("What Relay did", self.action or "-"),
+            ("Run", self.run), ("What failed", self.what), *([("Cause", self.cause)] if self.cause else []),
+            ("What Relay did", self.action or "-"),
             ("Chunk", str(self.chunk) if self.chunk else "-"),
             ("Global step", "-" if self.step is None else str(self.step)),
             ("Last valid checkpoint", last), ("DAG run", f"{self.dag_id} / {self.dag_run}" if self.dag_run else "-"),

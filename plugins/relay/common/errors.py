@@ -6,9 +6,12 @@ from relay.common.redaction import redact
 
 
 class RelayError(Exception):
-    """Base class: `what` failed; `fix` tells a person what to do about it."""
+    """Base class: `what` failed; `fix` tells a person what to do about it. `cause`: how a chunk that
+    ends with it is classified (relay.runs.failure_cause): Relay refused to go on, unless the error is one
+    of the infrastructure's."""
 
     exit_code = 1
+    cause = "refused"
 
     def __init__(self, what: str, fix: str | None = None):
         self.what = what = redact(what)
@@ -44,6 +47,8 @@ class UnsafeCheckpointError(CheckpointError):
 class StoreError(RelayError):
     """S3 is unreachable or refused a request; nothing already saved is lost."""
 
+    cause = "infrastructure"
+
 
 class LeaseLost(RelayError):
     """Another attempt of this run holds the lease: this process must not write."""
@@ -53,3 +58,5 @@ class LeaseLost(RelayError):
 
 class RayJobError(RelayError):
     """The Ray cluster is unreachable, or a chunk's job failed."""
+
+    cause = "infrastructure"

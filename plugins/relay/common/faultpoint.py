@@ -1,6 +1,6 @@
 """Fault points: where the fault suite (tests/faults/) makes a process pause, so that its kill, a
 stopped server or a full disk lands exactly there, or where a drill (the demo's provoked resume) makes
-a trainer crash. Off unless RELAY_FAULT_PAUSE_AT or RELAY_FAULT_KILL_AT is set."""
+a trainer crash. Off unless RELAY_FAULT_PAUSE_AT, _KILL_AT or _ALLOC_AT is set."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from relay.common.errors import RelayError
 
 FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
 KILL_ENV = "RELAY_FAULT_KILL_AT"  # <phase>@<step>: the process SIGKILLs itself there (a crash, an OOM kill)
+# <phase>@<step>: the process caps its own address space (RELAY_FAULT_ALLOC_MB above what it uses, default 256)
+# and allocates until Python raises MemoryError, as a trainer that exhausts a memory limit does
+ALLOC_ENV = "RELAY_FAULT_ALLOC_AT"
 # The trainer's points, in the order a step reaches them (the kill matrix draws from these). A publish
 # has one more: publish_files, its files uploaded, its manifest and `latest` not yet.
 FAULT_PHASES = ("after_step", "mid_save", "before_fsync", "before_rename", "after_rename", "after_tracker")
@@ -32,6 +35,9 @@ def fault_point(phase: str, step: int) -> None:
     if _armed(KILL_ENV, phase, step):
         print(f"[relay-fault] killed at {phase} step {step} pid {os.getpid()}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if _armed(ALLOC_ENV, phase, step):
+        print(f"[relay-fault] exhausting memory at {phase} step {step} pid {os.getpid()}", flush=True)
+        exhaust_memory(int(os.environ.get("RELAY_FAULT_ALLOC_MB", "256")))
     if not _armed(FAULT_ENV, phase, step):
         return
     once = os.environ.get("RELAY_FAULT_ONCE")
@@ -40,6 +46,19 @@ def fault_point(phase: str, step: int) -> None:
     go = Path(f"{once}.go") if once else None
     while time.time() < deadline and not (go and go.exists()):
         time.sleep(0.05)
+
+
+def exhaust_memory(headroom_mb: int) -> None:
+    """Cap this process's address space at what it maps now plus headroom_mb, then allocate 16 MiB blocks
+    until Python raises MemoryError (the cap keeps the rest of the machine out of it)."""
+    import resource
+
+    mapped = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                      if line.startswith("VmSize:"))) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + headroom_mb * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    hog = []
+    while True:
+        hog.append(bytearray(16 * 2**20))
 
 
 def _armed(var: str, phase: str, step: int) -> bool:

@@ -30,6 +30,8 @@ _local = threading.local()  # .held: {lock path: depth} of this thread
 class LockTimeout(RelayError):
     """A run-folder lock was held by someone else for longer than a writer waits."""
 
+    cause = "infrastructure"
+
 
 @contextlib.contextmanager
 def file_lock(path: Path, what: str, timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[None]:

@@ -5,7 +5,9 @@ the code the DAG itself runs: the resume validation and quarantine records (resu
 live-job query the chunk operator makes before it submits (ray_jobs), the run's lease, the settings
 guard of preflight.settings (guard) and the source check of preflight.data (data.freeze). For a
 verl_ppo spec it also says whether its attention implementation can be loaded, as far as that can be
-known from here (preflight.attention): a warning (⚠), which never makes a resume unsafe. The
+known from here (preflight.attention): a warning (⚠), which never makes a resume unsafe. When the
+run's last attempt failed and no checkpoint was saved since, it names that failure's cause as the train task
+classified it (relay.runs.failure_cause), with what to do: a warning too. The
 DAG's preflight.run task logs this same checklist, so the UI and the terminal never disagree.
 """
 
@@ -23,8 +25,9 @@ from relay.common.errors import RelayError
 from relay.data import freeze as frozen
 from relay.preflight import attention as attn
 from relay.preflight import guard
-from relay.runs import layout
+from relay.runs import failure_cause, layout
 from relay.runs.lease import Lease
+from relay.runs.metrics import read_events
 from relay.runs.record import read_record
 from relay.runs.run import Run
 
@@ -238,6 +241,24 @@ def attention(run: Run) -> Finding | None:
     return Finding("attention", True, result.detail, result.fix, warning=not result.ok)
 
 
+def last_failure(run: Run) -> Finding | None:
+    """The cause of the run's last failed attempt (relay.runs.failure_cause, as the train task classified it),
+    when no checkpoint was saved since: a warning that says what to do before trying again."""
+    events = read_events(run.dir) if run.dir.is_dir() else []
+    last = next((i for i in range(len(events) - 1, -1, -1) if events[i].get("event") in (failure_cause.EVENT,
+                                                                                       "checkpoint")), None)
+    if last is None or events[last]["event"] != failure_cause.EVENT:
+        return None
+    e = events[last]
+    cause = failure_cause.Cause(e.get("cause", failure_cause.UNKNOWN), e.get("step"), e.get("evidence") or [],
+                                e.get("signature"))
+    policy = e.get("policy") or failure_cause.policy(cause, run.spec.airflow.retry_on)
+    detail = f"attempt {e.get('attempt')} of chunk {e.get('chunk')}: {cause.describe()}; policy {policy}"
+    if cause.evidence:
+        detail += f"; evidence: {' | '.join(cause.evidence)}"
+    return Finding("last failure", True, detail, cause.todo, warning=True)
+
+
 def _recorded(run: Run) -> bool:
     return bool(read_record(run.dir).get("settings"))
 
@@ -245,7 +266,7 @@ def _recorded(run: Run) -> bool:
 def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
     """The whole checklist, cheap checks first where it matters little."""
     findings = [checkpoint(run, store, deep=deep), live(run, jobs), model(run), parallelism(run), algorithm(run),
-                data(run), settings(run), attention(run)]
+                data(run), settings(run), attention(run), last_failure(run)]
     return [f for f in findings if f is not None]
 
 

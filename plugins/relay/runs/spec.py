@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 
 from relay.common import project, redaction
 from relay.common.errors import SpecError
+from relay.runs.failure_cause import CAUSES, POLICIES
 from relay.runs.kinds import KINDS
 from relay.runs.specmodel import StrictModel, critical, critical_values
 
@@ -142,6 +143,12 @@ class AlertSpec(StrictModel):
 class AirflowSpec(StrictModel):
     retries: int = Field(default=2, ge=0)
     retry_delay_seconds: float = Field(default=30, ge=0)
+    retry_on: dict[str, Literal["retry", "backoff", "stop"]] = Field(
+        default_factory=dict, description="what a failed chunk's train task does, by its cause "
+                                          "(relay.runs.failure_cause; the README's table has the defaults): retry, "
+                                          "backoff (retry after retry_backoff_seconds) or stop (no retry)")
+    retry_backoff_seconds: float = Field(default=300, ge=0, description="the wait before a `backoff` retry, on top "
+                                                                        "of retry_delay_seconds")
     max_active_runs: int = Field(default=1, gt=0, description="DAG runs at once (one GPU cluster is shared); a backfill "
                                                               "has its own --max-active-runs")
     schedule: str | None = Field(
@@ -154,6 +161,14 @@ class AirflowSpec(StrictModel):
                                                                    "deferred tasks counted, are the trainers a cluster runs "
                                                                    "at once, whatever triggered the runs")
     tags: list[str] = Field(default_factory=list)
+
+    @field_validator("retry_on")
+    @classmethod
+    def _known_causes(cls, v: dict[str, str]) -> dict[str, str]:
+        if unknown := sorted(set(v) - set(CAUSES)):
+            raise ValueError(f"unknown cause(s) {', '.join(unknown)}; the causes are {', '.join(CAUSES)} "
+                             f"and the policies {', '.join(POLICIES)}")
+        return v
 
     @field_validator("schedule")
     @classmethod

@@ -1,7 +1,8 @@
 """A chunk's Ray job entrypoint: `python -m relay.trainers.job`, the request in $RELAY_CHUNK_REQUEST.
 
 Exit codes: 0 the chunk reached its end step (or already had); 3 this attempt lost the run's lease;
-1 anything else (the traceback is in the job's log, which the Airflow task shows).
+1 anything else (the traceback is in the job's log, which the Airflow task shows). A Relay error also
+prints `[relay] cause: <cause>` (relay.runs.failure_cause reads it: refused, or infrastructure).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ def main() -> int:
         result = run_chunk(req)
     except RelayError as e:
         print(f"[relay] chunk {req.chunk} of run {req.run} failed: {e}", flush=True)
+        print(f"[relay] cause: {e.cause} ({type(e).__name__})", flush=True)
         return e.exit_code
     print(f"[relay] chunk {req.chunk} of run {req.run} done: steps {result.resumed_from} -> "
           f"{result.end_step} in {result.seconds:.1f}s", flush=True)

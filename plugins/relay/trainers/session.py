@@ -26,6 +26,7 @@ from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
 from relay.data.freeze import frozen_files, verify_frozen
 from relay.runs import layout
+from relay.runs.failure_cause import cgroup_oom_kills
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, record_event
 from relay.runs.record import folder_incarnation
@@ -103,7 +104,9 @@ class ChunkSession:
                      resumed_from=self.resume_step, to_step=self.req.to_step, lease_token=self.token,
                      superseded_rows=dropped, restored_from=self.resume.restored_from,
                      quarantined=[q["step"] for q in self.resume.quarantined if q["path"]],
-                     tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]])
+                     tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]],
+                     # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
+                     host=socket.gethostname(), oom_kills=cgroup_oom_kills())
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
         self.say(f"run {self.req.run}: chunk {self.req.chunk or '-'} resumes from {where}, "
                  f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "

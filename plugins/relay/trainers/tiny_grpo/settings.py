@@ -31,6 +31,16 @@ class OptimSettings(StrictModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
 
+class RewardFunctionSettings(StrictModel):
+    """verl's `custom_reward_function`: a Python file and the function in it that scores a response,
+    called as verl calls it: name(data_source, solution_str, ground_truth, extra_info) -> float. This
+    trainer's extra_info: the row's split and index, and the global step being trained."""
+
+    path: str | None = Field(None, description="the .py file (relative paths: to the project root); empty: the "
+                                                "task's own rule-based reward")
+    name: str = Field("compute_score", description="the function in that file")
+
+
 class TinyGRPOSettings(StrictModel):
     """GRPO on a synthetic, verifiable arithmetic task ("3+4=" -> "7")."""
 
@@ -51,6 +61,7 @@ class TinyGRPOSettings(StrictModel):
     fsdp_version: Literal[1, 2] = critical(2)
     world_size: int = critical(1, ge=1, description="FSDP world size; its shard names carry it (this trainer "
                                                   "runs one gloo process: 1)")
+    custom_reward_function: RewardFunctionSettings = critical(default_factory=RewardFunctionSettings)
     # Not resume-critical: how often a chunk saves inside itself (0: only at the chunk's end).
     save_freq: int = Field(0, ge=0)
 

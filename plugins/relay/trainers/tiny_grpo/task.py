@@ -45,6 +45,27 @@ def reward(response: str | None, truth: str) -> float:
     return score
 
 
+def custom_reward(path: str, name: str):
+    """The spec's reward function (verl's custom_reward_function: path and name), loaded from its file."""
+    import importlib.util
+
+    from relay.common import project
+    from relay.common.errors import SpecError
+
+    file = Path(path) if Path(path).is_absolute() else project.root() / path
+    if not file.is_file():
+        raise SpecError("trainer.settings", "custom_reward_function.path", f"{file} is not a file",
+                        "name a .py file that defines the reward function")
+    module_spec = importlib.util.spec_from_file_location(f"relay_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+    module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise SpecError("trainer.settings", "custom_reward_function.name", f"{file} defines no function {name!r}",
+                        "give the name of the function that scores a response")
+    return fn
+
+
 def prompt_text(prompt) -> str:
     """verl's prompt is a chat list of {role, content} (or a plain string): take the last user turn."""
     if isinstance(prompt, str):

@@ -73,7 +73,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
         for batch in trainer.batches():
             step += 1
             t = time.time()
-            values = trainer.train_step(batch)
+            values = trainer.train_step(batch, step)
             session.step_done(step, time.time() - t, epoch=trainer.epoch, **values)
             s = spec.settings
             if step == req.to_step or (s.save_freq and step % s.save_freq == 0):
@@ -154,6 +154,8 @@ class _TinyGRPO:
         self.scheduler = self._schedule()
 
         rows = task.load_rows(train_files)
+        fn = s.custom_reward_function
+        self.reward_fn = task.custom_reward(fn.path, fn.name) if fn.path else None
         self.prompts = torch.tensor([task.encode_prompt(p) for p, _ in rows])
         self.truths = [t for _, t in rows]
         if s.shuffle:
@@ -214,14 +216,21 @@ class _TinyGRPO:
         logits = model(input_ids=seq).logits[:, prompt_len - 1:-1].float()
         return self.torch.log_softmax(logits, -1).gather(-1, seq[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
 
-    def train_step(self, batch: list[int]) -> dict[str, float]:
+    def score(self, response: str | None, row: int, step: int) -> float:
+        truth = self.truths[row]
+        if self.reward_fn is None:
+            return task.reward(response, truth)
+        return float(self.reward_fn("tiny_arith", response or "", truth,
+                                    {"split": "train", "index": row, "global_step": step}))
+
+    def train_step(self, batch: list[int], step: int = 0) -> dict[str, float]:
         import numpy as np
         from verl.trainer.ppo.core_algos import agg_loss, get_adv_estimator_fn, get_policy_loss_fn, kl_penalty
 
         torch, s = self.torch, self.s
         n = s.rollout_n
         prompts = self.prompts[batch].repeat_interleave(n, 0)
-        truths = [self.truths[i] for i in batch for _ in range(n)]
+        rows = [i for i in batch for _ in range(n)]
         group = np.repeat(np.arange(len(batch)), n)
         plen = prompts.shape[1]
 
@@ -236,7 +245,7 @@ class _TinyGRPO:
         resp = seq[:, plen:]
         eos = (resp == task.VOCAB[task.EOS]).int()
         mask = ((eos.cumsum(1) - eos) == 0).float()  # tokens up to and including the first EOS
-        rewards = torch.tensor([task.reward(task.decode_response(r.tolist()), t) for r, t in zip(resp, truths)])
+        rewards = torch.tensor([self.score(task.decode_response(r.tolist()), i, step) for r, i in zip(resp, rows)])
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(rewards)), mask.sum(1).long() - 1] = rewards
 

@@ -22,6 +22,8 @@ from relay.common.errors import RelayError
 class PlacementError(RelayError):
     """A verl resource pool needs more on one node than any node of the cluster has."""
 
+    cause = "infrastructure"
+
 
 def placement_groups(pool_spec: dict[str, list[int]], max_colocate_count: int,
                      accelerator: str) -> list[tuple[str, dict[str, float]]]:

@@ -1,0 +1,289 @@
+"""Why a chunk's attempt failed: one classification, shared by the train task (its message and whether
+Airflow retries), the alerts and `relay doctor`.
+
+The evidence is what a person would read: the Ray job's status and message, its driver's exit code (a
+negative code, or 128+N from the shell Ray starts it with, is signal N) and a bounded tail of its log.
+The rules go from the most specific evidence to the least: a line that names the cause (CUDA out of
+memory, a NCCL watchdog, Relay's own `[relay] cause:` line) beats the signal that ended the process, and
+a bare SIGKILL is an OOM kill only with evidence of one (the cgroup's `oom_kill` count rose, or the
+kernel's or Ray's memory monitor said so); otherwise it came from outside (preemption, a lost node).
+
+Each cause has a policy (spec `airflow.retry_on`, defaults in POLICY): retry; retry after a backoff
+(`airflow.retry_backoff_seconds`); or stop without retrying. An exception raised at the same step with
+the same message in two tries of a chunk is deterministic: retrying cannot help, so it stops whatever
+the policy says (`repeats`).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from relay.runs import layout
+from relay.runs.metrics import read_events, read_jsonl, record_event
+
+EVENT = "chunk_failed"  # events.jsonl: one per failed attempt, {chunk, attempt, cause, step, signature, ...}
+
+PREEMPTED = "preempted"
+HOST_OOM = "host_oom"
+ACCELERATOR_OOM = "accelerator_oom"
+COLLECTIVE_TIMEOUT = "collective_timeout"
+EXCEPTION = "exception"
+REFUSED = "refused"
+INFRASTRUCTURE = "infrastructure"
+STALLED = "stalled"
+UNKNOWN = "unknown"
+
+RETRY, BACKOFF, STOP = "retry", "backoff", "stop"
+POLICIES = (RETRY, BACKOFF, STOP)
+
+# cause -> (what it is, in an alert's words; its default policy; what a person does about it)
+CAUSES: dict[str, tuple[str, str, str]] = {
+    PREEMPTED: ("preempted or node lost: the job was killed from outside", RETRY,
+                "nothing, if it was a preemption: the retry resumes from the latest checkpoint. If it repeats, "
+                "look for what kills the node (spot reclaims, `ray job stop`, a node's health checks)"),
+    HOST_OOM: ("out of host memory", BACKOFF,
+               "lower the memory a step needs (the spec's batch-size keys: data.train_batch_size, "
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, rollout.n) or give the Ray workers more "
+               "memory; look for another process on the node using it"),
+    ACCELERATOR_OOM: ("out of accelerator (GPU) memory", STOP,
+                      "lower the memory a step needs: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, "
+                      "actor_rollout_ref.rollout.gpu_memory_utilization, data.max_response_length, or turn on "
+                      "gradient checkpointing / parameter offload; a retry with the same settings fails again"),
+    COLLECTIVE_TIMEOUT: ("collective timeout (NCCL/gloo watchdog, lost peer)", BACKOFF,
+                         "check the nodes' network and that every rank is alive; a rank that died first has its own "
+                         "error in its worker's log"),
+    EXCEPTION: ("an exception in the training code (reward function, dataset, model)", RETRY,
+                "read the traceback below; fix the reward function or the data row it names, then clear the task"),
+    REFUSED: ("refused by Relay (a check failed: validation, settings drift, data change, lease)", STOP,
+              "read Relay's reason below and do what it says; retrying without a change is refused again"),
+    INFRASTRUCTURE: ("Relay or infrastructure error (S3, the Ray cluster, a lock)", RETRY,
+                     "check that S3 and the Ray head answer (`relay doctor`); the retry resumes from the latest "
+                     "checkpoint"),
+    STALLED: ("stalled or timed out: Relay stopped a job that made no progress", RETRY,
+              "look at the job's log for where it hangs (a dead rank, a deadlocked dataloader)"),
+    UNKNOWN: ("unknown: no evidence names a cause", RETRY, "read the job's log below"),
+}
+
+# Relay's own errors name their cause on a line of the job's log (relay.trainers.job).
+RELAY_CAUSE_LINE = re.compile(r"^\[relay\] cause: (\w+)")
+ACCELERATOR_OOM_LINES = re.compile(
+    r"CUDA out of memory|HIP out of memory|NPU out of memory|OutOfMemoryError: (CUDA|HIP|NPU)|"
+    r"torch\.cuda\.OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory")
+HOST_OOM_LINES = re.compile(
+    r"(^|[^\w.])MemoryError\b|[Cc]annot allocate memory|std::bad_alloc|ray\.exceptions\.OutOfMemoryError|"
+    r"node running low on memory|Out of memory: Killed process|oom-kill")
+COLLECTIVE_LINES = re.compile(
+    r"Watchdog caught collective operation timeout|DistNetworkError|DistStoreError|ProcessGroupNCCL.*[Tt]imeout|"
+    r"NCCL (communicator was aborted|error.*[Tt]imeout)|[Gg]loo.*(Timed out|timed out|Connection closed by peer)")
+NODE_LOST_LINES = re.compile(
+    r"NodeDiedError|node (\S+ )?(has )?died|node was terminated|The node with node id \S+ .*(died|dead)|"
+    r"raylet (has )?died|ActorDiedError.*node|Node (\S+ )?is dead|preempted", re.IGNORECASE)
+INFRA_LINES = re.compile(
+    r"EndpointConnectionError|Could not connect to the endpoint URL|ConnectionRefusedError|"
+    r"cannot reach the Ray|Ray Jobs API .* unreachable|Failed to connect to GCS|NoCredentialsError")
+LINE_PREFIX = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?|\([\w.:]+ pid=\d+(?:, ip=[\d.]+)?\)\s)+")
+TRACEBACK = "Traceback (most recent call last):"
+EXCEPTION_LINE = re.compile(r"^(?:ray\.exceptions\.RayTaskError\((\w+)\): .*|([A-Za-z_][\w.]*(?:Error|Exception|Exit|"
+                            r"Interrupt|Warning)\b)(?::\s?(.*))?)$")
+
+
+@dataclass
+class Cause:
+    """A classified failure: `cause` (a key of CAUSES), the step it happened at (None: not known), the
+    log lines that show it, and for an exception its signature (type: message) to tell a repeat."""
+
+    cause: str
+    step: int | None = None
+    evidence: list[str] = field(default_factory=list)
+    signature: str | None = None
+    exit_code: int | None = None
+
+    @property
+    def title(self) -> str:
+        return CAUSES[self.cause][0]
+
+    @property
+    def todo(self) -> str:
+        return CAUSES[self.cause][2]
+
+    def describe(self) -> str:
+        """One line: the cause, the step, the signature."""
+        at = f" at step {self.step}" if self.step is not None else ""
+        sig = f" ({self.signature})" if self.signature else ""
+        return f"cause: {self.cause}{at}, {self.title}{sig}"
+
+    def report(self) -> str:
+        """The lines a task log and an alert carry: the cause, the evidence, what to do."""
+        lines = [self.describe()]
+        if self.evidence:
+            lines += ["evidence:", *(f"  {line}" for line in self.evidence)]
+        lines.append(f"what to do: {self.todo}")
+        return "\n".join(lines)
+
+    def to_event(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, [])}
+
+
+def signal_of(exit_code: int | None) -> int | None:
+    """The signal that ended the driver: subprocess reports -N; the shell Ray runs it in reports 128+N."""
+    if exit_code is None:
+        return None
+    if exit_code < 0:
+        return -exit_code
+    if 128 < exit_code < 160:
+        return exit_code - 128
+    return None
+
+
+def classify(status: str, message: str = "", log_tail: str = "", exit_code: int | None = None, *,
+             step: int | None = None, oom_kills: int = 0) -> Cause:
+    """The cause of a failed chunk attempt. status: the Ray job's (FAILED, STOPPED) or the trigger's own
+    (STALLED, TIMEOUT, LOST, UNREACHABLE); message: Ray's message (it ends with the log's last lines);
+    log_tail: the job's last log lines; step: the step it failed at; oom_kills: how many processes the
+    kernel's OOM killer ended in the job's cgroup while it ran (evidence for a bare SIGKILL)."""
+
+    lines = unprefixed(log_tail or message or "")
+    msg_lines = unprefixed(message or "")
+    sig = signal_of(exit_code)
+
+    def found(pattern: re.Pattern, where=None) -> list[str]:
+        return [ln[:300] for ln in (where if where is not None else lines + msg_lines) if pattern.search(ln)][-3:]
+
+    def made(cause: str, evidence: list[str], signature: str | None = None) -> Cause:
+        return Cause(cause, step, list(dict.fromkeys(evidence)), signature, exit_code)
+
+    if status in ("STALLED", "TIMEOUT"):
+        return made(STALLED, [message[:300]] if message else [])
+    if status == "UNREACHABLE":
+        return made(INFRASTRUCTURE, [message[:300]])
+    if status == "LOST":
+        return made(PREEMPTED, [message[:300]])
+    relay = [m for ln in lines if (m := RELAY_CAUSE_LINE.match(ln))]
+    if relay and relay[-1].group(1) in CAUSES:
+        said = [ln for ln in lines if ln.startswith("[relay] chunk") and " failed" in ln][-1:]
+        return made(relay[-1].group(1), said + [relay[-1].group(0)])
+    if ev := found(ACCELERATOR_OOM_LINES):
+        return made(ACCELERATOR_OOM, ev)
+    if ev := found(HOST_OOM_LINES):
+        return made(HOST_OOM, ev)
+    if sig == signal.SIGKILL and oom_kills > 0:
+        return made(HOST_OOM, [f"the driver was killed by SIGKILL and the kernel's OOM killer ended {oom_kills} "
+                               "process(es) in the job's cgroup while it ran"])
+    if ev := found(COLLECTIVE_LINES):
+        return made(COLLECTIVE_TIMEOUT, ev)
+    if ev := found(INFRA_LINES):
+        return made(INFRASTRUCTURE, ev)
+    if ev := found(NODE_LOST_LINES):  # before exceptions: a lost node shows as an actor's traceback
+        return made(PREEMPTED, ev)
+    if exc := last_exception(lines) or last_exception(msg_lines):  # a long traceback outgrows a short tail
+        signature, evidence = exc
+        return made(EXCEPTION, evidence, signature)
+    if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP) or status == "STOPPED":
+        what = (f"the driver was ended by {signal.Signals(sig).name} (exit code {exit_code}) with no error of its own"
+                if sig else "the job was stopped (`ray job stop` or the cluster)")
+        return made(PREEMPTED, [what] + lines[-2:])
+    return made(UNKNOWN, lines[-3:])
+
+
+def unprefixed(log: str) -> list[str]:
+    """A log's non-empty lines without the prefixes that torch.distributed (`[rank0]: `) and Ray (`(WorkerDict
+    pid=12, ip=10.0.0.2) `) put before a worker's own output: a traceback reads as its process printed it."""
+    return [LINE_PREFIX.sub("", ln.rstrip(), count=1) for ln in log.splitlines() if ln.strip()]
+
+
+def last_exception(lines: list[str]) -> tuple[str, list[str]] | None:
+    """(signature, evidence) of the last Python exception in a log: its `Type: message` line, and the
+    traceback's last frame and that line. None when the log shows no traceback."""
+    starts = [i for i, ln in enumerate(lines) if ln.strip() == TRACEBACK]
+    if not starts:
+        return None
+    tb = lines[starts[-1] + 1:]
+    for i, ln in enumerate(tb):
+        m = EXCEPTION_LINE.match(ln.strip())
+        if m and not ln.startswith((" ", "\t")):
+            typ = m.group(1) or m.group(2)
+            text = (m.group(3) or "").strip() if m.group(2) else ln.strip().partition("): ")[2]
+            frames = [f.strip() for f in tb[:i] if f.strip().startswith("File ")]
+            return f"{typ.rpartition('.')[2]}: {text}"[:200], frames[-1:] + [ln.strip()[:300]]
+    return None
+
+
+def policy(cause: Cause, retry_on: Mapping[str, str] | None = None) -> str:
+    """retry, backoff or stop: the spec's `airflow.retry_on` for this cause, else the default."""
+    return (retry_on or {}).get(cause.cause) or CAUSES[cause.cause][1]
+
+
+def repeats(cause: Cause, earlier: list[dict]) -> bool:
+    """Whether an earlier failure of the same chunk (its `chunk_failed` events) was the same exception at
+    the same step: deterministic, so another try would fail the same way."""
+    return cause.cause == EXCEPTION and cause.step is not None and any(
+        e.get("cause") == EXCEPTION and e.get("step") == cause.step and e.get("signature") == cause.signature
+        for e in earlier)
+
+
+def cgroup_oom_kills(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")) -> int | None:
+    """How many processes the kernel's OOM killer has ended: in this process's memory cgroup (v2
+    memory.events, v1 memory.oom_control), else on the whole host (/proc/vmstat); None where none can be read."""
+    v1 = ""
+    try:
+        for line in (proc / "self" / "cgroup").read_text().splitlines():
+            _, controllers, where = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                v1 = where.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    for counts in (root / "memory.events", root / "memory" / v1 / "memory.oom_control", proc / "vmstat"):
+        try:
+            for line in counts.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def step_of_failure(run_dir: Path, attempt: str) -> int | None:
+    """The step an attempt failed at: the one after the last step it trained (or after its resume point).
+    None when it never started training (it failed before its chunk_start event)."""
+    starts = [e for e in read_events(run_dir) if e.get("event") == "chunk_start" and e.get("attempt") == attempt]
+    if not starts:
+        return None
+    trained = [r["step"] for r in read_jsonl(Path(run_dir) / layout.METRICS)
+               if r.get("attempt") == attempt and isinstance(r.get("step"), int)]
+    return max(trained or [starts[-1].get("resumed_from") or 0]) + 1
+
+
+def record_failure(run_dir: Path, cause: Cause, *, chunk: int | None, attempt: str, **fields) -> dict | None:
+    """The `chunk_failed` event of an attempt (what `repeats` compares, what the report counts). None when the
+    run has no folder yet (its first job failed before making one) or it cannot be written: the failure being
+    reported matters more than its record."""
+    if not Path(run_dir).is_dir():
+        return None
+    try:
+        return record_event(Path(run_dir), EVENT, chunk=chunk, attempt=attempt, **cause.to_event(), **fields)
+    except OSError as e:
+        print(f"[relay] {run_dir}: the failure's event could not be recorded ({e})", file=sys.stderr)
+        return None
+
+
+def earlier_failures(run_dir: Path, chunk: int, scope: str | None = None) -> list[dict]:
+    """The chunk's `chunk_failed` events, of one DAG run when `scope` (its run id) is given."""
+    return [e for e in read_events(run_dir) if e.get("event") == EVENT and e.get("chunk") == chunk
+            and (scope is None or e.get("dag_run") == scope)]
+
+
+def oom_kills_since_start(run_dir: Path, attempt: str) -> int:
+    """How many processes the OOM killer ended since the attempt's chunk_start, where that can be known:
+    its trainer recorded the count on this same host (a local head; otherwise 0: no evidence)."""
+    starts = [e for e in read_events(run_dir) if e.get("event") == "chunk_start" and e.get("attempt") == attempt]
+    if not starts or starts[-1].get("host") != socket.gethostname() or starts[-1].get("oom_kills") is None:
+        return 0
+    now = cgroup_oom_kills()
+    return max(0, now - starts[-1]["oom_kills"]) if now is not None else 0
