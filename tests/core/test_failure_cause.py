@@ -99,12 +99,12 @@ def test_the_triggers_own_verdicts_and_relays_refusals_have_their_causes():
 
 
 def test_relays_errors_say_their_cause():
-    from relay.common.errors import LeaseLost, StoreError
+    from relay.common.errors import DiskFullError, LeaseLost, StoreError
     from relay.common.filelock import LockTimeout
     from relay.preflight.guard import DriftError
 
     assert [e.cause for e in (SpecError, LeaseLost, DriftError)] == [fc.REFUSED] * 3
-    assert [e.cause for e in (StoreError, LockTimeout)] == [fc.INFRASTRUCTURE] * 2
+    assert [e.cause for e in (StoreError, LockTimeout, DiskFullError)] == [fc.INFRASTRUCTURE] * 3
 
 
 def test_the_same_exception_at_the_same_step_twice_is_deterministic():

@@ -40,6 +40,13 @@ class CheckpointError(RelayError):
     """A checkpoint is missing, incomplete or inconsistent."""
 
 
+class DiskFullError(CheckpointError):
+    """A checkpoint could not be saved: its volume is full. The partial checkpoint was removed; a retry once
+    space is freed resumes from the last one."""
+
+    cause = "infrastructure"
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file would need arbitrary code to load; nothing in it was executed."""
 

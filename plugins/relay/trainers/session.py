@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from relay.checkpoints.resume import find_resume_point
-from relay.common.errors import CheckpointError, RunError
+from relay.common.errors import DiskFullError, RunError
 from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
 from relay.data.freeze import frozen_files, verify_frozen
@@ -156,7 +156,7 @@ class ChunkSession:
             if not _disk_full(e, free):
                 raise
             last = layout.read_tracker(self.run_dir)
-            raise CheckpointError(
+            raise DiskFullError(
                 f"the checkpoint disk is full: saving step {step} under {self.run_dir} failed ({e.__class__.__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else 'no space left'}; {free / 2**20:.1f} MiB free when it "
                 f"failed). The partial checkpoint was removed; the tracker still names "
