@@ -281,6 +281,9 @@ def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4) -> 
         "AIRFLOW__API_AUTH__JWT_SECRET": secret,
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+        # A task's calls to the API server (start, heartbeat, state) wait up to 60 s, not 5: on a loaded 2-core
+        # machine a task failed before it ran ("httpx.ReadTimeout" in the scheduler's log, the try lost).
+        "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         "AIRFLOW_CONN_RELAY_RAY": ray_address(),
         "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({
