@@ -152,8 +152,8 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     msg_lines = unprefixed(message or "")
     sig = signal_of(exit_code)
 
-    def found(pattern: re.Pattern, where=None) -> list[str]:
-        return [ln[:300] for ln in (where if where is not None else lines + msg_lines) if pattern.search(ln)][-3:]
+    def found(pattern: re.Pattern) -> list[str]:
+        return [ln[:300] for ln in lines + msg_lines if pattern.search(ln)][-3:]
 
     def made(cause: str, evidence: list[str], signature: str | None = None) -> Cause:
         return Cause(cause, step, list(dict.fromkeys(evidence)), signature, exit_code)
@@ -252,12 +252,12 @@ def cgroup_oom_kills(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/pr
 def step_of_failure(run_dir: Path, attempt: str) -> int | None:
     """The step an attempt failed at: the one after the last step it trained (or after its resume point).
     None when it never started training (it failed before its chunk_start event)."""
-    starts = [e for e in read_events(run_dir) if e.get("event") == "chunk_start" and e.get("attempt") == attempt]
-    if not starts:
+    start = _chunk_start(run_dir, attempt)
+    if start is None:
         return None
     trained = [r["step"] for r in read_jsonl(Path(run_dir) / layout.METRICS)
                if r.get("attempt") == attempt and isinstance(r.get("step"), int)]
-    return max(trained or [starts[-1].get("resumed_from") or 0]) + 1
+    return max(trained or [start.get("resumed_from") or 0]) + 1
 
 
 def record_failure(run_dir: Path, cause: Cause, *, chunk: int | None, attempt: str, **fields) -> dict | None:
@@ -282,8 +282,14 @@ def earlier_failures(run_dir: Path, chunk: int, scope: str | None = None) -> lis
 def oom_kills_since_start(run_dir: Path, attempt: str) -> int:
     """How many processes the OOM killer ended since the attempt's chunk_start, where that can be known:
     its trainer recorded the count on this same host (a local head; otherwise 0: no evidence)."""
-    starts = [e for e in read_events(run_dir) if e.get("event") == "chunk_start" and e.get("attempt") == attempt]
-    if not starts or starts[-1].get("host") != socket.gethostname() or starts[-1].get("oom_kills") is None:
+    start = _chunk_start(run_dir, attempt)
+    if start is None or start.get("host") != socket.gethostname() or start.get("oom_kills") is None:
         return 0
     now = cgroup_oom_kills()
-    return max(0, now - starts[-1]["oom_kills"]) if now is not None else 0
+    return max(0, now - start["oom_kills"]) if now is not None else 0
+
+
+def _chunk_start(run_dir: Path, attempt: str) -> dict | None:
+    """The attempt's (last) chunk_start event: where it resumed from, its host, the OOM killer's count then."""
+    return next((e for e in reversed(read_events(run_dir))
+                 if e.get("event") == "chunk_start" and e.get("attempt") == attempt), None)
