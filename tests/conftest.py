@@ -12,7 +12,7 @@ import pytest
 
 from relay.runs.run import Run
 from support.faults import fault_row  # noqa: F401 (a fixture: a fault case's row of docs/FAULTS.md)
-from support.helpers import ROOT, model_state, relay_cli, session_shared, train, write_spec
+from support.helpers import ROOT, model_state, relay_cli, session_shared, shared_service, train, write_spec
 
 # The slowest files first: a long file handed out last would run alone at the end while the other workers
 # idle (longest-first scheduling). xdist 3.8 hands out the files with the most tests first
@@ -78,40 +78,38 @@ def baseline(tmp_path_factory, uninterrupted_run):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def s3_server():
+def s3_server(tmp_path_factory):
     """The session's S3 server (SeaweedFS, bucket `relay`); boto3 in tests and their subprocesses uses it.
-    Not in the fast lane, whose tests need no service."""
+    Started unless one answers (scripts/test.sh starts it first), shared by the session's workers. Not in the
+    fast lane, whose tests need no service."""
     if FAST_LANE:
         yield None
         return
     from relay.devstack import stack
 
-    already = stack._http_ok(stack.s3_endpoint())
-    endpoint = stack.s3_start()
-    saved = {k: os.environ.get(k) for k in stack.s3_env()}
-    os.environ.update(stack.s3_env())
-    yield endpoint
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    if not already:
-        stack.stop_process("s3", timeout=2)
+    with shared_service(tmp_path_factory, "s3", lambda: stack._http_ok(stack.s3_endpoint()), stack.s3_start,
+                        lambda: stack.stop_process("s3", timeout=2)) as endpoint:
+        saved = {k: os.environ.get(k) for k in stack.s3_env()}
+        os.environ.update(stack.s3_env())
+        yield endpoint
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
-def ray_address():
-    """The session's Ray head (started outside the repo, from the stack's state folder)."""
+def ray_address(tmp_path_factory):
+    """The session's Ray head (started outside the repo, from the stack's state folder), shared by the session's
+    workers."""
     from relay.devstack import stack
 
-    already = stack._http_ok(f"{stack.ray_address()}/api/version")
     # 2 logical CPUs, as many chunk jobs at once as the 2 cores take; verl's lane needs the stack's default
     # (stack.MIN_HEAD_CPUS: a verl chunk holds 4 and needs one more free).
-    address = stack.ray_start(num_cpus=None if VERL_E2E else 2)
-    yield address
-    if not already:
-        stack.ray_stop()
+    with shared_service(tmp_path_factory, "ray", lambda: stack._http_ok(f"{stack.ray_address()}/api/version"),
+                        lambda: stack.ray_start(num_cpus=None if VERL_E2E else 2), stack.ray_stop) as address:
+        yield address
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ STEPS = 12  # 2 chunks of 6
 
 @pytest.fixture(scope="module")
 def spec_path(airflow_home) -> Path:
-    return write_spec(airflow_home["runs"], name="t")
+    return write_spec(airflow_home["runs"], name="t", **{"checkpoints.hf_export": True})
 
 
 def run_dir(spec_path: Path, run: str) -> Path:

@@ -6,6 +6,7 @@ the CLI; the scheduler and triggerer are killed in the middle of a chunk and sta
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -18,7 +19,7 @@ from relay.runs.record import read_record
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.airflow_procs import airflow_processes, postgres_database, wait_for
-from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, train, write_spec
+from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, write_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 MONDAYS = ("20250106", "20250113")
@@ -28,9 +29,14 @@ MONDAYS = ("20250106", "20250113")
 def airflow(tmp_path_factory, ray_address):
     """Airflow's four processes on a fresh PostgreSQL database, reading this module's run specs."""
     base = tmp_path_factory.mktemp("e2e")
-    runs, data = base / "runs", base / "data"
+    runs, data, faults = base / "runs", base / "data", base / "faults"
     data.mkdir()
-    write_spec(runs, name="e2e", total_steps=40, chunk_steps=20)
+    faults.mkdir()
+    # Chunk 2's first job holds after step 8 until the test lets it go: it is surely mid-chunk while the
+    # scheduler and triggerer are down, however fast or loaded the machine.
+    write_spec(runs, name="e2e", **{"ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@8",
+                                                     "RELAY_FAULT_ONCE": str(faults / "e2e"),
+                                                     "RELAY_FAULT_PAUSE_S": "1200"}})
     for i, day in enumerate(MONDAYS):  # each week's prompts differ: its run freezes its own
         table = pq.read_table(DATA)
         pq.write_table(table.slice(i), data / f"prompts-{day}.parquet")
@@ -40,30 +46,33 @@ def airflow(tmp_path_factory, ray_address):
 
     with postgres_database("relay_e2e") as db_url, airflow_processes(
             base, runs, db_url, AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60") as af:
-        yield {**af, "runs": runs, "data": data}
+        yield {**af, "runs": runs, "data": data, "faults": faults}
 
 
 @pytest.mark.fault
-def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_chunk(airflow, ray_address, tmp_path,
+def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_chunk(airflow, ray_address, uninterrupted,
                                                                                    fault_row):
-    api = airflow["api"]
+    api, held = airflow["api"], airflow["faults"] / "e2e"
     api.wait_for_dag("relay_e2e")
     t0 = time.time()
     run_id = api.trigger("relay_e2e", {"run": "ui", "alert_channels": []})["dag_run_id"]
 
-    def chunk_2_deferred():
+    def chunk_2_held_and_deferred():
         states = {t["task_id"]: t["state"] for t in api.task_instances("relay_e2e", run_id)}
-        return states.get("chunk_02.train") == "deferred"
+        return held.exists() and states.get("chunk_02.train") == "deferred"
 
-    wait_for(chunk_2_deferred, 600, "chunk 2's train task to defer to its Ray job")
-    jobs = RayJobs(ray_address)
-    assert [j.status for j in jobs.live_jobs_of_run("e2e", "ui")], "chunk 2's job is training"
-    for comp in ("scheduler", "triggerer"):
-        assert stack.kill_process(f"airflow-{comp}")
-    time.sleep(3)
-    for comp in ("scheduler", "triggerer"):
-        stack.start_process(f"airflow-{comp}", [str(stack.bin_dir() / "airflow"), comp], airflow["env"],
-                            cwd=airflow["home"])
+    try:
+        wait_for(chunk_2_held_and_deferred, 600, "chunk 2's job to train (held after step 8) with its task deferred")
+        jobs = RayJobs(ray_address)
+        assert [j.status for j in jobs.live_jobs_of_run("e2e", "ui")], "chunk 2's job is training"
+        for comp in ("scheduler", "triggerer"):
+            assert stack.kill_process(f"airflow-{comp}")
+        time.sleep(3)
+        for comp in ("scheduler", "triggerer"):
+            stack.start_process(f"airflow-{comp}", [str(stack.bin_dir() / "airflow"), comp], airflow["env"],
+                                cwd=airflow["home"])
+    finally:
+        Path(f"{held}.go").touch()  # the job goes on (a job held at its fault point would keep a Ray CPU)
 
     run = api.wait_for_run("relay_e2e", run_id, timeout=900)
     assert run["state"] == "success", api.task_instances("relay_e2e", run_id)
@@ -71,19 +80,18 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
     assert [str(j.status) for j in chunk_2] == ["SUCCEEDED"], "re-attached to its job, not a second one"
 
     spec = load_spec(airflow["runs"] / "e2e.yaml", check_environment=False)
-    assert [m.step for m in store_for_spec(spec).published("ui")] == [20, 40]
+    assert [m.step for m in store_for_spec(spec).published("ui")] == [6, 12]
     events = api.asset_events(source_dag_id="relay_e2e")
-    assert [(e["extra"]["run"], e["extra"]["step"]) for e in events] == [("ui", 20), ("ui", 40)]
+    assert [(e["extra"]["run"], e["extra"]["step"]) for e in events] == [("ui", 6), ("ui", 12)]
     run_dir = spec.run_dir("ui")
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 41)), "each step once: nothing retrained"
-    train(airflow["runs"] / "e2e.yaml", tmp_path / "straight", 40)
-    assert_bitwise_equal(model_state(run_dir / "global_step_40"), model_state(tmp_path / "straight" / "global_step_40"))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13)), "each step once: nothing retrained"
+    assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
     fault_row(case="scheduler-kill", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
               fault="the Airflow scheduler and triggerer are SIGKILLed while chunk 2's train task is deferred on its "
-                    "running Ray job, and started again 3 s later",
+                    "running Ray job (held after step 8), and started again 3 s later",
               action="the new triggerer re-attached to the same Ray job (its submission id is deterministic per run, "
                      "chunk and try): exactly one job ran for chunk 2, it trained on undisturbed, and the run "
-                     "succeeded with steps 20 and 40 published and announced as asset events", steps_lost=0,
+                     "succeeded with steps 6 and 12 published and announced as asset events", steps_lost=0,
               run_dir=run_dir, store=store_for_spec(spec))
 
 

@@ -22,6 +22,7 @@ from support.helpers import ROOT, session_shared, write_spec
 
 SHOTS = ROOT / ".relay" / "test-results" / "screenshots"
 # As the machine notes start it: no background connections (this machine's network is closed), no sandbox (root).
+UI_TIMEOUT_MS = 120_000
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 
@@ -57,6 +58,10 @@ def browser():
 def page(browser, airflow):
     """A browser tab logged in through Airflow's login page, as a person does."""
     context = browser.new_context(viewport={"width": 1500, "height": 900})
+    # Each wait of the page (a navigation, an element to appear) allows 2 minutes, not Playwright's 30 s: on the
+    # 2-core machine beside the rest of the suite, the API server took over 30 s to answer the form's POST.
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    context.set_default_navigation_timeout(UI_TIMEOUT_MS)
     tab = context.new_page()
     tab.goto(airflow["url"])
     tab.fill("input[name=username]", "admin")
@@ -105,7 +110,7 @@ def test_triggering_relay_demo_with_the_form_defaults_runs_it_to_success(page, a
     assert run["state"] == "success", airflow["api"].task_instances("relay_demo", triggered["run_id"])
 
     page.goto(triggered["url"])
-    page.get_by_text("training run: demo").wait_for(timeout=60_000)  # the note, on the DAG run's page
+    page.get_by_text("training run: demo").wait_for()  # the note, on the DAG run's page
     expand = page.get_by_role("button", name="Expand all task groups")
     if expand.count():  # the UI remembers whether groups were expanded
         expand.click()
@@ -141,7 +146,7 @@ def test_the_train_task_links_to_its_ray_job_and_the_run_report(page, airflow, t
         link.click()
     job = opened.value
     job_id = href.rsplit("/", 1)[1]
-    job.get_by_text("SUCCEEDED").first.wait_for(timeout=30_000)
+    job.get_by_text("SUCCEEDED").first.wait_for()
     assert job_id in job.inner_text("body"), "the Ray dashboard shows this job's page"
     job.close()
 

@@ -94,8 +94,12 @@ class ForkServer:
             raise RuntimeError(f"the fork server died (exit {self.proc.poll()})")
         return json.loads(line)
 
-    def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> int:
-        return self._ask({"argv": argv, "env": env or {}, "log": str(log)})["pid"]
+    def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None, err: Path | None = None,
+              whole_env: bool = False) -> int:
+        """A child running `relay <argv>`: stdout (and stderr, unless `err`) to `log`; `env` added to the
+        server's environment, or with whole_env the child's whole environment."""
+        req = {"argv": argv, "env": env or {}, "log": str(log), "whole_env": whole_env}
+        return self._ask({**req, "err": str(err)} if err else req)["pid"]
 
     def wait(self, pid: int) -> int:
         return self._ask({"wait": pid})["rc"]

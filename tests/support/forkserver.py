@@ -3,7 +3,8 @@ per command, each running `python -m relay train ...` (relay.cli.main) exactly a
 would, but without paying ~7 s of imports per process. The fault tests kill many trainers: with a
 fork per trainer, 20 kill points and their resumes cost seconds, not minutes.
 
-Protocol (JSON lines): stdin {"argv": [...], "env": {...}, "log": PATH} -> stdout {"pid": N};
+Protocol (JSON lines): stdin {"argv": [...], "env": {...}, "log": PATH[, "err": PATH][, "whole_env": true]}
+-> stdout {"pid": N};
 stdin {"wait": N} -> stdout {"pid": N, "rc": CODE} (rc < 0: killed by signal -rc).
 A child's stdout and stderr go to its log file. Run from the repo root: python tests/support/forkserver.py
 """
@@ -39,14 +40,22 @@ import relay.checkpoints.validate  # noqa: E402,F401
 FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
 
 
-def child(argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: output to the log file, the request's environment, then the CLI."""
+def child(argv: list[str], env: dict[str, str], log: str, err: str | None = None, whole_env: bool = False) -> None:
+    """In the forked child: stdout to the log file (stderr too, or to `err`), stdin from /dev/null, the
+    request's environment (added to the server's, or with whole_env the child's whole environment, as
+    subprocess's env= gives it), then the CLI."""
     code = 1
     try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        for path, fds in ((log, (1,) if err else (1, 2)), *(((err, (2,)),) if err else ())):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            for target in fds:
+                os.dup2(fd, target)
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the server's requests come on its stdin: never the child's
+        os.close(null)
+        if whole_env:
+            os.environ.clear()
         os.environ.pop(FAULT_ENV, None)
         os.environ.update(env)
         code = relay.cli.main(argv)
@@ -72,7 +81,7 @@ def main() -> None:
             continue
         pid = os.fork()
         if pid == 0:
-            child(req["argv"], req.get("env") or {}, req["log"])
+            child(req["argv"], req.get("env") or {}, req["log"], req.get("err"), bool(req.get("whole_env")))
         print(json.dumps({"pid": pid}), flush=True)
 
 

@@ -37,6 +37,9 @@ def spec_dict(**overrides) -> dict:
     d["threads"] = 1  # two test workers share two cores
     d["airflow"] = {"retries": 2, "retry_delay_seconds": 1}
     d["ray"]["poll_seconds"] = 0.5
+    # The Hugging Face export of the final step (verl's model merger: a process that imports verl, ~8 CPU-s) only
+    # where a test looks at it (tests/airflow/test_run_dag.py).
+    d["checkpoints"]["hf_export"] = False
     for key, value in overrides.items():
         node = d
         *parents, leaf = key.split(".")
@@ -60,9 +63,50 @@ def write_spec(folder: Path, name: str = "t", **overrides) -> Path:
 
 
 def relay_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m relay ...` in a fresh process, as a user runs it from the repo root."""
+    """`python -m relay ...` as a user runs it from the repo root, with this environment plus `env`.
+
+    The command runs in a child of this test process's fork server (tests/support/forkserver.py): the same
+    `relay.cli.main(argv)` in a process of its own, its output captured alike, without paying the ~9 CPU-s of
+    torch, transformers and verl imports per call. In a fresh interpreter: `relay stack` and `relay demo` (they
+    start services that outlive the command), and any command run with verl settings in its environment."""
+    full_env = {**os.environ, **(env or {})}
+    # (verl reads VERL_* settings, its platform among them, when it is imported: the server imported it without)
+    verl_env = any(k.startswith("VERL_") and k != "VERL_LOGGING_LEVEL" for k in full_env)
+    if args[:1] not in (("stack",), ("demo",)) and not verl_env:
+        return _forked_cli(list(args), full_env, timeout)
     return subprocess.run([PY, "-m", "relay", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env=full_env)
+
+
+_fork_server = None
+
+
+def _forked_cli(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`relay <argv>` in a fork server child (started once per test process), as subprocess.run would give it."""
+    import atexit
+    import tempfile
+    import time
+
+    from support.faults import ForkServer, alive
+
+    global _fork_server
+    if _fork_server is None or _fork_server.proc.poll() is not None:
+        _fork_server = ForkServer()
+        atexit.register(_fork_server.close)
+    with tempfile.TemporaryDirectory(prefix="relay-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        pid = _fork_server.start(argv, out, env, err=err, whole_env=True)
+        deadline = time.time() + timeout
+        while alive(pid) and time.time() < deadline:
+            time.sleep(0.05)
+        if alive(pid):
+            os.kill(pid, 9)
+            _fork_server.wait(pid)
+            raise subprocess.TimeoutExpired(["relay", *argv], timeout, out.read_text(errors="replace"),
+                                            err.read_text(errors="replace"))
+        rc = _fork_server.wait(pid)
+        return subprocess.CompletedProcess(["relay", *argv], rc, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
 
 def train(spec, run_dir, to_step) -> subprocess.CompletedProcess:
@@ -151,3 +195,30 @@ def session_shared(tmp_path_factory, name: str):
     with open(base / f"shared-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield folder
+
+
+@contextmanager
+def shared_service(tmp_path_factory, name: str, is_up, start, stop):
+    """A service every xdist worker of this session uses (the S3 server, the Ray head): started once, by
+    the first worker that finds it down, and stopped by the last worker to finish, only if this session
+    started it. Yields what start() returns. (A worker that stopped it on finishing its own tests would pull it
+    from under the others.)"""
+    with session_shared(tmp_path_factory, f"service-{name}") as folder:
+        users, ours = folder / "users", folder / "started-here"
+        if not is_up():
+            value = start()
+            ours.touch()
+        else:
+            value = start()  # up already: start() only answers where it is
+        users.write_text(str(int(users.read_text() or 0) + 1 if users.exists() else 1))
+    try:
+        yield value
+    finally:
+        with session_shared(tmp_path_factory, f"service-{name}") as folder:
+            users, ours = folder / "users", folder / "started-here"
+            left = int(users.read_text() or 1) - 1
+            users.write_text(str(left))
+            if left == 0 and ours.exists():
+                ours.unlink()
+                stop()
+

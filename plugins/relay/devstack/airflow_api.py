@@ -11,6 +11,9 @@ import urllib.error
 import urllib.request
 from urllib.parse import quote
 
+TIMEOUT_S = 120  # per request: Airflow's API server on a loaded 2-core machine took longer than 30 s
+GET_TRIES = 3
+
 
 class AirflowAPIError(RuntimeError):
     def __init__(self, status: int, body: str):
@@ -31,11 +34,20 @@ class AirflowAPI:
         req.add_header("Content-Type", "application/json")
         if auth:
             req.add_header("Authorization", f"Bearer {self._token}")
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise AirflowAPIError(e.code, e.read().decode(errors="replace")) from None
+        # A GET is asked again when the server did not answer in time (a loaded machine, an API server busy
+        # while the scheduler restarts); anything that changes state is sent once.
+        tries = GET_TRIES if method == "GET" else 1
+        for attempt in range(1, tries + 1):
+            try:
+                with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+                    raw = r.read()
+                break
+            except urllib.error.HTTPError as e:
+                raise AirflowAPIError(e.code, e.read().decode(errors="replace")) from None
+            except (TimeoutError, ConnectionError, urllib.error.URLError):
+                if attempt == tries:
+                    raise
+                time.sleep(2)
         return json.loads(raw) if raw else None
 
     def _post(self, path: str, body, auth: bool = True):
