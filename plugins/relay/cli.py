@@ -21,7 +21,7 @@ from relay.data.diff import diff
 from relay.data.fingerprint import fingerprint
 from relay.devstack import demo, stack
 from relay.jobs import chunk_job, local_head
-from relay.jobs.ray_jobs import RayJobs
+from relay.jobs.ray_jobs import STOP_MARGIN_S, RayJobs
 from relay.preflight import attention, doctor
 from relay.preflight.prepare import prepare_run
 from relay.report import run_report as report
@@ -111,7 +111,7 @@ def _train_as_ray_job(args, run: Run) -> int:
                 sub_id = chunk_job.local_submission_id(run)
                 state = chunk_job.run_attached(
                     jobs, sub_id, lambda: chunk_job.submit_chunk(jobs, run, args.to_step, sub_id, not args.offline),
-                    watch=where.watch_job)
+                    watch=where.watch_job, stop_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S)
     except KeyboardInterrupt as e:
         print(f"relay: interrupted ({e if isinstance(e, chunk_job.Interrupted) else 'Ctrl-C'}): "
               f"{'the private Ray head is stopped; ' if private else ''}the next `relay train` resumes run "

@@ -37,6 +37,7 @@ def spec_dict(**overrides) -> dict:
     d["threads"] = 1  # two test workers share two cores
     d["airflow"] = {"retries": 2, "retry_delay_seconds": 1}
     d["ray"]["poll_seconds"] = 0.5
+    d["ray"]["stop_grace_seconds"] = 20  # a stopped tiny job saves in well under a second; Ray kills it after this
     # The Hugging Face export of the final step (verl's model merger: a process that imports verl, ~8 CPU-s) only
     # where a test looks at it (tests/airflow/test_run_dag.py).
     d["checkpoints"]["hf_export"] = False

@@ -142,7 +142,7 @@ def gpu_stand_ins(monkeypatch):
     monkeypatch.setattr(PPOTrainer, "_compute_metrics", _compute_metrics)
     monkeypatch.setattr(trainer_base.tq, "kv_clear", lambda **kw: None)
 
-    def in_process_task_runner(config):
+    def in_process_task_runner(config, graceful=None):
         """RelayTaskRunner.run's steps, then TaskRunnerV1.run's trainer lookup, init and fit, in this process."""
         from omegaconf import OmegaConf
         from verl.trainer.ppo.v1 import get_trainer_cls
@@ -238,6 +238,47 @@ def test_a_killed_chunk_resumes_from_the_latest_checkpoint_and_matches(tmp_path,
     r = train_chunk(ChunkRequest(run=Run.of(spec, "r"), to_step=20, chunk=2, attempt="r-c2-t2"))
     assert r.resumed_from == 15 and layout.read_tracker(spec.run_dir("r")) == 20
     assert log["saved"] == [5, 10, 15, 20]
+    assert [log["lr"][s] for s in range(1, 21)] == verl_lrs(spec, TOTAL, 20)
+
+
+def test_a_stop_asked_after_a_step_saves_it_through_verls_save_and_the_next_chunk_resumes_there(tmp_path,
+                                                                                                 gpu_stand_ins,
+                                                                                                 monkeypatch):
+    """save_before closer than another step and a save: after step 11 RelayChunkTrainer.on_step_end saves step 11
+    through verl's own _save_checkpoint (no save_freq falls on it), ends verl's loop, and the chunk ends with
+    StoppedEarly; the next chunk resumes from 11 and the run has verl's LR and data at every step. A deadline
+    already too close when verl's loop begins stops it before its first step."""
+    import time
+
+    from relay.common.errors import StoppedEarly
+    from relay.runs.metrics import read_events
+    from relay.trainers import stopping
+    from relay.trainers.verl_ppo.trainer import train_chunk
+
+    log = gpu_stand_ins
+    spec = make_spec(tmp_path)
+    run_chunks(spec, "s", [10])
+    soon = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 600))
+    late = spec.model_copy(update={"save_before": soon})
+    # The stand-in steps take milliseconds: once a step of this chunk ran, another is taken to need an hour.
+    monkeypatch.setattr(stopping, "time_needed", lambda steps, save: 3600.0 if steps else 0.0)
+    with pytest.raises(StoppedEarly) as stopped:
+        train_chunk(ChunkRequest(run=Run.of(late, "s"), to_step=20, chunk=2, attempt="s-c2-t1"))
+    assert stopped.value.exit_code == 4 and stopped.value.cause == "preempted"
+    assert "stopped after step 11 (save_before " in str(stopped.value), str(stopped.value)
+    run_dir = spec.run_dir("s")
+    assert log["saved"] == [10, 11] and layout.read_tracker(run_dir) == 11
+    stops = [e for e in read_events(run_dir) if e["event"] == "chunk_stopped"]
+    assert [(e["step"], e["attempt"]) for e in stops] == [(11, "s-c2-t1")]
+
+    monkeypatch.setattr(stopping, "time_needed", lambda steps, save: 3600.0)  # too close even for one
+    with pytest.raises(StoppedEarly) as early:
+        train_chunk(ChunkRequest(run=Run.of(late, "s"), to_step=20, chunk=2, attempt="s-c2-t2"))
+    assert "stopped before training a step (save_before " in str(early.value) and log["saved"] == [10, 11]
+
+    r = train_chunk(ChunkRequest(run=Run.of(spec, "s"), to_step=20, chunk=2, attempt="s-c2-t3"))
+    assert r.resumed_from == 11 and layout.read_tracker(run_dir) == 20
+    assert log["steps"] == list(range(1, 21)), "every step once: the stops lost none"
     assert [log["lr"][s] for s in range(1, 21)] == verl_lrs(spec, TOTAL, 20)
 
 

@@ -171,7 +171,7 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
         "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
         "WANDB_RUN_ID": wandb_id, "WANDB_RESUME": "allow",
         ENV_VAR: req.to_json(), "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4",
-        "PYTHONUNBUFFERED": "1"}}
+        "PYTHONUNBUFFERED": "1", "RAY_JOB_STOP_WAIT_TIME_S": "120"}}  # ray.stop_grace_seconds: Ray's SIGTERM grace
     # The same id for every chunk of the run (it is derived from the run, not the chunk or the try)...
     req3 = ChunkRequest(run=Run.of(spec, "r"), to_step=30, chunk=3, attempt="relay-gsm8k-r-abc-c03-t2")
     assert ray_jobs.runtime_env(req3)["env_vars"]["WANDB_RUN_ID"] == wandb_id

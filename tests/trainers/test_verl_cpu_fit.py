@@ -8,7 +8,8 @@ in several processes.
 
 - an uninterrupted job trains 0 -> 4;
 - a chunked run: a job 0 -> 2; a job 2 -> 4 whose driver is SIGKILLed after step 3 and before its checkpoint;
-  `relay train` again resumes from step 2 and finishes at 4;
+  `relay train` again resumes from step 2, is SIGTERMed in step 3 and stops gracefully (the actor saves step 3
+  through verl's own save path); `relay train` again resumes from step 3 and finishes at 4;
 - the two runs have every step once, the same LR, the same data order (dataset indices per step), the same
   resume point; whether their final weights are bitwise equal is asserted (the hf rollout seeds each response
   from the seed, the step and the sample, and verl restores every RNG it saves);
@@ -18,17 +19,21 @@ in several processes.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from relay.checkpoints.gate import admit_dir
+from relay.common.faultpoint import FAULT_ENV
 from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
 from relay.runs.spec import load_spec
+from relay.trainers import stopping
 from relay.trainers.verl_ppo import chunk_trainer
 from support.faults import alive, kill
 from support.helpers import PY, ROOT, assert_bitwise_equal, model_state, read_metrics
@@ -38,11 +43,19 @@ E2E = pytest.mark.verl_e2e  # the tests of the runs: their own lane, ./scripts/t
 JOB_TIMEOUT = 900
 
 
-def relay_train(run_dir: Path, to_step: int, ray_address: str, log: Path) -> subprocess.Popen:
+def relay_train(run_dir: Path, to_step: int, ray_address: str, log: Path, spec: Path = SPEC) -> subprocess.Popen:
     """`relay train` of the verl spec into run_dir, as a user runs it, on the session's Ray head."""
-    return subprocess.Popen([PY, "-m", "relay", "train", str(SPEC), "--to-step", str(to_step), "--checkpoint-dir",
+    return subprocess.Popen([PY, "-m", "relay", "train", str(spec), "--to-step", str(to_step), "--checkpoint-dir",
                              str(run_dir), "--offline", "--ray-address", ray_address], cwd=ROOT,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+
+
+def with_job_env(path: Path, env: dict[str, str]) -> Path:
+    """The verl spec with `env` in its chunk jobs' environment (ray.env_vars), written to `path`."""
+    d = yaml.safe_load(SPEC.read_text())
+    d.setdefault("ray", {}).setdefault("env_vars", {}).update(env)
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
 
 
 def finish(proc: subprocess.Popen, log: Path) -> str:
@@ -102,9 +115,32 @@ def runs(tmp_path_factory, ray_address):
     time.sleep(20)  # longer than a step: verl's actors die with their driver, and nothing commits step 4
     assert layout.read_tracker(chunked) == 2 and not (chunked / "global_step_4").exists()
 
-    # The retry: `relay train` again resumes from the latest checkpoint.
-    retry = finish(relay_train(chunked, 4, ray_address, base / "c3.log"), base / "c3.log")
-    return {"straight": straight, "chunked": chunked, "killed_log": killed_log, "retry_log": retry}
+    # The retry resumes from step 2, and is stopped gracefully in step 3: `relay train` gets SIGTERM and stops its
+    # job (Ray's SIGTERM, its SIGKILL only after the spec's stop grace); the driver passes the stop on to verl's
+    # actor, held at the end of step 3 until then, which saves step 3 through verl's own save path and ends.
+    held = base / "held-at-step-3"
+    held_spec = with_job_env(base / "verl_tiny_cpu.yaml", {FAULT_ENV: "verl_step_end@3", "RELAY_FAULT_ONCE": str(held)})
+    proc = relay_train(chunked, 4, ray_address, base / "c3.log", held_spec)
+    try:
+        deadline = time.time() + JOB_TIMEOUT
+        while not held.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert held.exists(), (base / "c3.log").read_text(errors="replace")[-6000:]
+        proc.send_signal(signal.SIGTERM)
+        stop_requests = layout.relay_dir(chunked, stopping.STOP_DIR)  # the driver's request to its actor
+        while not (stop_requests.is_dir() and any(stop_requests.iterdir())) and proc.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        Path(f"{held}.go").touch()
+    assert proc.wait(timeout=JOB_TIMEOUT) == 128 + signal.SIGTERM
+    stopped_log = (base / "c3.log").read_text(errors="replace")
+    assert layout.read_tracker(chunked) == 3, stopped_log[-6000:]
+
+    # And the rest: `relay train` again resumes from step 3, the graceful stop's checkpoint.
+    retry = finish(relay_train(chunked, 4, ray_address, base / "c4.log"), base / "c4.log")
+    return {"straight": straight, "chunked": chunked, "killed_log": killed_log, "stopped_log": stopped_log,
+            "retry_log": retry}
 
 
 @E2E
@@ -116,8 +152,22 @@ def test_a_killed_verl_chunk_resumes_and_every_step_is_trained_once(runs):
     superseded = read_jsonl(chunked / SUPERSEDED)
     assert [r["step"] for r in superseded] == [3], "the killed attempt's step 3 is kept aside, trained again"
     starts = [e for e in read_events(chunked) if e["event"] == "chunk_start"]
-    assert [e["resumed_from"] for e in starts] == [0, 2, 2]
-    assert "resumes from step 2" in runs["retry_log"] and "verl resumed at step 2" in runs["retry_log"]
+    assert [e["resumed_from"] for e in starts] == [0, 2, 2, 3]
+    assert "resumes from step 3" in runs["retry_log"] and "verl resumed at step 3" in runs["retry_log"]
+
+
+@E2E
+def test_a_sigtermed_verl_chunk_saves_its_step_through_verls_save_and_loses_none(runs):
+    """The graceful stop of the retry: step 3 saved by verl's own save path in the actor, the job ended with
+    StoppedEarly (cause preempted), and the next chunk resumed from step 3 with no step trained twice."""
+    chunked, log = runs["chunked"], runs["stopped_log"]
+    stops = [e for e in read_events(chunked) if e["event"] == "chunk_stopped"]
+    assert [(e["step"], e["reason"]) for e in stops] == [(3, "a stop request (SIGTERM)")], stops
+    assert "stopping after step 3 (a stop request (SIGTERM)): its checkpoint is committed" in log, log[-6000:]
+    assert "stopped early: stopped after step 3" in log and "[relay] cause: preempted (StoppedEarly)" in log
+    assert "interrupted (SIGTERM)" in log
+    superseded = [r["step"] for r in read_jsonl(chunked / SUPERSEDED)]
+    assert superseded == [3], "only the SIGKILLed attempt's step 3: the graceful stop lost none"
 
 
 @E2E
@@ -181,8 +231,12 @@ def test_the_chunk_trainer_is_verls_own_loop():
     for name in ("fit", "step", "_step_once", "_setup", "_compute_advantage", "_compute_ref_log_prob",
                  "_compute_old_log_prob", "_update_actor", "_compute_reward_colocate", "init"):
         assert getattr(cls, name) is getattr(PPOTrainer, name), name
-    assert cls.on_step_end is PPOTrainerSync.on_step_end and cls.on_sample_end is PPOTrainerSync.on_sample_end
-    # (Relay's own: the chunk's edges, the batch's order, the metrics row; each calls verl's method)
+    assert cls.on_sample_end is PPOTrainerSync.on_sample_end
+    # (Relay's own: the chunk's edges, the batch's order, the metrics row, the graceful stop after a step; each
+    # calls verl's method: on_step_end, for one, hands the weights to the rollout as verl's does, and saves through
+    # verl's _save_checkpoint when asked to stop)
+    assert cls.on_step_end is not PPOTrainerSync.on_step_end and cls._save_checkpoint.__qualname__.startswith(
+        "trainer_class.<locals>.RelayChunkTrainer")
     runner = relay_task_runner()
     assert issubclass(runner, original_class(TaskRunnerV1))
     assert runner.init_agent_loop_manager is original_class(TaskRunnerV1).init_agent_loop_manager

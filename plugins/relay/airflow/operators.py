@@ -38,7 +38,7 @@ from relay.checkpoints.resume import QUARANTINE
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.faultpoint import drill_env, fault_point
-from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, job_metadata, submission_id
+from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, submission_id
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, layout
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
@@ -182,7 +182,9 @@ class RayChunkOperator(ChunkTaskOperator):
             self.log.info("%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
                           chunk, run, sub_id, why, ray_job_page(hook.dashboard_url, sub_id))
         elif existing is None:
-            stopped = hook.jobs.stop_run(spec.name, run.name, keep=sub_id)
+            # One that still holds the lease gets its grace to save the step it is in (relay.trainers.stopping).
+            stopped = hook.jobs.stop_run(spec.name, run.name, keep=sub_id,
+                                         wait_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S)
             if stopped:
                 self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s",
                                  run, stopped)
@@ -218,7 +220,7 @@ class RayChunkOperator(ChunkTaskOperator):
             trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
                                   poll_seconds=spec.ray.poll_seconds, stall_after_s=stall_after,
                                   startup_s=spec.alerts.startup_minutes * 60, end_step=chunk.end_step,
-                                  adoptable=True),
+                                  adoptable=True, stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S),
             method_name="execute_complete",
         )
 

@@ -31,7 +31,8 @@ FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  #
 class RayJobTrigger(BaseTrigger):
     def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
                  unreachable_grace_s: float = 300.0, stall_after_s: float | None = None,
-                 startup_s: float = 0.0, end_step: int | None = None, adoptable: bool = False):
+                 startup_s: float = 0.0, end_step: int | None = None, adoptable: bool = False,
+                 stop_grace_s: float = 0.0):
         super().__init__()
         self.address = address
         self.submission_id = submission_id
@@ -42,6 +43,7 @@ class RayJobTrigger(BaseTrigger):
         self.startup_s = startup_s
         self.end_step = end_step  # the chunk's last step: the save after it gets startup_s too
         self.adoptable = adoptable  # a cleared task's next try may adopt the job (a chunk's): leave it running
+        self.stop_grace_s = stop_grace_s  # a job this trigger stops may take this long to save its step and end
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -56,6 +58,7 @@ class RayJobTrigger(BaseTrigger):
                 "startup_s": self.startup_s,
                 "end_step": self.end_step,
                 "adoptable": self.adoptable,
+                "stop_grace_s": self.stop_grace_s,
             },
         )
 
@@ -101,16 +104,33 @@ class RayJobTrigger(BaseTrigger):
                 watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time(), self.end_step)
                 watch.saw("\n".join(new), time.time())
                 if stalled := watch.stalled(time.time()):
-                    await jobs.stop(self.submission_id)
-                    yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped",
+                    ended = await self._stop_and_wait(jobs)
+                    yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped ({ended})",
                                       step=watch.last_step)
                     return
             if time.time() > self.deadline:
-                await jobs.stop(self.submission_id)
+                ended = await self._stop_and_wait(jobs)
                 yield self._event("TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was "
-                                             "stopped")
+                                             f"stopped ({ended})")
                 return
             await asyncio.sleep(self.poll_seconds)
+
+    async def _stop_and_wait(self, jobs: AsyncRayJobs) -> str:
+        """Stop the job (SIGTERM: a trainer that still holds the lease finishes its step and saves it) and wait,
+        up to stop_grace_s, for it to end, so that the task's retry resumes from that save. What happened, in
+        words."""
+        await jobs.stop(self.submission_id)
+        until = time.time() + self.stop_grace_s
+        while True:
+            try:
+                state = await jobs.get(self.submission_id)
+            except Exception as e:  # noqa: BLE001 - the head went away: nothing left to wait for
+                return f"its end could not be seen: {e}"
+            if state is None or state.status in TERMINAL:
+                return f"it ended {state.status if state else 'unknown to the cluster'}"
+            if time.time() >= until:
+                return f"still {state.status} after {self.stop_grace_s:.0f}s"
+            await asyncio.sleep(min(self.poll_seconds, 1.0))
 
     async def on_kill(self) -> None:
         """A person acted on the deferred task. Marked failed or success: stop the job. Cleared (a chunk's

@@ -63,6 +63,15 @@ class LeaseLost(RelayError):
     exit_code = 3
 
 
+class StoppedEarly(RelayError):
+    """A trainer stopped before its chunk's end step because it was asked to (SIGTERM, a stop request, the spec's
+    save_before deadline), after committing a checkpoint of the last step it trained, or before training one:
+    no step was lost, and the chunk's retry resumes there (relay.trainers.stopping)."""
+
+    exit_code = 4
+    cause = "preempted"
+
+
 class RayJobError(RelayError):
     """The Ray cluster is unreachable, or a chunk's job failed."""
 

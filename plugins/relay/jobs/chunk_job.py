@@ -36,7 +36,7 @@ from relay.trainers.contract import ChunkRequest
 
 # Trainer kinds whose `relay train` runs the chunk as a Ray job; the others train in the CLI's process.
 JOB_KINDS = frozenset({"verl_ppo"})
-STOP_WAIT_S = 30  # how long an interrupted command waits for its stopped job to end
+STOP_WAIT_S = 30  # how long an interrupted command waits for its stopped job to end (the spec's stop grace, if given)
 
 
 def runs_as_job(spec: RunSpec) -> bool:
@@ -183,10 +183,12 @@ def failure(state: JobState) -> tuple[str, int]:
 
 
 def run_attached(jobs: RayJobs, sub_id: str, submit: Callable[[], object], *,
-                 watch: Callable[[str, str], None] | None = None, out: TextIO | None = None) -> JobState:
+                 watch: Callable[[str, str], None] | None = None, out: TextIO | None = None,
+                 stop_wait_s: float = STOP_WAIT_S) -> JobState:
     """submit() the job sub_id, follow it to its end, and stop it if this process is interrupted or fails
     meanwhile (from the submission on: a job whose submission was cut short is stopped too, if it
-    exists). watch(address, sub_id): names the job to a watchdog first (local_head.Guarded.watch_job)."""
+    exists), waiting up to stop_wait_s for it to save and end. watch(address, sub_id): names the job to a
+    watchdog first (local_head.Guarded.watch_job)."""
     _ = jobs.client  # a cluster that does not answer fails here, before anything is submitted
     if watch is not None:
         watch(jobs.address, sub_id)
@@ -196,5 +198,5 @@ def run_attached(jobs: RayJobs, sub_id: str, submit: Callable[[], object], *,
     except BaseException as e:
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({e})"
         print(f"relay: {why}: stopping Ray job {sub_id} ...", file=sys.stderr, flush=True)
-        print(f"relay: Ray job {sub_id}: {stop(jobs, sub_id)}", file=sys.stderr, flush=True)
+        print(f"relay: Ray job {sub_id}: {stop(jobs, sub_id, stop_wait_s)}", file=sys.stderr, flush=True)
         raise

@@ -36,6 +36,8 @@ LOG_TAIL_LINES = 30  # the job's last log lines that a failure's message and ale
 TAIL_LINES = 200  # what a trigger reads per poll, whatever the log's size
 TAIL_MAX_BYTES = 1 << 20  # and never more bytes than this (a pathological line)
 ENTRYPOINT_MODULE = "relay.trainers.job"
+STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+STOP_MARGIN_S = 15  # Relay waits this much longer than the grace for a stopped job to be reported ended
 
 
 def submission_id(spec_name: str, run_name: str, dag_run_id: str, chunk: int, try_number: int) -> str:
@@ -84,6 +86,10 @@ def runtime_env(req: ChunkRequest, extra_env: dict[str, str] | None = None) -> d
         "MKL_NUM_THREADS": threads,
         "OPENBLAS_NUM_THREADS": threads,
         "PYTHONUNBUFFERED": "1",
+        # `ray job stop` (Relay's own stops too) sends SIGTERM, then waits this long before its SIGKILL: the
+        # trainer's time to finish its step and save it (relay.trainers.stopping). Ray reads it in the job's
+        # supervisor, which runs with this environment.
+        STOP_WAIT_ENV: str(req.spec.ray.stop_grace_seconds),
         **(extra_env or {}),
     }
     return {**shipped_code(), "env_vars": env}
@@ -172,7 +178,8 @@ class RayJobs:
         self.client.stop_job(sub_id)
 
     def stop_run(self, spec_name: str, run_name: str, *, keep: str | None = None, wait_s: float = 60) -> list[str]:
-        """Stop every live job of a run (any chunk, any try) except `keep`; wait until they have ended."""
+        """Stop every live job of a run (any chunk, any try) except `keep`; wait (up to wait_s: the spec's
+        stop grace) until they have ended, so that one that still holds the lease can save its last step."""
         stopped = [j.submission_id for j in self.live_jobs_of_run(spec_name, run_name) if j.submission_id != keep]
         for sub_id in stopped:
             self.stop(sub_id)

@@ -166,7 +166,7 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
         return made(PREEMPTED, [message[:300]])
     relay = [m for ln in lines if (m := RELAY_CAUSE_LINE.match(ln))]
     if relay and relay[-1].group(1) in CAUSES:
-        said = [ln for ln in lines if ln.startswith("[relay] chunk") and " failed" in ln][-1:]
+        said = [ln for ln in lines if ln.startswith("[relay] chunk") and (" failed" in ln or " stopped" in ln)][-1:]
         return made(relay[-1].group(1), said + [relay[-1].group(0)])
     if ev := found(ACCELERATOR_OOM_LINES):
         return made(ACCELERATOR_OOM, ev)

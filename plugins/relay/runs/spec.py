@@ -89,6 +89,10 @@ class RaySpec(StrictModel):
         "keep it off the head node"))
     chunk_timeout_minutes: float = Field(default=120, gt=0, description="a chunk's job is stopped after this long")
     poll_seconds: float = Field(default=2.0, gt=0)
+    stop_grace_seconds: int = Field(default=120, ge=0, description=(
+        "how long a chunk's job that is stopped may take to finish its step and save it before it is killed: "
+        "Relay's own stops (a stall, the chunk's timeout, a newer try) wait this long for it, and `ray job stop` "
+        "too (Ray's RAY_JOB_STOP_WAIT_TIME_S in the job's environment; Ray's own default is 3 s)"))
     env_vars: dict[str, str] = Field(default_factory=dict, description=(
         "extra environment for the chunk's job; a secret is written as ${VAR} (or ${VAR:-default}), expanded "
         "from the submitting worker's environment only when the job is submitted, and masked in logs and alerts"))
@@ -194,8 +198,26 @@ class RunSpec(StrictModel):
     s3: S3Spec | None = None
     alerts: AlertSpec = Field(default_factory=AlertSpec)
     airflow: AirflowSpec = Field(default_factory=AirflowSpec)
+    save_before: str | None = Field(default=None, description=(
+        "a wall-clock deadline (a reservation's end): ISO 8601 with its zone or epoch seconds, or ${VAR} naming "
+        "the job's environment variable that holds one. The trainer saves and ends its chunk early enough for "
+        "the save to finish before it (relay.trainers.stopping)"))
 
     _source: str = PrivateAttr("<dict>")
+
+    @field_validator("save_before")
+    @classmethod
+    def _a_time(cls, v: str | None) -> str | None:
+        if v is not None and not project.variables(v):  # ${VAR} is read where the trainer runs
+            try:
+                deadline_seconds(v)
+            except SpecError as e:
+                raise ValueError(e.problem + "; " + (e.fix or "")) from None
+        return v
+
+    def deadline(self) -> float | None:
+        """save_before as epoch seconds, ${VAR} read from this process's environment (None: no deadline)."""
+        return deadline_seconds(self.save_before, self._source)
 
     @property
     def source(self) -> str:
@@ -229,6 +251,35 @@ class RunSpec(StrictModel):
     def to_json(self) -> str:
         """The resolved spec, as shipped to a Ray job (paths already absolute)."""
         return json.dumps({"source": self._source, "spec": self.model_dump(mode="json")})
+
+
+def deadline_seconds(value: str | None, source: str = "<spec>") -> float | None:
+    """`save_before` as epoch seconds: an ISO 8601 time with its zone (2026-12-03T18:00:00Z), or epoch seconds;
+    `${VAR}` (or `${VAR:-default}`) is read from this process's environment (the job's, on the cluster), and an
+    empty value means no deadline."""
+    if value is None:
+        return None
+    try:
+        text = project.expand(str(value)).strip()
+    except KeyError as e:
+        raise SpecError(source, "save_before", f"names the environment variable {e.args[0]}, which is not set "
+                        "where the trainer runs", f"set {e.args[0]} in the job's environment (ray.env_vars), or "
+                        f"write ${{{e.args[0]}:-}} for no deadline when it is unset") from None
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise SpecError(source, "save_before", f"{text!r} is not a time",
+                        "write an ISO 8601 time with its zone, e.g. 2026-12-03T18:00:00Z, or epoch seconds") from None
+    if when.tzinfo is None:
+        raise SpecError(source, "save_before", f"{text!r} has no time zone",
+                        "add one (2026-12-03T18:00:00Z, or +02:00): a deadline must mean one instant everywhere")
+    return when.timestamp()
 
 
 def check_run_name(run_name: str) -> str:

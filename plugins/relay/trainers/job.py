@@ -1,15 +1,17 @@
 """A chunk's Ray job entrypoint: `python -m relay.trainers.job`, the request in $RELAY_CHUNK_REQUEST.
 
 Exit codes: 0 the chunk reached its end step (or already had); 3 this attempt lost the run's lease;
-1 anything else (the traceback is in the job's log, which the Airflow task shows). A Relay error also
-prints `[relay] cause: <cause>` (relay.runs.failure_cause reads it: refused, or infrastructure).
+4 it stopped early as asked (SIGTERM, a stop request, the spec's save_before) after committing a checkpoint of
+its last step (relay.trainers.stopping); 1 anything else (the traceback is in the job's log, which the Airflow
+task shows). A Relay error also prints `[relay] cause: <cause>` (relay.runs.failure_cause reads it: refused,
+infrastructure, or preempted for a graceful stop).
 """
 
 from __future__ import annotations
 
 import sys
 
-from relay.common.errors import RelayError
+from relay.common.errors import RelayError, StoppedEarly
 from relay.trainers.contract import ChunkRequest, run_chunk
 
 
@@ -18,7 +20,8 @@ def main() -> int:
     try:
         result = run_chunk(req)
     except RelayError as e:
-        print(f"[relay] chunk {req.chunk} of run {req.run} failed: {e}", flush=True)
+        ended = "stopped early" if isinstance(e, StoppedEarly) else "failed"
+        print(f"[relay] chunk {req.chunk} of run {req.run} {ended}: {e}", flush=True)
         print(f"[relay] cause: {e.cause} ({type(e).__name__})", flush=True)
         return e.exit_code
     print(f"[relay] chunk {req.chunk} of run {req.run} done: steps {result.resumed_from} -> "

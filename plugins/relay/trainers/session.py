@@ -21,26 +21,33 @@ from pathlib import Path
 from typing import Iterator
 
 from relay.checkpoints.resume import find_resume_point
-from relay.common.errors import DiskFullError, RunError
+from relay.common.errors import DiskFullError, RunError, StoppedEarly
 from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
 from relay.data.freeze import frozen_files, verify_frozen
 from relay.runs import layout
 from relay.runs.failure_cause import cgroup_oom_kills
 from relay.runs.lease import Lease
-from relay.runs.metrics import MetricsLog, record_event
+from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.record import folder_incarnation
 from relay.runs.run import Run
 from relay.s3.restore import restore_for_resume
 from relay.trainers.contract import ChunkRequest
+from relay.trainers.stopping import GracefulStop
 
 
 class ChunkSession:
-    def __init__(self, req: ChunkRequest):
+    def __init__(self, req: ChunkRequest, *, forward_stop=None, training_started=None):
         self.req = req
         self.spec = req.spec
         self.run_dir = req.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # From here a SIGTERM ends the process (nothing trained yet); once training, it asks for a graceful stop
+        # (relay.trainers.stopping), as the stop file and the spec's save_before do.
+        self.stopping = GracefulStop(self.run_dir, req.attempt, self.spec.deadline(), forward=forward_stop,
+                                     started=training_started)
+        self._save_started: float | None = None
+        self._save_s: float | None = None  # what this process's last save took
         self.lease = Lease(self.run_dir)
         if req.lease_token is None:
             req.lease_token = self.lease.acquire(f"local:{socket.gethostname()}:{os.getpid()}")
@@ -128,6 +135,31 @@ class ChunkSession:
                            values))
         fault_point("after_step", step)
 
+    # ------------------------------------------------------------------------------ graceful stops
+    def stop_reason(self, this_step_s: float | None = None) -> str | None:
+        """Why the trainer should save and stop before its next step (SIGTERM, a stop request, save_before),
+        None to train on (relay.trainers.stopping). this_step_s: what the step just trained took, when its row
+        is not recorded yet (verl records it after its step's end)."""
+        steps = self._step_times + ([this_step_s] if this_step_s is not None else [])
+        return self.stopping.check(steps, self._save_s if self._save_s is not None else
+                                   last_save_seconds(self.run_dir))
+
+    def record_stop(self, step: int, reason: str) -> None:
+        """The `chunk_stopped` event: this attempt stopped as asked, its last checkpoint at `step`."""
+        record_event(self.run_dir, STOPPED_EVENT, chunk=self.req.chunk, attempt=self.req.attempt, step=step,
+                     reason=reason, resumed_from=self.resume_step)
+
+    def stopped_early(self, step: int, reason: str, *, record: bool = True) -> StoppedEarly:
+        """The error that ends a chunk stopped as asked after committing step `step` (or before training one);
+        record=False when the trainer recorded the stop itself (verl's, in its actor)."""
+        if record:
+            self.record_stop(step, reason)
+        trained = step - self.resume_step
+        what = (f"stopped after step {step} ({reason}): its checkpoint global_step_{step} is committed, no step lost"
+                if trained else f"stopped before training a step ({reason}): nothing to save, no step lost")
+        return StoppedEarly(f"{what}; {self.req.to_step - step} step(s) of the chunk left",
+                            f"nothing: the chunk's retry resumes from step {step}")
+
     # ------------------------------------------------------------------------------ checkpoints
     def staging_dir(self, step: int) -> Path:
         """A fresh folder to write global_step_<step> into; stale staging of dead attempts is removed."""
@@ -148,6 +180,7 @@ class ChunkSession:
         it, so a failed save never leaves the disk fuller than before; a full disk is said plainly, with
         the checkpoint the run still has and what to do."""
         staged = self.staging_dir(step)
+        self._save_started = time.time()
         try:
             yield staged
         except BaseException as e:
@@ -182,14 +215,33 @@ class ChunkSession:
             fault_point("after_rename", step)
             layout.write_tracker(self.run_dir, step)
             fault_point("after_tracker", step)
-        record_event(self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt)
+        started = self._save_started
+        self._save_s = round(time.time() - started, 3) if started else None
+        record_event(self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt,
+                     seconds=self._save_s)
         self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
         return final
 
     def finish(self, end_step: int) -> None:
+        self.stopping.close()
         self.metrics.close()
         record_event(self.run_dir, "chunk_end", chunk=self.req.chunk, attempt=self.req.attempt, end_step=end_step,
                      seconds=round(time.time() - self._t0, 3))
+
+
+STOPPED_EVENT = "chunk_stopped"
+
+
+def stop_of(run_dir: Path, attempt: str) -> dict | None:
+    """The attempt's `chunk_stopped` event, if it stopped as asked."""
+    return next((e for e in reversed(read_events(run_dir))
+                 if e.get("event") == STOPPED_EVENT and e.get("attempt") == attempt), None)
+
+
+def last_save_seconds(run_dir: Path) -> float | None:
+    """What the run's newest save took (its `checkpoint` event: staging to the tracker's commit), if recorded."""
+    return next((float(e["seconds"]) for e in reversed(read_events(run_dir))
+                 if e.get("event") == "checkpoint" and isinstance(e.get("seconds"), (int, float))), None)
 
 
 def _disk_full(e: BaseException | None, free: int) -> bool:

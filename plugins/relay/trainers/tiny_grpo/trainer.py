@@ -68,8 +68,19 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
         trainer.restore(resume_from)
     session.begin()
     checkpoint = None
-    step = start
+    step = saved = start
+
+    def save() -> None:
+        nonlocal checkpoint, saved
+        with session.saving(step) as staged:
+            trainer.save(staged, step)
+            checkpoint = session.commit(step, staged)
+        saved = step
+
+    session.stopping.training_started()  # a SIGTERM now waits for the step's end and its save
     try:
+        if (why := session.stop_reason()) is not None:  # save_before too close to train a step
+            raise session.stopped_early(step, why)
         for batch in trainer.batches():
             step += 1
             t = time.time()
@@ -77,11 +88,15 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
             session.step_done(step, time.time() - t, epoch=trainer.epoch, **values)
             s = spec.settings
             if step == req.to_step or (s.save_freq and step % s.save_freq == 0):
-                with session.saving(step) as staged:
-                    trainer.save(staged, step)
-                    checkpoint = session.commit(step, staged)
+                save()
             if step == req.to_step:
                 break
+            # Asked to stop (SIGTERM, a stop request, save_before)? Before the next batch is drawn: the saved
+            # dataloader state must be the one the next step starts from.
+            if (why := session.stop_reason()) is not None:
+                if saved < step:
+                    save()
+                raise session.stopped_early(step, why)
     finally:
         session.finish(step)
         trainer.close()

@@ -15,6 +15,9 @@ RelayChunkTrainer is a subclass of verl's own PPOTrainerSync. It changes only th
 - `_balance_batch`: the step's responses are put in one order (dataset index, place in the group) before
   verl balances them, so that the order they were generated in changes no bit of training.
 - every step: the run's lease is checked and one row goes to metrics.jsonl.
+- `on_step_end` (timed from `on_step_begin`): asked to stop (the driver's stop file, written on its SIGTERM; the
+  spec's save_before), the step is saved through verl's own save path and the loop ends after it; at
+  `on_train_begin`, a save_before too close for one step ends it before its first (relay.trainers.stopping).
 - start-up: a phase mark in events.jsonl at each stage verl passes (relay.runs.phases).
 - `_init_resource_pool_mgr`: verl's resource pools are checked against the cluster's nodes before verl
   waits for them without a timeout (relay.trainers.verl_ppo.placement); on the cpu platform each worker
@@ -39,12 +42,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay.common.faultpoint import fault_point
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog
 from relay.runs.phases import record_phase
 from relay.trainers.contract import ChunkRequest
 from relay.trainers.session import ChunkSession
+from relay.trainers.stopping import GracefulStop
 from relay.trainers.verl_ppo import placement, tracking
 from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
@@ -256,6 +261,34 @@ def trainer_class():
             super().on_train_begin()
             _record_tracking(self)
             self._relay_phase("first_step_begins")
+            if why := self.relay_session.stop_reason():  # save_before too close for a step and its save
+                last = self.global_steps - 1  # verl counts from the step it is about to train
+                self.total_training_steps = last  # verl's loop (global_steps <= total_training_steps) never runs
+                self.relay_session.record_stop(last, why)
+                _say(f"stopping before step {self.global_steps} ({why})")
+
+        # ---- a graceful stop: verl's own save of this step, then its loop ends (relay.trainers.stopping)
+        def on_step_begin(self):
+            super().on_step_begin()
+            self._relay_step_began = time.time()
+
+        def on_step_end(self):
+            super().on_step_end()  # verl's sync trainer hands the updated weights to the rollout here
+            if self.global_steps >= self.total_training_steps:
+                return  # the chunk's last step: verl saves it and ends anyway
+            fault_point("verl_step_end", self.global_steps)  # the fault suite's hook: a stop request lands here
+            began = getattr(self, "_relay_step_began", None)
+            # the driver's stop file (its SIGTERM), or save_before against this step's time and the last save's
+            why = self.relay_session.stop_reason(time.time() - began if began else None)
+            if why is None:
+                return
+            save_freq = self.config.trainer.save_freq
+            if not (save_freq > 0 and self.global_steps % save_freq == 0):  # not saved by verl's loop just now
+                self._save_checkpoint()
+            # verl's loop runs while global_steps <= total_training_steps: it ends after this step.
+            self.total_training_steps = self.global_steps
+            self.relay_session.record_stop(self.global_steps, why)
+            _say(f"stopping after step {self.global_steps} ({why}): its checkpoint is committed")
 
     RelayChunkTrainer.__module__ = __name__
     RelayChunkTrainer.__qualname__ = "RelayChunkTrainer"
@@ -378,10 +411,15 @@ def _actor_session(chunk: VerlChunk):
             self.metrics = MetricsLog(self.run_dir)
             self._t0 = time.time()
             self._step_times = []
+            # Not signalled here (Ray signals the job's driver): the driver's stop file and save_before
+            self.stopping = GracefulStop(self.run_dir, req.attempt, self.spec.deadline(), signals=False)
+            self._save_started = None
+            self._save_s = None
 
         def record_step(self, step: int, seconds: float, **values) -> None:
             """One metrics.jsonl row (the driver prints the progress line); stop at once if the lease was lost."""
             self.lease.check(self.token)
+            self._step_times.append(seconds)
             self.metrics.append({"step": step, "chunk": self.req.chunk, "attempt": self.req.attempt,
                                  "seconds": round(seconds, 4), "time": time.time(), **values})
 

@@ -13,7 +13,8 @@
 5. run verl's run_ppo() with Relay's TaskRunner (the chunk trainer is installed inside the actor),
    printing a progress line per step from metrics.jsonl (the actor writes the rows; Ray prefixes
    an actor's own output, so the driver prints the lines the stall watch reads);
-6. succeed only when the tracker has reached the chunk's end step.
+6. succeed only when the tracker has reached the chunk's end step; a SIGTERM (or the spec's save_before) makes
+   the actor save the step it is in through verl's own save path and end the loop (StoppedEarly).
 
 In supervised mode the same driver runs the whole run as one job (to the run's last step, saving
 every chunk_steps); an Airflow retry of that job resumes it the same way.
@@ -32,10 +33,12 @@ from relay.common.errors import CheckpointError, RelayError
 from relay.common.progress import step_line
 from relay.runs import layout
 from relay.runs.lease import Lease
-from relay.runs.metrics import MetricsLog
-from relay.runs.phases import record_phase
+from relay.runs.metrics import MetricsLog, read_events
+from relay.runs.phases import phase_marks, record_phase
+from relay.trainers import stopping
 from relay.trainers.contract import ChunkRequest, ChunkResult
-from relay.trainers.session import ChunkSession
+from relay.trainers.session import ChunkSession, stop_of
+from relay.trainers.stopping import GracefulStop
 from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides, tracking, verl_contract
 from relay.trainers.verl_ppo.horizon import describe_schedule
 from relay.trainers.verl_ppo.runner import task_runner_class
@@ -80,7 +83,12 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     if req.lease_token is None:
         req.lease_token = Lease(run_dir).acquire(f"local:{socket.gethostname()}:{os.getpid()}")
     moved = hygiene.remove_rollout_state(run_dir)  # before anything validates or loads the folders
-    session = ChunkSession(req)
+    # verl trains in its TaskRunner actor, which Ray does not signal: a SIGTERM here, once verl's loop runs (its
+    # first_step_begins mark), is passed on through the attempt's stop file, which the actor reads after each step
+    # (relay.trainers.stopping); before it, the driver ends at once.
+    session = ChunkSession(req, forward_stop=lambda why: stopping.request_stop(run_dir, req.attempt, why),
+                           training_started=lambda: "first_step_begins" in phase_marks(read_events(run_dir),
+                                                                                       req.attempt))
     if moved:
         session.say(f"moved rollout-engine state out of the checkpoints (kept in .relay/{hygiene.ASIDE}/): "
                     + ", ".join(moved))
@@ -126,30 +134,49 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     watcher = ProgressWatcher(session, start, req.to_step)
     t0 = time.time()
     try:
-        run_verl(config)
+        run_verl(config, session.stopping)
     finally:
         watcher.stop()
         latest = _tracker(run_dir)
         session.finish(latest or start)
     if latest is None or latest < req.to_step:
+        if (stopped := stop_of(run_dir, req.attempt)) is not None:  # the actor saved and stopped, as asked
+            raise session.stopped_early(int(stopped["step"]), str(stopped["reason"]), record=False)
         raise CheckpointError(f"verl ended at step {latest or start}, before the chunk's end step {req.to_step}",
                               "the retry resumes from the latest valid checkpoint")
     return ChunkResult(req.run.name, start, req.to_step, req.to_step - start, time.time() - t0,
                        str(layout.step_dir(run_dir, req.to_step)))
 
 
-def run_verl(config) -> None:
+def run_verl(config, graceful: GracefulStop | None = None) -> None:
     """verl's run_ppo with Relay's TaskRunner. A Relay error raised in the actor keeps its exit code."""
     from verl.trainer.main_ppo import run_ppo
 
-
+    runner = task_runner_class() if graceful is None else _SigtermBack(task_runner_class(), graceful)
     try:
-        run_ppo(config, task_runner_class=task_runner_class())
+        run_ppo(config, task_runner_class=runner)
     except Exception as e:  # ray.exceptions.RayTaskError wraps what the actor raised, as .cause
         cause = getattr(e, "cause", None)
         if isinstance(cause, RelayError):
             raise cause from None
         raise
+
+
+class _SigtermBack:
+    """The TaskRunner actor class as verl's run_ppo uses it (.remote(), .options()), putting Relay's SIGTERM handler
+    back first: run_ppo calls ray.init just before, which installs one that exits the driver at once, and so
+    would end verl's actors before they could save."""
+
+    def __init__(self, actor_class, graceful: GracefulStop):
+        self._actor_class, self._graceful = actor_class, graceful
+
+    def remote(self, *args, **kwargs):
+        self._graceful.install()
+        return self._actor_class.remote(*args, **kwargs)
+
+    def options(self, *args, **kwargs):
+        self._graceful.install()
+        return self._actor_class.options(*args, **kwargs)
 
 
 def _tracker(run_dir) -> int | None:
