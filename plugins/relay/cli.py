@@ -26,6 +26,7 @@ from relay.preflight import attention, doctor
 from relay.preflight.prepare import prepare_run
 from relay.report import run_report as report
 from relay.runs import failure_cause, layout
+from relay.runs.audit import audit
 from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
 from relay.runs.spec import load_spec
@@ -299,6 +300,17 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_audit(args) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / layout.METRICS).is_file():
+        raise RelayError(f"{run_dir} has no {layout.METRICS}: not a run folder, or nothing trained yet",
+                         "give the run's folder, <checkpoint_dir>/<run>")
+    tolerance = _spec(args.spec).audit.tolerance if args.spec else None
+    result = audit(run_dir, tolerance)
+    print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else result.summary())
+    return 0 if result.consistent else 1
+
+
 def cmd_stack(args) -> int:
     if args.action == "up":
         info = stack.up(with_airflow=not args.no_airflow, db_url=args.db, ray_cpus=args.ray_cpus)
@@ -439,6 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("source", help="a run folder (<checkpoint_dir>/<run>) or s3://BUCKET/PREFIX/RUN")
     s.add_argument("--out", help="output folder (default: <run>/.relay/report/; ./report-<run>/ for S3)")
     s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("audit", help="the replay audit: each step trained twice (after a resume) against its first "
+                                     "try; exit 0 consistent, 1 diverged")
+    s.add_argument("run_dir", help="a run folder (<checkpoint_dir>/<run>)")
+    s.add_argument("--spec", help="the run's spec: its audit.tolerance (default: every metric exact)")
+    s.add_argument("--json", action="store_true", help="the audit as JSON on stdout, and nothing else")
+    s.set_defaults(func=cmd_audit)
 
     s = sub.add_parser("stack", help="the local stack: S3, Ray head and Airflow (ports: include/stack.env)")
     s.add_argument("action", choices=["up", "down", "status"])

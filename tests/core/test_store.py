@@ -1,5 +1,6 @@
 """S3 publication on the session's real S3 server (SeaweedFS): atomic, idempotent, verified, retained."""
 
+import json
 import os
 import shutil
 import signal
@@ -124,6 +125,48 @@ def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, st
     assert later["deleted"] == [10, 30]
     assert [m.step for m in store.published("run")] == [20, 40, 50]
     assert not objects(store, "run", 10)
+
+
+def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_processes(tmp_path, store):
+    """keep_best {reward_mean, max, k: 2} with keep_local 1: the newest, and the two best by the metric of their
+    step's metrics.jsonl row, locally and in S3; retention.json says why each is kept. A later chunk's publish, in
+    a process of its own, ranks again from the run's files: a better step displaces the second best."""
+    from relay.runs.spec import KeepBest
+
+    run = tmp_path / "run"
+    small = verl_checkpoint.make(tmp_path / "seed").parent
+    reward = {10: 0.9, 20: 0.1, 30: 0.8, 40: 0.2, 50: 0.3, 60: 0.95}
+
+    def trained(steps):
+        with open(run / layout.METRICS, "a") as f:
+            for step in steps:
+                shutil.copytree(small / "global_step_1", run / f"global_step_{step}")
+                layout.write_tracker(run, step)
+                assert admit_dir(run, step).ok
+                store.publish("run", run, step)
+                f.write(json.dumps({"step": step, "reward_mean": reward[step], "loss": 0.0}) + "\n")
+
+    run.mkdir()
+    trained([10, 20, 30, 40, 50])  # chunk 1
+    policy = CheckpointPolicy(keep_local=1, keep_published=1, delete_grace_minutes=0,
+                              keep_best=KeepBest(metric="reward_mean", mode="max", k=2))
+    published = {m.step for m in store.published("run")}
+    assert retention.apply_local(run, policy, 100, published) == [20, 40]
+    assert sorted(layout.step_dirs(run)) == [10, 30, 50]
+    why = json.loads(layout.relay_dir(run, "retention.json").read_text())["why"]
+    assert why["10"] == ["best reward_mean (max): #1 of 2, 0.9"] and why["30"] == ["best reward_mean (max): #2 of 2, 0.8"]
+    assert why["50"] == ["among the newest 1", "the latest (the tracker's)"]
+    assert retention.apply_published(store, "run", policy, 100, run_dir=run)["deleted"] == [20, 40]
+
+    trained([60])  # chunk 2: its publish runs in a process of its own, from the run's files alone
+    code = ("import sys, json; sys.path.insert(0, 'plugins'); from pathlib import Path; "
+            "from relay.checkpoints import retention; from relay.runs.spec import CheckpointPolicy; "
+            f"p = CheckpointPolicy.model_validate_json({policy.model_dump_json()!r}); "
+            f"print(json.dumps(retention.apply_local(Path({str(run)!r}), p, 100, {{10, 30, 50, 60}})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [30, 50]  # 60 is the newest and the best; 10 next
+    assert sorted(layout.step_dirs(run)) == [10, 60]
 
 
 def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, store):

@@ -31,6 +31,7 @@ from relay.alerts import Alert, AlertLedger, kind_of
 from relay.checkpoints.validate import latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
+from relay.runs.audit import AuditReport
 from relay.runs.run import Run
 from relay.runs.spec import load_spec
 
@@ -221,6 +222,20 @@ def notify_use_frozen(context, run: Run, change: str) -> None:
     alert = alert_for(context, run, "use_frozen", change.partition("\n")[0], details=change,
                       action="training continues on the frozen copy (data.on_source_change: use_frozen)")
     send_once(context, run, alert, f"use_frozen|{digest}")
+
+
+def notify_divergence(context, run: Run, report: AuditReport) -> None:
+    """The replay audit found steps trained twice that differ (relay.runs.audit): once per set of diverged steps."""
+    if report.consistent:
+        return
+    steps = sorted({d.step for d in report.divergences})
+    digest = hashlib.sha256(repr(steps).encode()).hexdigest()[:16]
+    alert = alert_for(context, run, "replay_divergence", report.summary().partition("\n")[0],
+                      step=steps[0], details=report.summary(),
+                      action="training goes on; compare the runs (relay audit RUN_DIR), and look for state the resume "
+                             "did not restore (an RNG, the dataloader's position, a setting that changed); for verl on "
+                             "GPUs, state the noise you accept per metric in the spec's audit.tolerance")
+    send_once(context, run, alert, f"replay_divergence|{digest}")
 
 
 def notify_recovery(context, run: Run, what: str, *, whole_run: bool = False, **fields) -> None:

@@ -26,7 +26,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from relay.airflow.assets import run_checkpoints
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
-from relay.airflow.notifiers import notify, notify_error, notify_recovery, notify_use_frozen
+from relay.airflow.notifiers import notify, notify_divergence, notify_error, notify_recovery, notify_use_frozen
 from relay.airflow.task_ids import RUN_TASK
 from relay.airflow.tasks import publish_report, training_run
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
@@ -41,6 +41,7 @@ from relay.common.faultpoint import drill_env, fault_point
 from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, submission_id
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, layout
+from relay.runs.audit import audit
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events
@@ -127,6 +128,10 @@ class RayChunkOperator(ChunkTaskOperator):
                 f"{chunk.end_step}. The retry resumes from step {latest or 0}."
             )
         self.log.info("%s of run %s: done (%s); latest checkpoint step %s", chunk, run, how, latest)
+        replay = audit(run.dir, run.spec.audit.tolerance)  # the steps this run trained twice, against their first try
+        if replay.compared:
+            self.log.info("%s", replay.summary())
+        notify_divergence(context, run, replay)
         notify_recovery(context, run, f"{chunk} of run {run} is done: step {latest}", chunk=chunk.index,
                         step=latest)
         return {"run_name": run.name, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest,

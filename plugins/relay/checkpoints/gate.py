@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from relay.checkpoints.validate import CheckReport, validate_checkpoint, write_m
 from relay.common.errors import CheckpointError
 from relay.runs import layout
 from relay.runs.kinds import KINDS
+from relay.runs.metrics import record_event
 from relay.runs.run import Run
 from relay.runs.spec import spec_from_json
 
@@ -65,8 +67,11 @@ def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | No
               expect_critic: bool | None = None) -> Admission:
     """Validate a checkpoint (default: the tracker's); write its manifest, or quarantine it and fall back."""
     run_dir = Path(run_dir)
+    t0 = time.time()
     report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke,
                                  expect_critic=expect_critic)
+    if report.step is not None and run_dir.is_dir():  # what the gate costs a chunk (relay.runs.save_interval)
+        record_event(run_dir, "validation", step=report.step, ok=report.ok, seconds=round(time.time() - t0, 3))
     if report.ok:
         assert report.step is not None  # a valid report names the step it validated
         step_dir = layout.step_dir(run_dir, report.step)

@@ -6,8 +6,10 @@ and the disk fills. Relay decides from what is on disk and in S3:
 - locally: keep the newest `keep_local` checkpoints that were validated and published; never a
   checkpoint that is not yet published;
 - in S3: keep the newest `keep_published`, plus every milestone;
-- never the latest valid checkpoint, never a milestone;
-- the decision is written (retention.json) before anything is deleted; S3 deletions wait
+- never the latest valid checkpoint, never a milestone, never one of the `keep_best` k best by its step's
+  metric (metrics.jsonl: the same ranking in every process and chunk, since it is read from the run's files);
+- the decision, with why each checkpoint is kept, is written (retention.json) before anything is deleted; S3
+  deletions wait
   `delete_grace_minutes`, so a reader in the middle of a download is not cut off;
 - what was set aside (superseded attempts, quarantined checkpoints, verl's rollout state, older Hugging
   Face exports) goes once S3 holds a whole copy of its step: never the only copy of anything.
@@ -15,6 +17,7 @@ and the disk fills. Relay decides from what is on disk and in S3:
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import time
@@ -24,7 +27,7 @@ from relay.checkpoints import manifest
 from relay.common.timestamps import utc_now
 from relay.runs import layout
 from relay.runs.lease import Lease
-from relay.runs.metrics import record_event
+from relay.runs.metrics import read_jsonl, record_event
 
 STATE = "retention.json"
 VERSION = 1
@@ -40,8 +43,11 @@ def apply_local(run_dir: Path, policy, total_steps: int, published: set[int]) ->
         dirs = layout.step_dirs(run_dir)
         real = [s for s, p in dirs.items() if not layout.is_rotation_leftover(p)]
         done = [s for s in real if s in published and (dirs[s] / manifest.NAME).is_file()]
-        keep = set(done[-policy.keep_local:]) | {tracker} | {s for s in real if s not in published}
-        keep |= {s for s in real if policy.is_milestone(s, total_steps)}
+        why = reasons(run_dir, policy, total_steps, done, newest=policy.keep_local, latest=tracker)
+        for s in real:
+            if s not in published:
+                why.setdefault(s, []).append("not published yet")
+        keep = set(why)
         delete = [s for s in done if s not in keep]
         # verl's rotation leftovers (an empty folder, or data.pt alone) below the tracker are not checkpoints.
         rotation = [s for s, p in dirs.items() if layout.is_rotation_leftover(p) and tracker and s < tracker]
@@ -49,14 +55,46 @@ def apply_local(run_dir: Path, policy, total_steps: int, published: set[int]) ->
         if not (delete or rotation or aside):
             return []
         layout.atomic_write_json(layout.relay_dir(run_dir, STATE), {
-            "version": VERSION, "decided_at": _now(), "keep_local": policy.keep_local, "kept": sorted(keep - {None}),
-            "deleting": delete, "leftovers": rotation, "aside": [str(p.relative_to(run_dir)) for p in aside]})
+            "version": VERSION, "decided_at": _now(), "keep_local": policy.keep_local, "kept": sorted(keep),
+            "why": {str(s): r for s, r in sorted(why.items())}, "deleting": delete, "leftovers": rotation,
+            "aside": [str(p.relative_to(run_dir)) for p in aside]})
         for path in [dirs[s] for s in delete + rotation] + aside:
             shutil.rmtree(path, ignore_errors=True)
     if delete or aside:
         record_event(run_dir, "retention", where="local", deleted=delete,
                      aside=[str(p.relative_to(run_dir)) for p in aside])
     return delete
+
+
+def reasons(run_dir: Path | None, policy, total_steps: int, steps: list[int], *, newest: int,
+            latest: int | None) -> dict[int, list[str]]:
+    """{step: why it is kept} among `steps` (ascending): the newest `newest`, the latest, milestones, and the
+    keep_best k best by their step's metric in the run's metrics.jsonl (none without the run's folder)."""
+    why: dict[int, list[str]] = {}
+    for s in steps[-newest:]:
+        why.setdefault(s, []).append(f"among the newest {newest}")
+    if latest is not None:
+        why.setdefault(latest, []).append("the latest (the tracker's)")
+    for s in steps:
+        if policy.is_milestone(s, total_steps):
+            why.setdefault(s, []).append("a milestone")
+    for s, said in best_steps(run_dir, policy.keep_best, steps).items():
+        why.setdefault(s, []).append(said)
+    return why
+
+
+def best_steps(run_dir: Path | None, keep_best, steps: list[int]) -> dict[int, str]:
+    """{step: why} of the keep_best k best of `steps` by the metric of their metrics.jsonl row (the newer wins a
+    tie); steps whose row lacks the metric are not ranked."""
+    if keep_best is None or run_dir is None:
+        return {}
+    rows = {r["step"]: r for r in read_jsonl(Path(run_dir) / layout.METRICS) if isinstance(r.get("step"), int)}
+    m = keep_best.metric
+    scored = [(float(rows[s][m]), s) for s in steps if s in rows and isinstance(rows[s].get(m), (int, float))
+              and not isinstance(rows[s].get(m), bool) and math.isfinite(rows[s][m])]
+    ranked = sorted(scored, key=lambda vs: (-vs[0] if keep_best.mode == "max" else vs[0], -vs[1]))
+    return {s: f"best {m} ({keep_best.mode}): #{i + 1} of {keep_best.k}, {v:.6g}"
+            for i, (v, s) in enumerate(ranked[:keep_best.k])}
 
 
 ASIDE_STEP = re.compile(r"global_step_([0-9]{1,18})(\.|\Z)")
@@ -81,22 +119,25 @@ def leftovers(run_dir: Path, published: set[int]) -> list[Path]:
     return out
 
 
-def apply_published(store, run: str, policy, total_steps: int, now: float | None = None) -> dict:
-    """Mark published checkpoints beyond keep_published for deletion; delete those past their grace."""
+def apply_published(store, run: str, policy, total_steps: int, now: float | None = None,
+                    run_dir: Path | None = None) -> dict:
+    """Mark published checkpoints beyond keep_published for deletion; delete those past their grace. run_dir:
+    the run's folder, whose metrics.jsonl ranks the steps for keep_best."""
     now = time.time() if now is None else now
     key = store.run_key(run, STATE)
     state = store.get_json(key) or {"version": VERSION, "pending": {}}
     published = [m.step for m in store.published(run)]
     latest = (store.latest(run) or {}).get("step")
-    keep = set(published[-policy.keep_published:]) | {latest}
-    keep |= {s for s in published if policy.is_milestone(s, total_steps)}
+    why = reasons(run_dir, policy, total_steps, published, newest=policy.keep_published, latest=latest)
+    keep = set(why)
     pending = {k: v for k, v in state.get("pending", {}).items() if int(k) not in keep and int(k) in published}
     for s in published:
         if s not in keep:
             pending.setdefault(str(s), now)
     due = sorted(int(k) for k, t in pending.items() if now - t >= policy.delete_grace_minutes * 60)
     state = {"version": VERSION, "decided_at": _now(), "keep_published": policy.keep_published,
-             "kept": sorted(s for s in keep if s is not None), "pending": pending, "deleting": due}
+             "kept": sorted(keep), "why": {str(s): r for s, r in sorted(why.items())}, "pending": pending,
+             "deleting": due}
     store.put_json(key, state)  # the decision is recorded before anything is deleted
     for s in due:
         store.delete_checkpoint(run, s)

@@ -26,6 +26,7 @@ from relay.data import freeze as frozen
 from relay.preflight import attention as attn
 from relay.preflight import guard
 from relay.runs import failure_cause, layout
+from relay.runs import save_interval as interval
 from relay.runs.lease import Lease
 from relay.runs.metrics import read_events
 from relay.runs.record import read_record
@@ -259,6 +260,21 @@ def last_failure(run: Run) -> Finding | None:
     return Finding("last failure", True, detail, cause.todo, warning=True)
 
 
+def save_interval(run: Run) -> Finding | None:
+    """The save interval the run's own costs and failures call for (Young–Daly, relay.runs.save_interval): a
+    warning when the spec's is off by more than half or twice; nothing before a step and a save were measured."""
+    spec = run.spec
+    found = interval.save_interval(run.dir, chunk_steps=spec.chunk_steps,
+                                   save_freq=getattr(spec.settings, "save_freq", 0) or 0,
+                                   mtbf_hours=spec.checkpoints.mtbf_hours) if run.dir.is_dir() else None
+    if found is None:
+        return None
+    best = found.young_daly_steps
+    off = best is not None and not 0.5 <= found.interval_steps / best <= 2
+    return Finding("save interval", True, found.advice(), "change it as said above (nothing changes automatically)",
+                   warning=off)
+
+
 def _recorded(run: Run) -> bool:
     return bool(read_record(run.dir).get("settings"))
 
@@ -266,7 +282,7 @@ def _recorded(run: Run) -> bool:
 def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
     """The whole checklist, cheap checks first where it matters little."""
     findings = [checkpoint(run, store, deep=deep), live(run, jobs), model(run), parallelism(run), algorithm(run),
-                data(run), settings(run), attention(run), last_failure(run)]
+                data(run), settings(run), attention(run), last_failure(run), save_interval(run)]
     return [f for f in findings if f is not None]
 
 

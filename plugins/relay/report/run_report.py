@@ -32,10 +32,12 @@ from relay.checkpoints.resume import quarantined
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
 from relay.runs import layout
+from relay.runs.audit import AuditReport, audit
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 from relay.runs.plan import ChunkPlan
 from relay.runs.record import RECORD, read_record
 from relay.runs.run import Run
+from relay.runs.save_interval import SaveInterval, save_interval
 from relay.s3.store import CheckpointStore, parse_uri, s3_client
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
@@ -47,7 +49,7 @@ LABEL_ROWS = 8  # at most, above the panels
 MARKER_STYLE = {  # kind -> (colour, line style)
     "chunk": ("#9e9e9e", ":"), "resume": ("#1f77b4", "--"), "retry": ("#ff7f0e", "--"),
     "quarantine": ("#d62728", "-"), "fallback": ("#8c564b", "-."), "restore": ("#8c564b", "-."),
-    "drift": ("#9467bd", "-."),
+    "drift": ("#9467bd", "-."), "divergence": ("#e377c2", "-"),
 }
 
 
@@ -60,7 +62,7 @@ class Marker:
     """Something that happened at a global step: the x position of a line on every panel."""
 
     step: int
-    kind: str  # chunk | resume | retry | quarantine | fallback | restore | drift
+    kind: str  # chunk | resume | retry | quarantine | fallback | restore | drift | divergence
     label: str
     chunk: int | None = None
     attempt: int | None = None  # 1-based within its chunk
@@ -107,6 +109,8 @@ class Report:
     data_fingerprint: str | None
     data_files: list[dict]
     drift: list[dict]
+    audit: AuditReport | None = None  # the replay audit of the steps trained twice
+    save_interval: SaveInterval | None = None  # Young–Daly from the run's measured costs
 
     @property
     def steps(self) -> list[int]:
@@ -140,6 +144,10 @@ class Report:
         resumed = [m.label for m in self.markers if m.kind in ("resume", "retry")]
         if resumed:
             lines.append("resumes: " + "; ".join(resumed))
+        if self.audit is not None and self.audit.compared:
+            lines.append(self.audit.summary().splitlines()[0])
+        if self.save_interval is not None:
+            lines.append(f"save interval: {self.save_interval.advice()}")
         lines.append(f"data fingerprint {(self.data_fingerprint or 'none (data never frozen)')[:16]}, "
                      f"settings fingerprint {(self.settings_fingerprint or 'none')[:16]}")
         return "\n".join(lines)
@@ -257,9 +265,11 @@ pre {{ background: #f7f7f7; padding: 0.8em; }}
 
 
 # ---------------------------------------------------------------------------------------- building
-def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, source: str | None = None) -> Report:
+def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, source: str | None = None,
+          spec=None) -> Report:
     """The report of a run folder. With a store, published manifests give S3 URIs and sizes; with a
-    ChunkPlan, every planned chunk gets a row (those not reached yet too)."""
+    ChunkPlan, every planned chunk gets a row (those not reached yet too); with the run's spec, the replay
+    audit allows its audit.tolerance (exact without it) and the save interval advice uses its settings."""
     run_dir = Path(run_dir)
     run = run or run_dir.name
     rows = current_rows(read_jsonl(run_dir / layout.METRICS))
@@ -274,14 +284,35 @@ def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, sourc
     chunks, markers = _chunks(run_dir, run, attempts, events, published, store, plan)
     markers += _incidents(run_dir, events)
     markers += _drift_markers(record, events, attempts, rows)
+    replay = audit(run_dir, spec.audit.tolerance if spec is not None else None)
+    markers += [Marker(step, "divergence", f"diverged from its first try: {', '.join(sorted(metrics))}")
+                for step, metrics in _by_step(replay.divergences).items()]
     data = (record.get("data") or {}).get("files") or []
     return Report(
         run=run, source=source or str(run_dir), rows=rows, superseded_rows=len(superseded), chunks=chunks,
         markers=sorted(_dedupe(markers), key=lambda m: (m.step, list(MARKER_STYLE).index(m.kind))),
         total_steps=(record.get("resume_critical") or {}).get("total_steps") or (plan.total_steps if plan else None),
         settings_fingerprint=record.get("settings_fingerprint"), data_fingerprint=data_fingerprint(data),
-        data_files=data, drift=record.get("drift") or [],
+        data_files=data, drift=record.get("drift") or [], audit=replay,
+        save_interval=_save_interval(run_dir, spec, plan),
     )
+
+
+def _save_interval(run_dir: Path, spec, plan) -> SaveInterval | None:
+    """Young–Daly from the run's costs: with the spec's save_freq and mtbf_hours, else from the plan alone."""
+    if spec is not None:
+        return save_interval(run_dir, chunk_steps=spec.chunk_steps, save_freq=getattr(spec.settings, "save_freq", 0)
+                             or 0, mtbf_hours=spec.checkpoints.mtbf_hours)
+    if plan is not None and plan.chunks:
+        return save_interval(run_dir, chunk_steps=plan.chunks[0].steps)
+    return None
+
+
+def _by_step(divergences) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for d in divergences:
+        out.setdefault(d.step, set()).add(d.metric)
+    return out
 
 
 def current_rows(rows: list[dict]) -> list[dict]:
@@ -497,7 +528,7 @@ def publish(run: Run, store, out_dir: Path | None = None) -> dict[str, str]:
 
     Without a store (a spec with no s3 section) the report is only written locally."""
     run_dir = run.dir
-    report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec))
+    report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec), spec=run.spec)
     paths = write(report, out_dir or default_out(run_dir))
     out = {"summary": redact(report.summary()), "html": str(paths["html"]), "png": str(paths["png"])}
     if store is None:
@@ -519,7 +550,7 @@ def current_html(run: Run, store) -> str:
     Airflow UI's "Run report" link is served through this, so it never expires)."""
     run_dir = run.dir
     if (run_dir / layout.METRICS).is_file() or (run_dir / layout.EVENTS).is_file():
-        report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec))
+        report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec), spec=run.spec)
     elif store is not None:
         with tempfile.TemporaryDirectory(prefix="relay-report-") as tmp:
             report = from_s3(f"{store.uri}/{run}", Path(tmp), store.client)

@@ -61,6 +61,14 @@ class DataSpec(StrictModel):
                                                                       "include/expectations/")
 
 
+class KeepBest(StrictModel):
+    """Keep the k best validated checkpoints by a metric of their step's metrics.jsonl row."""
+
+    metric: str = Field(description="a metric of metrics.jsonl, e.g. val/reward_mean or reward_mean")
+    mode: Literal["max", "min"] = "max"
+    k: int = Field(default=1, ge=1)
+
+
 class CheckpointPolicy(StrictModel):
     """Validation, publication and retention of a run's checkpoints (none of it is resume-critical)."""
 
@@ -75,9 +83,31 @@ class CheckpointPolicy(StrictModel):
                                                               "to Hugging Face format (0: only the final step)")
     delete_grace_minutes: float = Field(default=60, ge=0, description="S3 deletions wait this long after being decided")
     hf_export: bool = Field(default=True, description="publish a Hugging Face model for milestones and the final step")
+    keep_best: KeepBest | None = Field(default=None, description=(
+        "also keep the k best validated checkpoints by a metric of their step, locally and in S3, besides the "
+        "newest and the milestones ({metric: val/reward_mean, mode: max, k: 2})"))
+    mtbf_hours: float | None = Field(default=None, gt=0, description=(
+        "the cluster's mean time between failures, for the save interval `relay doctor` and the report advise "
+        "(relay.runs.save_interval); empty: observed in the run"))
 
     def is_milestone(self, step: int, total_steps: int) -> bool:
         return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
+
+
+class AuditSpec(StrictModel):
+    """The replay audit of steps trained twice (relay.runs.audit)."""
+
+    tolerance: dict[str, float] = Field(default_factory=dict, description=(
+        "the absolute difference allowed per metric between a step trained again after a resume and its first "
+        "try; '*' for every metric not named; empty: exact (Relay's CPU trainer and verl's CPU path are exact; "
+        "verl's generation on GPUs need not be)"))
+
+    @field_validator("tolerance")
+    @classmethod
+    def _not_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        if bad := sorted(k for k, x in v.items() if not x >= 0):
+            raise ValueError(f"tolerance of {', '.join(bad)} must be 0 or more")
+        return v
 
 
 class RaySpec(StrictModel):
@@ -198,6 +228,7 @@ class RunSpec(StrictModel):
     s3: S3Spec | None = None
     alerts: AlertSpec = Field(default_factory=AlertSpec)
     airflow: AirflowSpec = Field(default_factory=AirflowSpec)
+    audit: AuditSpec = Field(default_factory=AuditSpec)
     save_before: str | None = Field(default=None, description=(
         "a wall-clock deadline (a reservation's end): ISO 8601 with its zone or epoch seconds, or ${VAR} naming "
         "the job's environment variable that holds one. The trainer saves and ends its chunk early enough for "

@@ -79,5 +79,5 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
                  hf_uri=pub.hf_uri)
     published = {m.step for m in store.published(run.name)}
     pub.deleted_local = retention.apply_local(run_dir, policy, spec.total_steps, published)
-    pub.published_retention = retention.apply_published(store, run.name, policy, spec.total_steps)
+    pub.published_retention = retention.apply_published(store, run.name, policy, spec.total_steps, run_dir=run_dir)
     return pub

@@ -24,6 +24,7 @@ from relay.checkpoints.resume import find_resume_point
 from relay.common.errors import DiskFullError, RunError, StoppedEarly
 from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
+from relay.common.timestamps import process_started
 from relay.data.freeze import frozen_files, verify_frozen
 from relay.runs import layout
 from relay.runs.failure_cause import cgroup_oom_kills
@@ -113,7 +114,8 @@ class ChunkSession:
                      quarantined=[q["step"] for q in self.resume.quarantined if q["path"]],
                      tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]],
                      # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
-                     host=socket.gethostname(), oom_kills=cgroup_oom_kills())
+                     host=socket.gethostname(), oom_kills=cgroup_oom_kills(),
+                     process_started=process_started())  # a restart's cost counts from it (relay.runs.save_interval)
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
         self.say(f"run {self.req.run}: chunk {self.req.chunk or '-'} resumes from {where}, "
                  f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "
