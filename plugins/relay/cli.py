@@ -27,6 +27,7 @@ from relay.preflight.prepare import prepare_run
 from relay.report import run_report as report
 from relay.runs import failure_cause, layout
 from relay.runs.audit import audit
+from relay.runs.phases import record_job_times
 from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
 from relay.runs.spec import load_spec
@@ -113,6 +114,7 @@ def _train_as_ray_job(args, run: Run) -> int:
                 state = chunk_job.run_attached(
                     jobs, sub_id, lambda: chunk_job.submit_chunk(jobs, run, args.to_step, sub_id, not args.offline),
                     watch=where.watch_job, stop_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S)
+                _record_job_times(jobs, run, state.submission_id, args.to_step)
     except KeyboardInterrupt as e:
         print(f"relay: interrupted ({e if isinstance(e, chunk_job.Interrupted) else 'Ctrl-C'}): "
               f"{'the private Ray head is stopped; ' if private else ''}the next `relay train` resumes run "
@@ -135,6 +137,14 @@ def _train_as_ray_job(args, run: Run) -> int:
         return 1
     print(f"run {run.name}: Ray job {state.submission_id} succeeded; checkpoint {layout.step_dir(run.dir, latest)}")
     return 0
+
+
+def _record_job_times(jobs: RayJobs, run: Run, sub_id: str, to_step: int) -> None:
+    """The job's start and end as Ray recorded them, for the goodput ledger; never fails the command."""
+    try:
+        record_job_times(run.dir, jobs.get(sub_id), chunk=chunk_job.chunk_index(run.spec, to_step))
+    except (OSError, RelayError) as e:
+        print(f"relay: the times of Ray job {sub_id} were not recorded ({e})", file=sys.stderr)
 
 
 def _say(line: str) -> None:
@@ -294,6 +304,11 @@ def cmd_report(args) -> int:
     else:
         rep = report.build(Path(args.source))
         out = Path(args.out) if args.out else report.default_out(Path(args.source))
+    if args.json:  # the JSON alone on stdout; files only where --out asks for them
+        if args.out:
+            report.write(rep, out)
+        print(json.dumps(rep.to_dict(), indent=2, default=str))
+        return 0
     paths = report.write(rep, out)
     print(rep.summary())
     print(f"report: {paths['html']}\nplot:   {paths['png']}")
@@ -450,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("report", help="a run's report: plots, chunk table, fingerprints (report.html + report.png)")
     s.add_argument("source", help="a run folder (<checkpoint_dir>/<run>) or s3://BUCKET/PREFIX/RUN")
     s.add_argument("--out", help="output folder (default: <run>/.relay/report/; ./report-<run>/ for S3)")
+    s.add_argument("--json", action="store_true", help="the report as JSON on stdout and nothing else (goodput, "
+                                                       "chunks, audit, save interval); no files unless --out")
     s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("audit", help="the replay audit: each step trained twice (after a resume) against its first "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relay.jobs.ray_jobs import RayJobs
-from relay.runs import layout
+from relay.runs import goodput, layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.spec import load_spec
@@ -112,6 +112,29 @@ def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_h
     r = dags_test(airflow_home, "relay_eval_demo", {"manifest": events[1]["manifest"]})
     assert r.returncode == 0, r.stdout[-3000:]
     assert "evaluated run killed step 12" in r.stdout
+
+
+def test_the_killed_runs_goodput_adds_up_from_airflows_and_rays_marks(killed_run):
+    """The goodput ledger of the killed run, from the marks its train tasks, Ray jobs, trainers, gate and publisher
+    recorded: its parts add up to its wall time, its steps lost are the rows the resume superseded, and the killed
+    try is a failure with its cause, its lost steps and the time its retry took to train a new step."""
+    rd = killed_run["run_dir"]
+    g = goodput.ledger(rd)
+    assert g is not None
+    assert abs(sum(g.parts.values()) - g.wall_s) < 1.0
+    superseded = read_jsonl(rd / SUPERSEDED)
+    assert g.steps_lost == len(superseded) > 0 and g.steps_kept == STEPS
+    for part in ("scheduling", "submission", "startup", "training", "trained_twice", "save", "validation",
+                 "teardown", "retry_wait"):
+        assert g.parts[part] > 0, (part, g.parts)
+    assert [(a.chunk, a.outcome) for a in g.attempts] == [(1, "finished"), (2, "failed"), (2, "finished")]
+    assert all(a.dag_run and a.try_number for a in g.attempts), "each attempt is its train task's try"
+    [failure] = g.failures
+    assert failure.attempt.endswith("-c02-t1") and failure.cause == "preempted", failure
+    assert failure.steps_lost == len(superseded) and failure.time_to_recover_s > 0
+    assert [c["attempts"] for c in g.chunks()] == [1, 2]
+    assert "goodput " in killed_run["out"] and "where the wall time went:" in killed_run["out"], \
+        "the finish task logs the ledger"
 
 
 def asset_events(airflow_home, alias: str) -> list[dict]:

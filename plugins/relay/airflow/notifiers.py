@@ -244,22 +244,40 @@ def notify_recovery(context, run: Run, what: str, *, whole_run: bool = False, **
     has not run again yet); the run's `finish` (whole_run) closes every one left."""
     if not run.spec.alerts.recovery:
         return
+    resolves = _close_failures(context, run, whole_run)
+    if not resolves:
+        return
+    ti = context["ti"]
+    alert = alert_for(context, run, "recovered", what, resolves=resolves,
+                      action="nothing to do; the run goes on", **fields)
+    send_once(context, run, alert, f"recovered|{context['dag_run'].run_id}|{ti.task_id}|{ti.try_number}")
+
+
+def notify_finished(context, run: Run, what: str, *, details: str, **fields) -> None:
+    """The run finished. With alerts.on_finish, one alert that says so with `details` (its goodput) and closes
+    every failure still open; without, only the recovery message, when failures were open (with them too)."""
+    if not run.spec.alerts.on_finish:
+        notify_recovery(context, run, what, whole_run=True, details=details, **fields)
+        return
+    resolves = _close_failures(context, run, whole_run=True) if run.spec.alerts.recovery else []
+    alert = alert_for(context, run, "finished", what, details=details, resolves=resolves or [],
+                      action="nothing to do: the run is complete", **fields)
+    send_once(context, run, alert, f"finished|{context['dag_run'].run_id}")
+
+
+def _close_failures(context, run: Run, whole_run: bool) -> list[str]:
+    """Close the run's open failure alerts (this task's, or all with whole_run); what each one was."""
     task = context["ti"].task_id
     try:
         ledger = AlertLedger(run.dir)
         open_failures = [e for e in ledger.open_failures() if whole_run or e.get("task") == task]
     except Exception as e:  # noqa: BLE001
         log.warning("alert ledger of run %s unavailable: %s", run, e)
-        return
-    if not open_failures:
-        return
-    ledger.close([e["key"] for e in open_failures])
-    resolves = [f"{e['kind']}" + (f" at step {e['step']}" if e.get("step") is not None else "") + f" ({e['at']})"
-                for e in open_failures]
-    ti = context["ti"]
-    alert = alert_for(context, run, "recovered", what, resolves=resolves,
-                      action="nothing to do; the run goes on", **fields)
-    send_once(context, run, alert, f"recovered|{context['dag_run'].run_id}|{ti.task_id}|{ti.try_number}")
+        return []
+    if open_failures:
+        ledger.close([e["key"] for e in open_failures])
+    return [f"{e['kind']}" + (f" at step {e['step']}" if e.get("step") is not None else "") + f" ({e['at']})"
+            for e in open_failures]
 
 
 # ------------------------------------------------------------------------------------- the notifier

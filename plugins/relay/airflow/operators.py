@@ -45,6 +45,7 @@ from relay.runs.audit import audit
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events
+from relay.runs.phases import record_job_times, record_phase
 from relay.runs.plan import Chunk, ChunkPlan
 from relay.runs.run import Run
 from relay.runs.spec import load_spec
@@ -161,7 +162,23 @@ class RayChunkOperator(ChunkTaskOperator):
             self.log.warning("%s of run %s: no resume preview: %s", chunk, run, e.what)
 
     # ---------------------------------------------------------------------------- execute
+    def _mark(self, run: Run, phase: str, chunk, attempt: str, **fields) -> None:
+        """A phase mark in events.jsonl for the goodput ledger (relay.runs.phases): one that cannot be written is
+        logged, never fails the task."""
+        try:
+            record_phase(run.dir, phase, chunk=chunk.index, attempt=attempt, **fields)
+        except OSError as e:
+            self.log.warning("run %s: the %s mark of %s was not recorded (%s)", run, phase, attempt, e)
+
+    def _mark_job_times(self, run: Run, chunk, hook, sub_id: str) -> None:
+        """The job's start and end as Ray recorded them (the ledger's submission, start-up and teardown)."""
+        try:
+            record_job_times(run.dir, hook.jobs.get(sub_id), chunk=chunk.index)
+        except (OSError, RelayError) as e:
+            self.log.warning("run %s: the times of Ray job %s were not recorded (%s)", run, sub_id, e)
+
     def execute(self, context) -> dict:
+        began = time.time()  # the try runs: the scheduling gap before it ends here (relay.runs.goodput)
         run, chunk = self._context(context)
         spec = run.spec
         latest, problem = latest_step_or_problem(run.dir)
@@ -186,6 +203,7 @@ class RayChunkOperator(ChunkTaskOperator):
             started = job.start_time or started
             self.log.info("%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
                           chunk, run, sub_id, why, ray_job_page(hook.dashboard_url, sub_id))
+            self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
         elif existing is None:
             # One that still holds the lease gets its grace to save the step it is in (relay.trainers.stopping).
             stopped = hook.jobs.stop_run(spec.name, run.name, keep=sub_id,
@@ -197,8 +215,10 @@ class RayChunkOperator(ChunkTaskOperator):
             # starts late (a PENDING one of an earlier try) finds a newer token and never writes.
             token = Lease(run.dir).acquire(sub_id)
             req = ChunkRequest(run=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id, lease_token=token)
+            self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
             hook.jobs.submit(req, sub_id, job_metadata(req, dag_run_id, ti.try_number),
                              self._drill_env(context, run, chunk))
+            self._mark(run, "job_submitted", chunk, sub_id)
             fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
             if (state_store := context.get("task_state_store")) is not None:
                 state_store.set(JOB_STATE_KEY, sub_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
@@ -209,6 +229,7 @@ class RayChunkOperator(ChunkTaskOperator):
         elif existing.status in LIVE:
             self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one: %s", sub_id,
                           existing.status, ray_job_page(hook.dashboard_url, sub_id))
+            self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
         else:
             raise AirflowException(f"Ray job {sub_id} of this try already ended {existing.status}: "
                                    f"{existing.message}. The next try resumes from the latest checkpoint.")
@@ -275,8 +296,15 @@ class RayChunkOperator(ChunkTaskOperator):
 
     def execute_complete(self, context, event: dict) -> dict:
         run, chunk = self._context(context)
-        spec = run.spec
         status = event_status(event, f"{chunk} of run {run}", "submission_id")
+        self._mark_job_times(run, chunk, RayJobsHook(run.spec.ray.conn_id), event["submission_id"])
+        try:
+            return self._complete(context, run, chunk, event, status)
+        finally:  # a success, a failure, or a backoff's wait (deferred): this try's part ends here
+            self._mark(run, "task_done", chunk, event["submission_id"])
+
+    def _complete(self, context, run: Run, chunk, event: dict, status: str) -> dict:
+        spec = run.spec
         self._alert_fallback(context, run, chunk, event["submission_id"])
         if status == "STALLED":
             ti = context["ti"]

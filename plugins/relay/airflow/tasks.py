@@ -11,7 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import report_page
-from relay.airflow.notifiers import Channels, notify_error, notify_recovery, notify_use_frozen
+from relay.airflow.notifiers import Channels, notify_error, notify_finished, notify_recovery, notify_use_frozen
 from relay.airflow.task_ids import RUN_TASK
 from relay.checkpoints import safeload
 from relay.common.errors import RelayError
@@ -19,7 +19,7 @@ from relay.preflight import doctor
 from relay.preflight.checks import check_settings, prepare_data, publish_record
 from relay.preflight.prepare import prepare_run, run_state
 from relay.report import run_report as report
-from relay.runs import layout
+from relay.runs import goodput, layout
 from relay.runs.metrics import read_events
 from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
@@ -145,8 +145,11 @@ def finish(spec_path: str, **context) -> dict:
     resumes = [e for e in read_events(run.dir) if e["event"] == "chunk_start" and e["resumed_from"]]
     log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
              run, state.latest_step, spec.total_steps, state.run_dir, state.run_dir, len(resumes))
-    notify_recovery(context, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
-                    step=state.latest_step, whole_run=True)
+    spent = goodput.ledger(run.dir)
+    summary = spent.describe() if spent is not None else "goodput: no chunk attempt recorded"
+    log.info("run %s %s", run, summary)
+    notify_finished(context, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
+                    details=summary, step=state.latest_step)
     publish_report(run, checkpoint_store(spec), context)
     return state.to_dict()
 

@@ -40,6 +40,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "fallback": ("warning", "resumed from an older checkpoint"),
     "replay_divergence": ("warning", "a step trained again after a resume differs from its first try"),
     "recovered": ("ok", "run recovered"),
+    "finished": ("ok", "run finished"),
 }
 
 

@@ -113,6 +113,7 @@ class JobState:
     metadata: dict
     start_time: float | None = None  # epoch seconds
     exit_code: int | None = None  # the driver's, once it ended (negative: killed by that signal)
+    end_time: float | None = None  # epoch seconds, once it ended
 
 
 class RayJobs:
@@ -145,7 +146,7 @@ class RayJobs:
                 return None
             raise RayJobError(f"cannot read job {sub_id} from {self.address}: {e}", "check the Ray head") from None
         return JobState(sub_id, str(info.status), info.message or "", info.metadata or {}, _seconds(info.start_time),
-                        info.driver_exit_code)
+                        info.driver_exit_code, _seconds(info.end_time))
 
     def submit(self, req: ChunkRequest, sub_id: str, metadata: dict[str, str],
                extra_env: dict[str, str] | None = None) -> str:
@@ -271,7 +272,7 @@ class AsyncRayJobs:
             return None
         self._driver_node[sub_id] = d.get("driver_node_id") or self._driver_node.get(sub_id)
         return JobState(sub_id, d.get("status", "UNKNOWN"), d.get("message") or "", d.get("metadata") or {},
-                        _seconds(d.get("start_time")), d.get("driver_exit_code"))
+                        _seconds(d.get("start_time")), d.get("driver_exit_code"), _seconds(d.get("end_time")))
 
     async def tail(self, sub_id: str, lines: int = TAIL_LINES) -> str:
         """The last `lines` lines of the job's driver log, read on its node through the dashboard's log API:

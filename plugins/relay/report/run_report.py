@@ -18,20 +18,21 @@ matplotlib is imported only inside the plotting function, so importing this modu
 from __future__ import annotations
 
 import base64
-import calendar
 import hashlib
 import html
 import io
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay.checkpoints import manifest
 from relay.checkpoints.resume import quarantined
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
-from relay.runs import layout
+from relay.common.timestamps import epoch
+from relay.runs import goodput, layout
 from relay.runs.audit import AuditReport, audit
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 from relay.runs.plan import ChunkPlan
@@ -42,10 +43,16 @@ from relay.s3.store import CheckpointStore, parse_uri, s3_client
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
 HTML, PNG = "report.html", "report.png"
+JSON_VERSION = 1  # of `relay report --json`
 # (panel title, metric keys in order of preference): the keys the CPU trainer writes per step.
 PANELS = (("reward mean", ("reward_mean",)), ("loss", ("loss",)), ("KL", ("kl",)), ("LR", ("lr",)),
           ("seconds per step", ("seconds",)))
 LABEL_ROWS = 8  # at most, above the panels
+PART_COLOURS = {  # the goodput ledger's parts (relay.runs.goodput.PARTS): kept steps green, lost ones red
+    "training": "#2ca02c", "trained_twice": "#d62728", "save": "#1f77b4", "validation": "#17becf",
+    "publication": "#bcbd22", "startup": "#ff7f0e", "submission": "#9467bd", "scheduling": "#8c564b",
+    "teardown": "#e377c2", "retry_wait": "#7f7f7f", "idle": "#c7c7c7",
+}
 MARKER_STYLE = {  # kind -> (colour, line style)
     "chunk": ("#9e9e9e", ":"), "resume": ("#1f77b4", "--"), "retry": ("#ff7f0e", "--"),
     "quarantine": ("#d62728", "-"), "fallback": ("#8c564b", "-."), "restore": ("#8c564b", "-."),
@@ -111,6 +118,7 @@ class Report:
     drift: list[dict]
     audit: AuditReport | None = None  # the replay audit of the steps trained twice
     save_interval: SaveInterval | None = None  # Young–Daly from the run's measured costs
+    goodput: goodput.Ledger | None = None  # where the wall time went, what failures cost
 
     @property
     def steps(self) -> list[int]:
@@ -144,12 +152,14 @@ class Report:
         resumed = [m.label for m in self.markers if m.kind in ("resume", "retry")]
         if resumed:
             lines.append("resumes: " + "; ".join(resumed))
+        if self.goodput is not None:
+            lines.append(self.goodput.summary())
         if self.audit is not None and self.audit.compared:
             lines.append(self.audit.summary().splitlines()[0])
         if self.save_interval is not None:
             lines.append(f"save interval: {self.save_interval.advice()}")
-        lines.append(f"data fingerprint {(self.data_fingerprint or 'none (data never frozen)')[:16]}, "
-                     f"settings fingerprint {(self.settings_fingerprint or 'none')[:16]}")
+        data = self.data_fingerprint[:16] if self.data_fingerprint else "none (data never frozen)"
+        lines.append(f"data fingerprint {data}, settings fingerprint {(self.settings_fingerprint or 'none')[:16]}")
         return "\n".join(lines)
 
     def labelled_markers(self) -> list[Marker]:
@@ -172,9 +182,17 @@ class Report:
         labels = _label_rows(self.labelled_markers(), xmax)
         rows = max((r for _, r, _ in labels), default=-1) + 1
         strip = [0.22 * rows + 0.1] if rows else []
-        fig = Figure(figsize=(11, 2.2 * len(PANELS) + 0.3 * rows + 0.6), dpi=100, layout="constrained")
-        axes = fig.subplots(len(strip) + len(PANELS), 1, sharex=True,
-                            gridspec_kw={"height_ratios": strip + [1] * len(PANELS)})
+        bars = self.goodput.chunks() if self.goodput is not None else []
+        bars_h = 1.5 + 0.4 * len(bars) if bars else 0.0
+        height = 2.2 * len(PANELS) + 0.3 * rows + 0.6
+        fig = Figure(figsize=(11, height + bars_h), dpi=100, layout="constrained")
+        over_steps: Any = fig
+        if bars:  # the goodput bars below the panels, on an axis of their own (seconds, not steps)
+            halves: Any = fig.subfigures(2, 1, height_ratios=[height, bars_h])
+            over_steps = halves[0]
+            self._plot_goodput(halves[1], bars)
+        axes = over_steps.subplots(len(strip) + len(PANELS), 1, sharex=True,
+                                   gridspec_kw={"height_ratios": strip + [1] * len(PANELS)})
         for ax in axes:
             for m in self.markers:
                 colour, style = MARKER_STYLE[m.kind]
@@ -211,6 +229,34 @@ class Report:
         fig.savefig(buf, format="png")
         return buf.getvalue()
 
+    def _plot_goodput(self, fig, bars: list[dict]) -> None:
+        """The goodput ledger as one stacked bar per chunk: its attempts' wall time by part."""
+        assert self.goodput is not None
+        ax = fig.subplots(1, 1)
+        lost: dict[tuple, int] = {}
+        for a in self.goodput.attempts:
+            lost[(a.chunk, a.to_step)] = lost.get((a.chunk, a.to_step), 0) + a.steps_lost
+        shown = [k for k in goodput.PARTS if any(c["parts"][k] > 0 for c in bars)]
+        for y, c in enumerate(bars):
+            left = 0.0
+            for k in shown:
+                ax.barh(y, c["parts"][k], left=left, color=PART_COLOURS[k], height=0.6,
+                        label=k.replace("_", " ") if y == 0 else None)
+                left += c["parts"][k]
+            note = f" {c['attempts']} attempt{'s' if c['attempts'] != 1 else ''}"
+            if n := lost.get((c["chunk"], c["to_step"])):
+                note += f", {n} step{'s' if n != 1 else ''} lost"
+            ax.text(left, y, note, va="center", fontsize=7, color="#d62728" if n else "#555")
+        ax.set_yticks(range(len(bars)), [f"chunk {c['chunk']}" if c["chunk"] is not None else f"to step {c['to_step']}"
+                                         for c in bars])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds of wall time")
+        ax.set_xlim(0, max(c["seconds"] for c in bars) * 1.2 or 1)
+        ax.grid(True, axis="x", alpha=0.25)
+        fig.legend(loc="outside lower center", fontsize=7, ncols=len(shown), frameon=False)
+        ax.set_title(self.goodput.summary().partition(";")[0] + " (wall time of each chunk's attempts, by part)",
+                     fontsize=9)
+
     def html(self, png: bytes) -> str:
         """One self-contained page: the picture inline (base64), the chunk table, the fingerprints."""
         e = html.escape
@@ -232,6 +278,7 @@ class Report:
                         + e(", ".join(f"{c['key']}: {c['was']!r} -> {c['now']!r}" for c in d.get("changes", [])))
                         + "</li>" for d in self.drift)
         image = "data:image/png;base64," + base64.b64encode(png).decode()
+        ledger = self._goodput_html()
         return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Relay run report: {e(self.run)}</title>
 <style>
@@ -250,6 +297,8 @@ pre {{ background: #f7f7f7; padding: 0.8em; }}
 <th>trainer time</th><th>checkpoint size</th><th>validation</th><th>S3 URI</th></tr>
 {rows}
 </table>
+<h2>Goodput</h2>
+{ledger}
 <h2>Resumes, retries, quarantines, drift</h2>
 <ul id="markers">{marks or '<li>none</li>'}</ul>
 <h2>Fingerprints</h2>
@@ -262,6 +311,46 @@ pre {{ background: #f7f7f7; padding: 0.8em; }}
 {SUPERSEDED}).</p>
 </body></html>
 """
+
+
+    def _goodput_html(self) -> str:
+        """The ledger's parts (run totals) and its table of failures."""
+        g, e = self.goodput, html.escape
+        if g is None:
+            return "<p>No chunk attempt recorded yet.</p>"
+        parts = "\n".join(
+            f'<tr class="part" data-part="{k}"><td>{e(k)}</td><td>{g.parts[k]:.1f}</td>'
+            f"<td>{g.parts[k] / g.wall_s if g.wall_s else 0:.1%}</td><td>{e(what)}</td></tr>"
+            for k, what in goodput.PARTS.items())
+        failures = "\n".join(
+            f'<tr class="failure"><td>{f.chunk if f.chunk is not None else "—"}</td><td><code>{e(f.attempt)}</code></td>'
+            f"<td>{e(f.outcome)}</td><td>{e(f.cause)}</td><td>{f.step if f.step is not None else '—'}</td>"
+            f"<td>{f.steps_lost}</td><td>{f.lost_s:.1f}</td>"
+            f"<td>{'not yet' if f.time_to_recover_s is None else f'{f.time_to_recover_s:.1f}'}</td></tr>"
+            for f in g.failures)
+        return f"""<p id="goodput-summary">{e(g.summary())}</p>
+<table id="goodput"><tr><th>part</th><th>seconds</th><th>share of {g.wall_s:.1f} s</th><th>what it is</th></tr>
+{parts}
+</table>
+<h3>Failures</h3>
+<table id="failures"><tr><th>chunk</th><th>attempt</th><th>outcome</th><th>cause</th><th>last step trained</th>
+<th>steps lost</th><th>their seconds</th><th>seconds to recover</th></tr>
+{failures or '<tr><td colspan="8">none</td></tr>'}
+</table>"""
+
+    def to_dict(self) -> dict:
+        """`relay report --json`: stable keys (the README's "Goodput" section lists them)."""
+        return {
+            "version": JSON_VERSION, "run": self.run, "source": self.source,
+            "step": self.steps[-1] if self.rows else 0, "total_steps": self.total_steps,
+            "steps_superseded": self.superseded_rows,
+            "goodput": self.goodput.to_dict() if self.goodput is not None else None,
+            "chunks": [asdict(c) for c in self.chunks],
+            "markers": [asdict(m) for m in self.markers if m.kind != "chunk"],
+            "audit": self.audit.to_dict() if self.audit is not None else None,
+            "save_interval": self.save_interval.to_dict() if self.save_interval is not None else None,
+            "settings_fingerprint": self.settings_fingerprint, "data_fingerprint": self.data_fingerprint,
+        }
 
 
 # ---------------------------------------------------------------------------------------- building
@@ -294,7 +383,7 @@ def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, sourc
         total_steps=(record.get("resume_critical") or {}).get("total_steps") or (plan.total_steps if plan else None),
         settings_fingerprint=record.get("settings_fingerprint"), data_fingerprint=data_fingerprint(data),
         data_files=data, drift=record.get("drift") or [], audit=replay,
-        save_interval=_save_interval(run_dir, spec, plan),
+        save_interval=_save_interval(run_dir, spec, plan), goodput=goodput.build(events, rows, superseded),
     )
 
 
@@ -330,12 +419,7 @@ def data_fingerprint(files: list[dict]) -> str | None:
 
 
 def _ts(text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
-    except (TypeError, ValueError):
-        return None
+    return epoch(text) if text is not None else None
 
 
 def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, TextIO
 
 from relay.common.filelock import file_lock
-from relay.common.timestamps import utc_now
+from relay.common.timestamps import event_time
 from relay.runs.layout import EVENTS, METRICS, atomic_write, relay_dir
 
 SUPERSEDED = "metrics.superseded.jsonl"
@@ -82,7 +82,7 @@ def record_event(run_dir: Path, event: str, **fields: Any) -> dict:
     Writers on several hosts (the trainer on a Ray node, the gate in an Airflow worker) take turns under
     a lock, each writes its line in one write, and a line torn by a killed writer is closed first, so
     that it never swallows the next event."""
-    row = {"event": event, "time": utc_now(), **fields}
+    row = {"event": event, "time": event_time(), **fields}  # `time` in fields (a time Ray recorded) wins
     path = Path(run_dir) / EVENTS
     line = (json.dumps(row, sort_keys=True) + "\n").encode()
     with file_lock(relay_dir(run_dir, "events.lock"), f"recording the event {event}"):

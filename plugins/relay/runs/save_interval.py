@@ -20,10 +20,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 
-from relay.runs import layout
+from relay.runs import goodput, layout
 from relay.runs.metrics import read_events, read_jsonl
 
 FEW_FAILURES = 3  # an MTBF observed from fewer failures than this is flagged as rough
@@ -101,7 +100,8 @@ def save_interval(run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_h
     if not rows or not saves:
         return None
     checks = [float(e["seconds"]) for e in events if e.get("event") == "validation" and _num(e.get("seconds"))]
-    failures, wall = interruptions(events), _wall(events, rows)
+    run = goodput.ledger(run_dir)  # the MTBF: the ledger's wall time over its interruptions
+    failures, wall = (len(run.failures), run.wall_s) if run is not None else (0, None)
     if mtbf_hours:
         mtbf, source = mtbf_hours * 3600, "spec"
     elif failures and wall:
@@ -117,13 +117,8 @@ def save_interval(run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_h
 
 
 def interruptions(events: list[dict]) -> int:
-    """Attempts that ended before their chunk's end: failed (chunk_failed), stopped early (chunk_stopped), or
-    killed (a chunk_start with no chunk_end, followed by another attempt)."""
-    starts = [e for e in events if e.get("event") == "chunk_start"]
-    ended = {e.get("attempt") for e in events if e.get("event") == "chunk_end"}
-    early = {e.get("attempt") for e in events if e.get("event") in ("chunk_failed", "chunk_stopped")}
-    killed = {e.get("attempt") for e in starts[:-1] if e.get("attempt") not in ended}
-    return len(early | killed)
+    """Attempts that ended before their chunk's end: failed, stopped early, or killed (the goodput ledger's)."""
+    return sum(1 for a in goodput.attempts_of(events) if a.outcome in goodput.INTERRUPTED)
 
 
 def restart_seconds(events: list[dict], rows: list[dict]) -> float | None:
@@ -136,21 +131,6 @@ def restart_seconds(events: list[dict], rows: list[dict]) -> float | None:
         if first is not None and _num(first.get("time")):
             spans.append(float(first["time"]) - float(first["seconds"]) - float(e["process_started"]))
     return statistics.median(spans) if spans else None
-
-
-def _wall(events: list[dict], rows: list[dict]) -> float | None:
-    """From the first attempt's start to the last thing the run recorded."""
-    starts = [_epoch(e.get("time")) for e in events if e.get("event") == "chunk_start"]
-    ends = [_epoch(e.get("time")) for e in events] + [float(r["time"]) for r in rows if _num(r.get("time"))]
-    first, last = min((s for s in starts if s), default=None), max((t for t in ends if t), default=None)
-    return last - first if first and last and last > first else None
-
-
-def _epoch(text) -> float | None:
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _num(v) -> bool:

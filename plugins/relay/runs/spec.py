@@ -164,6 +164,8 @@ class AlertSpec(StrictModel):
     webhook_conn_id: str | None = Field(default=None, description="Airflow connection (HTTP provider) of a JSON webhook")
     on_retry: bool = Field(default=False, description="also alert on each retry, not only once per failure event")
     recovery: bool = Field(default=True, description="say so when a run that alerted succeeds again")
+    on_finish: bool = Field(default=False, description="also say when a run finishes, with its goodput: where its wall "
+                                                        "time went and what its failures cost (relay.runs.goodput)")
     stall_minutes: float | None = Field(
         default=None, gt=0, description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
                                         "retried. Empty: stall_factor x the run's median step time, at least "

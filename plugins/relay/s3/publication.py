@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str
 
 def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publication:
     spec, run_dir = run.spec, run.dir
+    t0 = time.time()
     r = store.publish(run.name, run_dir, step)
     pub = Publication(run.name, step, r.uri, f"{r.uri}relay_manifest.json", len(r.uploaded), len(r.skipped),
                       r.bytes_uploaded, round(r.seconds, 3), r.latest_moved)
@@ -76,7 +78,7 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
         hf_key = store.run_key(run.name, HF_DIR, layout.step_name(step))
         pub.hf_uri = publish_folder(store, export_hf(run_dir, step), hf_key)
     record_event(run_dir, "publish", step=step, uri=r.uri, uploaded=pub.uploaded, skipped=pub.skipped,
-                 hf_uri=pub.hf_uri)
+                 hf_uri=pub.hf_uri, seconds=round(time.time() - t0, 3))  # the upload and export: the goodput ledger
     published = {m.step for m in store.published(run.name)}
     pub.deleted_local = retention.apply_local(run_dir, policy, spec.total_steps, published)
     pub.published_retention = retention.apply_published(store, run.name, policy, spec.total_steps, run_dir=run_dir)
