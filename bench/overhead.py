@@ -13,6 +13,7 @@ read, so the benchmark and the report cannot disagree. A chunk's parts:
   teardown        the last save -> the train task is done (the trainer's exit, Ray's job end, the trigger's
                   poll, the deferred task resumed)
   validation      the gate's checks of the chunk's checkpoint
+  publication     the upload the run waited on (the last chunk's, before the DAG run's end)
 
 The baseline is the chunk's own wall time in the same run (the sum of its parts). The projection keeps
 Airflow's and Ray's parts in seconds and puts them beside a 1-hour GPU chunk: the trainer's start-up there is
@@ -42,7 +43,7 @@ from relay.devstack.airflow_api import AirflowAPI  # noqa: E402
 from relay.runs import goodput  # noqa: E402
 from relay.runs.spec import load_spec  # noqa: E402
 
-PARTS = ("scheduling", "submission", "startup", "training", "save", "teardown", "validation")
+PARTS = ("scheduling", "submission", "startup", "training", "save", "teardown", "validation", "publication")
 AIRFLOW_RAY = ("scheduling", "submission", "teardown")  # what Relay's orchestration adds
 
 

@@ -104,7 +104,8 @@ def test_a_stalled_chunk_alerts_and_is_retried_and_a_broken_webhook_does_not_fai
         airflow_home, sinks, ray_address):
     spec_path = write_spec(airflow_home["runs"], name="astall", **{
         "alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",
-        "alerts.webhook_conn_id": "relay_broken_webhook", "alerts.stall_minutes": 0.1, "alerts.startup_minutes": 3})
+        "alerts.webhook_conn_id": "relay_broken_webhook", "alerts.stall_minutes": 0.1, "alerts.startup_minutes": 3,
+        "alerts.on_finish": True})
     rd = load_spec(spec_path, check_environment=False).run_dir("astall")
     dag_test = start_dags_test(airflow_home, "relay_astall", {}, env=sinks["env"])
     deadline = time.time() + 600
@@ -115,14 +116,18 @@ def test_a_stalled_chunk_alerts_and_is_retried_and_a_broken_webhook_does_not_fai
         time.sleep(0.05)
     rc, out = dag_test.wait()
     assert rc == 0, out[-5000:]
-    settled(sinks, emails=2)
+    settled(sinks, emails=3)
     subjects = [m["Subject"] for m in sinks["mail"].messages]
-    assert len(subjects) == 2, subjects
+    assert len(subjects) == 3, subjects
     assert subjects[0].startswith("[relay ERROR] astall: chunk stalled: no new step (chunk 2, step "), subjects
     assert subjects[1] == "[relay OK] astall: run recovered (chunk 2, step 12)"
     stall = MailSink.html(sinks["mail"].messages[0])
     assert "no new step for" in stall and "stopped Ray job" in stall and "resumes from step 6" in stall
     assert "stall" in MailSink.html(sinks["mail"].messages[1]), "the recovery names what it resolves"
+    # alerts.on_finish: the run's end, with its goodput ledger; the stalled try is its one failure
+    assert subjects[2] == "[relay OK] astall: run finished (step 12)"
+    finished = MailSink.html(sinks["mail"].messages[2])
+    assert "goodput " in finished and "where the wall time went:" in finished and "(stalled)" in finished
     assert "alert stall via webhook:relay_broken_webhook: failed" in out
     assert sinks["http"].posts == []
     assert [r["step"] for r in read_metrics(rd)] == list(range(1, 13)), "the retry resumed and finished the run"

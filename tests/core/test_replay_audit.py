@@ -74,6 +74,36 @@ def test_a_tampered_first_try_is_reported_with_its_step_and_metric(resumed, tmp_
         load_spec(write_spec(tmp_path / "bad", **{"audit.tolerance": {"loss": -1}}), check_environment=False)
 
 
+def test_a_divergence_alerts_once_with_its_steps_and_metrics(resumed, tmp_path):
+    """The train task's alert (relay.airflow.notifiers.notify_divergence): one per set of diverged steps, however
+    many chunks end after it; none for a consistent run."""
+    import shutil
+    from types import SimpleNamespace
+
+    from relay.airflow.notifiers import notify_divergence
+    from relay.alerts import AlertLedger
+    from relay.runs.run import Run
+
+    spec = load_spec(resumed["spec"], check_environment=False).model_copy(
+        update={"checkpoint_dir": str(tmp_path), "s3": None})
+    run = Run.of(spec, "run")
+    shutil.copytree(resumed["run_dir"], run.dir)
+    context = {"ti": SimpleNamespace(dag_id="relay_t", task_id="chunk_02.train", try_number=1, log_url=""),
+               "dag_run": SimpleNamespace(run_id="manual__1"), "params": {}}
+    notify_divergence(context, run, audit(run.dir))
+    assert AlertLedger(run.dir).entries() == [], "a consistent replay is not alerted"
+
+    rows = read_jsonl(run.dir / SUPERSEDED)
+    rows[0]["reward_mean"] += 0.5  # step 7's first try
+    (run.dir / SUPERSEDED).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for task in ("chunk_02.train", "chunk_03.train"):
+        context["ti"].task_id = task
+        notify_divergence(context, run, audit(run.dir))
+    [alert] = AlertLedger(run.dir).entries()
+    assert (alert["kind"], alert["severity"], alert["step"], alert["open"]) == ("replay_divergence", "warning", 7, False)
+    assert alert["what"].startswith("replay audit: DIVERGED at step(s) 7 of the 2 trained twice")
+
+
 def test_what_counts_as_the_same():
     assert _same(1.0, 1.0, 0) and not _same(1.0, 1.0 + 1e-12, 0) and _same(1.0, 1.1, 0.2)
     assert _same(math.nan, math.nan, 0) and not _same(math.nan, 1.0, 1.0)

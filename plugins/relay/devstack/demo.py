@@ -114,7 +114,7 @@ def _summary(run: Run, state: str) -> None:
         say(f"S3:          {spec.s3.uri}/{run}/latest.json on {stack.s3_endpoint()}  "
             f"(`.venv/bin/relay checkpoint ls {spec.s3.uri} --run {run}` with AWS_ENDPOINT_URL set)")
     if rows:
-        rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec))
+        rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec), spec=spec)
         paths = report.write(rep, report.default_out(run_dir))
         for line in rep.summary().splitlines():
             say(line)

@@ -266,7 +266,8 @@ def save_interval(run: Run) -> Finding | None:
     spec = run.spec
     found = interval.save_interval(run.dir, chunk_steps=spec.chunk_steps,
                                    save_freq=getattr(spec.settings, "save_freq", 0) or 0,
-                                   mtbf_hours=spec.checkpoints.mtbf_hours) if run.dir.is_dir() else None
+                                   mtbf_hours=spec.checkpoints.mtbf_hours, total_steps=spec.total_steps
+                                   ) if run.dir.is_dir() else None
     if found is None:
         return None
     best = found.young_daly_steps

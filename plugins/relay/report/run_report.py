@@ -391,9 +391,9 @@ def _save_interval(run_dir: Path, spec, plan) -> SaveInterval | None:
     """Young–Daly from the run's costs: with the spec's save_freq and mtbf_hours, else from the plan alone."""
     if spec is not None:
         return save_interval(run_dir, chunk_steps=spec.chunk_steps, save_freq=getattr(spec.settings, "save_freq", 0)
-                             or 0, mtbf_hours=spec.checkpoints.mtbf_hours)
+                             or 0, mtbf_hours=spec.checkpoints.mtbf_hours, total_steps=spec.total_steps)
     if plan is not None and plan.chunks:
-        return save_interval(run_dir, chunk_steps=plan.chunks[0].steps)
+        return save_interval(run_dir, chunk_steps=plan.chunks[0].steps, total_steps=plan.total_steps)
     return None
 
 

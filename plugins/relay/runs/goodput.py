@@ -21,6 +21,7 @@ first step it had not trained.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -234,7 +235,7 @@ def build(events: list[dict], kept: list[dict], superseded: list[dict]) -> Ledge
                   failures=failures)
 
 
-def attempts_of(events: list[dict], kept: list[dict] = (), superseded: list[dict] = ()) -> list[Attempt]:  # type: ignore[assignment]
+def attempts_of(events: list[dict], kept: Sequence[dict] = (), superseded: Sequence[dict] = ()) -> list[Attempt]:
     """The run's chunk attempts, in order, with their outcome. One attempt per Ray job (a train task's later try
     that adopted the job joins it) and one per `relay train` process (all of them named "local": a new
     chunk_start begins a new one)."""

@@ -39,6 +39,7 @@ class SaveInterval:
     mtbf_source: str  # "observed", "spec" or "unknown"
     saves_per_chunk: int  # what the spec makes: save_freq within a chunk, and the chunk's end
     chunk_steps: int
+    total_steps: int | None = None  # the run's: an interval beyond it means one chunk for the whole run
 
     @property
     def interval_steps(self) -> float:
@@ -77,8 +78,13 @@ class SaveInterval:
         seen = f"observed{rough}" if self.mtbf_source == "observed" else "checkpoints.mtbf_hours"
         best_s, best_steps = self.young_daly_s or 0.0, self.young_daly_steps or 0.0
         now, best = self.overhead(now_s), self.overhead(best_s)
-        setting = (f"trainer.settings.save_freq: {max(1, round(best_steps))}" if best_steps < self.chunk_steps else
-                   f"chunk_steps: {max(1, round(best_steps))} (and save_freq 0: one save per chunk)")
+        if best_steps < self.chunk_steps:
+            setting = f"trainer.settings.save_freq: {max(1, round(best_steps))}"
+        elif self.total_steps and best_steps >= self.total_steps:
+            setting = (f"chunk_steps: {self.total_steps}, the whole run of {self.total_steps} steps in one chunk "
+                       "(and save_freq 0: one save, at its end)")
+        else:
+            setting = f"chunk_steps: {max(1, round(best_steps))} (and save_freq 0: one save per chunk)"
         return (f"{head}; MTBF {_s(self.mtbf_s)} ({seen}) -> Young–Daly: save every √(2·C·MTBF) = {best_s:.0f}s of "
                 f"training = {best_steps:.0f} steps. Now every {self.interval_steps:.0f} steps ({now_s:.0f}s): expected "
                 f"overhead {now:.1%}; at {best_steps:.0f} steps {best:.1%}. To change it: {setting}")
@@ -90,8 +96,8 @@ class SaveInterval:
                 "overhead_at_young_daly": self.overhead(self.young_daly_s or 0.0)}
 
 
-def save_interval(run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_hours: float | None = None
-                  ) -> SaveInterval | None:
+def save_interval(run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_hours: float | None = None,
+                  total_steps: int | None = None) -> SaveInterval | None:
     """The run's measured costs and the Young–Daly interval; None before a step and a save were recorded."""
     run_dir = Path(run_dir)
     rows = [r for r in read_jsonl(run_dir / layout.METRICS) if isinstance(r.get("seconds"), (int, float))]
@@ -113,7 +119,7 @@ def save_interval(run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_h
                         save_s=statistics.median(saves), validation_s=statistics.median(checks) if checks else 0.0,
                         restart_s=restart_seconds(events, rows), mtbf_s=mtbf,
                         failures=failures if source == "observed" else 0, mtbf_source=source,
-                        saves_per_chunk=max(1, per_chunk), chunk_steps=chunk_steps)
+                        saves_per_chunk=max(1, per_chunk), chunk_steps=chunk_steps, total_steps=total_steps)
 
 
 def interruptions(events: list[dict]) -> int:
