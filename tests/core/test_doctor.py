@@ -33,8 +33,9 @@ def test_after_an_interrupted_run_every_check_passes(interrupted, ray_address):
     r = relay_cli("doctor", str(interrupted["spec_path"]), "--run", "r", env={"RAY_ADDRESS": ray_address})
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line[:1] in "✔✘"]
-    assert len(lines) == 7 and all(line.startswith("✔") for line in lines), r.stdout
+    assert len(lines) == 8 and all(line.startswith("✔") for line in lines), r.stdout
     assert "newest valid step 6" in r.stdout and "a resume is safe" in r.stdout
+    assert "✔ save interval: a save costs C = " in r.stdout, "the Young–Daly advice, from the run's own costs"
 
 
 def test_a_quarantined_latest(interrupted):
