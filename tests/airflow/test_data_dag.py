@@ -90,7 +90,11 @@ def test_settings_drift_is_refused_and_allow_drift_is_recorded(frozen_run, airfl
     same_target = load_spec(frozen_run["spec"], check_environment=False).s3.uri  # its asset stays the same
     write_spec(airflow_home["runs"], name="dfrozen", **{"data.train_files": [str(frozen_run["source"])],
                                                         "data.val_files": [], "data.on_source_change": "use_frozen",
-                                                        "s3.uri": same_target, "trainer.settings.rollout_n": 4})
+                                                        "s3.uri": same_target, "trainer.settings.rollout_n": 4,
+                                                        # refused unattended, as with approvals off (`airflow dags
+                                                        # test` has no API server to answer a question; the asked
+                                                        # path: tests/e2e/test_real_airflow.py)
+                                                        "airflow.approvals": False})
     refused = dags_test(airflow_home, "relay_dfrozen", {})
     assert refused.returncode != 0
     assert "trainer.settings.rollout_n: 8 -> 4" in refused.stdout and "allow_drift" in refused.stdout

@@ -1,7 +1,9 @@
 """Relay on a real Airflow: the api-server, scheduler, dag-processor and triggerer as separate
 processes on the machine's PostgreSQL (a database of its own, made here), with the session's Ray head
 and S3 server. Runs are triggered through the REST API v2 as the UI does; a backfill goes through
-the CLI; the scheduler and triggerer are killed in the middle of a chunk and started again."""
+the CLI; the scheduler and triggerer are killed in the middle of a chunk and started again; decisions
+(a fresh start, a settings change) wait in awaiting_input and are answered over the REST API as the
+Required Actions page answers them: approved, rejected, or not answered in time."""
 
 from __future__ import annotations
 
@@ -11,15 +13,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from relay.alerts import AlertLedger
 from relay.data.fingerprint import sha256_file
 from relay.devstack import stack
 from relay.devstack.airflow_api import AirflowAPIError
 from relay.jobs.ray_jobs import RayJobs
+from relay.runs import layout
+from relay.runs.metrics import read_events
 from relay.runs.record import read_record
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.airflow_procs import airflow_processes, postgres_database, wait_for
-from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, write_spec
+from support.corrupt import flip
+from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, relay_cli, write_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 MONDAYS = ("20250106", "20250113")
@@ -40,6 +46,11 @@ def airflow(tmp_path_factory, ray_address):
     for i, day in enumerate(MONDAYS):  # each week's prompts differ: its run freezes its own
         table = pq.read_table(DATA)
         pq.write_table(table.slice(i), data / f"prompts-{day}.parquet")
+    # Decisions asked in the UI (relay.airflow.decisions): one chunk of 6 steps; one spec whose decisions time out.
+    write_spec(runs, name="decide", total_steps=6, chunk_steps=6)
+    write_spec(runs, name="hurry", total_steps=6, chunk_steps=6, **{"approvals.timeout_minutes": 0.05})
+    write_spec(runs, name="careful", total_steps=6, chunk_steps=6,
+               **{"approvals.max_steps_lost": 1, "trainer.settings.save_freq": 3})
     write_spec(runs, name="weekly", total_steps=6, chunk_steps=6, **{
         "airflow.schedule": "0 0 * * 1", "airflow.start_date": "2025-01-06",
         "data.train_files": [str(data / "prompts-{{ ds_nodash }}.parquet")], "data.val_files": []})
@@ -138,3 +149,103 @@ def test_a_backfill_trains_each_week_in_order_in_its_own_namespace(airflow):
         assert [f["sha256"] for f in frozen] == [sha256_file(airflow["data"] / f"prompts-{day}.parquet")[0]]
         assert (run_dir / "global_step_6" / "relay_manifest.json").is_file()
         assert [m.step for m in store_for_spec(spec).published(f"weekly-{day}")] == [6]
+
+
+def awaiting(api, dag_id: str, run_id: str, task_id: str) -> dict:
+    """Wait until the task asks its question (awaiting_input); its human-in-the-loop request."""
+    wait_for(lambda: any(t["task_id"] == task_id and t["state"] == "awaiting_input"
+                         for t in api.task_instances(dag_id, run_id)), 300, f"{task_id} to wait for a decision")
+    # As a person would: not within the second the task parked. Airflow 3.3.2's scheduler fails a task answered
+    # before it processed the parking worker's own exit ("finished with state success, but the task instance's
+    # state attribute is queued"), seen here once with an answer 0.4 s after the park.
+    time.sleep(5)
+    return api.decision(dag_id, run_id, task_id)
+
+
+def trained_offline(spec_path: Path, run: str) -> Path:
+    """A run with a checkpoint (step 6), trained with `relay train` outside Airflow."""
+    r = relay_cli("train", str(spec_path), "--to-step", "6", "--run", run, "--offline")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return load_spec(spec_path, check_environment=False).run_dir(run)
+
+
+def test_a_fresh_start_and_a_settings_change_wait_for_an_approval_in_the_ui(airflow):
+    """An unconfirmed fresh start of a run with checkpoints asks (what would be archived), alerts once with the
+    link, and goes on when approved; later a resume-critical change asks (the diff) and is recorded as approved."""
+    api, spec_path = airflow["api"], airflow["runs"] / "decide.yaml"
+    api.wait_for_dag("relay_decide")
+    rd = trained_offline(spec_path, "fs")
+    before = read_record(rd)["incarnation"]
+
+    run_id = api.trigger("relay_decide", {"run": "fs", "fresh_start": True, "alert_channels": []})["dag_run_id"]
+    asked = awaiting(api, "relay_decide", run_id, "preflight.run")
+    assert asked["subject"] == "Start run fs again from step 0?" and asked["options"] == ["Approve", "Reject"]
+    assert f"`{rd}` (steps 6)" in asked["body"] and "/.archive/fs-<time>/" in asked["body"], asked["body"]
+    assert asked["response_received"] is False
+    [alert] = AlertLedger(rd).entries()
+    assert alert["kind"] == "decision" and alert["task"] == "preflight.run"
+    api.answer("relay_decide", run_id, "preflight.run", "Approve")
+    assert api.wait_for_run("relay_decide", run_id, timeout=900)["state"] == "success"
+    record = read_record(rd)
+    assert record["incarnation"] != before, "a new incarnation began"
+    assert "fresh start approved by admin in the Airflow UI at " in record["started_by"]
+    [old] = (rd.parent / ".archive").glob("fs-*")
+    assert (old / "global_step_6").is_dir(), "the old run was moved aside, not deleted"
+
+    # The run's recorded settings now differ from the spec's (as after an edit of its seed): asked, approved, recorded.
+    from relay.runs.record import update_record
+    settings = record["settings"]
+    update_record(rd, settings={**settings, "values": {**settings["values"], "seed": 999}})
+    run_id = api.trigger("relay_decide", {"run": "fs", "alert_channels": []})["dag_run_id"]
+    asked = awaiting(api, "relay_decide", run_id, "preflight.settings")
+    assert asked["subject"] == "Accept a change of run fs's resume-critical settings?"
+    assert "seed: 999 -> " in asked["body"], asked["body"]
+    api.answer("relay_decide", run_id, "preflight.settings", "Approve")
+    assert api.wait_for_run("relay_decide", run_id, timeout=900)["state"] == "success"
+    drift = read_record(rd)["drift"][-1]
+    assert drift["by"].startswith("admin in the Airflow UI at ") and drift["allowed"] == ["seed"]
+    assert [c["key"] for c in drift["changes"]] == ["seed"]
+
+
+def test_a_rejected_or_unanswered_decision_stops_the_dag_run_and_changes_nothing(airflow):
+    api = airflow["api"]
+    for dag, spec_name, run, answer in (("relay_decide", "decide", "fr", "Reject"), ("relay_hurry", "hurry", "ft", None)):
+        api.wait_for_dag(dag)
+        rd = trained_offline(airflow["runs"] / f"{spec_name}.yaml", run)
+        before = read_record(rd)["incarnation"]
+        run_id = api.trigger(dag, {"run": run, "fresh_start": True, "alert_channels": []})["dag_run_id"]
+        awaiting(api, dag, run_id, "preflight.run")
+        if answer:
+            api.answer(dag, run_id, "preflight.run", answer)
+        assert api.wait_for_run(dag, run_id, timeout=600)["state"] == "failed"
+        states = {t["task_id"]: t["state"] for t in api.task_instances(dag, run_id)}
+        assert states["preflight.run"] == "failed" and states.get("chunk_01.train") in (None, "upstream_failed")
+        assert read_record(rd)["incarnation"] == before and (rd / "global_step_6").is_dir(), "nothing was changed"
+        assert not list((rd.parent / ".archive").glob(f"{run}-*")), "nothing was archived"
+        log = api.task_log(dag, run_id, "preflight.run")
+        said = "'Reject' chosen by admin in the Airflow UI" if answer else "nobody answered"
+        assert said in log and "nothing was changed" in log, log[-3000:]
+
+
+def test_a_fallback_past_a_quarantined_checkpoint_that_loses_too_many_steps_waits_for_a_choice(airflow):
+    """Checkpoint 6 quarantined, 3 the newest valid: resuming trains 3 steps again, more than the spec's
+    approvals.max_steps_lost (1). The chunk's train task asks (resume from step 3, or stop), and the approval is
+    recorded before the chunk trains steps 4..6 again."""
+    api, spec_path = airflow["api"], airflow["runs"] / "careful.yaml"
+    api.wait_for_dag("relay_careful")
+    rd = trained_offline(spec_path, "fb")
+    flip(rd / "global_step_6" / "actor" / layout.shard_name("model", 1, 0))
+    r = relay_cli("checkpoint", "validate", str(rd), "--step", "6", "--quarantine")
+    assert r.returncode == 1 and layout.read_tracker(rd) == 3, r.stdout + r.stderr
+
+    run_id = api.trigger("relay_careful", {"run": "fb", "alert_channels": []})["dag_run_id"]
+    asked = awaiting(api, "relay_careful", run_id, "chunk_01.train")
+    assert asked["subject"] == "Resume run fb from step 3, 3 steps back?", asked
+    assert asked["options"] == ["Resume from step 3", "Stop the run"]
+    assert "trains steps 4..6 again" in asked["body"] and "approvals.max_steps_lost (1)" in asked["body"]
+    api.answer("relay_careful", run_id, "chunk_01.train", "Resume from step 3")
+    assert api.wait_for_run("relay_careful", run_id, timeout=900)["state"] == "success"
+    [approved] = [e for e in read_events(rd) if e["event"] == "fallback_approved"]
+    assert (approved["quarantined"], approved["resume_from"], approved["by"]) == (6, 3, "admin")
+    starts = [e for e in read_events(rd) if e["event"] == "chunk_start"]
+    assert starts[-1]["resumed_from"] == 3 and layout.read_tracker(rd) == 6, "steps 4..6 trained again"

@@ -2,9 +2,10 @@
 Airflow's four processes (with Relay's API-server plugin), the session's Ray head and S3 server.
 
 Log in on the login page; trigger relay_demo with the form's defaults and watch the run succeed; type
-an invalid run name and read why it is refused; follow the train task's link to its Ray job's page.
-Screenshots go to .relay/test-results/screenshots/ (docs/airflow-grid.png and docs/airflow-trigger-form.png
-are copies of them).
+an invalid run name and read why it is refused; follow the train task's link to its Ray job's page;
+approve a fresh start on the task's Required Actions page. Screenshots go to
+.relay/test-results/screenshots/ (docs/airflow-grid.png, docs/airflow-trigger-form.png and
+docs/airflow-approval.png are copies of them).
 """
 
 from __future__ import annotations
@@ -209,3 +210,37 @@ def test_relay_pages_need_airflow_login(airflow):
         raise AssertionError("the run report was served without a login")
     except urllib.error.HTTPError as e:
         assert e.code in (401, 403)
+
+
+def test_an_unconfirmed_fresh_start_waits_and_is_approved_on_the_required_actions_page(page, airflow, triggered):
+    """The form's fresh start of run `demo` without its confirmation: preflight.run asks (what would be archived)
+    and waits; a person approves it on the task's Required Actions page, and the run starts again."""
+    from urllib.parse import unquote
+
+    from relay.runs.record import read_record
+    from support.airflow_procs import wait_for
+
+    api = airflow["api"]
+    assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=900)["state"] == "success"
+    run_dir = load_spec(airflow["runs"] / "demo.yaml", check_environment=False).run_dir("demo")
+    before = read_record(run_dir)["incarnation"]
+
+    dialog = open_trigger_form(page, airflow)
+    page.locator("label[id='switch:element_fresh_start']").click()
+    dialog.get_by_role("button", name="Trigger").click()
+    page.wait_for_url("**/runs/demo__manual__**")
+    run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
+    wait_for(lambda: any(t["task_id"] == "preflight.run" and t["state"] == "awaiting_input"
+                         for t in api.task_instances("relay_demo", run_id)), 300, "preflight.run to ask")
+    time.sleep(5)  # a person reads first (an answer within a second of the park races Airflow's scheduler)
+    page.goto(f"{page.url.split('/runs/')[0]}/runs/{run_id}/tasks/preflight.run/required_actions?map_index=-1")
+    page.get_by_text("Start run demo again from step 0?").first.wait_for()
+    time.sleep(2)
+    shot(page, "airflow-approval.png")
+    body = page.inner_text("body")
+    assert "Awaiting Input" in body and "(steps 6, 12)" in body and "(published steps 6, 12)" in body, body[-2000:]
+    page.get_by_role("button", name="Approve").click()
+    assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
+        "relay_demo", run_id)
+    record = read_record(run_dir)
+    assert record["incarnation"] != before and "fresh start approved by admin in the Airflow UI" in record["started_by"]

@@ -21,6 +21,7 @@ from airflow.sdk import DAG, BaseOperator, Param, TaskGroup
 
 from relay.airflow import form
 from relay.airflow.assets import checkpoint_alias
+from relay.airflow.decisions import DecidingPythonOperator
 from relay.airflow.notifiers import RelayAlertNotifier
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.supervised import is_supervised, supervise_task, validate_task
@@ -64,9 +65,12 @@ def build_dag(spec: RunSpec) -> DAG:
     ) as dag:
         kw: dict[str, Any] = {"op_kwargs": {"spec_path": spec.source}, "retries": 0}
         with TaskGroup("preflight", tooltip="before any GPU time: the run, its settings, its data"):
-            run = PythonOperator(task_id="run", python_callable=preflight, doc_md="Spec, run, fresh-start guard.", **kw)
-            settings = PythonOperator(task_id="settings", python_callable=settings_guard,
-                                      doc_md="Resume-critical settings against the run's recorded ones.", **kw)
+            # Each may ask a person in the UI (relay.airflow.decisions): a fresh start, a settings change.
+            run = DecidingPythonOperator(task_id="run", python_callable=preflight,
+                                         doc_md="Spec, run, fresh-start guard (asks before a fresh start).", **kw)
+            settings = DecidingPythonOperator(task_id="settings", python_callable=settings_guard,
+                                              doc_md="Resume-critical settings against the run's recorded ones (asks "
+                                                     "before accepting a change).", **kw)
             data = PythonOperator(task_id="data", python_callable=data_freeze,
                                   doc_md="First chunk: data quality, then freeze. Later: the sources against "
                                          "their frozen fingerprints.", **kw)

@@ -24,6 +24,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.airflow.assets import run_checkpoints
+from relay.airflow.decisions import Decision, DecisionNeeded, answer, ask
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import notify, notify_divergence, notify_error, notify_recovery, notify_use_frozen
@@ -34,7 +35,7 @@ from relay.alerts import stall_limit_s
 from relay.checkpoints import gate, manifest
 from relay.checkpoints.gate import admit, parse_job_output
 from relay.checkpoints.preview import inspect_dir
-from relay.checkpoints.resume import QUARANTINE
+from relay.checkpoints.resume import QUARANTINE, quarantined
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.faultpoint import drill_env, fault_point
@@ -44,7 +45,7 @@ from relay.runs import failure_cause, layout
 from relay.runs.audit import audit
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
-from relay.runs.metrics import MetricsLog, read_events
+from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.phases import record_job_times, record_phase
 from relay.runs.plan import Chunk, ChunkPlan
 from relay.runs.run import Run
@@ -52,6 +53,7 @@ from relay.runs.spec import load_spec
 from relay.s3.publication import publish_checkpoint
 from relay.trainers.contract import ChunkRequest
 
+FALLBACK_APPROVED = "fallback_approved"  # events.jsonl: a person approved resuming below a quarantined step
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
 
 
@@ -190,6 +192,10 @@ class RayChunkOperator(ChunkTaskOperator):
 
         self._log_resume_preview(run, chunk, latest)
         self._checks_before_chunk(context, run, chunk)
+        try:
+            self._fallback_to_approve(run, latest)
+        except DecisionNeeded as need:
+            ask(context, need, method_name="fallback_decided")
         ti = context["ti"]
         dag_run_id = context["dag_run"].run_id
         sub_id = submission_id(spec.name, run.name, dag_run_id, chunk.index, ti.try_number)
@@ -249,6 +255,39 @@ class RayChunkOperator(ChunkTaskOperator):
                                   adoptable=True, stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S),
             method_name="execute_complete",
         )
+
+    @staticmethod
+    def _fallback_to_approve(run: Run, latest: int | None) -> None:
+        """Raise DecisionNeeded when this chunk would resume below a quarantined checkpoint and train more than
+        approvals.max_steps_lost steps again, unless a person approved that fallback (or approvals are off)."""
+        spec = run.spec
+        k = latest or 0
+        newer = sorted({q["step"] for q in quarantined(run.dir) if isinstance(q.get("step"), int) and q["step"] > k})
+        allowed = spec.approvals.steps_allowed(spec.chunk_steps)
+        if not spec.airflow.approvals or not newer or newer[-1] - k <= allowed:
+            return
+        n = newer[-1]
+        if any(e.get("event") == FALLBACK_APPROVED and e.get("quarantined") == n and e.get("resume_from") == k
+               for e in read_events(run.dir)):
+            return
+        resume = f"Resume from step {k}"
+        raise DecisionNeeded(run, Decision(
+            "fallback", f"Resume run {run.name} from step {k}, {n - k} steps back?",
+            f"Checkpoint(s) at step(s) {', '.join(map(str, newer))} failed validation and were quarantined (their "
+            f"reports: `{relay_dir(run.dir, QUARANTINE)}`). The newest valid checkpoint is step {k}: resuming there "
+            f"trains steps {k + 1}..{n} again, {n - k} steps, more than approvals.max_steps_lost ({allowed}).\n\n"
+            f"**{resume}** to go on. **Stop the run** to look first: nothing is changed, and the next trigger asks "
+            "again.", [resume, "Stop the run"], [resume], {"run": run.name, "quarantined": n, "resume_from": k}))
+
+    def fallback_decided(self, context, event: dict | None = None, decision: dict | None = None) -> dict:
+        """A person answered the fallback question: record the approval (events.jsonl), then run the chunk."""
+        run, chunk = self._context(context)
+        got = answer(run, decision or {}, event or {})
+        record_event(run.dir, FALLBACK_APPROVED, chunk=chunk.index, quarantined=got.data["quarantined"],
+                     resume_from=got.data["resume_from"], by=got.by, at=got.at)
+        self.log.warning("%s of run %s: %s approved resuming from step %s (quarantined step %s)", chunk, run,
+                         got.by, got.data["resume_from"], got.data["quarantined"])
+        return self.execute(context)
 
     @staticmethod
     def _drill_env(context, run: Run, chunk) -> dict[str, str]:

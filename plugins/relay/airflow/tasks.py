@@ -9,6 +9,7 @@ from pathlib import Path
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from relay.airflow.decisions import Answer, Decision, DecisionNeeded
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import report_page
 from relay.airflow.notifiers import Channels, notify_error, notify_finished, notify_recovery, notify_use_frozen
@@ -17,7 +18,8 @@ from relay.checkpoints import safeload
 from relay.common.errors import RelayError
 from relay.preflight import doctor
 from relay.preflight.checks import check_settings, prepare_data, publish_record
-from relay.preflight.prepare import prepare_run, run_state
+from relay.preflight.guard import DriftError
+from relay.preflight.prepare import fresh_start_plan, prepare_run, resolve_run_name, run_state
 from relay.report import run_report as report
 from relay.runs import goodput, layout
 from relay.runs.metrics import read_events
@@ -49,12 +51,25 @@ def _who(context) -> str:
     return getattr(dr, "triggering_user_name", None) or str(getattr(dr, "run_type", "") or "unknown")
 
 
-def settings_guard(spec_path: str, **context) -> list[str]:
-    """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded)."""
+def settings_guard(spec_path: str, answer: dict | None = None, **context) -> list[str]:
+    """Refuse a chunk whose resume-critical settings drifted, unless allow_drift names them (recorded); with
+    airflow.approvals, ask a person instead (the diff), and go on with the keys they approved (`answer`)."""
     run = training_run(spec_path, context)
+    allow, by = list(context["params"].get("allow_drift") or []), _who(context)
+    if answer:
+        allow, by = allow + answer["data"]["keys"], Answer(**answer).who()
     try:
-        allowed = check_settings(run, allow_drift=context["params"].get("allow_drift") or [],
-                                 by=_who(context), dag_run=context["dag_run"].run_id)
+        allowed = check_settings(run, allow_drift=allow, by=by, dag_run=context["dag_run"].run_id)
+    except DriftError as e:
+        if run.spec.airflow.approvals and not answer:
+            raise DecisionNeeded(run, Decision(
+                "drift", f"Accept a change of run {run.name}'s resume-critical settings?",
+                f"These settings differ from the ones run **{run.name}** recorded:\n\n```\n{e.table}\n```\n\n"
+                "Approve to train on with them: the change is recorded (who, when, what), as `allow_drift` records "
+                f"it. Reject to stop: restore the settings in the spec, or start a new run.",
+                ["Approve", "Reject"], ["Approve"], {"run": run.name, "keys": e.keys})) from None
+        notify_error(context, run, e, action="no chunk started; the run's checkpoints are untouched.")
+        raise AirflowFailException(str(e)) from None
     except RelayError as e:
         notify_error(context, run, e, action="no chunk started; the run's checkpoints are untouched.")
         raise AirflowFailException(str(e)) from None
@@ -86,22 +101,37 @@ def data_freeze(spec_path: str, **context) -> dict:
     return {"froze_now": state.froze_now, "frozen": state.frozen, "source_changes": state.source_changes}
 
 
-def preflight(spec_path: str, **context) -> dict:
+def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
     """Validate the spec with its data and checkpoint dir, resolve the training run, guard a fresh start.
 
     A RelayError fails the task without retries: retrying a bad spec or an unconfirmed fresh start
-    cannot help, and no chunk starts.
+    cannot help, and no chunk starts. With airflow.approvals, an unconfirmed fresh start of a run that has
+    checkpoints asks a person instead (what would be archived), and goes on once approved (`answer`).
     """
     params = context["params"]
     when = logical_date(context)
+    started_by = f"{context['dag_run'].run_id}"
     try:
         spec = dated(load_spec(spec_path, check_environment=False), when)
         check_spec_environment(spec)
         # A scheduled spec: each logical date is a training run of its own, in its own folder.
         run_name = params.get("run") or (dated_run_name(spec, when) if spec.airflow.schedule else None)
-        state = prepare_run(spec, run_name, fresh_start=bool(params.get("fresh_start")),
-                            confirm=params.get("confirm_fresh_start") or "",
-                            started_by=f"{context['dag_run'].run_id}", store=checkpoint_store(spec))
+        store = checkpoint_store(spec)
+        confirm = params.get("confirm_fresh_start") or ""
+        run = Run.of(spec, resolve_run_name(spec, run_name))
+        if answer:  # a person approved the fresh start in the UI
+            confirm, started_by = run.name, f"{started_by} (fresh start approved by {Answer(**answer).who()})"
+        elif params.get("fresh_start") and confirm.strip() != run.name and spec.airflow.approvals:
+            plan = fresh_start_plan(run, store)
+            if plan.needed:
+                raise DecisionNeeded(run, Decision(
+                    "fresh_start", f"Start run {run.name} again from step 0?",
+                    plan.markdown(spec.checkpoint_dir, store.uri if store is not None else None),
+                    ["Approve", "Reject"], ["Approve"], {"run": run.name}))
+        state = prepare_run(spec, run.name, fresh_start=bool(params.get("fresh_start")), confirm=confirm,
+                            started_by=started_by, store=store)
+    except DecisionNeeded:
+        raise
     except RelayError as e:
         raise AirflowFailException(str(e)) from None
     if state.problem:

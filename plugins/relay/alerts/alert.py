@@ -38,6 +38,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "retry": ("warning", "task failed; Airflow retries it"),
     "use_frozen": ("warning", "source data changed; training continues on the frozen copy"),
     "fallback": ("warning", "resumed from an older checkpoint"),
+    "decision": ("warning", "a decision waits for you in the Airflow UI"),
     "replay_divergence": ("warning", "a step trained again after a resume differs from its first try"),
     "recovered": ("ok", "run recovered"),
     "finished": ("ok", "run finished"),

@@ -109,6 +109,22 @@ class AirflowAPI:
             "dry_run": False, "dag_run_id": run_id, "task_ids": task_ids, "only_failed": False,
             "include_downstream": True, "reset_dag_runs": True})["task_instances"]
 
+    def decision(self, dag_id: str, run_id: str, task_id: str) -> dict:
+        """A task's human-in-the-loop request (subject, body, options) and its answer, once given."""
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/-1/"
+                        "hitlDetails")
+
+    def answer(self, dag_id: str, run_id: str, task_id: str, option: str) -> dict:
+        """Answer a task's request as its Required Actions page does."""
+        return self._call("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/"
+                                   "-1/hitlDetails", {"chosen_options": [option]})
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+        """A task try's whole log as the UI shows it, one line per record (its fields as JSON)."""
+        got = self.get(f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/logs/"
+                       f"{try_number}?full_content=true")
+        return "\n".join(json.dumps(c) if isinstance(c, dict) else str(c) for c in got.get("content") or [])
+
     def asset_events(self, **filters) -> list[dict]:
         """Asset events, e.g. source_dag_id=..., oldest first."""
         query = "&".join(f"{k}={v}" for k, v in {**filters, "order_by": "timestamp", "limit": 100}.items())

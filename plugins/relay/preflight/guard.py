@@ -23,7 +23,12 @@ from relay.runs.run import Run
 
 
 class DriftError(RelayError):
-    """The settings of this chunk differ from the run's recorded ones."""
+    """The settings of this chunk differ from the run's recorded ones: `table` says how, key by key; `keys`
+    are what allow_drift would name to accept them."""
+
+    def __init__(self, what: str, fix: str | None = None, *, table: str = "", keys: Sequence[str] = ()):
+        super().__init__(what, fix)
+        self.table, self.keys = table, list(keys)
 
 
 @dataclass
@@ -106,6 +111,7 @@ def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: s
             f"(recorded {settings.get('recorded_at')}):\n{table}",
             "restore these settings in the spec; or, if the change is deliberate, trigger with allow_drift: "
             f"{_to_allow(refused)} (it is recorded); or start a new run",
+            table=table, keys=_to_allow(refused),
         )
     if changes and persist:
         drift = rec.get("drift", []) + [{"at": _now(), "by": by, "dag_run": dag_run, "allowed": list(allow_drift),

@@ -19,6 +19,7 @@ from pathlib import Path
 from relay.checkpoints.validate import latest_step_or_problem
 from relay.common.errors import RunError
 from relay.common.timestamps import utc_now, utc_stamp
+from relay.runs import layout
 from relay.runs.plan import ChunkPlan
 from relay.runs.record import VERSION, folder_incarnation, new_incarnation, write_record
 from relay.runs.run import Run
@@ -49,6 +50,56 @@ def resolve_run_name(spec: RunSpec, requested: str | None) -> str:
     return check_run_name(requested.strip() if requested and requested.strip() else spec.name)
 
 
+@dataclass
+class FreshStartPlan:
+    """What a fresh start of a run would move aside (never delete): its folder and its published prefix."""
+
+    run: str
+    local_dir: str | None  # the run's folder, when it holds anything
+    local_steps: list[int]
+    published_uri: str | None  # <prefix>/<run>/, when S3 holds the run
+    published_steps: list[int]
+
+    @property
+    def needed(self) -> bool:
+        """Whether a fresh start would move anything (a run with nothing is simply started)."""
+        return bool(self.local_dir or self.published_uri)
+
+    def where(self) -> str:
+        return " and ".join(w for w in (f"checkpoints in {self.local_dir}" if self.local_dir else "",
+                                        f"published checkpoints under {self.published_uri}" if self.published_uri
+                                        else "") if w)
+
+    def markdown(self, checkpoint_dir: str, prefix: str | None) -> str:
+        """The facts a person approves (the Required Actions page renders Markdown)."""
+        lines = [f"Run **{self.run}** would start again from step 0, as a new incarnation. The old run is moved "
+                 "aside, never deleted:", ""]
+        if self.local_dir:
+            lines.append(f"- local: `{self.local_dir}` (steps {_steps(self.local_steps)}) to "
+                         f"`{checkpoint_dir}/.archive/{self.run}-<time>/`")
+        if self.published_uri:
+            lines.append(f"- S3: `{self.published_uri}` (published steps {_steps(self.published_steps)}) to "
+                         f"`{prefix}/.archive/{self.run}-<time>/`")
+        lines += ["", "Reject to keep training the run from its latest checkpoint: trigger again without "
+                      "fresh_start."]
+        return "\n".join(lines)
+
+
+def fresh_start_plan(run: Run, store=None) -> FreshStartPlan:
+    """What a fresh start of `run` would archive; S3 is looked at only with a store."""
+    run_dir = run.dir
+    has_local = run_dir.is_dir() and any(run_dir.iterdir())
+    published = store.incarnation(run.name) if store is not None else None
+    return FreshStartPlan(run.name, str(run_dir) if has_local else None,
+                          sorted(layout.step_dirs(run_dir)) if has_local else [],
+                          f"{store.uri}/{run.name}/" if published else None,
+                          [m.step for m in store.published(run.name)] if published else [])
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"
+
+
 def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: bool = False,
                 confirm: str = "", started_by: str = "", store=None) -> RunState:
     """Resolve the run, apply a (confirmed) fresh start, and write the run record of a new run or incarnation.
@@ -65,11 +116,8 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
     archived = archived_uri = None
     if fresh_start and (has_local or published):
         if (confirm or "").strip() != name:
-            where = " and ".join(w for w in (f"checkpoints in {run_dir}" if has_local else "",
-                                             f"published checkpoints under {store.uri}/{name}/" if published else "")
-                                 if w)
             raise RunError(
-                f"fresh start of run {name!r} refused: it already has {where}",
+                f"fresh start of run {name!r} refused: it already has {fresh_start_plan(run, store).where()}",
                 f"to start it again from step 0, also set confirm_fresh_start (the CLI: --confirm) to {name!r}; the "
                 "old run is moved aside, never deleted. To keep it, trigger without fresh_start, or pick a new run "
                 "name",

@@ -110,6 +110,21 @@ class AuditSpec(StrictModel):
         return v
 
 
+class ApprovalSpec(StrictModel):
+    """Decisions asked in the Airflow UI (airflow.approvals; relay.airflow.decisions)."""
+
+    max_steps_lost: int | None = Field(default=None, ge=0, description=(
+        "a chunk whose newest checkpoint was quarantined goes on unattended when falling back to the newest valid "
+        "one loses at most this many steps, and asks otherwise (resume from step K, or stop the run); empty: two "
+        "chunks' steps"))
+    timeout_minutes: float = Field(default=1440, gt=0, description=(
+        "a decision not made within this time stops the DAG run (nothing is changed); trigger again to be asked "
+        "again"))
+
+    def steps_allowed(self, chunk_steps: int) -> int:
+        return self.max_steps_lost if self.max_steps_lost is not None else 2 * chunk_steps
+
+
 class RaySpec(StrictModel):
     conn_id: str = Field(default="relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
     python: str = Field(default="python", description="interpreter the job's entrypoint runs on the cluster")
@@ -197,6 +212,10 @@ class AirflowSpec(StrictModel):
                                                                    "deferred tasks counted, are the trainers a cluster runs "
                                                                    "at once, whatever triggered the runs")
     tags: list[str] = Field(default_factory=list)
+    approvals: bool = Field(default=True, description="ask a person in the UI (Required Actions) before a fresh start "
+                                                      "of a run with checkpoints, a resume-critical settings change, "
+                                                      "or a fallback that loses more than approvals.max_steps_lost "
+                                                      "steps; off: refused as before (see approvals)")
 
     @field_validator("retry_on")
     @classmethod
@@ -231,6 +250,7 @@ class RunSpec(StrictModel):
     alerts: AlertSpec = Field(default_factory=AlertSpec)
     airflow: AirflowSpec = Field(default_factory=AirflowSpec)
     audit: AuditSpec = Field(default_factory=AuditSpec)
+    approvals: ApprovalSpec = Field(default_factory=ApprovalSpec)
     save_before: str | None = Field(default=None, description=(
         "a wall-clock deadline (a reservation's end): ISO 8601 with its zone or epoch seconds, or ${VAR} naming "
         "the job's environment variable that holds one. The trainer saves and ends its chunk early enough for "
