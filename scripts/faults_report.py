@@ -58,7 +58,7 @@ def cases(paths: list[Path]) -> list[dict]:
             if not rows and not (in_suite and outcome == "failed"):
                 continue  # not a fault case (or a helper test of the suite that passed)
             for row in rows or [{"fault": name, "action": "the case recorded no row (it failed before the end)",
-                                 "steps_lost": "?", "data_lost": "?"}]:
+                                 "cause": "?", "steps_lost": "?", "data_lost": "?"}]:
                 out.append({**row, "test": test, "outcome": outcome,
                             "seconds": float(tc.get("time") or 0)})
     return out
@@ -84,15 +84,18 @@ def render(rows: list[dict], sources: list[Path], wall: int | None = None, worke
         "",
         "Each case asserts that the run finishes, that its final weights are bitwise those of an "
         "uninterrupted run with the same seed, and that the steps lost are at most the steps since the last "
-        "valid checkpoint. *Steps lost*: steps trained before the fault and trained again after it.",
+        "valid checkpoint. *Steps lost*: steps trained before the fault and trained again after it. *Cause as "
+        "classified*: what Relay's failure classification (relay.runs.failure_cause) named each attempt the fault "
+        "ended; none when no attempt failed.",
         "",
-        "| fault | what Relay did | steps lost | data lost | layer | test | result |",
-        "|---|---|---|---|---|---|---|",
+        "| fault | what Relay did | cause as classified | steps lost | data lost | layer | test | result |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     for r in rows:
-        lines.append(f"| {esc(r['fault'])} | {esc(r['action'])} | {esc(r['steps_lost'])} | {esc(r['data_lost'])} | "
-                     f"{esc(r.get('layer', 'trainer'))} | `{esc(r['test'])}` | {r['outcome']} |")
+        lines.append(f"| {esc(r['fault'])} | {esc(r['action'])} | {esc(r.get('cause', '?'))} | "
+                     f"{esc(r['steps_lost'])} | {esc(r['data_lost'])} | {esc(r.get('layer', 'trainer'))} | "
+                     f"`{esc(r['test'])}` | {r['outcome']} |")
     missing = [f"- {what} (`{case}`)" for case, what in PLANNED.items() if case not in covered]
     if missing:
         lines += ["", "## Not covered by this suite yet", "", *missing]

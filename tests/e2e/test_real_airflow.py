@@ -49,6 +49,7 @@ def airflow(tmp_path_factory, ray_address):
     # Decisions asked in the UI (relay.airflow.decisions): one chunk of 6 steps; one spec whose decisions time out.
     write_spec(runs, name="decide", total_steps=6, chunk_steps=6)
     write_spec(runs, name="hurry", total_steps=6, chunk_steps=6, **{"approvals.timeout_minutes": 0.05})
+    write_spec(runs, name="late", total_steps=6, chunk_steps=6, **{"alerts.deadline": "2026-01-01T00:00:00Z"})
     write_spec(runs, name="careful", total_steps=6, chunk_steps=6,
                **{"approvals.max_steps_lost": 1, "trainer.settings.save_freq": 3})
     write_spec(runs, name="weekly", total_steps=6, chunk_steps=6, **{
@@ -249,3 +250,23 @@ def test_a_fallback_past_a_quarantined_checkpoint_that_loses_too_many_steps_wait
     assert (approved["quarantined"], approved["resume_from"], approved["by"]) == (6, 3, "admin")
     starts = [e for e in read_events(rd) if e["event"] == "chunk_start"]
     assert starts[-1]["resumed_from"] == 3 and layout.read_tracker(rd) == 6, "steps 4..6 trained again"
+
+
+def test_a_run_past_its_deadline_is_alerted_by_its_eta_and_by_airflows_deadline_alert(airflow):
+    """alerts.deadline already past: the train task's ETA check alerts that the run will miss it, and Airflow's
+    deadline alert (FIXED_DATETIME of the same time) calls Relay's callback in the executor for the DAG run that is
+    still going; each once, in the run's alert ledger."""
+    api, spec_path = airflow["api"], airflow["runs"] / "late.yaml"
+    api.wait_for_dag("relay_late")
+    rd = trained_offline(spec_path, "lt")
+    run_id = api.trigger("relay_late", {"run": "lt", "alert_channels": []})["dag_run_id"]
+    assert api.wait_for_run("relay_late", run_id, timeout=900)["state"] == "success"
+
+    def both():
+        whats = [e["what"] for e in AlertLedger(rd).entries() if e["kind"] == "deadline"]
+        return whats if len(whats) == 2 else None
+
+    whats = sorted(wait_for(both, 120, "the ETA's alert and Airflow's deadline alert"))
+    assert whats[0].startswith(f"DAG run {run_id} is still going at the run's deadline 2026-01-01T00:00:00Z")
+    assert whats[1].startswith("run lt will miss its deadline: ETA "), whats
+    assert "past the deadline 2026-01-01T00:00:00Z" in whats[1], whats

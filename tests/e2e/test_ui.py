@@ -35,6 +35,7 @@ def airflow(tmp_path_factory, ray_address, airflow_home):
     base = tmp_path_factory.mktemp("ui")
     runs = base / "runs"
     write_spec(runs, name="demo")
+    write_spec(runs, name="tiny", total_steps=2, chunk_steps=2)  # one short chunk, for the approval
     (base / "home").mkdir()
     with session_shared(tmp_path_factory, "airflow-db") as shared:
         shutil.copyfile(shared / "airflow.db", base / "home" / "airflow.db")
@@ -212,35 +213,41 @@ def test_relay_pages_need_airflow_login(airflow):
         assert e.code in (401, 403)
 
 
-def test_an_unconfirmed_fresh_start_waits_and_is_approved_on_the_required_actions_page(page, airflow, triggered):
-    """The form's fresh start of run `demo` without its confirmation: preflight.run asks (what would be archived)
-    and waits; a person approves it on the task's Required Actions page, and the run starts again."""
+def test_an_unconfirmed_fresh_start_waits_and_is_approved_on_the_required_actions_page(page, airflow):
+    """The form's fresh start of a run with a checkpoint, without its confirmation: preflight.run asks (what would be
+    archived) and waits; a person approves it on the task's Required Actions page, and the run starts again."""
     from urllib.parse import unquote
 
     from relay.runs.record import read_record
     from support.airflow_procs import wait_for
+    from support.helpers import relay_cli
 
-    api = airflow["api"]
-    assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=900)["state"] == "success"
-    run_dir = load_spec(airflow["runs"] / "demo.yaml", check_environment=False).run_dir("demo")
+    api, spec_path = airflow["api"], airflow["runs"] / "tiny.yaml"
+    api.wait_for_dag("relay_tiny")
+    r = relay_cli("train", str(spec_path), "--to-step", "2", "--offline")  # run `tiny` has a checkpoint, step 2
+    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = load_spec(spec_path, check_environment=False).run_dir("tiny")
     before = read_record(run_dir)["incarnation"]
 
-    dialog = open_trigger_form(page, airflow)
+    page.goto(f"{airflow['url']}/dags/relay_tiny")
+    page.get_by_role("button", name="Trigger").first.click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Run Parameters").wait_for()
     page.locator("label[id='switch:element_fresh_start']").click()
     dialog.get_by_role("button", name="Trigger").click()
-    page.wait_for_url("**/runs/demo__manual__**")
+    page.wait_for_url("**/runs/tiny__manual__**")
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
     wait_for(lambda: any(t["task_id"] == "preflight.run" and t["state"] == "awaiting_input"
-                         for t in api.task_instances("relay_demo", run_id)), 300, "preflight.run to ask")
+                         for t in api.task_instances("relay_tiny", run_id)), 300, "preflight.run to ask")
     time.sleep(5)  # a person reads first (an answer within a second of the park races Airflow's scheduler)
     page.goto(f"{page.url.split('/runs/')[0]}/runs/{run_id}/tasks/preflight.run/required_actions?map_index=-1")
-    page.get_by_text("Start run demo again from step 0?").first.wait_for()
+    page.get_by_text("Start run tiny again from step 0?").first.wait_for()
     time.sleep(2)
     shot(page, "airflow-approval.png")
     body = page.inner_text("body")
-    assert "Awaiting Input" in body and "(steps 6, 12)" in body and "(published steps 6, 12)" in body, body[-2000:]
+    assert "Awaiting Input" in body and "(steps 2)" in body and "to keep training the run" in body, body[-2000:]
     page.get_by_role("button", name="Approve").click()
-    assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
-        "relay_demo", run_id)
+    assert api.wait_for_run("relay_tiny", run_id, timeout=900)["state"] == "success", api.task_instances(
+        "relay_tiny", run_id)
     record = read_record(run_dir)
     assert record["incarnation"] != before and "fresh start approved by admin in the Airflow UI" in record["started_by"]

@@ -9,8 +9,8 @@ from support.helpers import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import faults_report  # noqa: E402
 
-ROW = {"case": "trainer-kill", "fault": "trainer SIGKILLed | mid save", "action": "resumed", "steps_lost": 2,
-       "data_lost": "no", "layer": "trainer", "test_seed": 7}
+ROW = {"case": "trainer-kill", "fault": "trainer SIGKILLed | mid save", "action": "resumed", "cause": "preempted",
+       "steps_lost": 2, "data_lost": "no", "layer": "trainer", "test_seed": 7}
 
 
 def _junit(tmp_path, failed_case: bool):
@@ -30,8 +30,8 @@ def test_rows_come_from_the_results_with_their_outcome(tmp_path):
     out = tmp_path / "FAULTS.md"
     assert faults_report.main([str(_junit(tmp_path, failed_case=False)), "--out", str(out)]) == 0
     text = out.read_text()
-    assert "trainer SIGKILLed \\| mid save | resumed | 2 | no | trainer | `tests/faults/test_x.py::test_a[mid_save@6]` " \
-           "| passed |" in text
+    assert "trainer SIGKILLed \\| mid save | resumed | preempted | 2 | no | trainer | " \
+           "`tests/faults/test_x.py::test_a[mid_save@6]` | passed |" in text
     assert "**1 cases: 1 passed, 0 not passed. Data lost: none.**" in text and "RELAY_TEST_SEED=7" in text
     assert "test_other" not in text and "## Not covered by this suite yet" in text
 
@@ -39,5 +39,5 @@ def test_rows_come_from_the_results_with_their_outcome(tmp_path):
 def test_a_failed_fault_case_shows_as_failed_and_fails_the_command(tmp_path):
     out = tmp_path / "FAULTS.md"
     assert faults_report.main([str(_junit(tmp_path, failed_case=True)), "--out", str(out)]) == 1
-    assert "| test_b | the case recorded no row (it failed before the end) | ? | ? |" in out.read_text()
+    assert "| test_b | the case recorded no row (it failed before the end) | ? | ? | ? |" in out.read_text()
     assert "| failed |" in out.read_text()

@@ -129,4 +129,5 @@ def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fau
         report = validate_checkpoint(run_dir, s, upto="integrity")
         assert report.ok, report.summary()
     fault_row(case="trainer-kill", fault=f"trainer SIGKILLed {WHERE[phase].format(s=step)}",
-              action=action(phase, step, resumed), steps_lost=lost, test_seed=SEED, run_dir=run_dir)
+              action=action(phase, step, resumed), steps_lost=lost, test_seed=SEED, run_dir=run_dir,
+              driver=(-9, killed_log.read_text(errors="replace")))

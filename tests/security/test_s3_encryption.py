@@ -20,7 +20,7 @@ import pytest
 from relay.checkpoints import integrity, manifest
 from relay.common.errors import StoreError
 from relay.s3.store import CheckpointStore, client_config
-from support.receivers import free_port
+from support.receivers import free_ports
 
 UPLOADS = {"PutObject", "CreateMultipartUpload"}
 PART = 5 << 20
@@ -67,7 +67,7 @@ def sse_s3(tmp_path_factory):
     d = tmp_path_factory.mktemp("sse-weed")
     key = base64.b64encode(os.urandom(32)).decode()
     (d / "security.toml").write_text(f'[s3.sse]\nkey = "{key}"\n')
-    ports = [free_port() for _ in range(8)]
+    ports = free_ports(8)
     weed = Path(sys.executable).parent / "weed"
     log = open(d / "weed.log", "wb")
     proc = subprocess.Popen([

@@ -30,12 +30,31 @@ def fault_row(record_property):
     Call it last, once the case's assertions have passed."""
 
     def record(case: str, fault: str, action: str, steps_lost: int | str, *, run_dir: Path, store=None,
-               layer: str = "trainer", **extra) -> None:
+               layer: str = "trainer", driver: tuple[int, str] | None = None, **extra) -> None:
         record_property(PROPERTY, json.dumps({"case": case, "fault": fault, "action": action,
                                               "steps_lost": steps_lost, "data_lost": data_lost(run_dir, store),
-                                              "layer": layer, **extra}, sort_keys=True))
+                                              "cause": classified(run_dir, driver), "layer": layer, **extra},
+                                             sort_keys=True))
 
     return record
+
+
+def classified(run_dir: Path, driver: tuple[int, str] | None = None) -> str:
+    """The cause Relay gave each attempt the fault ended (relay.runs.failure_cause, through the goodput ledger's
+    failures: a chunk_failed event's cause, or a graceful stop's). An attempt ended with nothing left to classify
+    it, a `relay train` process killed in-process, is classified from `driver` (its exit code and log) as Relay
+    classifies a Ray job's driver that ended so. "none" when no attempt failed (the fault was absorbed: a
+    quarantine and fallback at a resume, a publish retried, an adopted job)."""
+    from relay.runs import failure_cause, goodput
+
+    ledger = goodput.ledger(run_dir)
+    causes = []
+    for f in ledger.failures if ledger is not None else []:
+        cause = f.cause
+        if cause == "unknown" and driver is not None:
+            cause = failure_cause.classify("FAILED", "", driver[1], driver[0]).cause
+        causes.append(cause)
+    return ", ".join(dict.fromkeys(causes)) or "none (no attempt failed)"
 
 
 def data_lost(run_dir: Path, store=None) -> str:

@@ -19,6 +19,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: each socket stays bound until all are chosen (free_port() called n times can hand
+    out one port twice, and a server given it twice fails to start: seen once in CI)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class MailSink:
     """An SMTP server; `messages` holds every message it accepted, parsed."""
 

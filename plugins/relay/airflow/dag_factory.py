@@ -29,7 +29,7 @@ from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
 from relay.common import project
 from relay.common.errors import SpecError
 from relay.runs.plan import ChunkPlan
-from relay.runs.spec import RunSpec, load_spec
+from relay.runs.spec import RunSpec, deadline_seconds, load_spec
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ def build_dag(spec: RunSpec) -> DAG:
     plan = ChunkPlan.from_spec(spec)
     a = spec.airflow
     with DAG(
+        deadline=_deadline_alert(spec),
         dag_id=spec.dag_id,
         description=spec.description or f"Relay run spec {spec.name}",
         schedule=a.schedule,
@@ -114,6 +115,21 @@ def build_dag(spec: RunSpec) -> DAG:
         if publish_before is not None:
             publish_before >> done
     return dag
+
+
+def _deadline_alert(spec: RunSpec):
+    """Airflow's deadline alert at alerts.deadline, when it is a fixed time (a ${VAR} is read by the train tasks'
+    ETA check only): a DAG run still going then calls notifiers.deadline_missed in the executor."""
+    if not spec.alerts.deadline or project.variables(spec.alerts.deadline):
+        return None
+    from airflow.sdk.definitions.callback import SyncCallback
+    from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
+
+    at = datetime.fromtimestamp(deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline") or 0,
+                                timezone.utc)
+    return DeadlineAlert(reference=DeadlineReference.FIXED_DATETIME(at), interval=timedelta(0),
+                         callback=SyncCallback("relay.airflow.notifiers.deadline_missed",
+                                               kwargs={"spec_path": spec.source}))
 
 
 def build_dags(runs_dir: Path | None = None) -> dict[str, DAG]:

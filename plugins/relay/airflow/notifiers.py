@@ -20,6 +20,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Callable
 
 from airflow.sdk import BaseNotifier
@@ -33,7 +34,7 @@ from relay.common.errors import RelayError
 from relay.common.redaction import redact
 from relay.runs.audit import AuditReport
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.runs.spec import dated, dated_run_name, load_spec
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,35 @@ def notify_divergence(context, run: Run, report: AuditReport) -> None:
                              "did not restore (an RNG, the dataloader's position, a setting that changed); for verl on "
                              "GPUs, state the noise you accept per metric in the spec's audit.tolerance")
     send_once(context, run, alert, f"replay_divergence|{digest}")
+
+
+def notify_deadline(context, run: Run, eta) -> None:
+    """The run's ETA (relay.runs.eta) is past alerts.deadline: once per deadline, however many chunks see it."""
+    alert = alert_for(context, run, "deadline", f"run {run} will miss its deadline: {eta.describe()}",
+                      action="training goes on; to make the deadline, give the run more GPUs or fewer steps, or move "
+                             "alerts.deadline (nothing changes automatically)")
+    send_once(context, run, alert, f"deadline|{eta.deadline}")
+
+
+def deadline_missed(spec_path: str, context: dict | None = None, **_) -> None:
+    """Airflow's deadline alert on a run DAG (DeadlineReference.FIXED_DATETIME of alerts.deadline): one of its
+    DAG runs is still going when the run should be done. Airflow calls it in the executor with the DAG run as
+    JSON (`context["dag_run"]`), no task instance: the alert is built from the spec and the run's folder."""
+    spec = load_spec(spec_path, check_environment=False)
+    dag_run = (context or {}).get("dag_run") or {}
+    conf = dag_run.get("conf") or {}
+    when = dag_run.get("logical_date")
+    logical = datetime.fromisoformat(str(when).replace("Z", "+00:00")) if when and spec.airflow.schedule else None
+    if logical is not None:  # a scheduled spec: this DAG run's training run is <name>-<logical date>
+        spec = dated(spec, logical)
+    run = Run.of(spec, conf.get("run") or (dated_run_name(spec, logical) if logical is not None else spec.name))
+    step, uri = last_valid(run)
+    alert = Alert(kind="deadline", run=run.name, spec=spec.name, dag_id=dag_run.get("dag_id", ""),
+                  dag_run=dag_run.get("dag_run_id", ""), step=step, last_valid_step=step, last_valid_uri=uri,
+                  what=f"DAG run {dag_run.get('dag_run_id', '?')} is still going at the run's deadline "
+                       f"{spec.alerts.deadline}, at step {step or 0} of {spec.total_steps}",
+                  action="training goes on; decide whether the run may run late (Airflow's deadline alert)")
+    send_once({"params": conf}, run, alert, f"deadline_missed|{dag_run.get('dag_run_id')}")
 
 
 def notify_recovery(context, run: Run, what: str, *, whole_run: bool = False, **fields) -> None:

@@ -27,7 +27,14 @@ from relay.airflow.assets import run_checkpoints
 from relay.airflow.decisions import Decision, DecisionNeeded, answer, ask
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
-from relay.airflow.notifiers import notify, notify_divergence, notify_error, notify_recovery, notify_use_frozen
+from relay.airflow.notifiers import (
+    notify,
+    notify_deadline,
+    notify_divergence,
+    notify_error,
+    notify_recovery,
+    notify_use_frozen,
+)
 from relay.airflow.task_ids import RUN_TASK
 from relay.airflow.tasks import publish_report, training_run
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
@@ -43,13 +50,14 @@ from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, STOP_MARGIN_S, job_metadat
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, layout
 from relay.runs.audit import audit
+from relay.runs.eta import eta
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.phases import record_job_times, record_phase
 from relay.runs.plan import Chunk, ChunkPlan
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.runs.spec import deadline_seconds, load_spec
 from relay.s3.publication import publish_checkpoint
 from relay.trainers.contract import ChunkRequest
 
@@ -131,6 +139,7 @@ class RayChunkOperator(ChunkTaskOperator):
                 f"{chunk.end_step}. The retry resumes from step {latest or 0}."
             )
         self.log.info("%s of run %s: done (%s); latest checkpoint step %s", chunk, run, how, latest)
+        self._check_deadline(context, run, latest)
         replay = audit(run.dir, run.spec.audit.tolerance)  # the steps this run trained twice, against their first try
         if replay.compared:
             self.log.info("%s", replay.summary())
@@ -139,6 +148,24 @@ class RayChunkOperator(ChunkTaskOperator):
                         step=latest)
         return {"run_name": run.name, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest,
                 "how": how}
+
+    def _check_deadline(self, context, run: Run, latest: int | None) -> None:
+        """Alert once when the run's ETA is past alerts.deadline (relay.runs.eta); it never fails the task."""
+        spec = run.spec
+        if not spec.alerts.deadline:
+            return
+        try:
+            deadline = deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline")
+            found = eta(run.dir, total_steps=spec.total_steps, chunk_steps=spec.chunk_steps, latest_step=latest or 0,
+                        deadline=deadline)
+        except RelayError as e:
+            self.log.warning("run %s: no ETA against alerts.deadline: %s", run, e)
+            return
+        if found is None or deadline is None:
+            return
+        self.log.info("run %s: %s", run, found.describe())
+        if (found.late_s or 0) > 0:
+            notify_deadline(context, run, found)
 
     def _checks_before_chunk(self, context, run: Run, chunk) -> None:
         """Settings drift and changed sources are caught before the chunk's job starts, every chunk."""
@@ -192,6 +219,7 @@ class RayChunkOperator(ChunkTaskOperator):
 
         self._log_resume_preview(run, chunk, latest)
         self._checks_before_chunk(context, run, chunk)
+        self._check_deadline(context, run, latest)
         try:
             self._fallback_to_approve(run, latest)
         except DecisionNeeded as need:

@@ -39,6 +39,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "use_frozen": ("warning", "source data changed; training continues on the frozen copy"),
     "fallback": ("warning", "resumed from an older checkpoint"),
     "decision": ("warning", "a decision waits for you in the Airflow UI"),
+    "deadline": ("warning", "the run will miss its deadline"),
     "replay_divergence": ("warning", "a step trained again after a resume differs from its first try"),
     "recovered": ("ok", "run recovered"),
     "finished": ("ok", "run finished"),

@@ -189,6 +189,20 @@ class AlertSpec(StrictModel):
     stall_floor_minutes: float = Field(default=5, gt=0, description="see stall_minutes")
     startup_minutes: float = Field(default=20, ge=0, description="allowed before a job's first step, on top of the stall "
                                                                  "limit (imports, model build, resume)")
+    deadline: str | None = Field(default=None, description=(
+        "when the run should be done (ISO 8601 with its zone, epoch seconds, or ${VAR} of Airflow's environment): "
+        "each chunk's train task alerts once when the run's ETA (its median step time and chunk overhead) is past "
+        "it, and Airflow's deadline alert says so if a DAG run is still going at it (relay.runs.eta)"))
+
+    @field_validator("deadline")
+    @classmethod
+    def _a_deadline(cls, v: str | None) -> str | None:
+        if v is not None and not project.variables(v):
+            try:
+                deadline_seconds(v, key="alerts.deadline")
+            except SpecError as e:
+                raise ValueError(e.problem + "; " + (e.fix or "")) from None
+        return v
 
 
 class AirflowSpec(StrictModel):
@@ -306,18 +320,19 @@ class RunSpec(StrictModel):
         return json.dumps({"source": self._source, "spec": self.model_dump(mode="json")})
 
 
-def deadline_seconds(value: str | None, source: str = "<spec>") -> float | None:
-    """`save_before` as epoch seconds: an ISO 8601 time with its zone (2026-12-03T18:00:00Z), or epoch seconds;
-    `${VAR}` (or `${VAR:-default}`) is read from this process's environment (the job's, on the cluster), and an
-    empty value means no deadline."""
+def deadline_seconds(value: str | None, source: str = "<spec>", key: str = "save_before") -> float | None:
+    """`save_before` (or `key`: alerts.deadline) as epoch seconds: an ISO 8601 time with its zone
+    (2026-12-03T18:00:00Z), or epoch seconds; `${VAR}` (or `${VAR:-default}`) is read from this process's
+    environment (the job's, on the cluster), and an empty value means no deadline."""
     if value is None:
         return None
     try:
         text = project.expand(str(value)).strip()
     except KeyError as e:
-        raise SpecError(source, "save_before", f"names the environment variable {e.args[0]}, which is not set "
-                        "where the trainer runs", f"set {e.args[0]} in the job's environment (ray.env_vars), or "
-                        f"write ${{{e.args[0]}:-}} for no deadline when it is unset") from None
+        raise SpecError(source, key, f"names the environment variable {e.args[0]}, which is not set here",
+                        f"set {e.args[0]} where it is read (the job's environment, ray.env_vars, for save_before; "
+                        f"Airflow's for alerts.deadline), or write ${{{e.args[0]}:-}} for no deadline when it is "
+                        "unset") from None
     if not text:
         return None
     try:
@@ -327,10 +342,10 @@ def deadline_seconds(value: str | None, source: str = "<spec>") -> float | None:
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise SpecError(source, "save_before", f"{text!r} is not a time",
+        raise SpecError(source, key, f"{text!r} is not a time",
                         "write an ISO 8601 time with its zone, e.g. 2026-12-03T18:00:00Z, or epoch seconds") from None
     if when.tzinfo is None:
-        raise SpecError(source, "save_before", f"{text!r} has no time zone",
+        raise SpecError(source, key, f"{text!r} has no time zone",
                         "add one (2026-12-03T18:00:00Z, or +02:00): a deadline must mean one instant everywhere")
     return when.timestamp()
 
