@@ -3,7 +3,7 @@ Airflow's four processes (with Relay's API-server plugin), the session's Ray hea
 
 Log in on the login page; trigger relay_demo with the form's defaults and watch the run succeed; type
 an invalid run name and read why it is refused; follow the train task's link to its Ray job's page;
-approve a fresh start on the task's Required Actions page. Screenshots go to
+approve a settings change on the task's Required Actions page. Screenshots go to
 .relay/test-results/screenshots/ (docs/airflow-grid.png, docs/airflow-trigger-form.png and
 docs/airflow-approval.png are copies of them).
 """
@@ -35,7 +35,6 @@ def airflow(tmp_path_factory, ray_address, airflow_home):
     base = tmp_path_factory.mktemp("ui")
     runs = base / "runs"
     write_spec(runs, name="demo")
-    write_spec(runs, name="tiny", total_steps=2, chunk_steps=2)  # one short chunk, for the approval
     (base / "home").mkdir()
     with session_shared(tmp_path_factory, "airflow-db") as shared:
         shutil.copyfile(shared / "airflow.db", base / "home" / "airflow.db")
@@ -213,41 +212,36 @@ def test_relay_pages_need_airflow_login(airflow):
         assert e.code in (401, 403)
 
 
-def test_an_unconfirmed_fresh_start_waits_and_is_approved_on_the_required_actions_page(page, airflow):
-    """The form's fresh start of a run with a checkpoint, without its confirmation: preflight.run asks (what would be
-    archived) and waits; a person approves it on the task's Required Actions page, and the run starts again."""
+def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(page, airflow, triggered):
+    """Run `demo`'s recorded settings differ from its spec's (as after an edit of its seed): triggered from the form
+    with its defaults, preflight.settings asks (the diff) and waits; a person approves it on the task's Required
+    Actions page, and the change is recorded as theirs."""
     from urllib.parse import unquote
 
-    from relay.runs.record import read_record
+    from relay.runs.record import read_record, update_record
     from support.airflow_procs import wait_for
-    from support.helpers import relay_cli
 
-    api, spec_path = airflow["api"], airflow["runs"] / "tiny.yaml"
-    api.wait_for_dag("relay_tiny")
-    r = relay_cli("train", str(spec_path), "--to-step", "2", "--offline")  # run `tiny` has a checkpoint, step 2
-    assert r.returncode == 0, r.stderr[-2000:]
-    run_dir = load_spec(spec_path, check_environment=False).run_dir("tiny")
-    before = read_record(run_dir)["incarnation"]
+    api = airflow["api"]
+    assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=900)["state"] == "success"
+    run_dir = load_spec(airflow["runs"] / "demo.yaml", check_environment=False).run_dir("demo")
+    settings = read_record(run_dir)["settings"]
+    update_record(run_dir, settings={**settings, "values": {**settings["values"], "seed": 999}})
 
-    page.goto(f"{airflow['url']}/dags/relay_tiny")
-    page.get_by_role("button", name="Trigger").first.click()
-    dialog = page.get_by_role("dialog")
-    dialog.get_by_text("Run Parameters").wait_for()
-    page.locator("label[id='switch:element_fresh_start']").click()
+    dialog = open_trigger_form(page, airflow)
     dialog.get_by_role("button", name="Trigger").click()
-    page.wait_for_url("**/runs/tiny__manual__**")
+    page.wait_for_url("**/runs/demo__manual__**")
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
-    wait_for(lambda: any(t["task_id"] == "preflight.run" and t["state"] == "awaiting_input"
-                         for t in api.task_instances("relay_tiny", run_id)), 300, "preflight.run to ask")
+    wait_for(lambda: any(t["task_id"] == "preflight.settings" and t["state"] == "awaiting_input"
+                         for t in api.task_instances("relay_demo", run_id)), 300, "preflight.settings to ask")
     time.sleep(5)  # a person reads first (an answer within a second of the park races Airflow's scheduler)
-    page.goto(f"{page.url.split('/runs/')[0]}/runs/{run_id}/tasks/preflight.run/required_actions?map_index=-1")
-    page.get_by_text("Start run tiny again from step 0?").first.wait_for()
+    page.goto(f"{page.url.split('/runs/')[0]}/runs/{run_id}/tasks/preflight.settings/required_actions?map_index=-1")
+    page.get_by_text("Accept a change of run demo's resume-critical settings?").first.wait_for()
     time.sleep(2)
     shot(page, "airflow-approval.png")
     body = page.inner_text("body")
-    assert "Awaiting Input" in body and "(steps 2)" in body and "to keep training the run" in body, body[-2000:]
+    assert "Awaiting Input" in body and "seed: 999 -> " in body, body[-2000:]
     page.get_by_role("button", name="Approve").click()
-    assert api.wait_for_run("relay_tiny", run_id, timeout=900)["state"] == "success", api.task_instances(
-        "relay_tiny", run_id)
-    record = read_record(run_dir)
-    assert record["incarnation"] != before and "fresh start approved by admin in the Airflow UI" in record["started_by"]
+    assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
+        "relay_demo", run_id)
+    drift = read_record(run_dir)["drift"][-1]
+    assert drift["by"].startswith("admin in the Airflow UI at ") and drift["allowed"] == ["seed"]
