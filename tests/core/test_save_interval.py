@@ -73,7 +73,7 @@ def test_the_mtbf_observed_from_few_failures_is_flagged(tmp_path):
     s = save_interval(tmp_path / "run", chunk_steps=20)
     assert s.mtbf_source == "observed" and s.failures == 2
     assert s.mtbf_s == pytest.approx((7200 + 0.5 * 20 + 18 - 0) / 2, rel=0.01)  # wall time / interruptions
-    assert "(observed (from 2 failure(s): a rough figure))" in s.advice()
+    assert "(observed from 2 failure(s), a rough figure)" in s.advice()
     write_run(tmp_path / "calm", killed=False, failed=False)
     assert "no failure yet and no checkpoints.mtbf_hours" in save_interval(tmp_path / "calm", chunk_steps=20).advice()
 

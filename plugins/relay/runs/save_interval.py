@@ -74,7 +74,7 @@ class SaveInterval:
         if not self.mtbf_s:
             return (f"{head}; no failure yet and no checkpoints.mtbf_hours in the spec: set it to the cluster's "
                     "MTBF to get a save interval")
-        rough = f" (from {self.failures} failure(s): a rough figure)" if 0 < self.failures < FEW_FAILURES else ""
+        rough = f" from {self.failures} failure(s), a rough figure" if 0 < self.failures < FEW_FAILURES else ""
         seen = f"observed{rough}" if self.mtbf_source == "observed" else "checkpoints.mtbf_hours"
         best_s, best_steps = self.young_daly_s or 0.0, self.young_daly_steps or 0.0
         now, best = self.overhead(now_s), self.overhead(best_s)
