@@ -17,7 +17,8 @@ from support.helpers import ROOT, model_state, relay_cli, session_shared, shared
 # The slowest files first: a long file handed out last would run alone at the end while the other workers
 # idle (longest-first scheduling). xdist 3.8 hands out the files with the most tests first
 # (--loadscope-reorder, its default), so without --no-loadscope-reorder this order only breaks ties.
-SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "e2e/test_real_airflow.py", "e2e/test_ui.py", "airflow/test_run_dag.py",
+SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "trainers/test_verl_cpu_chunks.py", "e2e/test_real_airflow.py",
+              "e2e/test_ui.py", "airflow/test_run_dag.py",
               "faults/test_ray_head_orphan.py", "faults/test_ray_head_restart.py", "airflow/test_data_dag.py",
               "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "faults/test_s3_outage.py",
               "faults/test_disk_full.py", "trainers/test_verl_chunk.py", "faults/test_corruption_stack.py",
@@ -30,7 +31,7 @@ SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "e2e/test_real_airflow.py", "e2e/
 # (it reaches S3, Ray or Airflow by itself: `relay train` looks at S3 unless --offline), or lives where
 # every test does (tests/airflow, tests/e2e, tests/faults).
 FAST_LANE = os.environ.get("RELAY_FAST_LANE") == "1"
-# verl's own trainer end to end on CPUs (tests/trainers/test_verl_cpu_fit.py, marked verl_e2e): four verl jobs,
+# verl's own trainer end to end on CPUs (tests/trainers/test_verl_cpu_fit.py, marked verl_e2e): five verl jobs,
 # each a dozen processes importing torch and verl, about 12 minutes of both cores. Beside the rest of the suite
 # on this 2-core machine it pushed CI past its 30 minutes, so it runs in a lane of its own: RELAY_VERL_E2E=1
 # (`./scripts/test.sh --verl`).
