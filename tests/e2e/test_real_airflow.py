@@ -23,7 +23,7 @@ from relay.runs.metrics import read_events
 from relay.runs.record import read_record
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
-from support.airflow_procs import airflow_processes, postgres_database, wait_for
+from support.airflow_procs import airflow_processes, postgres_database, wait_for, wait_until_parked
 from support.corrupt import flip
 from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, relay_cli, write_spec
 
@@ -157,10 +157,7 @@ def awaiting(api, dag_id: str, run_id: str, task_id: str) -> dict:
     """Wait until the task asks its question (awaiting_input); its human-in-the-loop request."""
     wait_for(lambda: any(t["task_id"] == task_id and t["state"] == "awaiting_input"
                          for t in api.task_instances(dag_id, run_id)), 300, f"{task_id} to wait for a decision")
-    # As a person would: not within the second the task parked. Airflow 3.3.2's scheduler fails a task answered
-    # before it processed the parking worker's own exit ("finished with state success, but the task instance's
-    # state attribute is queued"), seen here once with an answer 0.4 s after the park.
-    time.sleep(5)
+    wait_until_parked(dag_id, run_id, task_id)  # Airflow 3.3.2 fails a task answered before this
     return api.decision(dag_id, run_id, task_id)
 
 

@@ -219,7 +219,7 @@ def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(pa
     from urllib.parse import unquote
 
     from relay.runs.record import read_record, update_record
-    from support.airflow_procs import wait_for
+    from support.airflow_procs import wait_for, wait_until_parked
 
     api = airflow["api"]
     assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=900)["state"] == "success"
@@ -233,7 +233,7 @@ def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(pa
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
     wait_for(lambda: any(t["task_id"] == "preflight.settings" and t["state"] == "awaiting_input"
                          for t in api.task_instances("relay_demo", run_id)), 300, "preflight.settings to ask")
-    time.sleep(5)  # a person reads first (an answer within a second of the park races Airflow's scheduler)
+    wait_until_parked("relay_demo", run_id, "preflight.settings")  # Airflow 3.3.2 fails a task answered before
     page.goto(f"{page.url.split('/runs/')[0]}/runs/{run_id}/tasks/preflight.settings/required_actions?map_index=-1")
     page.get_by_text("Accept a change of run demo's resume-critical settings?").first.wait_for()
     time.sleep(2)

@@ -54,6 +54,23 @@ def postgres_database(prefix: str):
         con.close()
 
 
+def wait_until_parked(dag_id: str, run_id: str, task_id: str, timeout: float = 300) -> None:
+    """Wait until the scheduler has handled the exit of the worker that parked the task in awaiting_input
+    (its log: "TaskInstance Finished: ... state=awaiting_input"); only then may a test answer.
+    Airflow 3.3.2's scheduler fails a task answered before that: the answer queues the task again, and the
+    parking worker's late "success" then reads as a task changed from outside ("finished with state success,
+    but the task instance's state attribute is queued"; scheduler_job_runner.py exempts only a task still
+    SCHEDULED). Under CI's load it came 6 s after the park; a person answers minutes later."""
+    log = stack.state_dir() / "logs" / "airflow-scheduler.log"
+    key = f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id},"
+
+    def handled() -> bool:
+        return any(key in line and " state=awaiting_input," in line
+                   for line in log.read_text(errors="replace").splitlines())
+
+    wait_for(handled, timeout, f"the scheduler to handle {task_id}'s park (in {log})")
+
+
 def wait_for(predicate, timeout: float, what: str):
     """Poll predicate every 0.5 s until it returns something true; return it, or fail naming `what`."""
     deadline = time.time() + timeout
