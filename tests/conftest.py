@@ -32,7 +32,7 @@ SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "trainers/test_verl_cpu_chunks.py
 # every test does (tests/airflow, tests/e2e, tests/faults).
 FAST_LANE = os.environ.get("RELAY_FAST_LANE") == "1"
 # verl's own trainer end to end on CPUs (tests/trainers/test_verl_cpu_fit.py, marked verl_e2e): five verl jobs,
-# each a dozen processes importing torch and verl, about 12 minutes of both cores. Beside the rest of the suite
+# each a dozen processes importing torch and verl, 7 to 12 minutes of both cores. Beside the rest of the suite
 # on this 2-core machine it pushed CI past its 30 minutes, so it runs in a lane of its own: RELAY_VERL_E2E=1
 # (`./scripts/test.sh --verl`). CI runs tests/trainers/test_verl_cpu_chunks.py instead: two chunks, a kill, a resume.
 VERL_E2E = os.environ.get("RELAY_VERL_E2E") == "1"

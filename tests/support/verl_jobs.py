@@ -12,7 +12,8 @@ import yaml
 
 from relay.runs import layout
 from relay.runs.metrics import read_jsonl
-from support.helpers import PY, ROOT
+from support.faults import alive, kill
+from support.helpers import PY, ROOT, read_metrics
 
 SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"
 JOB_TIMEOUT = 900
@@ -65,3 +66,22 @@ def wait_for_step(run_dir: Path, step: int, attempt_other_than: set, timeout: fl
                 return row
         time.sleep(0.2)
     raise AssertionError(f"no metrics row of step {step} in {run_dir} within {timeout}s")
+
+
+def two_chunks_with_a_kill(run_dir: Path, ray_address: str, logs: Path, settle_s: float) -> str:
+    """Chunk 1 (0 -> 2) as one job; then chunk 2 (2 -> 4), its job's driver SIGKILLed after step 3's row and
+    before the checkpoint of step 4. settle_s: the wait after the kill (verl's actors die with their driver)
+    before checking that nothing committed step 4. Returns the killed `relay train`'s log."""
+    finish(relay_train(run_dir, 2, ray_address, logs / "c1.log"), logs / "c1.log")
+    first = {r["attempt"] for r in read_metrics(run_dir)}
+    proc = relay_train(run_dir, 4, ray_address, logs / "c2.log")
+    wait_for_step(run_dir, 3, first)
+    pid = job_driver_pid(run_dir)
+    assert pid is not None, "the chunk's Ray job driver was not found"
+    assert not (run_dir / "global_step_4").exists()
+    kill(pid)
+    assert proc.wait(timeout=JOB_TIMEOUT) != 0, "relay train succeeded although its job was killed"
+    assert not alive(pid)
+    time.sleep(settle_s)
+    assert layout.read_tracker(run_dir) == 2 and not (run_dir / "global_step_4").exists()
+    return (logs / "c2.log").read_text(errors="replace")

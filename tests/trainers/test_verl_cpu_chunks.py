@@ -14,8 +14,6 @@ head (2 CPUs, for the suite's many small chunk jobs) gives."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from relay.checkpoints.gate import admit_dir, smoke_check
@@ -25,9 +23,8 @@ from relay.runs.audit import audit
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
 from relay.runs.spec import load_spec
-from support.faults import alive, kill
 from support.helpers import model_state, read_metrics
-from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, job_driver_pid, relay_train, wait_for_step
+from support.verl_jobs import SPEC, finish, relay_train, two_chunks_with_a_kill
 
 pytestmark = pytest.mark.services  # S3 is not used (--offline), but Ray is: never in the fast lane
 
@@ -37,21 +34,8 @@ def chunked(tmp_path_factory):
     base = tmp_path_factory.mktemp("verl_chunks")
     run = base / "run"
     with stack.private_ray_head() as head:
-        # Chunk 1: 0 -> 2, one job.
-        finish(relay_train(run, 2, head.address, base / "c1.log"), base / "c1.log")
-        first = {r["attempt"] for r in read_metrics(run)}
-        # Chunk 2: 2 -> 4; its job's driver SIGKILLed after step 3's row, before the checkpoint of step 4.
-        proc = relay_train(run, 4, head.address, base / "c2.log")
-        wait_for_step(run, 3, first)
-        pid = job_driver_pid(run)
-        assert pid is not None, "the chunk's Ray job driver was not found"
-        assert not (run / "global_step_4").exists()
-        kill(pid)
-        assert proc.wait(timeout=JOB_TIMEOUT) != 0, "relay train succeeded although its job was killed"
-        killed_log = (base / "c2.log").read_text(errors="replace")
-        assert not alive(pid)
-        time.sleep(10)  # as long as a step here: verl's actors die with their driver, and nothing commits step 4
-        assert layout.read_tracker(run) == 2 and not (run / "global_step_4").exists()
+        # Chunk 1 (0 -> 2); chunk 2 (2 -> 4), its driver SIGKILLed after step 3's row, before step 4's checkpoint.
+        killed_log = two_chunks_with_a_kill(run, head.address, base, settle_s=10)
         # The retry: `relay train` again, as Airflow's retry of the chunk's task submits it again.
         retry_log = finish(relay_train(run, 4, head.address, base / "c3.log"), base / "c3.log")
     return {"run": run, "killed_log": killed_log, "retry_log": retry_log}

@@ -32,9 +32,8 @@ from relay.runs.phases import STARTUP, phase_marks
 from relay.runs.spec import load_spec
 from relay.trainers import stopping
 from relay.trainers.verl_ppo import chunk_trainer
-from support.faults import alive, kill
 from support.helpers import assert_bitwise_equal, model_state, read_metrics
-from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, job_driver_pid, relay_train, wait_for_step, with_job_env
+from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, relay_train, two_chunks_with_a_kill, with_job_env
 
 E2E = pytest.mark.verl_e2e  # the tests of the runs: their own lane, ./scripts/test.sh --verl (conftest: VERL_E2E)
 
@@ -47,20 +46,9 @@ def runs(tmp_path_factory, ray_address):
     # The uninterrupted run: one job, 0 -> 4.
     finish(relay_train(straight, 4, ray_address, base / "straight.log"), base / "straight.log")
 
-    # The chunked run: 0 -> 2; then 2 -> 4, its driver SIGKILLed after step 3, before the checkpoint of step 4.
-    finish(relay_train(chunked, 2, ray_address, base / "c1.log"), base / "c1.log")
-    first = {r["attempt"] for r in read_metrics(chunked)}
-    proc = relay_train(chunked, 4, ray_address, base / "c2.log")
-    wait_for_step(chunked, 3, first)
-    pid = job_driver_pid(chunked)
-    assert pid is not None, "the chunk's Ray job driver was not found"
-    assert not (chunked / "global_step_4").exists()
-    kill(pid)
-    assert proc.wait(timeout=JOB_TIMEOUT) != 0, "relay train succeeded although its job was killed"
-    killed_log = (base / "c2.log").read_text(errors="replace")
-    assert not alive(pid)
-    time.sleep(20)  # longer than a step: verl's actors die with their driver, and nothing commits step 4
-    assert layout.read_tracker(chunked) == 2 and not (chunked / "global_step_4").exists()
+    # The chunked run: 0 -> 2; then 2 -> 4, its driver SIGKILLed after step 3, before the checkpoint of step 4
+    # (and 20 s, longer than a step, to see that nothing commits step 4).
+    killed_log = two_chunks_with_a_kill(chunked, ray_address, base, settle_s=20)
 
     # The retry resumes from step 2, and is stopped gracefully in step 3: `relay train` gets SIGTERM and stops its
     # job (Ray's SIGTERM, its SIGKILL only after the spec's stop grace); the driver passes the stop on to verl's
