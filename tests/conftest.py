@@ -17,7 +17,7 @@ from support.helpers import ROOT, model_state, relay_cli, session_shared, shared
 # The slowest files first: a long file handed out last would run alone at the end while the other workers
 # idle (longest-first scheduling). xdist 3.8 hands out the files with the most tests first
 # (--loadscope-reorder, its default), so without --no-loadscope-reorder this order only breaks ties.
-SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "trainers/test_verl_cpu_chunks.py", "e2e/test_real_airflow.py",
+SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/test_real_airflow.py",
               "e2e/test_ui.py", "airflow/test_run_dag.py",
               "faults/test_ray_head_orphan.py", "faults/test_ray_head_restart.py", "airflow/test_data_dag.py",
               "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "faults/test_s3_outage.py",
@@ -34,7 +34,8 @@ FAST_LANE = os.environ.get("RELAY_FAST_LANE") == "1"
 # verl's own trainer end to end on CPUs (tests/trainers/test_verl_cpu_fit.py, marked verl_e2e): five verl jobs,
 # each a dozen processes importing torch and verl, 7 to 12 minutes of both cores. Beside the rest of the suite
 # on this 2-core machine it pushed CI past its 30 minutes, so it runs in a lane of its own: RELAY_VERL_E2E=1
-# (`./scripts/test.sh --verl`). CI runs tests/trainers/test_verl_cpu_chunks.py instead: two chunks, a kill, a resume.
+# (`./scripts/test.sh --verl`). CI runs tests/airflow/test_verl_dag.py instead: the spec's
+# DAG, three chunks, a kill and Airflow's retry.
 VERL_E2E = os.environ.get("RELAY_VERL_E2E") == "1"
 SERVICE_FIXTURES = {"ray_address", "airflow_home", "uninterrupted_run", "uninterrupted", "baseline", "interrupted",
                     "store", "s3", "airflow"}

@@ -1,0 +1,115 @@
+"""verl's own trainer in CI, as a DAG: include/runs/verl_tiny_cpu.yaml's three chunks run through real Airflow
+code (`airflow dags test`), each chunk a Ray job running verl's TaskRunner and PPOTrainerSync.fit() (its FSDP
+engine, reference model, GRPO advantage, FSDPCheckpointManager; the hf rollout stands in for vLLM only).
+Chunk 2's Ray job is SIGKILLed mid-chunk (after step 3, before the checkpoint of step 4) and Airflow's retry
+of the chunk's train task resumes it from chunk 1's checkpoint; every checkpoint is validated (the smoke
+check included) and published to the session's S3.
+
+Four jobs, and no more: the comparison with an uninterrupted run, the graceful stop and the bit-for-bit weights
+are verl's own lane (tests/trainers/test_verl_cpu_fit.py, `./scripts/test.sh --verl`), whose five jobs do not
+fit in CI's 30 minutes on the 2-core machine. Here the step trained twice is compared with its first try
+(relay.runs.audit): the same reward, loss, KL, LR and data order to the bit.
+
+The jobs run on a Ray head of this module's own (relay.devstack.stack.private_ray_head, as `relay train`
+starts one with nothing running), named by the spec's Ray connection: a verl chunk holds more logical CPUs
+and a logical GPU than the session's head (2 CPUs, for the suite's many small chunk jobs) gives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from relay.checkpoints.gate import admit_dir, smoke_check
+from relay.devstack import stack
+from relay.runs import layout
+from relay.runs.audit import audit
+from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
+from relay.runs.phases import STARTUP, phase_marks
+from relay.runs.spec import load_spec
+from relay.s3.store import store_for_spec
+from support.faults import alive, kill
+from support.helpers import ROOT, model_state, read_metrics, start_dags_test
+from support.verl_jobs import JOB_TIMEOUT, SPEC, job_driver_pid, wait_for_step
+
+RUN = "ci"
+
+
+def verl_spec(folder, ray_conn_id: str):
+    """The shipped verl spec with this module's checkpoint folder, S3 prefix and Ray connection; approvals off
+    (`airflow dags test` has no API server to answer a question with)."""
+    d = yaml.safe_load(SPEC.read_text())
+    d["checkpoint_dir"] = str(folder / "ckpt")
+    d["data"]["train_files"] = [str(ROOT / f) for f in d["data"]["train_files"]]
+    d["data"]["val_files"] = [str(ROOT / f) for f in d["data"]["val_files"]]
+    d.setdefault("s3", {})["uri"] = f"s3://relay/test-verl-{int(time.time())}"
+    d["ray"]["conn_id"] = ray_conn_id
+    d["airflow"]["approvals"] = False
+    path = folder / "verl_tiny_cpu.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def dag_run(airflow_home, s3_server):
+    spec_path = verl_spec(airflow_home["runs"], "relay_verl_ray")
+    run_dir = load_spec(spec_path, check_environment=False).run_dir(RUN)
+    with stack.private_ray_head() as head:
+        dag = start_dags_test(airflow_home, "relay_verl_tiny_cpu", {"run": RUN},
+                              env={"AIRFLOW_CONN_RELAY_VERL_RAY": head.address})
+        try:
+            # Chunk 2's first try: its job's driver SIGKILLed after step 3's row, before step 4's checkpoint.
+            wait_for_step(run_dir, 3, set())
+            pid = job_driver_pid(run_dir)
+            assert pid is not None, "chunk 2's Ray job driver was not found"
+            assert not (run_dir / "global_step_4").exists(), "the kill came too late: step 4 is saved"
+            kill(pid)
+            assert not alive(pid)
+            returncode, out = dag.wait(timeout=3 * JOB_TIMEOUT)
+        finally:
+            if dag.proc.poll() is None:
+                dag.proc.kill()
+    return {"run_dir": run_dir, "spec": spec_path, "returncode": returncode, "out": out}
+
+
+def test_airflows_retry_resumes_the_killed_chunk_and_every_step_is_trained_once(dag_run):
+    assert dag_run["returncode"] == 0, dag_run["out"][-6000:]
+    run = dag_run["run_dir"]
+    assert layout.read_tracker(run) == 6
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_jsonl(run / SUPERSEDED)] == [3], "the killed try's step 3, trained again"
+    starts = [e for e in read_events(run) if e["event"] == "chunk_start"]
+    assert [(e["chunk"], e["resumed_from"]) for e in starts] == [(1, 0), (2, 2), (2, 2), (3, 4)]
+    assert starts[1]["attempt"].endswith("-c02-t1") and starts[2]["attempt"].endswith("-c02-t2"), \
+        "the resume is Airflow's second try of chunk 2's train task"
+    assert "verl resumed at step 2" in dag_run["out"] and "verl resumed at step 4" in dag_run["out"]
+    assert all(r["lr"] is not None and r["sample_indices"] for r in read_metrics(run))
+
+
+def test_the_step_trained_twice_equals_its_first_try(dag_run):
+    """verl's generation is seeded per sample and verl restores every RNG it saves: the resumed step 3 repeats
+    the killed try's step 3 bit for bit, every logged metric (reward, loss, KL, LR, the dataset indices)."""
+    report = audit(dag_run["run_dir"])
+    assert report.steps == [3] and report.consistent, report.summary()
+    first = read_jsonl(dag_run["run_dir"] / SUPERSEDED)[0]
+    assert {"lr", "sample_indices", "reward_mean"} <= set(first)
+
+
+def test_the_weights_moved_and_every_checkpoint_passed_the_gate_and_was_published(dag_run):
+    run = dag_run["run_dir"]
+    before, after = model_state(layout.step_dir(run, 2)), model_state(layout.step_dir(run, 6))
+    assert any(not (before[k] == after[k]).all() for k in before), "GRPO with an uneven reward moves the policy"
+    spec = load_spec(dag_run["spec"], check_environment=False)
+    assert [m.step for m in store_for_spec(spec).published(RUN)] == [2, 4, 6]
+    for step in (2, 4, 6):
+        assert (layout.step_dir(run, step) / "relay_manifest.json").is_file(), f"the DAG's gate admitted step {step}"
+        admission = admit_dir(run, step, smoke=smoke_check(spec))  # and again here, every level, the forward pass
+        assert admission.ok, admission.explain()
+        assert "forward pass" in admission.explain()
+
+
+def test_each_verl_chunk_records_its_start_up_phases(dag_run):
+    events = read_events(dag_run["run_dir"])
+    for attempt in [e["attempt"] for e in events if e["event"] == "chunk_start"]:
+        assert list(phase_marks(events, attempt)) == list(STARTUP), attempt
