@@ -58,13 +58,14 @@ else
 fi
 
 # Four workers on two cores, one test file each at a time: most tests wait on Ray, Airflow or S3 as
-# much as on the CPU (the slowest files are collected first: tests/conftest.py).
+# much as on the CPU. The files go out in the order tests/conftest.py collects them, slowest first
+# (--no-loadscope-reorder: xdist would hand out the files with the most tests first).
 # The results go to .relay/test-results/junit.xml (xunit1 keeps each fault case's FAULTS.md row in it).
 results=.relay/test-results
 mkdir -p "$results" && rm -f "$results/junit.xml"
 rc=0
-$PY -m pytest -n "${RELAY_TEST_WORKERS:-4}" --dist loadfile -o junit_family=xunit1 --junitxml="$results/junit.xml" \
-  "$@" || rc=$?
+$PY -m pytest -n "${RELAY_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder -o junit_family=xunit1 \
+  --junitxml="$results/junit.xml" "$@" || rc=$?
 # The fault cases among the tests (pytest -m fault): their rows of docs/FAULTS.md, and a one-line summary.
 if [ -f "$results/junit.xml" ]; then
   $PY scripts/faults_report.py "$results/junit.xml" --out "$results/FAULTS.md" || true

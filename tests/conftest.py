@@ -14,16 +14,20 @@ from relay.runs.run import Run
 from support.faults import fault_row  # noqa: F401 (a fixture: a fault case's row of docs/FAULTS.md)
 from support.helpers import ROOT, model_state, relay_cli, session_shared, shared_service, train, write_spec
 
-# The slowest files first: a long file handed out last would run alone at the end while the other workers
-# idle (longest-first scheduling). xdist 3.8 hands out the files with the most tests first
-# (--loadscope-reorder, its default), so without --no-loadscope-reorder this order only breaks ties.
-SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/test_real_airflow.py",
-              "e2e/test_ui.py", "airflow/test_run_dag.py",
-              "faults/test_ray_head_orphan.py", "faults/test_ray_head_restart.py", "airflow/test_data_dag.py",
-              "airflow/test_alerts_dag.py", "faults/test_kill_points.py", "faults/test_s3_outage.py",
-              "faults/test_disk_full.py", "trainers/test_verl_chunk.py", "faults/test_corruption_stack.py",
-              "core/test_validate.py", "faults/test_s3_faults.py", "faults/test_corruption.py",
-              "faults/test_data_change.py", "core/test_report.py")
+# The slowest files first (longest-processing-time-first: a long file handed out last would run alone at the end
+# while the other workers idle), by their times in a CI rehearsal (.relay/test-results/junit.xml); verl's DAG
+# first of all, its jobs busy the cores while the Airflow files wait on their schedulers. scripts/test.sh passes
+# --no-loadscope-reorder: xdist's default hands out the files with the most tests first, and this order only
+# broke its ties (a rehearsal started verl's 4-test file 19 minutes in, and ended 10 minutes over budget).
+SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/test_retries.py",
+              "airflow/test_run_dag.py", "e2e/test_real_airflow.py", "e2e/test_ui.py", "airflow/test_alerts_dag.py",
+              "airflow/test_data_dag.py", "core/test_store.py", "faults/test_ray_head_orphan.py",
+              "trainers/test_verl_cpu_platform.py", "core/test_validate.py", "faults/test_kill_points.py",
+              "faults/test_disk_full.py", "core/test_reshard.py", "faults/test_data_change.py",
+              "trainers/test_verl_chunk.py", "faults/test_ray_head_restart.py", "faults/test_corruption.py",
+              "faults/test_s3_faults.py", "trainers/test_tiny_grpo.py", "faults/test_s3_outage.py",
+              "faults/test_corruption_stack.py", "jobs/test_local_head.py", "trainers/test_graceful_stop.py",
+              "core/test_report.py", "airflow/test_dag_parse.py")
 
 
 # The fast lane (`scripts/test.sh --fast`, RELAY_FAST_LANE=1): only tests that need no service run, and

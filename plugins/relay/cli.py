@@ -216,6 +216,18 @@ def cmd_checkpoint_restore(args) -> int:
     return 0
 
 
+def cmd_checkpoint_reshard(args) -> int:
+    from relay.checkpoints.reshard import reshard
+
+    run_dir = Path(args.dir)
+    result = reshard(run_dir, args.world_size, step=args.step, out=Path(args.out) if args.out else None)
+    # The gate on the new step, as on a trainer's save: every level; its manifest records the reshard.
+    admission = admit_dir(Path(args.out) if args.out else run_dir, result.step)
+    out = {**result.to_dict(), "valid": admission.ok, "validation": admission.explain()}
+    print(json.dumps(out, indent=2) if args.json else f"{result.explain()}\n{admission.explain()}")
+    return 0 if admission.ok else 1
+
+
 def cmd_checkpoint_ls(args) -> int:
     store = _store(args.uri)
     runs = [args.run] if args.run else store.runs()
@@ -423,6 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step", type=int, help="newest at or below this step")
     c.add_argument("--run", help="run name (default: DIR's name)")
     c.set_defaults(func=cmd_checkpoint_restore)
+    c = cs.add_parser("reshard", help="write a valid checkpoint of verl's FSDP at another world size (number of GPUs): "
+                                      "in place, the original kept in .relay/resharded/, or into --out")
+    c.add_argument("dir", help="the run's checkpoint folder (verl's default_local_dir)")
+    c.add_argument("--world-size", type=int, required=True, help="the number of processes (GPUs) to resume on")
+    c.add_argument("--step", type=int, help="default: the tracker's")
+    c.add_argument("--out", help="write the resharded step into this run folder instead; the source is not touched")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_checkpoint_reshard)
     c = cs.add_parser("ls", help="list published checkpoints under s3://BUCKET/PREFIX")
     c.add_argument("uri")
     c.add_argument("--run")

@@ -2,6 +2,7 @@
 plus data.pt (a StatefulDataLoader state, as verl's trainer saves it) and the tracker.
 
     python tests/support/verl_checkpoint.py RUN_DIR --step N --world-size W --fsdp 1|2 [--hidden H --layers L]
+                                            [--load-from RUN_DIR2: verl loads its step at W, then saves it]
 
 Used by the tests (every world size and FSDP version) and by the benchmark (a checkpoint of GBs).
 """
@@ -44,17 +45,26 @@ def _worker(rank: int, args) -> None:
         fully_shard(model, mesh=mesh)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from verl.utils.fsdp_utils import get_fsdp_wrap_policy
 
-        model = FSDP(model, device_mesh=mesh, use_orig_params=True, device_id=torch.device("cpu"))
+        # As verl's FSDP1 engine wraps it: a unit per decoder layer (_no_split_modules), flat parameters
+        # (fsdp_config.use_orig_params defaults to false), so the optimizer holds one state per unit.
+        model = FSDP(model, device_mesh=mesh, auto_wrap_policy=get_fsdp_wrap_policy(model), use_orig_params=False,
+                     device_id=torch.device("cpu"))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(input_ids=torch.randint(0, args.vocab, (2, 4))).logits.float().mean().backward()
-    optim.step()
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
+    manager = FSDPCheckpointManager(model=model, optimizer=optim, lr_scheduler=sched, checkpoint_config=None)
     step_dir = Path(args.run_dir) / f"global_step_{args.step}"
-    FSDPCheckpointManager(model=model, optimizer=optim, lr_scheduler=sched, checkpoint_config=None) \
-        .save_checkpoint(str(step_dir / "actor"), global_step=args.step)
+    if args.load_from:
+        # verl's own load of a checkpoint at this world size (a resharded one, say), then verl's own save of
+        # what it loaded: the files verl writes at this world size from those values
+        manager.load_checkpoint(str(Path(args.load_from) / f"global_step_{args.step}" / "actor"))
+    else:
+        model(input_ids=torch.randint(0, args.vocab, (2, 4))).logits.float().mean().backward()
+        optim.step()
+    manager.save_checkpoint(str(step_dir / "actor"), global_step=args.step)
     if rank == 0:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -68,12 +78,13 @@ def _worker(rank: int, args) -> None:
 
 
 def make(run_dir: Path, step: int = 1, world_size: int = 1, fsdp: int = 2, hidden: int = 32, layers: int = 1,
-         vocab: int = 64, seed: int = 0) -> Path:
+         vocab: int = 64, seed: int = 0, load_from: Path | None = None) -> Path:
     """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes); another
-    seed gives other weights of the same shapes (a step trained again)."""
+    seed gives other weights of the same shapes (a step trained again). load_from: a run folder whose step
+    verl loads at this world size (instead of training a step) before it saves."""
     subprocess.run([sys.executable, __file__, str(run_dir), "--step", str(step), "--world-size", str(world_size),
                     "--fsdp", str(fsdp), "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab),
-                    "--seed", str(seed)],
+                    "--seed", str(seed), *(["--load-from", str(load_from)] if load_from else [])],
                    check=True, capture_output=True, text=True)
     return Path(run_dir) / f"global_step_{step}"
 
@@ -88,8 +99,14 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-from")
     a = p.parse_args()
     a.port = _free_port()
+    # torch, transformers and verl imported once, here, and the ranks forked from this process: spawned, each
+    # rank imported them again (about 8 CPU-s apiece on these cores). No process group exists before the fork.
     import torch.multiprocessing as mp
+    import transformers  # noqa: F401
+    import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401
+    import verl.utils.fsdp_utils  # noqa: F401
 
-    mp.spawn(_worker, args=(a,), nprocs=a.world_size)
+    mp.start_processes(_worker, args=(a,), nprocs=a.world_size, start_method="fork")

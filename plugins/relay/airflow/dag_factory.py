@@ -25,7 +25,7 @@ from relay.airflow.decisions import DecidingPythonOperator
 from relay.airflow.notifiers import RelayAlertNotifier
 from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
 from relay.airflow.supervised import is_supervised, supervise_task, validate_task
-from relay.airflow.tasks import data_freeze, finish, preflight, settings_guard
+from relay.airflow.tasks import data_freeze, finish, preflight, reshard_to_spec, settings_guard
 from relay.common import project
 from relay.common.errors import SpecError
 from relay.runs.plan import ChunkPlan
@@ -96,6 +96,13 @@ def build_dag(spec: RunSpec) -> DAG:
                         task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=train.task_id,
                         retries=0, doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine "
                                           "it if it is not whole.")
+                    if spec.checkpoints.on_world_size_change == "reshard":
+                        # Its own task, so the UI shows it: a no-op unless the world size changed.
+                        reshard = PythonOperator(task_id="reshard", python_callable=reshard_to_spec, **kw,
+                                                 doc_md="Reshard the latest checkpoint to the spec's world size when "
+                                                        "they differ (the original is kept).")
+                        upstream >> reshard
+                        upstream = reshard
                     upstream >> train >> validate
                 if spec.s3 is not None:
                     # Chunk k publishes while chunk k+1 trains; publications stay in step order.

@@ -239,6 +239,15 @@ def notify_divergence(context, run: Run, report: AuditReport) -> None:
     send_once(context, run, alert, f"replay_divergence|{digest}")
 
 
+def notify_resharded(context, run: Run, result) -> None:
+    """A checkpoint was resharded to the spec's world size (checkpoints.on_world_size_change: reshard): once per
+    step and world size, however many tries of the chunk see it."""
+    alert = alert_for(context, run, "resharded", result.explain(), step=result.step,
+                      action=f"training goes on at world size {result.to_world_size}; the world-size-"
+                             f"{result.from_world_size} original is kept in {result.original}")
+    send_once(context, run, alert, f"resharded|{result.step}|{result.to_world_size}")
+
+
 def notify_deadline(context, run: Run, eta) -> None:
     """The run's ETA (relay.runs.eta) is past alerts.deadline: once per deadline, however many chunks see it."""
     alert = alert_for(context, run, "deadline", f"run {run} will miss its deadline: {eta.describe()}",

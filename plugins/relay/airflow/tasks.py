@@ -12,7 +12,14 @@ from airflow.sdk.exceptions import AirflowFailException
 from relay.airflow.decisions import Answer, Decision, DecisionNeeded
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import report_page
-from relay.airflow.notifiers import Channels, notify_error, notify_finished, notify_recovery, notify_use_frozen
+from relay.airflow.notifiers import (
+    Channels,
+    notify_error,
+    notify_finished,
+    notify_recovery,
+    notify_resharded,
+    notify_use_frozen,
+)
 from relay.airflow.task_ids import RUN_TASK
 from relay.checkpoints import safeload
 from relay.common.errors import RelayError
@@ -99,6 +106,28 @@ def data_freeze(spec_path: str, **context) -> dict:
              ", ".join(f"{f['role']} {f['sha256'][:12]} ({f['rows']} rows, from {f['source']})" for f in state.frozen))
     notify_recovery(context, run, f"run {run}: its data passes its checks again")
     return {"froze_now": state.froze_now, "frozen": state.frozen, "source_changes": state.source_changes}
+
+
+def reshard_to_spec(spec_path: str, **context) -> dict | None:
+    """checkpoints.on_world_size_change: reshard. Before the chunk's job: when the spec's world size differs from the
+    latest checkpoint's, reshard that step in place (the original kept), validate it, publish it, alert once."""
+    from relay.checkpoints.reshard import to_spec_world_size
+
+    run = training_run(spec_path, context)
+    try:
+        result = to_spec_world_size(run)
+        if result is None:
+            log.info("run %s: the latest checkpoint is at the spec's world size; nothing to reshard", run)
+            return None
+        store = checkpoint_store(run.spec)
+        if store is not None:  # S3's copy of the step is the resharded one from now on, as the local one is
+            store.publish(run.name, run.dir, result.step)
+    except RelayError as e:
+        notify_error(context, run, e, action="the chunk was not started; the run's checkpoints are kept.")
+        raise AirflowFailException(str(e)) from None
+    log.warning("run %s: %s", run, result.explain())
+    notify_resharded(context, run, result)
+    return result.to_dict()
 
 
 def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:

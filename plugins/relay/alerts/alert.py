@@ -40,6 +40,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "fallback": ("warning", "resumed from an older checkpoint"),
     "decision": ("warning", "a decision waits for you in the Airflow UI"),
     "deadline": ("warning", "the run will miss its deadline"),
+    "resharded": ("warning", "the latest checkpoint was resharded to the spec's world size"),
     "replay_divergence": ("warning", "a step trained again after a resume differs from its first try"),
     "recovered": ("ok", "run recovered"),
     "finished": ("ok", "run finished"),

@@ -21,10 +21,11 @@ from relay.runs import layout
 from relay.runs.record import LEGACY_INCARNATION, is_incarnation
 
 NAME = "relay_manifest.json"
-# 2 (this Relay): `incarnation`, the life of the run that wrote the checkpoint (relay.runs.record). Readers
-# accept every version in READS; a version-1 manifest is of incarnation "1".
-VERSION = 2
-READS = (1, 2)
+# 2: `incarnation`, the life of the run that wrote the checkpoint (relay.runs.record); a version-1 manifest is of
+# incarnation "1". 3 (this Relay): `resharded_from` ({world_size, manifest_sha256} of the original, or null:
+# relay.checkpoints.reshard). Readers accept every version in READS.
+VERSION = 3
+READS = (1, 2, 3)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Manifest:
     created_at: str = field(default_factory=utc_now)
     checks: list[str] = field(default_factory=list)
     incarnation: str = LEGACY_INCARNATION
+    resharded_from: dict | None = None
     version: int = VERSION
 
     @property
@@ -100,6 +102,9 @@ def _problem(m: Manifest) -> str | None:
         return f"fsdp_version is {_short(m.fsdp_version)}"
     if not is_incarnation(m.incarnation):
         return f"incarnation is {_short(m.incarnation)}, not an incarnation id"
+    if m.resharded_from is not None and not (isinstance(m.resharded_from, dict)
+                                             and _is_int(m.resharded_from.get("world_size"), 1)):
+        return f"resharded_from is {_short(m.resharded_from)}, not {{world_size, manifest_sha256}}"
     if not isinstance(m.files, dict) or not isinstance(m.params, dict) or not isinstance(m.checks, list):
         return "files, params or checks has the wrong type"
     for rel, f in m.files.items():

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from relay.checkpoints import integrity, manifest, safeload
+from relay.checkpoints import integrity, manifest, reshard, safeload
 from relay.checkpoints.safeload import is_sharded_record
 from relay.common.errors import CheckpointError
 from relay.runs import layout
@@ -195,11 +195,18 @@ def _consistency(report: CheckReport, run_dir: Path, step: int, tracker: int | N
         return report.add("consistency", False,
                           f"the tracker names step {tracker}, but the chunk's checkpoint is step {expected_step}")
     earlier = earlier_world_size(run_dir, step)
-    if earlier and earlier[1] != report.world_size:
-        return report.add("consistency", False,
-                          f"world size {report.world_size}, but the run's earlier checkpoint (step {earlier[0]}) "
-                          f"has world size {earlier[1]}: resuming would silently re-shard or fail")
     agree = f"tracker {tracker}, folder global_step_{step}" + (f", chunk end {expected_step}" if expected_step else "")
+    if earlier and earlier[1] != report.world_size:
+        # A world size changes only through `relay checkpoint reshard`, whose record names the one it came from.
+        try:
+            record = reshard.record_of(layout.step_dir(run_dir, step))
+        except CheckpointError as e:
+            return report.add("consistency", False, e.what)
+        if record is None or record["world_size"] != earlier[1]:
+            return report.add("consistency", False,
+                              f"world size {report.world_size}, but the run's earlier checkpoint (step {earlier[0]}) "
+                              f"has world size {earlier[1]}: resuming would silently re-shard or fail")
+        return report.add("consistency", True, f"{agree}; resharded from world size {earlier[1]} (step {earlier[0]}'s)")
     return report.add("consistency", True, agree + (f"; world size as at step {earlier[0]}" if earlier else ""))
 
 
@@ -332,9 +339,17 @@ def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | No
                           fsdp_version=report.fsdp_version, files=report.files, params=report.params,
                           settings_fingerprint=settings_fingerprint, verl_version=manifest.verl_version(),
                           checks=[c.name for c in report.checks],
+                          resharded_from=_resharded_from(layout.step_dir(Path(report.run_dir), report.step)),
                           incarnation=folder_incarnation(Path(report.run_dir)) or LEGACY_INCARNATION)
     m.write(layout.step_dir(Path(report.run_dir), report.step))
     return m
+
+
+def _resharded_from(step_dir: Path) -> dict | None:
+    """The manifest's record of a reshard: the world size the step was written at, and the sha256 of its manifest."""
+    record = reshard.record_of(step_dir)
+    return None if record is None else {"world_size": record["world_size"],
+                                        "manifest_sha256": record.get("manifest_sha256")}
 
 
 def latest_valid_step(run_dir: Path) -> int | None:

@@ -177,11 +177,26 @@ def parallelism(run: Run) -> Finding:
     have = (report.world_size, report.fsdp_version)
     if want != have and report.world_size is not None:
         shard = layout.shard_name("model", report.world_size, 0)
+        command = f"python -m relay checkpoint reshard {run_dir} --world-size {want[0]}"
+        if run.spec.trainer.kind == "verl_ppo" and want[1] == have[1] and isinstance(want[0], int) and want[0] >= 1:
+            # Only the number of GPUs changed: Relay reshards verl's FSDP checkpoints (relay.checkpoints.reshard).
+            if run.spec.checkpoints.on_world_size_change == "reshard":
+                return Finding("parallelism", True,
+                               f"the spec asks for world size {want[0]}; step {step}'s shards are world size {have[0]}: "
+                               "the DAG's next chunk reshards it first (checkpoints.on_world_size_change: reshard)",
+                               f"or reshard it now: `{command}`", warning=True)
+            fix = (f"reshard step {step} to the spec's world size: `{command}` (the original is kept in "
+                   ".relay/resharded/), or set checkpoints.on_world_size_change: reshard and the DAG's next chunk "
+                   f"does it, or set trainer.settings.world_size: {have[0]} again")
+        else:
+            fix = (f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; "
+                   + ("verl's checkpoints load only at the FSDP version they were written with"
+                      if run.spec.trainer.kind == "verl_ppo" else
+                      f"a {run.spec.trainer.kind} checkpoint is not resharded (`relay checkpoint reshard` is for "
+                      "verl's FSDP checkpoints)"))
         return Finding("parallelism", False,
                        f"the spec asks for world size {want[0]}, FSDP{want[1]}; step {step}'s shards are world size "
-                       f"{have[0]}, FSDP{have[1]} ({shard})",
-                       f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; verl's FSDP "
-                       "checkpoints do not reshard on load")
+                       f"{have[0]}, FSDP{have[1]} ({shard})", fix)
     return Finding("parallelism", True, f"world size {have[0]}, FSDP{have[1]}, as step {step}'s shards")
 
 

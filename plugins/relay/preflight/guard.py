@@ -78,6 +78,14 @@ def _allowed(key: str, allow: list[str]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in allow)
 
 
+# The settings that only say how many processes train (verl: nnodes x n_gpus_per_node; the CPU trainer:
+# world_size). With checkpoints.on_world_size_change: reshard, a change of them is accepted without allow_drift:
+# the checkpoint is resharded before the chunk's job (relay.checkpoints.reshard), and the change is recorded.
+WORLD_SIZE_KEYS = ("trainer.settings.nnodes", "trainer.settings.n_gpus_per_node", "trainer.settings.world_size",
+                   "resolved.world_size")
+RESHARD_POLICY = "checkpoints.on_world_size_change: reshard"
+
+
 def record(run: Run, *, by: str = "") -> dict:
     """Record the run's settings snapshot: at the freeze, once the data's fingerprint is known."""
     values = snapshot(run.spec, run.dir)
@@ -100,7 +108,10 @@ def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: s
         return []
     current = snapshot(run.spec, run_dir)
     changes = [c for c in compare(settings["values"], current) if not _added_since(run.spec, c)]
-    allowed = [c for c in changes if _allowed(c.key, list(allow_drift))]
+    allow = list(allow_drift)
+    if run.spec.checkpoints.on_world_size_change == "reshard" and any(c.key in WORLD_SIZE_KEYS for c in changes):
+        allow += [RESHARD_POLICY, *(c.key for c in changes if c.key in WORLD_SIZE_KEYS)]
+    allowed = [c for c in changes if _allowed(c.key, allow)]
     # What the trainer derives (resolved.*) follows an allowed change of the spec; on its own (a new
     # trainer version resolving other defaults, say) it is drift like any other.
     refused = [c for c in changes if c not in allowed and not (c.key.startswith("resolved.") and allowed)]
@@ -114,7 +125,8 @@ def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: s
             table=table, keys=_to_allow(refused),
         )
     if changes and persist:
-        drift = rec.get("drift", []) + [{"at": _now(), "by": by, "dag_run": dag_run, "allowed": list(allow_drift),
+        drift = rec.get("drift", []) + [{"at": _now(), "by": by, "dag_run": dag_run,
+                                         "allowed": [a for a in allow if a not in WORLD_SIZE_KEYS],
                                          "changes": [{"key": c.key, "was": c.was, "now": c.now} for c in changes]}]
         update_record(run_dir, settings={"values": current, "recorded_at": _now(), "by": by}, drift=drift)
     return changes

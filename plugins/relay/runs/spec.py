@@ -86,6 +86,10 @@ class CheckpointPolicy(StrictModel):
     keep_best: KeepBest | None = Field(default=None, description=(
         "also keep the k best validated checkpoints by a metric of their step, locally and in S3, besides the "
         "newest and the milestones ({metric: val/reward_mean, mode: max, k: 2})"))
+    on_world_size_change: Literal["refuse", "reshard"] = Field(default="refuse", description=(
+        "when the spec's world size (nnodes x n_gpus_per_node) differs from the latest checkpoint's: refuse the "
+        "resume, or reshard the checkpoint to the spec's world size before the chunk's job (relay checkpoint "
+        "reshard; the original is kept, the change recorded and alerted once)"))
     mtbf_hours: float | None = Field(default=None, gt=0, description=(
         "the cluster's mean time between failures, for the save interval `relay doctor` and the report advise "
         "(relay.runs.save_interval); empty: observed in the run"))

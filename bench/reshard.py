@@ -1,0 +1,142 @@
+"""Reshard benchmark: `relay checkpoint reshard` against copying the same files.
+
+On a verl checkpoint of at least 2 GB (FSDP2, world size 2, written by verl's FSDPCheckpointManager; the same
+one as ./scripts/bench.sh checkpoints), in the same run, on page-cached bytes:
+
+- reshard throughput, world size 2 -> 4 (relay.checkpoints.reshard, --out: every model and optimizer tensor
+  re-cut, every file fsynced), as a ratio of shutil.copytree of the same step folder with an fsync of each
+  file (target: 0.5x or better);
+- the reshard's peak anonymous memory (RssAnon, sampled every 20 ms: its memory-mapped input and file-backed
+  output pages are not counted, as they inflate RSS), against the checkpoint's largest tensor.
+
+Run with ./scripts/bench.sh reshard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "plugins"), str(ROOT / "tests" / "support"), str(ROOT / "bench")]
+
+from checkpoints import build, files_of  # noqa: E402
+
+from relay.runs import layout  # noqa: E402
+
+CHILD = """
+import json, sys, time
+sys.path.insert(0, {plugins!r})
+from pathlib import Path
+from relay.checkpoints.reshard import reshard
+import torch.distributed, torch.testing._internal.distributed.fake_pg  # imports before the clock
+print("READY", flush=True)
+sys.stdin.readline()
+t = time.perf_counter()
+reshard(Path({run!r}), {world_size}, out=Path({out!r}))
+print("SECONDS", time.perf_counter() - t, flush=True)
+"""
+
+
+def rss_anon_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def reshard_once(run: Path, out: Path, world_size: int) -> tuple[float, int, int]:
+    """(seconds, peak RssAnon in bytes, RssAnon before it began) of one reshard in a child process."""
+    code = CHILD.format(plugins=str(ROOT / "plugins"), run=str(run), out=str(out), world_size=world_size)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdout.readline().strip() == "READY"
+    base = rss_anon_kb(proc.pid)
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    peak = base
+    while proc.poll() is None:
+        peak = max(peak, rss_anon_kb(proc.pid))
+        time.sleep(0.02)
+    out_text = proc.stdout.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"the reshard failed (exit {proc.returncode}):\n{out_text}")
+    seconds = float(next(line.split()[1] for line in out_text.splitlines() if line.startswith("SECONDS")))
+    return seconds, peak * 1024, base * 1024
+
+
+def copy_once(step_dir: Path, dest: Path) -> float:
+    """shutil.copytree of the step folder, each file fsynced as the reshard fsyncs its own."""
+    t = time.perf_counter()
+    shutil.copytree(step_dir, dest)
+    for dirpath, _, names in os.walk(dest):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return time.perf_counter() - t
+
+
+def largest_tensor_bytes(step_dir: Path) -> int:
+    from relay.checkpoints.safeload import load
+
+    sd = load(step_dir / "actor" / layout.shard_name("model", 2, 0))
+    return max(v.numel() * v.element_size() for v in sd.values())  # global sizes (DTensor)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default=str(ROOT / ".relay" / "bench"), help="where the checkpoint is written")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--to", type=int, default=4, help="the world size to reshard to (from 2)")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+
+    run = Path(args.work) / "run"
+    step_dir = build(run, args.hidden, args.layers, args.vocab)
+    layout.write_tracker(run, 1)
+    files = files_of(step_dir)
+    total = sum(f.stat().st_size for f in files)
+    print(f"checkpoint: {len(files)} files, {total / 1e9:.2f} GB at {step_dir} (world size 2 -> {args.to})")
+    if total < 2e9:
+        print("warning: under 2 GB; raise --hidden/--layers", file=sys.stderr)
+    copy_t, reshard_t, peaks = [], [], []
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        copy_once(step_dir, Path(tmp) / "warm")  # both sides read page-cached bytes
+        shutil.rmtree(Path(tmp) / "warm")
+        for i in range(args.rounds):
+            copy_t.append(copy_once(step_dir, Path(tmp) / f"copy{i}"))
+            shutil.rmtree(Path(tmp) / f"copy{i}")
+            seconds, peak, base = reshard_once(run, Path(tmp) / f"out{i}", args.to)
+            reshard_t.append(seconds)
+            peaks.append(peak - base)
+            shutil.rmtree(Path(tmp) / f"out{i}")
+    c, r = statistics.median(copy_t), statistics.median(reshard_t)
+    largest = largest_tensor_bytes(step_dir)
+    print(f"reshard: {total / r / 1e6:.0f} MB/s (median {r:.2f}s); copytree + fsync: {total / c / 1e6:.0f} MB/s "
+          f"(median {c:.2f}s)")
+    print(f"RATIO reshard / copytree+fsync throughput: {c / r:.2f}x  (target >= 0.5x)")
+    print(f"peak anonymous memory of the reshard: {max(peaks) / 2**20:.0f} MiB above its interpreter's "
+          f"(the checkpoint: {total / 2**20:.0f} MiB; its largest tensor: {largest / 2**20:.0f} MiB)")
+    print(json.dumps({"bytes": total, "reshard_s": reshard_t, "copy_s": copy_t, "peak_anon_bytes": peaks,
+                      "largest_tensor_bytes": largest}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""`relay checkpoint reshard` (relay/checkpoints/reshard.py) on checkpoints that verl's own FSDPCheckpointManager
+wrote (tests/support/verl_checkpoint.py: gloo processes, FSDP1 wrapped as verl wraps it, FSDP2) at world sizes
+1 to 3 (and 4, made by a reshard that verl loads), a model whose dimensions do not all divide by 2, 3 or 4:
+
+- K -> M -> K gives every model and optimizer tensor of the original back, bit for bit;
+- the tensors gathered from the output equal those gathered from the input;
+- every shard's boundaries are those of the files verl itself writes at world size M (1 to 3);
+- verl loads the output at world size M (4 among them), and what it saves from it is the output again;
+- the output passes the gate at every level, in place (the original kept in .relay/resharded/) or --out;
+- a world size change is accepted by the gate only through a reshard record; bad input is refused clearly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from relay.checkpoints import manifest
+from relay.checkpoints.gate import admit_dir
+from relay.checkpoints.reshard import RECORD, reshard
+from relay.checkpoints.safeload import load
+from relay.checkpoints.validate import validate_checkpoint
+from relay.common.errors import CheckpointError
+from relay.runs import layout
+from support import verl_checkpoint
+from support.helpers import relay_cli
+
+SIZES = (1, 2, 3, 4)
+VERL_WROTE = (1, 2, 3)
+SHAPE = {"hidden": 24, "layers": 2, "vocab": 67}  # 67 rows: cut unevenly at 2, 3 and 4 (34/33, 23/23/21, 17x3/16)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """{(fsdp, world size): run folder} of global_step_1 written by verl at world sizes 1 to 3 (each world size is
+    as many processes importing torch and verl: 4 is left to the load tests below), and at 4 by a reshard of 2."""
+    root = tmp_path_factory.mktemp("reshard")
+    runs = {(f, w): verl_checkpoint.make(root / f"fsdp{f}_ws{w}", world_size=w, fsdp=f, **SHAPE).parent
+            for f in (1, 2) for w in VERL_WROTE}
+    for f in (1, 2):
+        runs[(f, 4)] = reshard(runs[(f, 2)], 4, out=root / f"fsdp{f}_ws4").step_dir.parent
+    return runs
+
+
+def shards(run_dir: Path, kind: str) -> list[dict]:
+    step = layout.step_dir(run_dir, 1) / "actor"
+    ws = json.loads((step / "fsdp_config.json").read_text())["world_size"]
+    return [load(step / layout.shard_name(kind, ws, r)) for r in range(ws)]
+
+
+def local(v):
+    return v.to_local() if hasattr(v, "to_local") else v
+
+
+def entries(sd: dict, kind: str) -> dict:
+    """{name: tensor or value} of a model shard, or of an optimizer shard's state."""
+    if kind == "model":
+        return sd
+    return {f"{i}.{k}": v for i, state in sd["state"].items() for k, v in state.items()}
+
+
+def equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def assert_same_shards(a: Path, b: Path, *, values: bool = True):
+    """Every rank's model and optimizer entries: the same local shapes (and values, if asked)."""
+    for kind in ("model", "optim"):
+        sa, sb = shards(a, kind), shards(b, kind)
+        assert len(sa) == len(sb)
+        for r, (x, y) in enumerate(zip(sa, sb)):
+            ex, ey = entries(x, kind), entries(y, kind)
+            assert list(ex) == list(ey), (kind, r)
+            for name in ex:
+                assert hasattr(ex[name], "_spec") == hasattr(ey[name], "_spec"), f"{kind} rank {r}: {name}'s type"
+                la, lb = local(ex[name]), local(ey[name])
+                assert getattr(la, "shape", None) == getattr(lb, "shape", None), (kind, r, name)
+                if values:
+                    assert equal(la, lb), f"{kind} rank {r}: {name} differs"
+            if kind == "optim":
+                assert x["param_groups"] == y["param_groups"]
+
+
+def gathered(run_dir: Path) -> dict:
+    """The full model tensors, and the full FSDP2 optimizer states, gathered across ranks."""
+    out = {}
+    for kind in ("model", "optim"):
+        per_rank = [entries(sd, kind) for sd in shards(run_dir, kind)]
+        for name, v in per_rank[0].items():
+            if hasattr(v, "_spec") and v._spec.placements[0].is_shard():
+                out[f"{kind}:{name}"] = torch.cat([local(e[name]) for e in per_rank], v._spec.placements[0].dim)
+            elif kind == "model" and isinstance(v, torch.Tensor):  # FSDP1 at world size 1: the whole tensor
+                out[f"{kind}:{name}"] = v
+    return out
+
+
+@pytest.mark.parametrize("fsdp", (1, 2), ids=("FSDP1", "FSDP2"))
+def test_k_to_m_to_k_is_bitwise_and_cuts_like_verl(written, tmp_path, fsdp):
+    for k in SIZES:
+        for m in SIZES:
+            if m == k:
+                continue
+            there, back = tmp_path / f"{k}to{m}", tmp_path / f"{k}to{m}to{k}"
+            reshard(written[(fsdp, k)], m, out=there)
+            # verl's own boundaries at M (at 4: test_verl_loads_the_output_at_the_new_world_size_and_saves_it_again)
+            assert_same_shards(there, written[(fsdp, m)], values=False)
+            full_in, full_out = gathered(written[(fsdp, k)]), gathered(there)
+            assert full_in.keys() == full_out.keys() and all(torch.equal(full_in[n], full_out[n]) for n in full_in)
+            reshard(there, k, out=back)
+            assert_same_shards(back, written[(fsdp, k)])  # bit for bit, the optimizer's Adam moments included
+            for r in range(k):  # the rule for RNG states: rank r takes rank r % K's (through M: r % M first)
+                source = layout.shard_name("extra_state", k, (r % m) % k)
+                assert (layout.step_dir(back, 1) / "actor" / layout.shard_name("extra_state", k, r)).read_bytes() == \
+                       (layout.step_dir(written[(fsdp, k)], 1) / "actor" / source).read_bytes()
+
+
+@pytest.mark.parametrize("fsdp,k,m", [(1, 1, 4), (2, 2, 4), (2, 3, 1), (1, 3, 2)],
+                         ids=["FSDP1-1to4", "FSDP2-2to4", "FSDP2-3to1", "FSDP1-3to2"])
+def test_verl_loads_the_output_at_the_new_world_size_and_saves_it_again(written, tmp_path, fsdp, k, m):
+    out = tmp_path / "out"
+    reshard(written[(fsdp, k)], m, out=out)
+    resaved = verl_checkpoint.make(tmp_path / "resaved", world_size=m, fsdp=fsdp, load_from=out, **SHAPE).parent
+    assert_same_shards(resaved, out)
+
+
+def test_in_place_keeps_the_original_and_the_gate_accepts_the_change_only_through_the_record(written, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(written[(2, 2)], run)
+    assert admit_dir(run).ok
+    original = manifest.read(layout.step_dir(run, 1))
+    result = reshard(run, 3)
+    assert result.step_dir == layout.step_dir(run, 1) and result.original.parent == layout.relay_dir(run, "resharded")
+    assert (result.original / "actor" / "model_world_size_2_rank_0.pt").is_file(), "the original is kept"
+    assert layout.read_tracker(run) == 1
+    admission = admit_dir(run)
+    assert admission.ok, admission.explain()
+    m = manifest.read(layout.step_dir(run, 1))
+    assert m.version == 3 and m.world_size == 3
+    assert m.resharded_from["world_size"] == 2
+    assert m.resharded_from["manifest_sha256"] == hashlib.sha256(
+        (result.original / manifest.NAME).read_bytes()).hexdigest()
+    assert original.world_size == 2
+
+    # A later step at world size 3 after a world-size-2 one: refused without the record, accepted with it.
+    later = tmp_path / "later"
+    shutil.copytree(written[(2, 2)], later)
+    shutil.copytree(written[(2, 3)] / "global_step_1", later / "global_step_2")
+    layout.write_tracker(later, 2)
+    report = validate_checkpoint(later)
+    assert not report.ok and "world size 3, but the run's earlier checkpoint (step 1) has world size 2" in \
+        report.failed.detail
+    shutil.copy(layout.step_dir(run, 1) / RECORD, later / "global_step_2" / RECORD)
+    report = validate_checkpoint(later)
+    assert report.ok and "resharded from world size 2" in report.summary()
+
+
+def test_the_cli_reshards_and_refuses_bad_input(written, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(written[(1, 2)], run)
+    r = relay_cli("checkpoint", "reshard", str(run), "--world-size", "4", "--out", str(tmp_path / "o"), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["to_world_size"] == 4
+    assert validate_checkpoint(tmp_path / "o").ok
+    assert not layout.relay_dir(run, "resharded").exists(), "--out touches nothing of the source"
+
+    r = relay_cli("checkpoint", "reshard", str(run), "--world-size", "0")
+    assert r.returncode == 1 and "at least 1" in r.stderr
+    r = relay_cli("checkpoint", "reshard", str(run), "--world-size", "2")
+    assert r.returncode == 1 and "already at world size 2" in r.stderr
+    (layout.step_dir(run, 1) / "actor" / "optim_world_size_2_rank_1.pt").unlink()
+    r = relay_cli("checkpoint", "reshard", str(run), "--world-size", "4")
+    assert r.returncode == 1 and "not a valid checkpoint" in r.stderr and "optim_world_size_2_rank_1.pt" in r.stderr
+    assert layout.step_dir(run, 1).is_dir(), "nothing of the refused checkpoint was moved"
+
+
+def test_a_critic_without_its_shards_is_refused(written, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(written[(2, 2)], run)
+    critic = layout.step_dir(run, 1) / "critic"
+    critic.mkdir()
+    shutil.copy(layout.step_dir(run, 1) / "actor" / "fsdp_config.json", critic)
+    with pytest.raises(CheckpointError, match="critic/"):
+        reshard(run, 1)
+
+
+# ------------------------------------------------------------------- the DAG's reshard (on_world_size_change)
+
+def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
+    """The shipped verl spec (world size nnodes x n_gpus_per_node) with its runs under folder."""
+    import yaml
+
+    from relay.runs.spec import load_spec
+    from support.verl_jobs import SPEC
+
+    d = yaml.safe_load(SPEC.read_text())
+    d["checkpoint_dir"] = str(folder)
+    d["checkpoints"]["on_world_size_change"] = policy
+    d["trainer"]["settings"]["n_gpus_per_node"] = n_gpus
+    path = folder / f"spec-{policy}-{n_gpus}.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return load_spec(path, check_environment=False)
+
+
+def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_size(written, tmp_path):
+    from relay.checkpoints.reshard import to_spec_world_size
+    from relay.preflight import doctor, guard
+    from relay.runs.run import Run
+
+    at_two = Run.of(verl_spec(tmp_path, "reshard", n_gpus=2), "r")
+    shutil.copytree(written[(2, 2)], at_two.dir)
+    assert admit_dir(at_two.dir).ok
+    guard.record(at_two)  # the run's settings, recorded at world size 2
+    assert to_spec_world_size(at_two) is None, "the spec's world size is the checkpoint's: nothing to do"
+
+    refuse = Run.of(verl_spec(tmp_path, "refuse"), "r")
+    with pytest.raises(guard.DriftError, match="n_gpus_per_node: 2 -> 1"):
+        guard.check(refuse, persist=False)
+    finding = doctor.parallelism(refuse)
+    assert not finding.ok and f"python -m relay checkpoint reshard {refuse.dir} --world-size 1" in finding.fix
+
+    run = Run.of(verl_spec(tmp_path, "reshard"), "r")
+    assert doctor.parallelism(run).ok and doctor.parallelism(run).warning
+    changes = guard.check(run, by="test")  # accepted through the policy, without allow_drift, and recorded
+    assert {c.key for c in changes} == {"trainer.settings.n_gpus_per_node", "resolved.world_size"}
+    from relay.runs.record import read_record
+    assert read_record(run.dir)["drift"][-1]["allowed"] == [guard.RESHARD_POLICY]
+
+    result = to_spec_world_size(run)
+    assert (result.from_world_size, result.to_world_size, result.step) == (2, 1, 1)
+    m = manifest.read(layout.step_dir(run.dir, 1))
+    assert m.world_size == 1 and m.resharded_from["world_size"] == 2, "validated by the gate, its manifest says how"
+    assert doctor.parallelism(run).ok and not doctor.parallelism(run).warning
+    assert to_spec_world_size(run) is None, "once is enough"
