@@ -201,6 +201,7 @@ def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
     d = yaml.safe_load(SPEC.read_text())
     d["checkpoint_dir"] = str(folder)
     d["checkpoints"]["on_world_size_change"] = policy
+    d["checkpoints"]["smoke"] = False  # verl_checkpoint.py writes no tokenizer in huggingface/
     d["trainer"]["settings"]["n_gpus_per_node"] = n_gpus
     path = folder / f"spec-{policy}-{n_gpus}.yaml"
     folder.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,9 @@ verl's FSDPCheckpointManager saves one model, optimizer and extra_state file per
 (`model_world_size_K_rank_r.pt`, ...) and loads them only at world size K (verl issue #2265): a run whose
 next reservation has another number of GPUs cannot resume. This module writes the same step at world size M:
 
-- model shards: DTensors sharded on dim 0 (FSDP2, and FSDP1 with a device mesh as verl builds it), cut as
-  torch cuts them (torch.chunk: ceil(n/M) rows a rank, the last ranks shorter or empty);
+- model shards: DTensors sharded on dim 0 (FSDP2, and FSDP1 with a device mesh as verl builds it; FSDP1 at
+  world size 1 saves plain tensors, and is written so at 1), cut as torch cuts them (torch.chunk: ceil(n/M)
+  rows a rank, the last ranks shorter or empty);
 - optimizer shards: FSDP2's per-parameter DTensor states (Adam's exp_avg, exp_avg_sq) cut like their
   parameter; FSDP1's flat-parameter states (one per FSDP unit: the root, then each decoder layer, as verl's
   wrap policy builds them with use_orig_params false) re-cut from the unit's unpadded flat length;
@@ -16,12 +17,14 @@ next reservation has another number of GPUs cannot resume. This module writes th
 - relay_resharded.json: {world_size: K, manifest_sha256: the original manifest's}, which the gate's
   consistency check needs before it accepts a world size change (relay.checkpoints.validate).
 
-Nothing loads a whole checkpoint: every input file is memory-mapped, and one output rank is built and
-saved at a time. A DTensor records its device mesh; the mesh of rank r of M is made in this process with
-torch's fake process-group backend (no peers, no collectives), as verl's would be made by rank r.
+Nothing loads a whole checkpoint: every input file is memory-mapped, and one output file is built at a
+time, each tensor in its own memory map of a buffer file (page cache, not anonymous memory). A DTensor
+records its device mesh; the mesh of rank r of M is made in this process with torch's fake process-group
+backend (no peers, no collectives), as verl's would be made by rank r.
 
-In place (the default), the new step is written under .relay/staging, fsynced, and renamed into place
-under the run's lease lock; the world-size-K original is moved to .relay/resharded/, never deleted.
+In place (the default), the new step is written under .relay/staging, fsynced, and swapped with the old
+folder (renameat2 RENAME_EXCHANGE) under the run's lease lock; the world-size-K original is moved to
+.relay/resharded/, never deleted.
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
 def to_spec_world_size(run) -> ReshardResult | None:
     """Before a chunk (checkpoints.on_world_size_change: reshard): reshard the run's latest checkpoint in place to
     the spec's world size and admit it through the gate; None when they already agree or there is no checkpoint."""
-    from relay.checkpoints.gate import admit_dir
+    from relay.checkpoints.gate import admit
     from relay.checkpoints.validate import validate_checkpoint
 
     settings = run.spec.settings
@@ -196,7 +199,7 @@ def to_spec_world_size(run) -> ReshardResult | None:
                               f"{tp}, so verl would not run it; step {latest} was not resharded",
                               "give a world size that is a multiple of tensor_model_parallel_size")
     result = reshard(run.dir, want, step=latest)
-    admission = admit_dir(run.dir, latest, run=run.name)
+    admission = admit(run, latest)  # as the chunk's validate task admits a step: its smoke check, its fingerprint
     if not admission.ok:
         raise CheckpointError(f"run {run.name}: step {latest} resharded to world size {want} failed validation: "
                               f"{admission.explain()}", f"the original is kept in {result.original}; move it back "

@@ -187,7 +187,7 @@ def parallelism(run: Run) -> Finding:
                                f"or reshard it now: `{command}`", warning=True)
             fix = (f"reshard step {step} to the spec's world size: `{command}` (the original is kept in "
                    ".relay/resharded/), or set checkpoints.on_world_size_change: reshard and the DAG's next chunk "
-                   f"does it, or set trainer.settings.world_size: {have[0]} again")
+                   f"does it, or set nnodes x n_gpus_per_node back to {have[0]}")
         else:
             fix = (f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; "
                    + ("verl's checkpoints load only at the FSDP version they were written with"
