@@ -21,7 +21,8 @@ fi
 # --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes; tests/conftest.py: VERL_E2E).
 if [ "${1:-}" = "--verl" ]; then
   shift
-  RELAY_VERL_E2E=1 exec .venv/bin/python -m pytest -q tests/trainers/test_verl_cpu_fit.py "$@"
+  RELAY_VERL_E2E=1 exec .venv/bin/python -m pytest -q tests/trainers/test_verl_cpu_fit.py \
+    tests/trainers/test_verl_reshard_resume.py "$@"
 fi
 
 # Debian's chromium for the browser tests (tests/e2e/test_ui.py): Playwright drives it, nothing is downloaded

@@ -1,0 +1,83 @@
+"""A verl run trained at world size 2, resharded to 1 and resumed by verl's own trainer on CPUs (the lane of
+`./scripts/test.sh --verl`, marked verl_e2e): include/runs/verl_tiny_cpu.yaml at n_gpus_per_node 2 trains
+chunk 1 (0 -> 2) on a Ray head with two logical GPUs; one copy of the run goes on at world size 2 (2 -> 4), the
+other is resharded in place to world size 1 (`relay checkpoint reshard`) and goes on at world size 1 through
+`relay train` with checkpoints.on_world_size_change: reshard.
+
+What is equal, and the tolerance for the rest: the data order and the LR at steps 3 and 4 exactly, and the
+rewards too (the weights after step 2 are the same bits, and generation is seeded per sample); the loss
+within 1e-5 and the KL within 2% relative (world size 2 splits the batch over two ranks whose gradients are
+summed, so the floats differ); the step-4 weights within 1e-2 absolute. Measured by hand on the 2-core machine:
+loss 1.5e-6 relative, KL 0.5%, weights 5.6e-4 absolute (Adam's normalised update amplifies tiny gradient
+differences). Three verl jobs, about 4 minutes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from relay.checkpoints import manifest
+from relay.checkpoints.safeload import load
+from relay.devstack import stack
+from relay.jobs import local_head
+from relay.runs import layout
+from support.helpers import read_metrics, relay_cli
+from support.verl_jobs import SPEC, finish, relay_train
+
+pytestmark = pytest.mark.verl_e2e
+
+
+def spec_at(path, checkpoint_dir, n_gpus: int, policy: str = "refuse"):
+    d = yaml.safe_load(SPEC.read_text())
+    d["trainer"]["settings"]["n_gpus_per_node"] = n_gpus
+    d["checkpoint_dir"] = str(checkpoint_dir)
+    d["checkpoints"]["on_world_size_change"] = policy
+    d["data"]["train_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["train_files"]]
+    d["data"]["val_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["val_files"]]
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+def full_model(step_dir, world_size: int) -> dict:
+    sds = [load(step_dir / "actor" / layout.shard_name("model", world_size, r)) for r in range(world_size)]
+    return {k: torch.cat([sd[k].to_local() if hasattr(sd[k], "to_local") else sd[k] for sd in sds], 0) for k in sds[0]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("verl_reshard")
+    two = spec_at(base / "two.yaml", base / "at2", 2)
+    one = spec_at(base / "one.yaml", base / "at1", 1, policy="reshard")
+    run2, run1 = base / "at2" / "verl_tiny_cpu", base / "at1" / "verl_tiny_cpu"
+    with local_head.local_head(stack.ray_cli(), stack.ray_env(local_s3=False), num_cpus=stack.head_cpus(),
+                               num_gpus=2, avoid=stack.stack_ray_ports()) as head:
+        finish(relay_train(run2, 2, head.address, base / "c1.log", spec=two), base / "c1.log")
+        shutil.copytree(run2, run1)
+        finish(relay_train(run2, 4, head.address, base / "c2.log", spec=two), base / "c2.log")
+    reshard = relay_cli("checkpoint", "reshard", str(run1), "--world-size", "1")
+    assert reshard.returncode == 0, reshard.stdout + reshard.stderr
+    with stack.private_ray_head() as head:  # one logical GPU, as `relay train` starts with nothing running
+        log = finish(relay_train(run1, 4, head.address, base / "c2-at1.log", spec=one), base / "c2-at1.log")
+    return {"two": run2, "one": run1, "log": log, "reshard": reshard.stdout}
+
+
+def test_the_run_resharded_to_one_trains_on_like_the_run_that_stayed_at_two(runs):
+    assert "resharded step 2 (FSDP2) from world size 2 to 1" in runs["reshard"]
+    assert "resumes from step 2" in runs["log"] and "verl resumed at step 2" in runs["log"]
+    m = manifest.read(layout.step_dir(runs["one"], 2))
+    assert m.world_size == 1 and m.resharded_from["world_size"] == 2
+    assert (layout.step_dir(runs["one"], 4) / "actor" / "model_world_size_1_rank_0.pt").is_file()
+    a = {r["step"]: r for r in read_metrics(runs["two"])}
+    b = {r["step"]: r for r in read_metrics(runs["one"])}
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert a[step]["sample_indices"] == b[step]["sample_indices"] and a[step]["lr"] == b[step]["lr"]
+        assert a[step]["reward_mean"] == b[step]["reward_mean"], "the same weights generate the same answers"
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-7)
+        assert b[step]["kl"] == pytest.approx(a[step]["kl"], rel=2e-2)
+    wa, wb = full_model(layout.step_dir(runs["two"], 4), 2), full_model(layout.step_dir(runs["one"], 4), 1)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-2
+
