@@ -18,7 +18,8 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   RELAY_FAST_LANE=1 exec .venv/bin/python -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile -q "$@"
 fi
-# --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes; tests/conftest.py: VERL_E2E).
+# --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes, and 4 to 5 more for a run resharded
+# from world size 2 to 1; tests/conftest.py: VERL_E2E).
 if [ "${1:-}" = "--verl" ]; then
   shift
   RELAY_VERL_E2E=1 exec .venv/bin/python -m pytest -q tests/trainers/test_verl_cpu_fit.py \

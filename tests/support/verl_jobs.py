@@ -1,5 +1,5 @@
 """`relay train` of include/runs/verl_tiny_cpu.yaml as a user runs it, and what the verl tests watch of its
-Ray job (tests/trainers/test_verl_cpu_fit.py; tests/airflow/test_verl_dag.py)."""
+Ray job (tests/trainers/test_verl_cpu_fit.py, test_verl_reshard_resume.py; tests/airflow/test_verl_dag.py)."""
 
 from __future__ import annotations
 
