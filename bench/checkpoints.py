@@ -101,17 +101,19 @@ def delete_prefix(uri: str) -> None:
         store.client.delete_objects(Bucket=store.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def checkpoint_options(doc: str | None) -> argparse.ArgumentParser:
+    """The options of a benchmark on the shared >= 2 GB checkpoint (this one's and bench/reshard.py's)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default=str(ROOT / ".relay" / "bench"), help="where the checkpoint is written")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--awscli", default=str(ROOT / ".venv-bench" / "bin" / "aws"))
-    args = p.parse_args()
+    return p
 
-    os.environ.update(stack.s3_env())
+
+def prepared(args) -> tuple[Path, Path, list[Path], int]:
+    """(run, step folder, files, bytes) of the benchmark checkpoint, written first if it is missing."""
     run = Path(args.work) / "run"
     step_dir = build(run, args.hidden, args.layers, args.vocab)
     layout.write_tracker(run, 1)
@@ -120,6 +122,16 @@ def main() -> int:
     print(f"checkpoint: {len(files)} files, {total / 1e9:.2f} GB at {step_dir}")
     if total < 2e9:
         print("warning: under 2 GB; raise --hidden/--layers", file=sys.stderr)
+    return run, step_dir, files, total
+
+
+def main() -> int:
+    p = checkpoint_options(__doc__)
+    p.add_argument("--awscli", default=str(ROOT / ".venv-bench" / "bin" / "aws"))
+    args = p.parse_args()
+
+    os.environ.update(stack.s3_env())
+    run, step_dir, files, total = prepared(args)
     sha256_all(files)  # warm the page cache: both sides read cached bytes
 
     sha, val = [], []

@@ -14,9 +14,7 @@ Run with ./scripts/bench.sh reshard.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -28,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT / "tests" / "support"), str(ROOT / "bench")]
 
-from checkpoints import build, files_of  # noqa: E402
+from checkpoints import checkpoint_options, prepared  # noqa: E402
 
 from relay.runs import layout  # noqa: E402
 
@@ -80,13 +78,7 @@ def copy_once(step_dir: Path, dest: Path) -> float:
     """shutil.copytree of the step folder, each file fsynced as the reshard fsyncs its own."""
     t = time.perf_counter()
     shutil.copytree(step_dir, dest)
-    for dirpath, _, names in os.walk(dest):
-        for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+    layout.fsync_tree(dest)  # what the reshard calls on its output
     return time.perf_counter() - t
 
 
@@ -98,23 +90,12 @@ def largest_tensor_bytes(step_dir: Path) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", default=str(ROOT / ".relay" / "bench"), help="where the checkpoint is written")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
+    p = checkpoint_options(__doc__)
     p.add_argument("--to", type=int, default=4, help="the world size to reshard to (from 2)")
-    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
 
-    run = Path(args.work) / "run"
-    step_dir = build(run, args.hidden, args.layers, args.vocab)
-    layout.write_tracker(run, 1)
-    files = files_of(step_dir)
-    total = sum(f.stat().st_size for f in files)
-    print(f"checkpoint: {len(files)} files, {total / 1e9:.2f} GB at {step_dir} (world size 2 -> {args.to})")
-    if total < 2e9:
-        print("warning: under 2 GB; raise --hidden/--layers", file=sys.stderr)
+    run, step_dir, _, total = prepared(args)
+    print(f"resharding it from world size 2 to {args.to}")
     copy_t, reshard_t, peaks = [], [], []
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         copy_once(step_dir, Path(tmp) / "warm")  # both sides read page-cached bytes

@@ -261,15 +261,15 @@ def _write_role(src: Path, dst: Path, k: int, m: int, fsdp_version: int) -> int:
             raise CheckpointError(f"{src}: the model or optimizer shard of rank {r} is not a state dict",
                                   "resume at the world size it was written at")
     # FSDP1 at world size 1 saves plain tensors (nothing is sharded), and verl's FSDP1 at 1 reads them so.
-    fsdp1_single = fsdp_version == 1
-    model_layout = _model_layout(src, models, plain_is_full=fsdp1_single and k == 1)
+    plain_in, plain_out = fsdp_version == 1 and k == 1, fsdp_version == 1 and m == 1
+    model_layout = _model_layout(src, models, plain_is_full=plain_in)
     flat_units = _flat_units(src, model_layout, optims, k) if fsdp_version == 1 else None
     written = 0
     for rank in range(m):
         with _mesh(model_layout.mesh_dim_names, m, rank) as mesh:
             builders = {
                 "model": lambda out: {name: _cut(src, name, [sd[name] for sd in models], k, m, rank, mesh, out,
-                                                 plain_in=fsdp1_single and k == 1, plain_out=fsdp1_single and m == 1)
+                                                 plain_in=plain_in, plain_out=plain_out)
                                       for name in models[0]},
                 "optim": lambda out: _optim(src, optims, k, m, rank, mesh, flat_units, out)}
             for kind, build in builders.items():
@@ -288,9 +288,7 @@ def _write_role(src: Path, dst: Path, k: int, m: int, fsdp_version: int) -> int:
 def _save(obj: Any, path: Path) -> int:
     import torch
 
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
+    torch.save(obj, path)  # fsynced with the whole step (layout.fsync_tree) before it is renamed into place
     return path.stat().st_size
 
 
