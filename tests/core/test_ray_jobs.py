@@ -122,3 +122,41 @@ def test_progress_polling_reads_a_bounded_tail_of_a_50_mb_log(ray_address, monke
     assert sum(reads) < log_size / 20, f"{sum(reads)} bytes read in {len(reads)} polls of a {log_size}-byte log"
     steps = [line for line in shown if line.startswith("[relay] step")]
     assert steps == [f"[relay] step {s}/5 chunk 1 eta 1s" for s in range(1, 6)]
+
+
+ENDING_CHUNK = """
+import time
+print("[relay] step 1/2 chunk 1", flush=True)
+time.sleep(1)
+print("[relay] step 2/2 chunk 1", flush=True)
+time.sleep(2)  # the save
+"""
+
+
+def test_once_the_chunks_last_step_is_in_the_trigger_polls_for_the_jobs_end_closer(ray_address, monkeypatch):
+    """The task resumes soon after the job's end: polls come every poll_seconds while the job trains, and
+    every ENDING_POLL_S once the chunk's last step is in the log (its save and exit come next)."""
+    import asyncio
+
+    from relay.airflow import triggers
+
+    jobs = RayJobs(ray_address)
+    sub_id = jobs.client.submit_job(entrypoint=f"python -c '{ENDING_CHUNK}'")
+    trigger = triggers.RayJobTrigger(address=ray_address, submission_id=sub_id, deadline=time.time() + 300,
+                                     poll_seconds=0.5, end_step=2)
+    naps: list[tuple[float, bool]] = []  # (interval asked, whether the last step was in the log then)
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds):
+        logs = jobs.client.get_job_logs(sub_id)
+        naps.append((seconds, "step 2/2" in logs))
+        await real_sleep(seconds)
+
+    monkeypatch.setattr(triggers.asyncio, "sleep", sleep)
+
+    async def follow():
+        return [e async for e in trigger.run()]
+
+    assert [e.payload["status"] for e in asyncio.run(follow())] == ["SUCCEEDED"]
+    assert {s for s, ended in naps if not ended} == {0.5}, naps
+    assert naps[-1][0] == triggers.ENDING_POLL_S and sum(1 for s, _ in naps if s == triggers.ENDING_POLL_S) >= 4, naps

@@ -159,3 +159,36 @@ def test_checkpoint_validate_runs_the_safe_checks_by_default(verl_checkpoints, t
     corrupt.runs_code(corrupt.shard(evil / "global_step_1", "extra_state"), marker)
     refused = relay_cli("checkpoint", "validate", str(evil))
     assert refused.returncode == 1 and "✘ loadability" in refused.stdout and not marker.exists(), refused.stdout
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-thread", "segments-in-parallel"])
+def test_integrity_in_segments_equals_one_pass_and_catches_a_byte_across_a_boundary(tmp_path, monkeypatch, parallel):
+    """A file checksummed segment by segment (here 64 KiB each, so tensors span segments) gives the
+    whole file's CRC64NVME and every zip entry's CRC32 as one sequential pass does; one altered byte in
+    a tensor that spans a boundary is named."""
+    import zipfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from awscrt import checksums
+
+    from relay.checkpoints import integrity
+
+    monkeypatch.setattr(integrity, "SEGMENT", 64 << 10)
+    path = tmp_path / "model_world_size_1_rank_0.pt"
+    torch.save({"a": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(3, 70_000)}, path)
+    data = path.read_bytes()
+    with ThreadPoolExecutor(2) as pool:
+        scan = integrity.scan(path, pool=pool if parallel else None)
+    assert scan.problem is None and scan.size == len(data)
+    assert scan.crc64nvme == integrity.crc64nvme_b64(checksums.crc64nvme(data))
+    with zipfile.ZipFile(path) as zf:
+        big = max(zf.infolist(), key=lambda i: i.file_size)
+    assert big.file_size > 3 * integrity.SEGMENT, "the entry spans several segments"
+    offset = next(off for name, off, _, _ in integrity._zip_entries(path) if name == big.filename)
+    altered = bytearray(data)
+    altered[offset + 2 * integrity.SEGMENT - offset % integrity.SEGMENT] ^= 0x10  # a segment's first byte
+    path.write_bytes(bytes(altered))
+    with ThreadPoolExecutor(2) as pool:
+        bad = integrity.scan(path, pool=pool if parallel else None)
+    assert bad.problem == f"entry {big.filename} fails its CRC32 check (the bytes were altered)"

@@ -199,10 +199,14 @@ def test_a_rejected_or_unanswered_decision_stops_the_dag_run_and_changes_nothing
         rd = trained_offline(airflow["runs"] / f"{spec_name}.yaml", run)
         before = read_record(rd)["incarnation"]
         run_id = api.trigger(dag, {"run": run, "fresh_start": True, "alert_channels": []})["dag_run_id"]
-        awaiting(api, dag, run_id, "preflight.run")
         if answer:
+            awaiting(api, dag, run_id, "preflight.run")
             api.answer(dag, run_id, "preflight.run", answer)
+        # Unanswered, the question's 3 s run out while the scheduler may not yet have seen the park (6 s under
+        # CI's load): nothing waits for it; the request is read back once the run has ended.
         assert api.wait_for_run(dag, run_id, timeout=600)["state"] == "failed"
+        asked = api.decision(dag, run_id, "preflight.run")
+        assert asked["subject"] == f"Start run {run} again from step 0?", asked
         states = {t["task_id"]: t["state"] for t in api.task_instances(dag, run_id)}
         assert states["preflight.run"] == "failed" and states.get("chunk_01.train") in (None, "upstream_failed")
         assert read_record(rd)["incarnation"] == before and (rd / "global_step_6").is_dir(), "nothing was changed"

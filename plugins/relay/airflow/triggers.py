@@ -22,9 +22,13 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from asgiref.sync import sync_to_async
 
 from relay.alerts.stall import StallWatch
+from relay.common.progress import STEP_LINE
 from relay.jobs.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
 from relay.runs.layout import checkpoint_reached
 
+# Once the chunk's last step is in the log, the job's end (its save, then the driver's exit) is polled this often:
+# the task resumes within this of the job's end instead of within a whole poll interval (2 s by default).
+ENDING_POLL_S = 0.25
 FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  # a person's mark ends the task
 
 
@@ -72,6 +76,7 @@ class RayJobTrigger(BaseTrigger):
         watch: StallWatch | None = None  # from the job's first RUNNING poll: PENDING is waiting, not stalling
         unreachable_since: float | None = None
         seen: list[str] = []  # the log's last lines at the previous poll (a restarted triggerer starts empty)
+        ending = False  # the chunk's last step is trained: its save and exit come next, polled closer
         while True:
             try:
                 state = await jobs.get(self.submission_id)
@@ -97,6 +102,8 @@ class RayJobTrigger(BaseTrigger):
             for line in new:
                 self.log.info("%s", line)
             seen = tail or seen
+            if self.end_step is not None and not ending:
+                ending = any(int(step) >= self.end_step for step in STEP_LINE.findall("\n".join(new)))
             if state.status in TERMINAL:
                 yield self._event(state.status, state.message, exit_code=state.exit_code)
                 return
@@ -113,7 +120,7 @@ class RayJobTrigger(BaseTrigger):
                 yield self._event("TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was "
                                              f"stopped ({ended})")
                 return
-            await asyncio.sleep(self.poll_seconds)
+            await asyncio.sleep(min(self.poll_seconds, ENDING_POLL_S) if ending else self.poll_seconds)
 
     async def _stop_and_wait(self, jobs: AsyncRayJobs) -> str:
         """Stop the job (SIGTERM: a trainer that still holds the lease finishes its step and saves it) and wait,

@@ -15,13 +15,15 @@ No checkpoint is resumed from, published or called latest until it has been prov
   previous valid checkpoint.
 - smoke (optional): a trainer-provided forward pass on a fixed prompt gives finite logits.
 
-Each file is read once for integrity and loadability; files are checked two at a time.
+Each file is mapped, not copied: its checksums (every core, segment by segment) and its loading read the
+same page-cache pages; two files are loaded at a time.
 """
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+import os
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -84,10 +86,13 @@ class CheckReport:
 
 def validate_checkpoint(run_dir: Path, step: int | None = None, *, expected_step: int | None = None,
                         upto: str = "numerics", expect_critic: bool | None = None,
-                        smoke: Callable[[Path], str] | None = None) -> CheckReport:
+                        smoke: Callable[[Path], str] | None = None,
+                        checked: dict[str, FileResult] | None = None) -> CheckReport:
     """Validate global_step_<step> of a run (default: the step the tracker names), level by level up
     to `upto` (then smoke, if given). upto="consistency" reads no file: cheap enough for a
     scheduler-side "is this chunk done?" question; "integrity" reads every byte but unpickles nothing.
+    checked: files already put through check_file (by a restore, as each arrived), by relative path; they
+    are not read again.
     """
     depth = LEVELS.index(upto)
     run_dir = Path(run_dir)
@@ -112,7 +117,7 @@ def validate_checkpoint(run_dir: Path, step: int | None = None, *, expected_step
     if depth <= LEVELS.index("consistency"):
         return report
     load = depth >= LEVELS.index("loadability")
-    if not _integrity_and_loading(report, ckpt, load):
+    if not _integrity_and_loading(report, ckpt, load, checked or {}):
         return report
     if depth >= LEVELS.index("numerics") and not _compare_with_previous(report, run_dir, step):
         return report
@@ -213,12 +218,13 @@ def _consistency(report: CheckReport, run_dir: Path, step: int, tracker: int | N
 # ------------------------------------------------------- integrity, loadability and numerics
 
 @dataclass
-class _FileResult:
+class FileResult:
     rel: str
     scan: integrity.FileScan
     load_error: str | None = None
     nonfinite: str | None = None
     params: dict[str, list] | None = None
+    loaded: bool = False  # checked at the loadability and numerics levels too (when it is a .pt file)
 
 
 def _tensors(obj: Any, prefix: str = ""):
@@ -244,12 +250,13 @@ def _global_shape(value: Any) -> list:
     return [int(x) for x in shape] + [str(value.dtype).removeprefix("torch.")]
 
 
-def _check_file(ckpt: Path, rel: str, load: bool) -> _FileResult:
+def check_file(ckpt: Path, rel: str, load: bool = True, pool: Executor | None = None) -> FileResult:
+    """Integrity of one file of a checkpoint folder, and for a .pt file (with load) its loadability and numerics.
+    pool: where the file's segments are checksummed in parallel (integrity.scan)."""
     import torch
 
-
     path = ckpt / rel
-    res = _FileResult(rel, integrity.scan(path))
+    res = FileResult(rel, integrity.scan(path, pool=pool), loaded=load)
     if res.scan.problem or path.suffix != ".pt" or not load:
         return res
     try:
@@ -270,11 +277,14 @@ def _check_file(ckpt: Path, rel: str, load: bool) -> _FileResult:
     return res
 
 
-def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool) -> bool:
+def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool, checked: dict[str, FileResult]) -> bool:
     recorded = manifest.read(ckpt)
     rels = manifest.checkpoint_files(ckpt)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda r: _check_file(ckpt, r, load), rels))
+    # Two files at a time (their loading and numerics: torch, which releases the GIL), the checksums of every
+    # file's segments on every core: a checkpoint is mostly one or two large files per rank.
+    with ThreadPoolExecutor(os.cpu_count() or 2) as segments, ThreadPoolExecutor(2) as files:
+        results = list(files.map(lambda r: checked[r] if r in checked and (checked[r].loaded or not load)
+                                 else check_file(ckpt, r, load, segments), rels))
     report.files = {r.rel: {"size": r.scan.size, "crc64nvme": r.scan.crc64nvme} for r in results}
     bad = next((r for r in results if r.scan.problem), None)
     if bad:

@@ -1,8 +1,10 @@
 """Bring a published checkpoint back into a run folder: the local side of S3 (the store only moves bytes).
 
-The newest published checkpoint of the run's own incarnation is downloaded into staging with its
-checksums, moved into place under the run's lease, validated at every level like any local checkpoint
-(quarantined and skipped if it fails), and only then named by the tracker.
+The newest published checkpoint of the run's own incarnation is downloaded into staging (ranged, concurrent
+GETs; each file's CRC64NVME checked as it arrives, and each whole file put through the gate's per-file checks,
+integrity, loadability and numerics, while the others download), moved into place under the run's lease,
+validated at every level like any local checkpoint from those per-file results (quarantined and skipped if it
+fails), and only then named by the tracker.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from relay.checkpoints.resume import quarantine
-from relay.checkpoints.validate import validate_checkpoint
+from relay.checkpoints.validate import check_file, validate_checkpoint
 from relay.common.errors import CheckpointError
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -58,8 +60,8 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
         uri = store.step_uri(run, m.step)
         staging = layout.relay_dir(run_dir, "staging", f"restore-{layout.step_name(m.step)}")
         shutil.rmtree(staging, ignore_errors=True)
-        try:
-            store.download(run, m, staging)
+        try:  # each file is checked (integrity, loadability, numerics) as soon as it is in, while others download
+            checked = store.download(run, m, staging, on_file=lambda rel, _path: check_file(staging, rel))
         except CheckpointError as e:
             log(f"skipping {uri}: {e.what}")
             continue
@@ -70,7 +72,7 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
                 aside.parent.mkdir(parents=True, exist_ok=True)
                 final.rename(aside)
             staging.rename(final)
-            report = validate_checkpoint(run_dir, m.step)
+            report = validate_checkpoint(run_dir, m.step, checked=checked)
             if not report.ok:
                 quarantine(run_dir, report)
                 failed = report.failed

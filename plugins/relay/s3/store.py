@@ -15,23 +15,26 @@ environment variables (AWS_ENDPOINT_URL included) in the CLI and in Ray jobs.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import boto3
+import urllib3
 from awscrt import checksums
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from relay.checkpoints import integrity, manifest
 from relay.checkpoints.manifest import Manifest  # for annotations: in CheckpointStore, `manifest` is a method
-from relay.common.errors import CheckpointError, StoreError
+from relay.common.errors import CheckpointError, RelayError, StoreError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
 from relay.runs import layout
@@ -41,6 +44,7 @@ from relay.runs.spec import RUN_NAME_PATTERN, check_run_name
 STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/")
 LATEST = "latest.json"
 ARCHIVE = ".archive"  # <prefix>/.archive/<run>-<time>/: a run's earlier incarnation (never a run name: '.')
+T = TypeVar("T")
 COPY_LIMIT = 5 * 2**30  # S3's largest single CopyObject; larger objects are copied part by part
 
 
@@ -483,24 +487,144 @@ class CheckpointStore:
                              "publish again: objects that match are skipped, the others are uploaded again")
 
     # ------------------------------------------------------------------------------ restore
-    def download(self, run: str, m: Manifest, dest: Path) -> None:
-        """Download a published checkpoint into dest, verifying each file's size and CRC64NVME."""
-        def one(rel: str) -> str | None:
+    def download(self, run: str, m: Manifest, dest: Path,
+                 on_file: Callable[[str, Path], T] | None = None) -> dict[str, T]:
+        """Download a published checkpoint into dest, verifying each file's size and CRC64NVME.
+
+        Every file is cut into ranges of the part size (as it was published) fetched by concurrent ranged GETs,
+        the largest files first, each written in place (pwrite into a preallocated file) and checksummed as
+        its bytes arrive; a file's CRC64NVME is the combination of its ranges' (awscrt), compared with the
+        manifest once its last range is in. on_file(rel, path) runs on each whole, verified file (the gate's
+        per-file checks, which so overlap the rest of the download); returns what it returned, by file."""
+        plans: list[_FileDownload] = []
+        problems: list[str] = []
+        for rel in sorted(m.files, key=lambda r: -int(m.files[r]["size"])):
             target = dest / layout.check_relpath(rel, f"the manifest of {self.step_uri(run, m.step)}")
             if not target.resolve().is_relative_to(dest.resolve()):
-                return f"{rel}: resolves outside {dest}"
-            try:
-                self.download_object(self.step_key(run, m.step, rel), target, m.files[rel])
-            except (StoreError, CheckpointError) as e:
-                return f"{rel}: {e.what}"
-            return None
-
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            problems = [p for p in pool.map(one, sorted(m.files)) if p]
+                problems.append(f"{rel}: resolves outside {dest}")
+                continue
+            plans.append(_FileDownload(rel, self.step_key(run, m.step, rel), target, m.files[rel], self.part_size))
+        if problems:
+            raise CheckpointError(f"download of {self.step_uri(run, m.step)} refused: {'; '.join(problems[:5])}",
+                                  "an older published checkpoint is tried next")
+        results: dict[str, T] = {}
+        try:
+            for plan in plans:
+                plan.open()
+            # Large files' ranges go first, so the last ranges to finish are small ones.
+            with ThreadPoolExecutor(download_concurrency()) as pool, ThreadPoolExecutor(2) as checks:
+                gets = {pool.submit(self._get_range, plan, i): plan for plan in plans for i in range(plan.n)}
+                pending = {}
+                for fut in as_completed(gets):
+                    plan = gets[fut]
+                    if fut.result() and not plan.problem and on_file is not None:
+                        pending[plan.rel] = checks.submit(on_file, plan.rel, plan.target)
+                results = {rel: fut.result() for rel, fut in pending.items()}
+        except OSError as e:  # disk full, permissions: a local failure, never taken for a damaged publication
+            raise RelayError(f"download of {self.step_uri(run, m.step)} into {dest} failed: {e}",
+                             "free space (or fix the folder's permissions) and restore again; nothing published or "
+                             "already in the run folder was touched") from None
+        finally:
+            for plan in plans:
+                plan.close()
+        problems = [f"{plan.rel}: {plan.problem}" for plan in plans if plan.problem]
         if problems:
             raise CheckpointError(f"download of {self.step_uri(run, m.step)} is damaged: {'; '.join(problems[:5])}",
                                   "an older published checkpoint is tried next")
         layout.atomic_write(dest / manifest.NAME, m.to_json().encode())
+        return results
+
+    def _get_range(self, plan: _FileDownload, i: int) -> bool:
+        """Fetch range i of a file into place; True when it was the file's last (the file is then verified,
+        fsynced and closed)."""
+        start, length = plan.range(i)
+        crc, got = 0, 0
+        if length and not plan.problem:
+            try:
+                r = self._call("GET", self.client.get_object, Key=plan.key,
+                               **({"Range": f"bytes={start}-{start + length - 1}"} if plan.n > 1 else {}))
+                if r is None:
+                    raise StoreError(f"s3://{self.bucket}/{plan.key} does not exist", "publish it again")
+                if r.get("ContentLength", length) != length:
+                    raise StoreError(f"is {r['ContentLength']} bytes in S3, its manifest records {plan.size}: it was "
+                                     f"altered" if plan.n == 1 else
+                                     f"range {start}-{start + length - 1} came back as {r['ContentLength']} bytes")
+                for chunk in r["Body"].iter_chunks(RANGE_READ):
+                    if got + len(chunk) > length:
+                        raise StoreError(f"range {start}-{start + length - 1} returned more than {length} bytes")
+                    os.pwrite(plan.fd, chunk, start + got)
+                    crc = checksums.crc64nvme(chunk, crc)
+                    got += len(chunk)
+                if got != length:
+                    raise StoreError(f"range {start}-{start + length - 1} returned {got} bytes, not {length}")
+            except (StoreError, CheckpointError) as e:
+                plan.fail(e.what)
+            except (BotoCoreError, urllib3.exceptions.HTTPError) as e:  # the connection broke mid-body
+                plan.fail(f"reading range {start}-{start + length - 1} failed: {e}")
+        return plan.part_done(i, crc, length)
+
+
+RANGE_READ = 1 << 20  # a range is written as it arrives, 1 MiB at a time: memory stays concurrency x 1 MiB
+
+
+def download_concurrency() -> int:
+    """Ranged GETs at once: most of a GET's time is waiting on the server and the network, so several per
+    core (the client's connection pool, 16 by default, bounds it too)."""
+    return max(4, min(16, 4 * (os.cpu_count() or 1)))
+
+
+class _FileDownload:
+    """One file of a download: its ranges (the publish's part size), the preallocated target they are
+    written into, and the CRC64NVME of each, combined in order once all are in."""
+
+    def __init__(self, rel: str, key: str, target: Path, expect: dict, part_size: int):
+        self.rel, self.key, self.target, self.expect = rel, key, target, expect
+        self.size = int(expect["size"])
+        self.part_size = part_size
+        self.n = max(1, -(-self.size // part_size))
+        self.crcs: dict[int, tuple[int, int]] = {}
+        self.problem: str | None = None
+        self.fd: int = -1
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if self.size:
+            try:  # the space is taken now: a full disk fails before any GET
+                os.posix_fallocate(self.fd, 0, self.size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it: written as it comes
+                    raise
+
+    def range(self, i: int) -> tuple[int, int]:
+        start = i * self.part_size
+        return start, min(self.part_size, self.size - start)
+
+    def fail(self, problem: str) -> None:
+        with self._lock:
+            self.problem = self.problem or problem
+
+    def part_done(self, i: int, crc: int, length: int) -> bool:
+        with self._lock:
+            self.crcs[i] = (crc, length)
+            if len(self.crcs) < self.n:
+                return False
+        if self.problem is None:
+            whole = 0
+            for j in range(self.n):
+                part, n = self.crcs[j]
+                whole = checksums.combine_crc64nvme(whole, part, n) if j else part
+            if integrity.crc64nvme_b64(whole) != self.expect["crc64nvme"]:
+                self.fail("does not match its manifest (CRC64NVME differs)")
+        os.fsync(self.fd)
+        self.close()
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def upload_args(sse: str | None, kms_key_id: str | None, acl: str | None) -> dict[str, str]:
