@@ -1,6 +1,7 @@
-"""File integrity in one sequential read: the size, the CRC64NVME of every byte (what S3 records as a
-full-object checksum, so a published object is compared with its manifest directly), and, for a .pt
-file, the CRC32 of every zip entry (torch.load alone accepts altered tensor bytes; the zip does not).
+"""File integrity in one pass over the mapped file (in segments, on every core given a pool): the size,
+the CRC64NVME of every byte (what S3 records as a full-object checksum, so a published object is compared
+with its manifest directly), and, for a .pt file, the CRC32 of every zip entry (torch.load alone accepts
+altered tensor bytes; the zip does not).
 """
 
 from __future__ import annotations
