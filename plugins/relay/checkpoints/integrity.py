@@ -82,7 +82,8 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
             view = memoryview(mm)
             try:
                 spans = [(lo, min(lo + SEGMENT, size)) for lo in range(0, size, SEGMENT)]
-                parts = list((pool.map if pool else map)(lambda span: _segment(view, span, entries), spans))
+                ends = [off + length for _, off, length, _ in entries]  # sorted, as the entries are
+                parts = list((pool.map if pool else map)(lambda span: _segment(view, span, entries, ends), spans))
             finally:
                 view.release()
     crc64 = 0
@@ -101,14 +102,15 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
     return FileScan(size, crc64nvme_b64(crc64), problem)
 
 
-def _segment(view: memoryview, span: tuple[int, int], entries: list) -> tuple[int, list[tuple[int, int, int]]]:
+def _segment(view: memoryview, span: tuple[int, int], entries: list,
+             ends: list[int]) -> tuple[int, list[tuple[int, int, int]]]:
     """(CRC64NVME of view[lo:hi], [(entry index, CRC32 of the entry's bytes in the segment, their length)])."""
     lo, hi = span
     seg = view[lo:hi]
     try:
         crc64 = checksums.crc64nvme(seg)
         out = []
-        first = bisect.bisect_right([e[1] + e[2] for e in entries], lo)  # entries are sorted by offset
+        first = bisect.bisect_right(ends, lo)  # the first entry that ends past the segment's start
         for i in range(first, len(entries)):
             _, off, length, _ = entries[i]
             if off >= hi:
