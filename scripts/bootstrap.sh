@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Create .venv at the repo root and install Relay's pinned stack into it, then Relay itself (editable:
 # `pip install -e .`, which gives .venv/bin/relay). Idempotent: a stamp of the requirements' and
-# pyproject's hash skips pip when nothing changed. Prints nothing but progress; fails loudly.
+# pyproject's hash skips the install when nothing changed. Prints nothing but progress; fails loudly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${RELAY_PYTHON:-python3.11}
+UV_VERSION=0.13.9  # pinned, as everything else
 stamp=.venv/.relay-installed
 want=$(cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
@@ -14,13 +15,20 @@ if [ ! -x .venv/bin/python ]; then
   echo "[bootstrap] creating .venv with $PY"
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
+# pip installs uv, and torch on its own (pip reads this machine's configuration: its find-links hold the CPU
+# build); uv installs the rest, several times faster than pip. Neither compiles bytecode at install: each
+# module is compiled when first imported (once; __pycache__ keeps it), most of torch's never.
+.venv/bin/python -m pip install -q --no-compile --upgrade pip "uv==$UV_VERSION"
 echo "[bootstrap] installing torch (CPU build) first"
-.venv/bin/pip install -q "$(grep -E '^torch==' requirements.txt)"
-echo "[bootstrap] installing requirements.txt and requirements-dev.txt"
-.venv/bin/pip install -q -r requirements.txt -r requirements-dev.txt
+.venv/bin/pip install -q --no-compile "$(grep -E '^torch==' requirements.txt)"
+echo "[bootstrap] installing requirements.txt and requirements-dev.txt (uv)"
+# uv reads no pip configuration: the index and find-links pip was given are passed on.
+uv_args=()
+[ -n "${PIP_INDEX_URL:-}" ] && uv_args+=(--index-url "$PIP_INDEX_URL")
+for d in ${PIP_FIND_LINKS:-}; do [ -e "$d" ] && uv_args+=(--find-links "$d"); done
+.venv/bin/uv pip install -q --python .venv/bin/python "${uv_args[@]}" -r requirements.txt -r requirements-dev.txt
 echo "[bootstrap] installing Relay (editable, from plugins/relay): .venv/bin/relay"
-.venv/bin/pip install -q --no-deps --no-build-isolation -e .
-.venv/bin/pip check
+.venv/bin/pip install -q --no-compile --no-deps --no-build-isolation -e .
+.venv/bin/uv pip check -q --python .venv/bin/python
 echo "$want" > "$stamp"
 echo "[bootstrap] done: $(.venv/bin/python -c 'import airflow, ray, verl, torch; print(f"airflow {airflow.__version__}, ray {ray.__version__}, verl {verl.__version__}, torch {torch.__version__}")')"

@@ -84,6 +84,21 @@ def baseline(tmp_path_factory, uninterrupted_run):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def data_check_cache(tmp_path_factory):
+    """Remembered data-quality passes (relay.data.quality) in a folder of this session's, shared by its workers and
+    the Airflow processes and jobs they start: never an earlier session's, nor the user's ~/.cache."""
+    with session_shared(tmp_path_factory, "data-checks") as folder:
+        pass
+    saved = os.environ.get("RELAY_DATA_CHECK_CACHE")
+    os.environ["RELAY_DATA_CHECK_CACHE"] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop("RELAY_DATA_CHECK_CACHE", None)
+    else:
+        os.environ["RELAY_DATA_CHECK_CACHE"] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
 def s3_server(tmp_path_factory):
     """The session's S3 server (SeaweedFS, bucket `relay`); boto3 in tests and their subprocesses uses it.
     Started unless one answers (scripts/test.sh starts it first), shared by the session's workers. Not in the

@@ -75,6 +75,26 @@ def test_a_renamed_column_and_too_few_rows(tmp_path):
     assert "expect_table_row_count_to_be_between: observed 1000" in text
 
 
+def test_a_pass_is_remembered_for_the_same_bytes_and_suite_only(tmp_path, monkeypatch):
+    """The same bytes against the same suite pass again without great-expectations; a changed byte or
+    expectation runs it, and a failure is never remembered."""
+    monkeypatch.setenv("RELAY_DATA_CHECK_CACHE", str(tmp_path / "cache"))
+    runs = []
+    real = quality._run_suite
+    monkeypatch.setattr(quality, "_run_suite", lambda df, ex: runs.append(len(ex)) or real(df, ex))
+    src = shutil.copy(DATA, tmp_path / "a.parquet")
+    assert quality.check(src, min_rows=16).ok and quality.check(src, min_rows=16).ok
+    assert len(runs) == 1, "the second check of the same bytes reused the first one's pass"
+    assert quality.check(src, min_rows=17).ok and len(runs) == 2, "another suite (min_rows) runs again"
+    table = pq.read_table(src)
+    pq.write_table(table.slice(1), src)  # one row fewer: other bytes
+    assert quality.check(src, min_rows=16).ok and len(runs) == 3
+    failing = quality.check(src, min_rows=5000)
+    assert not failing.ok and not quality.check(src, min_rows=5000).ok and len(runs) == 5, "failures run each time"
+    monkeypatch.setenv("RELAY_DATA_CHECK_CACHE", "off")
+    assert quality.check(src, min_rows=16).ok and len(runs) == 6
+
+
 def test_an_exception_inside_great_expectations_is_not_bad_data(tmp_path):
     # The mean of a string column makes great-expectations raise inside its metric computation.
     extra = [("expect_column_mean_to_be_between", {"column": "data_source", "min_value": 0}, "")]

@@ -79,6 +79,12 @@ def shot(tab, name: str) -> Path:
     return SHOTS / name
 
 
+def look_away(tab) -> None:
+    """Leave Airflow's pages while a test waits minutes on a run through the REST API: a run's page refreshes its
+    grid every few seconds, which kept chromium and the API server busy on CPUs the run itself needs."""
+    tab.goto("about:blank")
+
+
 def open_trigger_form(tab, airflow):
     tab.goto(f"{airflow['url']}/dags/relay_demo")
     tab.get_by_role("button", name="Trigger").first.click()
@@ -100,7 +106,9 @@ def triggered(page, airflow):
     run_id = page.url.rsplit("/runs/", 1)[1].split("/")[0]
     from urllib.parse import unquote
 
-    return {**state, "run_id": unquote(run_id), "url": page.url}
+    url = page.url
+    look_away(page)
+    return {**state, "run_id": unquote(run_id), "url": url}
 
 
 def test_triggering_relay_demo_with_the_form_defaults_runs_it_to_success(page, airflow, triggered):
@@ -187,6 +195,7 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     from urllib.parse import unquote
 
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
+    look_away(page)
     assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
         "relay_demo", run_id)
 
@@ -231,16 +240,21 @@ def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(pa
     dialog.get_by_role("button", name="Trigger").click()
     page.wait_for_url("**/runs/demo__manual__**")
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
+    runs_url = page.url.split("/runs/")[0]
+    look_away(page)
     wait_for(lambda: any(t["task_id"] == "preflight.settings" and t["state"] == "awaiting_input"
                          for t in api.task_instances("relay_demo", run_id)), 300, "preflight.settings to ask")
     wait_until_parked("relay_demo", run_id, "preflight.settings")  # Airflow 3.3.2 fails a task answered before
-    page.goto(f"{page.url.split('/runs/')[0]}/runs/{run_id}/tasks/preflight.settings/required_actions?map_index=-1")
+    page.goto(f"{runs_url}/runs/{run_id}/tasks/preflight.settings/required_actions?map_index=-1")
     page.get_by_text("Accept a change of run demo's resume-critical settings?").first.wait_for()
     time.sleep(2)
     shot(page, "airflow-approval.png")
     body = page.inner_text("body")
     assert "Awaiting Input" in body and "seed: 999 -> " in body, body[-2000:]
     page.get_by_role("button", name="Approve").click()
+    wait_for(lambda: any(t["task_id"] == "preflight.settings" and t["state"] != "awaiting_input"
+                         for t in api.task_instances("relay_demo", run_id)), 300, "the approval to reach Airflow")
+    look_away(page)
     assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
         "relay_demo", run_id)
     drift = read_record(run_dir)["drift"][-1]
