@@ -85,6 +85,7 @@ def test_a_pass_is_remembered_for_the_same_bytes_and_suite_only(tmp_path, monkey
     src = shutil.copy(DATA, tmp_path / "a.parquet")
     assert quality.check(src, min_rows=16).ok and quality.check(src, min_rows=16).ok
     assert len(runs) == 1, "the second check of the same bytes reused the first one's pass"
+    assert "PASS (remembered: these bytes passed this suite at 20" in quality.check(src, min_rows=16).summary()
     assert quality.check(src, min_rows=17).ok and len(runs) == 2, "another suite (min_rows) runs again"
     table = pq.read_table(src)
     pq.write_table(table.slice(1), src)  # one row fewer: other bytes

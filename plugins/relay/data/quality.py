@@ -24,6 +24,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
@@ -65,6 +66,7 @@ class QualityReport:
     rows: int
     suite: list[str] = field(default_factory=list)  # every expectation that ran
     failures: list[Failure] = field(default_factory=list)
+    remembered: str | None = None  # a pass not run again: when these bytes passed this suite (its cache entry)
 
     @property
     def ok(self) -> bool:
@@ -72,7 +74,8 @@ class QualityReport:
 
     def summary(self) -> str:
         head = f"data quality of {self.file} ({self.rows} rows, {len(self.suite)} expectations): " + (
-            "PASS" if self.ok else f"FAIL ({len(self.failures)} failed)")
+            "PASS" if self.ok else f"FAIL ({len(self.failures)} failed)") + (
+            f" (remembered: these bytes passed this suite at {self.remembered})" if self.remembered else "")
         lines = [head]
         for f in self.failures:
             where = f" on {f.column}" if f.column else ""
@@ -157,8 +160,9 @@ def check(path: str | Path, *, min_rows: int = 1, extra: Sequence[tuple[str, dic
                     if e[1].get("column") in (None, *columns)]
     report.suite = [f"{t}({e.get('column', '')})" for t, e, _ in expectations]
     remembered = _pass_path(path, expectations) if not report.failures else None
-    if remembered is not None and remembered.is_file():
-        return report  # these bytes passed this suite before (the report would be the same)
+    if remembered is not None and remembered.is_file():  # these bytes passed this suite before
+        report.remembered = datetime.fromtimestamp(remembered.stat().st_mtime, timezone.utc).isoformat(timespec="seconds")
+        return report
     for result in _run_suite(df, expectations):
         if not result["success"]:
             report.failures.append(result["failure"])
