@@ -16,17 +16,23 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # pip installs uv, and torch on its own (pip reads this machine's configuration: its find-links hold the CPU
-# build); uv installs the rest, several times faster than pip. Neither compiles bytecode at install: each
-# module is compiled when first imported (once; __pycache__ keeps it), most of torch's never.
+# build); uv installs the rest, several times faster than pip. The bytecode is compiled at install on every
+# core (uv's --compile-bytecode, then compileall for what pip installed), not left to the first import: where
+# PYTHONDONTWRITEBYTECODE is set (it is on these machines) nothing would ever be cached, and every process
+# of the tests would compile torch, Airflow and verl again.
 .venv/bin/python -m pip install -q --no-compile --upgrade pip "uv==$UV_VERSION"
 echo "[bootstrap] installing torch (CPU build) first"
 .venv/bin/pip install -q --no-compile "$(grep -E '^torch==' requirements.txt)"
-echo "[bootstrap] installing requirements.txt and requirements-dev.txt (uv)"
 # uv reads no pip configuration: the index and find-links pip was given are passed on.
 uv_args=()
 [ -n "${PIP_INDEX_URL:-}" ] && uv_args+=(--index-url "$PIP_INDEX_URL")
 for d in ${PIP_FIND_LINKS:-}; do [ -e "$d" ] && uv_args+=(--find-links "$d"); done
-.venv/bin/uv pip install -q --python .venv/bin/python "${uv_args[@]}" -r requirements.txt -r requirements-dev.txt
+echo "[bootstrap] installing requirements.txt and requirements-dev.txt (uv), compiling .venv's bytecode"
+.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "${uv_args[@]}" \
+  -r requirements.txt -r requirements-dev.txt
+# uv compiles what it installs; torch and its dependencies, which pip installed, are compiled here on every core
+# (a few of torch's files are templates that do not compile: compileall's exit status is not a failed install).
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3.11/site-packages >/dev/null || true
 echo "[bootstrap] installing Relay (editable, from plugins/relay): .venv/bin/relay"
 .venv/bin/pip install -q --no-compile --no-deps --no-build-isolation -e .
 .venv/bin/uv pip check -q --python .venv/bin/python
