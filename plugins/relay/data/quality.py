@@ -21,7 +21,6 @@ import difflib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -30,7 +29,8 @@ from pathlib import Path
 import yaml
 
 from relay.common.errors import RelayError
-from relay.data.fingerprint import DataError
+from relay.data.fingerprint import DataError, sha256_file
+from relay.runs.layout import atomic_write
 
 CHECK_VERSION = 1  # bump when flatten() or the way results are read changes: remembered passes no longer count
 REQUIRED = ("data_source", "prompt", "reward_model.ground_truth", "extra_info.index")
@@ -178,11 +178,7 @@ def _pass_path(path: str | Path, expectations) -> Path | None:
         return None
     from importlib.metadata import version
 
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    key = json.dumps([digest.hexdigest(), expectations, version("great_expectations"), CHECK_VERSION],
+    key = json.dumps([sha256_file(path)[0], expectations, version("great_expectations"), CHECK_VERSION],
                      sort_keys=True, default=str)
     base = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "relay"
     return base / "data-checks" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
@@ -191,11 +187,7 @@ def _pass_path(path: str | Path, expectations) -> Path | None:
 def _remember(target: Path, report: QualityReport) -> None:
     """Best effort: a cache that cannot be written only means the next check runs great-expectations again."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".pass-")
-        with os.fdopen(fd, "w") as f:
-            f.write(report.to_json())
-        os.replace(tmp, target)
+        atomic_write(target, report.to_json().encode())
     except OSError:
         pass
 
