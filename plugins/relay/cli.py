@@ -86,7 +86,8 @@ def cmd_train(args) -> int:
         run = state.run(spec)
         if chunk_job.runs_as_job(spec):
             return _train_as_ray_job(args, run)
-        result = run_chunk(ChunkRequest(run=run, to_step=args.to_step, restore=not args.offline))
+        result = run_chunk(ChunkRequest(run=run, to_step=args.to_step, chunk=chunk_job.chunk_index(spec, args.to_step),
+                                        restore=not args.offline))
     except StoreError as e:
         # The store's own fix speaks of publishing; here nothing was published or written yet.
         raise StoreError(e.what, "start the S3 server, or point AWS_ENDPOINT_URL and the AWS credentials at it; or "

@@ -20,3 +20,14 @@ def test_done_chunks_follow_the_latest_checkpoint():
     assert plan.next_chunk(40).index == 3
     assert plan.next_chunk(60) is None
     assert [c.done_by(40) for c in plan.chunks] == [True, True, False]
+
+
+def test_a_train_to_a_step_inside_a_chunk_is_labelled_with_that_chunk(tmp_path):
+    """`relay train --to-step N` off a chunk boundary: its metrics rows, events and job name the chunk N is in."""
+    from relay.jobs.chunk_job import chunk_index
+    from relay.runs.spec import load_spec
+    from support.helpers import write_spec
+
+    spec = load_spec(write_spec(tmp_path), check_environment=False)  # 12 steps in chunks of 6
+    assert [chunk_index(spec, s) for s in (1, 4, 6, 7, 12)] == [1, 1, 1, 2, 2]
+    assert chunk_index(spec, 13) is None and chunk_index(spec, 0) is None

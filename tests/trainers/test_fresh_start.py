@@ -55,3 +55,6 @@ def test_train_with_s3_unreachable_says_that_offline_exists(tmp_path):
     offline = relay_cli("train", str(spec_path), "--to-step", "2", "--checkpoint-dir", str(tmp_path / "away"),
                         "--offline", env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
     assert offline.returncode == 0, offline.stderr[-2000:]
+    # step 2 is inside chunk 1 (chunks of 6): its lines name that chunk, not "chunk -"
+    assert "chunk 1 resumes from scratch (step 0), trains to step 2 of 12" in offline.stdout, offline.stdout[-2000:]
+    assert "step 2/12 chunk 1 " in offline.stdout and "chunk -" not in offline.stdout

@@ -80,9 +80,11 @@ def local_submission_id(run: Run) -> str:
 
 
 def chunk_index(spec: RunSpec, to_step: int) -> int | None:
-    """The chunk of the spec's plan that ends at to_step, if one does (logs and the job's metadata)."""
+    """The chunk of the spec's plan that to_step is in (logs, metrics rows, the job's metadata): the chunk it
+    ends, or the one `relay train --to-step` stops inside (to_step 4 with chunks of 6: chunk 1, which a later
+    call finishes, as a retry of it would). None for a step outside the plan."""
     plan = ChunkPlan.from_spec(spec)
-    return next((c.index for c in plan.chunks if c.end_step == to_step), None)
+    return plan.chunk_for_step(to_step).index if 1 <= to_step <= plan.total_steps else None
 
 
 def chunk_request(run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
@@ -96,7 +98,10 @@ def chunk_request(run: Run, to_step: int, sub_id: str, restore: bool = True) -> 
 def metadata(req: ChunkRequest) -> dict[str, str]:
     """What the DAG's jobs carry (a train task stops a live job of its run: one writer per run), and who
     submitted it."""
-    return {"relay_spec": req.spec.name, "relay_run": req.run.name, "relay_chunk": str(req.chunk),
+    # A job that stops inside its chunk (--to-step off a boundary) carries no chunk here: a DAG's train task
+    # adopts a live job of its run by (run, chunk), and this one would end before the chunk does.
+    ends_chunk = req.chunk is not None and ChunkPlan.from_spec(req.spec).chunk(req.chunk).end_step == req.to_step
+    return {"relay_spec": req.spec.name, "relay_run": req.run.name, "relay_chunk": str(req.chunk if ends_chunk else None),
             "relay_try": "0", "relay_dag_run": "", "relay_submitted_by": f"relay train ({req.attempt})"}
 
 

@@ -132,7 +132,7 @@ class Ledger:
     def chunks(self) -> list[dict]:
         """Per chunk: its attempts and its parts (idle is the run's alone: no attempt owns it)."""
         out: dict[tuple, dict] = {}
-        for a in self.attempts:  # `relay train`'s in-process chunks have no index: grouped by their end step
+        for a in self.attempts:  # an attempt with no chunk index (a step outside the plan): by its end step
             key = (0, a.chunk) if a.chunk is not None else (1, a.to_step)
             c = out.setdefault(key, {"chunk": a.chunk, "to_step": a.to_step, "attempts": 0,
                                      "parts": dict.fromkeys(PARTS, 0.0)})
