@@ -301,8 +301,25 @@ def airflow_cli(env: dict[str, str], *args: str, check: bool = True, timeout: fl
                           capture_output=True, text=True, check=check, timeout=timeout)
 
 
+# $AIRFLOW_HOME/config/airflow_local_settings.py of the stack's and the tests' Airflow homes (Airflow imports it in
+# every process at start-up; relay.airflow.preload acts only in a LocalExecutor scheduler).
+LOCAL_SETTINGS = '''"""Written by Relay's local stack: a LocalExecutor scheduler imports what Relay's tasks use before it
+forks its workers, so that each task process starts with it (relay.airflow.preload). RELAY_PRELOAD=0: off."""
+
+from relay.airflow.preload import preload_task_modules
+
+preload_task_modules()
+'''
+
+
 def airflow_start(env: dict[str, str], components=AIRFLOW_COMPONENTS) -> dict[str, int]:
     home = Path(env["AIRFLOW_HOME"])
+    # The scheduler imports what Relay's tasks use before it forks its LocalExecutor workers
+    # (relay.airflow.preload); a home with settings of its own keeps them.
+    settings = home / "config" / "airflow_local_settings.py"
+    if not settings.exists():
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(LOCAL_SETTINGS)
     airflow_cli(env, "db", "migrate")
     ensure_pools(env)
     pids = {}
