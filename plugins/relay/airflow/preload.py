@@ -37,6 +37,7 @@ TASK_MODULES = (
     "relay.s3.store",
 )
 
+
 def preload_task_modules(argv: list[str] | None = None) -> list[str]:
     """Import TASK_MODULES when this process is `airflow scheduler` with the LocalExecutor; the names imported.
     A module that fails to import is skipped: the task that needs it imports it itself and says why."""
