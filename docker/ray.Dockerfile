@@ -5,9 +5,9 @@
 # installed here; it reaches the cluster in each Ray job's runtime_env (py_modules).
 FROM rayproject/ray:2.60.0-py311-gpu
 
-# ray is named again so that verl's resolution cannot move it; boto3 and awscrt are what Relay's job
-# code needs beyond verl (S3 restores, CRC64NVME), at the versions requirements.txt pins.
-RUN pip install --no-cache-dir "ray[default]==2.60.0" "verl[vllm]==0.9.1" boto3==1.44.8 awscrt==0.38.0
+# ray is named again so that verl's resolution cannot move it; boto3, awscrt and isal are what Relay's job
+# code needs beyond verl (S3 restores, CRC64NVME, the zip entries' CRC-32), at the versions requirements.txt pins.
+RUN pip install --no-cache-dir "ray[default]==2.60.0" "verl[vllm]==0.9.1" boto3==1.44.8 awscrt==0.38.0 isal==1.9.1
 
 # Attention: no flash-attn here. verl loads its FSDP models with attn_implementation flash_attention_2 unless
 # told otherwise, and verl[vllm] does not bring flash-attn. verl's [fsdp] extra does, but its prebuilt wheel

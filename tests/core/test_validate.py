@@ -185,10 +185,51 @@ def test_integrity_in_segments_equals_one_pass_and_catches_a_byte_across_a_bound
     with zipfile.ZipFile(path) as zf:
         big = max(zf.infolist(), key=lambda i: i.file_size)
     assert big.file_size > 3 * integrity.SEGMENT, "the entry spans several segments"
-    offset = next(off for name, off, _, _ in integrity._zip_entries(path) if name == big.filename)
+    offset = next(off for name, off, _, _ in integrity.zip_entries(path) if name == big.filename)
     altered = bytearray(data)
     altered[offset + 2 * integrity.SEGMENT - offset % integrity.SEGMENT] ^= 0x10  # a segment's first byte
     path.write_bytes(bytes(altered))
     with ThreadPoolExecutor(2) as pool:
         bad = integrity.scan(path, pool=pool if parallel else None)
     assert bad.problem == f"entry {big.filename} fails its CRC32 check (the bytes were altered)"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_numerics_ride_the_integrity_pass_and_only_a_tensors_own_nan_is_refused(tmp_path, monkeypatch, dtype):
+    """The values of a shard's floating-point tensors are checked in the pass that checksums their bytes (in
+    blocks that cross segments and entries): a NaN or Inf anywhere in a tensor is refused with the tensor named;
+    finite values at the dtype's limit pass (a float32 sum overflows: the tensor-by-tensor check decides), and so
+    does a NaN in a storage's bytes that no saved tensor views."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from relay.checkpoints import integrity
+    from relay.checkpoints.validate import check_file
+
+    monkeypatch.setattr(integrity, "SEGMENT", 64 << 10)
+    monkeypatch.setattr(integrity, "BLOCK", 16 << 10)
+    dt = getattr(torch, dtype)
+    rel = "model_world_size_1_rank_0.pt"
+    clean = {"a": torch.randn(300, 257).to(dt), "steps": torch.arange(40), "b": torch.randn(1001).to(dt)}
+
+    def checked(state: dict):
+        torch.save(state, tmp_path / rel)
+        with ThreadPoolExecutor(2) as pool:
+            return check_file(tmp_path, rel, pool=pool)
+
+    ok = checked(clean)
+    assert (ok.scan.problem, ok.load_error, ok.nonfinite, ok.scan.nonfinite) == (None, None, None, [])
+    assert ok.params["a"] == [300, 257, dtype]
+    for value in (float("nan"), float("inf")):
+        for name, index in (("a", 300 * 257 - 1), ("a", 40_000), ("b", 0)):
+            bad = {k: v.clone() for k, v in clean.items()}
+            bad[name].view(-1)[index] = value
+            assert checked(bad).nonfinite == f"{rel}: {name} holds NaN or Inf", (value, name, index)
+    huge = {**clean, "a": torch.full((300, 257), torch.finfo(dt).max, dtype=dt)}
+    largest = checked(huge)
+    assert largest.nonfinite is None, "finite values at the dtype's limit pass"
+    storage = torch.randn(500).to(dt)
+    storage[0] = float("nan")
+    outside = checked({"view": storage[100:200]})
+    assert outside.scan.nonfinite and outside.nonfinite is None, "a NaN outside every tensor is not the model's"

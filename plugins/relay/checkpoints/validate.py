@@ -252,19 +252,34 @@ def _global_shape(value: Any) -> list:
 
 def check_file(ckpt: Path, rel: str, load: bool = True, pool: Executor | None = None) -> FileResult:
     """Integrity of one file of a checkpoint folder, and for a .pt file (with load) its loadability and numerics.
-    pool: where the file's segments are checksummed in parallel (integrity.scan)."""
+    pool: where the file's segments are checksummed in parallel (integrity.scan).
+
+    A .pt file is loaded first, memory-mapped (its pickle is read, none of its tensors' bytes), so that the one
+    pass of integrity.scan over the bytes also checks the floating-point values: each byte is read once for
+    every level. A file that fails integrity is reported as such, even if it also fails to load."""
     import torch
 
     path = ckpt / rel
-    res = FileResult(rel, integrity.scan(path, pool=pool), loaded=load)
-    if res.scan.problem or path.suffix != ".pt" or not load:
-        return res
+    if path.suffix != ".pt" or not load:
+        return FileResult(rel, integrity.scan(path, pool=pool), loaded=load)
+    shard = bool(layout.SHARD.match(path.name)) and not path.name.startswith("extra_state")
+    obj, load_error = None, None
     try:
         obj = safeload.load(path, mmap=True)
     except CheckpointError as e:
-        res.load_error = e.what
+        load_error = e.what
+    except Exception as e:  # noqa: BLE001 - damaged bytes can fail torch's reader in any way: integrity names them
+        load_error = f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    floats = _float_entries(path, obj) if shard and obj is not None else None
+    res = FileResult(rel, integrity.scan(path, pool=pool, finite=floats), loaded=load)
+    if res.scan.problem:
         return res
-    if layout.SHARD.match(path.name) and not path.name.startswith("extra_state"):
+    if load_error:
+        res.load_error = load_error
+        return res
+    if shard and (floats is None or res.scan.nonfinite):
+        # Tensor by tensor: it names the tensor, and ignores a storage's bytes outside every tensor (a storage can
+        # hold more than its tensors view). Also when the storages could not be placed.
         for name, t in _tensors(obj):
             # A sum is NaN/Inf when any element is (one fast reduction, no mask); a sum that overflows
             # on finite values is told apart by the exact elementwise check.
@@ -275,6 +290,35 @@ def check_file(ckpt: Path, rel: str, load: bool = True, pool: Executor | None = 
     if path.name.startswith("model_world_size_") and path.name.endswith("_rank_0.pt") and isinstance(obj, dict):
         res.params = {k: _global_shape(v) for k, v in obj.items() if hasattr(v, "dtype")}
     return res
+
+
+def _float_entries(path: Path, obj: Any) -> dict[int, str] | None:
+    """Where each floating-point storage of a memory-mapped load lies in the file (its zip entry's data offset)
+    and its dtype's name, for integrity.scan's check of the values; None when they cannot all be placed.
+
+    torch maps the whole file once and each storage is a slice of that map at its entry's offset, so the storages'
+    addresses differ by the entries' offsets: the base is the one that puts every storage on an entry of its size.
+    Every tensor is a view of its storage, in the storage's dtype, so all-finite storages are all-finite tensors."""
+    storages: dict[int, tuple[int, str]] = {}
+    for _, t in _tensors(obj):
+        if t.is_floating_point() and t.numel():
+            st = t.untyped_storage()
+            if st.nbytes():
+                storages[st.data_ptr()] = (st.nbytes(), str(t.dtype).removeprefix("torch."))
+    if not storages:
+        return {}
+    try:
+        sizes = {off: size for _, off, size, _ in integrity.zip_entries(path)}
+    except Exception:  # noqa: BLE001 - not a readable zip: integrity.scan says why
+        return None
+    low = min(storages)
+    for off, size in sizes.items():
+        if size != storages[low][0]:
+            continue
+        placed = {ptr - (low - off): v for ptr, v in storages.items()}
+        if all(sizes.get(o) == n and o % 64 == 0 for o, (n, _) in placed.items()):
+            return {o: dtype for o, (_, dtype) in placed.items()}
+    return None
 
 
 def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool, checked: dict[str, FileResult]) -> bool:
