@@ -98,12 +98,13 @@ def data_lost(run_dir: Path, store=None) -> str:
 
 
 class ForkServer:
-    """A client of tests/support/forkserver.py: `relay train` children forked from one warm process."""
+    """A client of tests/support/forkserver.py: `relay train` children forked from one warm process (or, with
+    mode "airflow" and an Airflow home's environment `env`, `airflow ...` children)."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "forkserver.py")],
+    def __init__(self, mode: str = "relay", env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "forkserver.py"), mode],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                                     env=env if env is not None else {**os.environ, "PYTHONWARNINGS": "ignore"})
 
     def _ask(self, req: dict) -> dict:
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -114,11 +115,12 @@ class ForkServer:
         return json.loads(line)
 
     def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None, err: Path | None = None,
-              whole_env: bool = False) -> int:
+              whole_env: bool = False, cwd: Path | None = None) -> int:
         """A child running `relay <argv>`: stdout (and stderr, unless `err`) to `log`; `env` added to the
-        server's environment, or with whole_env the child's whole environment."""
-        req = {"argv": argv, "env": env or {}, "log": str(log), "whole_env": whole_env}
-        return self._ask({**req, "err": str(err)} if err else req)["pid"]
+        server's environment, or with whole_env the child's whole environment; in `cwd` (else the repo root)."""
+        req = {"argv": argv, "env": env or {}, "log": str(log), "whole_env": whole_env,
+               **({"err": str(err)} if err else {}), **({"cwd": str(cwd)} if cwd else {})}
+        return self._ask(req)["pid"]
 
     def wait(self, pid: int) -> int:
         return self._ask({"wait": pid})["rc"]

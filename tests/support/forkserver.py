@@ -1,16 +1,24 @@
-"""A fork server for `relay train`: imports torch, verl and the CPU trainer once, then forks one child
-per command, each running `python -m relay train ...` (relay.cli.main) exactly as a fresh process
-would, but without paying ~7 s of imports per process. The fault tests kill many trainers: with a
-fork per trainer, 20 kill points and their resumes cost seconds, not minutes.
+"""A fork server: imports once what a command needs, then forks one child per command, each running it
+exactly as a fresh process would (its argv, environment and working directory), without paying the imports
+per process.
 
-Protocol (JSON lines): stdin {"argv": [...], "env": {...}, "log": PATH[, "err": PATH][, "whole_env": true]}
--> stdout {"pid": N};
+- `python tests/support/forkserver.py` (mode relay): `python -m relay ...` (relay.cli.main), with torch, verl
+  and the CPU trainer imported (~7 s per process otherwise). The fault tests kill many trainers: with a fork
+  per trainer, 20 kill points and their resumes cost seconds, not minutes.
+- `python tests/support/forkserver.py airflow`, started with an Airflow home's environment (Airflow reads its
+  configuration when it is imported): `airflow ...` (airflow.__main__.main, what the `airflow` script runs),
+  with Airflow's CLI and what Relay's tasks import (relay.airflow.preload.TASK_MODULES) imported: an
+  `airflow dags test` runs every task of a DAG run in its own process, ~7 CPU-s of imports per run otherwise.
+
+Protocol (JSON lines): stdin {"argv": [...], "env": {...}, "log": PATH[, "err": PATH][, "whole_env": true]
+[, "cwd": DIR]} -> stdout {"pid": N};
 stdin {"wait": N} -> stdout {"pid": N, "rc": CODE} (rc < 0: killed by signal -rc).
-A child's stdout and stderr go to its log file. Run from the repo root: python tests/support/forkserver.py
+A child's stdout and stderr go to its log file. Run from the repo root.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -19,33 +27,58 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugins"))
+MODE = sys.argv[1] if len(sys.argv) > 1 else "relay"
+# The answers go out on the server's own copy of its stdout; whatever the imports print (Airflow logs to
+# stdout) goes to stderr instead, never into the protocol.
+ANSWERS = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 
-# Everything a trainer imports, imported before any fork (nothing here starts a thread or computes).
-import relay.cli  # noqa: E402
-import relay.trainers.tiny_grpo.trainer as tiny  # noqa: E402
+# Everything a command imports, imported before any fork (nothing here starts a thread or computes).
+if MODE == "airflow":
+    import airflow.__main__  # noqa: E402  (settings, configuration, the ORM engine: not connected yet)
+    from airflow.cli import cli_parser  # noqa: E402
+    from airflow.cli.commands import dag_command  # noqa: E402,F401
 
-tiny._quiet_verl()
-import torch  # noqa: E402,F401
-import torch.distributed.tensor  # noqa: E402,F401
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402,F401
-from transformers import Qwen2ForCausalLM  # noqa: E402,F401
-from verl.trainer.ppo import core_algos  # noqa: E402,F401
-from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager  # noqa: E402,F401
-from verl.workers.config import ActorConfig  # noqa: E402,F401
+    from relay.airflow.preload import TASK_MODULES  # noqa: E402
 
-import relay.checkpoints.resume  # noqa: E402,F401
-import relay.checkpoints.safeload  # noqa: E402,F401
-import relay.checkpoints.validate  # noqa: E402,F401
+    for _name in TASK_MODULES:
+        importlib.import_module(_name)
+    cli_parser.get_parser()  # builds (and caches) the CLI's parser once
+
+    def entry(argv: list[str]) -> int:
+        sys.argv = ["airflow", *argv]
+        airflow.__main__.main()
+        return 0
+else:
+    import relay.cli  # noqa: E402
+    import relay.trainers.tiny_grpo.trainer as tiny  # noqa: E402
+
+    tiny._quiet_verl()
+    import torch  # noqa: E402,F401
+    import torch.distributed.tensor  # noqa: E402,F401
+    from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402,F401
+    from transformers import Qwen2ForCausalLM  # noqa: E402,F401
+    from verl.trainer.ppo import core_algos  # noqa: E402,F401
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager  # noqa: E402,F401
+    from verl.workers.config import ActorConfig  # noqa: E402,F401
+
+    import relay.checkpoints.resume  # noqa: E402,F401
+    import relay.checkpoints.safeload  # noqa: E402,F401
+    import relay.checkpoints.validate  # noqa: E402,F401
+
+    entry = relay.cli.main
 
 FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
 
 
-def child(argv: list[str], env: dict[str, str], log: str, err: str | None = None, whole_env: bool = False) -> None:
+def child(argv: list[str], env: dict[str, str], log: str, err: str | None = None, whole_env: bool = False,
+          cwd: str | None = None) -> None:
     """In the forked child: stdout to the log file (stderr too, or to `err`), stdin from /dev/null, the
     request's environment (added to the server's, or with whole_env the child's whole environment, as
-    subprocess's env= gives it), then the CLI."""
+    subprocess's env= gives it) and working directory, then the command."""
     code = 1
     try:
+        os.close(ANSWERS.fileno())  # the server's answers are not the child's to hold open
         for path, fds in ((log, (1,) if err else (1, 2)), *(((err, (2,)),) if err else ())):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             for target in fds:
@@ -58,7 +91,9 @@ def child(argv: list[str], env: dict[str, str], log: str, err: str | None = None
             os.environ.clear()
         os.environ.pop(FAULT_ENV, None)
         os.environ.update(env)
-        code = relay.cli.main(argv)
+        if cwd:
+            os.chdir(cwd)
+        code = entry(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - a crash trace goes to the log, the exit code says it failed
@@ -77,12 +112,13 @@ def main() -> None:
         if "wait" in req:
             pid, status = os.waitpid(int(req["wait"]), 0)
             rc = os.waitstatus_to_exitcode(status)
-            print(json.dumps({"pid": pid, "rc": rc}), flush=True)
+            print(json.dumps({"pid": pid, "rc": rc}), file=ANSWERS, flush=True)
             continue
         pid = os.fork()
         if pid == 0:
-            child(req["argv"], req.get("env") or {}, req["log"], req.get("err"), bool(req.get("whole_env")))
-        print(json.dumps({"pid": pid}), flush=True)
+            child(req["argv"], req.get("env") or {}, req["log"], req.get("err"), bool(req.get("whole_env")),
+                  req.get("cwd"))
+        print(json.dumps({"pid": pid}), file=ANSWERS, flush=True)
 
 
 if __name__ == "__main__":

@@ -148,9 +148,14 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900,
               env: dict | None = None) -> subprocess.CompletedProcess:
     """`airflow dags test DAG -c CONF`: real Airflow code, the trigger run in line; returns the process."""
-    env = {**airflow_home["env"], **(env or {})}
-    return subprocess.run([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c", json.dumps(conf)],
-                          env=env, cwd=env["AIRFLOW_HOME"], capture_output=True, text=True, timeout=timeout)
+    dag = BackgroundDagTest(airflow_home, dag_id, conf, env)
+    try:
+        rc, out = dag.wait(timeout)
+    except subprocess.TimeoutExpired:
+        dag.proc.kill()
+        dag.proc.wait()
+        raise
+    return subprocess.CompletedProcess(dag.argv, rc, out, "")
 
 
 def jobs_of_run(ray_address: str, run: str, since: float) -> list:
@@ -164,20 +169,77 @@ def jobs_of_run(ray_address: str, run: str, since: float) -> list:
 
 class BackgroundDagTest:
     """`airflow dags test` in the background. Its output goes to a file: a pipe nobody reads while the
-    test waits fills up and blocks Airflow's logging, which stalls the DAG run itself."""
+    test waits fills up and blocks Airflow's logging, which stalls the DAG run itself.
+
+    It runs in a child of the Airflow home's fork server (`airflow_fork_server`): `airflow`'s own main with
+    these arguments, environment and working directory in a process of its own, without ~7 CPU-s of imports
+    per DAG run. In a fresh `airflow` process when `env` changes Airflow's or verl's settings (both are read
+    at import)."""
 
     def __init__(self, airflow_home: dict, dag_id: str, conf: dict, env: dict | None = None):
-        env = {**airflow_home["env"], **(env or {})}
+        full_env = {**airflow_home["env"], **(env or {})}
+        self.argv = ["dags", "test", dag_id, "-c", json.dumps(conf)]
         self.log = Path(airflow_home["home"]) / f"dags-test-{dag_id}-{uuid.uuid4().hex[:8]}.log"
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([str(Path(PY).parent / "airflow"), "dags", "test", dag_id, "-c",
-                                          json.dumps(conf)], env=env, cwd=env["AIRFLOW_HOME"], stdout=out,
-                                         stderr=subprocess.STDOUT, text=True)
+        if any(k.startswith(("AIRFLOW__", "VERL_", "PYTHON")) and full_env[k] != airflow_home["env"].get(k)
+               for k in env or {}):
+            with open(self.log, "w") as out:
+                self.proc = subprocess.Popen([str(Path(PY).parent / "airflow"), *self.argv], env=full_env,
+                                             cwd=full_env["AIRFLOW_HOME"], stdout=out, stderr=subprocess.STDOUT,
+                                             text=True)
+        else:
+            server = airflow_fork_server(airflow_home["env"])
+            self.proc = ForkedProcess(server, server.start(self.argv, self.log, full_env, whole_env=True,
+                                                           cwd=Path(full_env["AIRFLOW_HOME"])))
 
     def wait(self, timeout: float = 600) -> tuple[int, str]:
         """(return code, output) once the DAG run has ended."""
         rc = self.proc.wait(timeout=timeout)
         return rc, self.log.read_text(errors="replace")
+
+
+class ForkedProcess:
+    """A fork server's child, as much of subprocess.Popen as the tests use (poll, wait, kill, pid)."""
+
+    def __init__(self, server, pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        from support.faults import alive
+
+        if self.returncode is None and not alive(self.pid):
+            self.returncode = self.server.wait(self.pid)  # ended: the server reaps it at once
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(["airflow", "(forked)"], timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, 9)
+
+
+_airflow_fork_servers: dict = {}
+
+
+def airflow_fork_server(env: dict):
+    """This test process's fork server for the Airflow home whose environment is `env` (started once)."""
+    import atexit
+
+    from support.faults import ForkServer
+
+    key = json.dumps(env, sort_keys=True)
+    server = _airflow_fork_servers.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _airflow_fork_servers[key] = ForkServer("airflow", env)
+        atexit.register(server.close)
+    return server
 
 
 def start_dags_test(airflow_home: dict, dag_id: str, conf: dict, env: dict | None = None) -> BackgroundDagTest:
