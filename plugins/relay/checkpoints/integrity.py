@@ -19,7 +19,6 @@ import zlib
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from awscrt import checksums
@@ -71,7 +70,7 @@ def zip_entries(path: Path) -> list[tuple[str, int, int, int]]:
 
 
 def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = None,
-         finite: dict[int, Any] | None = None) -> FileScan:
+         finite: dict[int, str] | None = None) -> FileScan:
     """Read `path` once: size and CRC64NVME always; per-entry CRC32 for .pt files (or when zip_crc); with
     `finite` (a zip entry's data offset -> the name of the torch dtype of its values, e.g. "bfloat16"), whether
     those entries' values are all finite.
