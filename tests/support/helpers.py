@@ -86,9 +86,8 @@ def _forked_cli(argv: list[str], env: dict, timeout: float) -> subprocess.Comple
     """`relay <argv>` in a fork server child (started once per test process), as subprocess.run would give it."""
     import atexit
     import tempfile
-    import time
 
-    from support.faults import ForkServer, alive
+    from support.faults import ForkServer
 
     global _fork_server
     if _fork_server is None or _fork_server.proc.poll() is not None:
@@ -96,16 +95,14 @@ def _forked_cli(argv: list[str], env: dict, timeout: float) -> subprocess.Comple
         atexit.register(_fork_server.close)
     with tempfile.TemporaryDirectory(prefix="relay-cli-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        pid = _fork_server.start(argv, out, env, err=err, whole_env=True)
-        deadline = time.time() + timeout
-        while alive(pid) and time.time() < deadline:
-            time.sleep(0.05)
-        if alive(pid):
-            os.kill(pid, 9)
-            _fork_server.wait(pid)
+        proc = ForkedProcess(_fork_server, _fork_server.start(argv, out, env, err=err, whole_env=True))
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             raise subprocess.TimeoutExpired(["relay", *argv], timeout, out.read_text(errors="replace"),
-                                            err.read_text(errors="replace"))
-        rc = _fork_server.wait(pid)
+                                            err.read_text(errors="replace")) from None
         return subprocess.CompletedProcess(["relay", *argv], rc, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
 
@@ -217,7 +214,7 @@ class ForkedProcess:
         while self.poll() is None:
             if deadline is not None and time.time() > deadline:
                 raise subprocess.TimeoutExpired(["airflow", "(forked)"], timeout)
-            time.sleep(0.1)
+            time.sleep(0.05)
         return self.returncode
 
     def kill(self) -> None:
