@@ -5,10 +5,11 @@ Chunk 2's Ray job is SIGKILLed mid-chunk (after step 3, before the checkpoint of
 of the chunk's train task resumes it from chunk 1's checkpoint; every checkpoint is validated (the smoke
 check included) and published to the session's S3.
 
-Four jobs, and no more: the comparison with an uninterrupted run, the graceful stop and the bit-for-bit weights
-are verl's own lane (tests/trainers/test_verl_cpu_fit.py, `./scripts/test.sh --verl`), whose five jobs do not
-fit in CI's 30 minutes on the 2-core machine. Here the step trained twice is compared with its first try
-(relay.runs.audit): the same reward, loss, KL, LR and data order to the bit.
+Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 4, the fifth job): every step once,
+the same LR, data order (dataset indices per step), rewards and resume point, and bitwise equal weights at step 4;
+and the step trained twice equals its first try (relay.runs.audit): the same reward, loss, KL, LR and data order.
+The graceful stop and the relay-train-only version of this comparison are verl's own lane
+(tests/trainers/test_verl_cpu_fit.py, `./scripts/test.sh --verl`).
 
 The jobs run on a Ray head of this module's own (relay.devstack.stack.private_ray_head, as `relay train`
 starts one with nothing running), named by the spec's Ray connection: a verl chunk holds more logical CPUs
@@ -30,8 +31,8 @@ from relay.runs.phases import STARTUP, phase_marks
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.faults import alive, kill
-from support.helpers import ROOT, model_state, read_metrics, start_dags_test
-from support.verl_jobs import JOB_TIMEOUT, SPEC, job_driver_pid, wait_for_step
+from support.helpers import ROOT, assert_bitwise_equal, model_state, read_metrics, start_dags_test
+from support.verl_jobs import JOB_TIMEOUT, SPEC, job_driver_pid, relay_train, wait_for_step
 
 RUN = "ci"
 
@@ -52,7 +53,7 @@ def verl_spec(folder, ray_conn_id: str):
 
 
 @pytest.fixture(scope="module")
-def dag_run(airflow_home, s3_server):
+def dag_run(airflow_home, s3_server, tmp_path_factory):
     spec_path = verl_spec(airflow_home["runs"], "relay_verl_ray")
     run_dir = load_spec(spec_path, check_environment=False).run_dir(RUN)
     with stack.private_ray_head() as head:
@@ -73,7 +74,12 @@ def dag_run(airflow_home, s3_server):
         finally:
             if dag.proc.poll() is None:
                 dag.proc.kill()
-    return {"run_dir": run_dir, "spec": spec_path, "returncode": returncode, "out": out}
+        # The uninterrupted run: the shipped spec, one job 0 -> 4 (past the kill and the resume), on the same head.
+        base = tmp_path_factory.mktemp("verl_straight")
+        straight, log = base / "run", base / "straight.log"
+        straight_rc = relay_train(straight, 4, head.address, log).wait(timeout=JOB_TIMEOUT)
+    return {"run_dir": run_dir, "spec": spec_path, "returncode": returncode, "out": out,
+            "straight": straight, "straight_rc": straight_rc, "straight_out": log.read_text(errors="replace")}
 
 
 def test_airflows_retry_resumes_the_killed_chunk_and_every_step_is_trained_once(dag_run):
@@ -88,6 +94,20 @@ def test_airflows_retry_resumes_the_killed_chunk_and_every_step_is_trained_once(
         "the resume is Airflow's second try of chunk 2's train task"
     assert "verl resumed at step 2" in dag_run["out"] and "verl resumed at step 4" in dag_run["out"]
     assert all(r["lr"] is not None and r["sample_indices"] for r in read_metrics(run))
+
+
+def test_the_resumed_run_has_the_uninterrupted_runs_lr_data_order_rewards_and_weights(dag_run):
+    """Steps 1 to 4 of the DAG's run (chunk 1, the killed try of chunk 2 and Airflow's retry from step 2) against one
+    job 0 -> 4: the same LR, dataset indices and rewards at every step, and the weights of step 4 bit for bit."""
+    assert dag_run["returncode"] == 0, dag_run["out"][-6000:]
+    assert dag_run["straight_rc"] == 0, dag_run["straight_out"][-6000:]
+    straight = dag_run["straight"]
+    assert [e["resumed_from"] for e in read_events(straight) if e["event"] == "chunk_start"] == [0]
+    rows, base = read_metrics(dag_run["run_dir"])[:4], read_metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] == [r["step"] for r in base]
+    for key in ("lr", "sample_indices", "reward_mean"):
+        assert [r[key] for r in rows] == [r[key] for r in base], key
+    assert_bitwise_equal(model_state(layout.step_dir(dag_run["run_dir"], 4)), model_state(layout.step_dir(straight, 4)))
 
 
 def test_the_step_trained_twice_equals_its_first_try(dag_run):
