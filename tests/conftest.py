@@ -39,7 +39,7 @@ FAST_LANE = os.environ.get("RELAY_FAST_LANE") == "1"
 # each a dozen processes importing torch and verl, 7 to 12 minutes of both cores. Beside the rest of the suite
 # on this 2-core machine it pushed CI past its 30 minutes, so it runs in a lane of its own: RELAY_VERL_E2E=1
 # (`./scripts/test.sh --verl`). CI runs tests/airflow/test_verl_dag.py instead: the spec's
-# DAG, three chunks, a kill and Airflow's retry.
+# DAG, three chunks, a kill and Airflow's retry, and one uninterrupted job to compare it with.
 VERL_E2E = os.environ.get("RELAY_VERL_E2E") == "1"
 SERVICE_FIXTURES = {"ray_address", "airflow_home", "uninterrupted_run", "uninterrupted", "baseline", "interrupted",
                     "store", "s3", "airflow"}
