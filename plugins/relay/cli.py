@@ -79,7 +79,10 @@ def cmd_train(args) -> int:
     try:
         # The DAG's preflight.run, by the same code: the run's incarnation, a confirmed fresh start.
         state = prepare_run(spec, run_name, fresh_start=args.fresh_start, confirm=args.confirm or "",
-                            started_by=f"relay train (local:{socket.gethostname()}:{os.getpid()})", store=store)
+                            started_by=f"relay train (local:{socket.gethostname()}:{os.getpid()})", store=store,
+                            jobs=_ray_jobs_if_running(args) if args.fresh_start else None)
+        for note in state.notes:
+            print(f"warning: {note}", file=sys.stderr)
         if state.archived_to or state.archived_uri:
             print(f"fresh start of run {state.run_name}: the old run was moved aside to "
                   f"{' and '.join(x for x in (state.archived_to, state.archived_uri) if x)}")
@@ -98,13 +101,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _ray_address(args) -> str | None:
+    """The Ray cluster a run's jobs live on: --ray-address, else RAY_ADDRESS, else the local stack's head when it
+    answers."""
+    return args.ray_address or os.environ.get("RAY_ADDRESS") or (stack.ray_address() if stack.ray_running()
+                                                                   else None)
+
+
+def _ray_jobs_if_running(args) -> RayJobs | None:
+    address = _ray_address(args)
+    return RayJobs(address) if address else None
+
+
 def _train_as_ray_job(args, run: Run) -> int:
     """A trainer kind whose chunks run as Ray jobs (verl_ppo): the chunk as the DAG's Ray job, its log on
     stdout. On the cluster at --ray-address, else RAY_ADDRESS, else the local stack's head when it answers;
     else on a private head of this command's own (free ports, its own temp dir) that ends with it, even
     when the command is SIGKILLed. Ctrl-C or SIGTERM stops the job (and the private head)."""
-    address = args.ray_address or os.environ.get("RAY_ADDRESS") or (stack.ray_address() if stack.ray_running()
-                                                                     else None)
+    address = _ray_address(args)
     private = address is None
     try:
         with chunk_job.interrupts():
@@ -391,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "source")
     s.add_argument("--fresh-start", action="store_true",
                    help="start the run again from step 0: the old run is moved aside (locally and in S3), never "
-                        "deleted; a run that has checkpoints also needs --confirm NAME")
+                        "deleted; a run that has checkpoints also needs --confirm NAME; refused while a trainer or Ray "
+                        "job of the run still runs")
     s.add_argument("--confirm", metavar="NAME", help="the run's name, confirming --fresh-start")
     s.add_argument("--ray-address", help="verl_ppo: the Ray dashboard to run the job on (default: RAY_ADDRESS, else the "
                                          "local stack's head if it answers, else a private head of this command's "

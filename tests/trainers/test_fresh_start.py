@@ -58,3 +58,55 @@ def test_train_with_s3_unreachable_says_that_offline_exists(tmp_path):
     # step 2 is inside chunk 1 (chunks of 6): its lines name that chunk, not "chunk -"
     assert "chunk 1 resumes from scratch (step 0), trains to step 2 of 12" in offline.stdout, offline.stdout[-2000:]
     assert "step 2/12 chunk 1 " in offline.stdout and "chunk -" not in offline.stdout
+
+
+def test_a_fresh_start_under_a_live_trainer_is_refused_and_an_unseen_old_writer_is_fenced_out(tmp_path):
+    """`relay train --fresh-start` never archives a run under a live writer: it refuses, naming its host and pid.
+    A writer this host cannot see (its lease says another host) does not stop the fresh start, and it is fenced
+    out of the new incarnation: it exits 3 and writes nothing into the new folder (no metrics row, event,
+    staging folder, checkpoint or tracker)."""
+    import json
+    import socket
+
+    from relay.common.faultpoint import FAULT_ENV
+    from relay.runs import layout
+    from relay.runs.lease import Lease
+    from relay.runs.metrics import read_events
+    from support.faults import ForkServer, alive, wait_for_line
+    from support.helpers import write_spec
+
+    spec = write_spec(tmp_path, name="live", total_steps=12, chunk_steps=12, **{"trainer.settings.save_freq": 2})
+    run_dir = tmp_path / "ckpt" / "live"
+    server = ForkServer()
+    try:
+        log, once = tmp_path / "old.log", tmp_path / "old.once"
+        old = server.start(["train", str(spec), "--to-step", "12", "--offline"], log,
+                           env={FAULT_ENV: "after_step@3", "RELAY_FAULT_ONCE": str(once)})
+        wait_for_line(log, "[relay-fault] paused", old)
+        old_attempt = Lease(run_dir).current()["holder"]
+
+        fresh = ["train", str(spec), "--to-step", "2", "--offline", "--fresh-start", "--confirm", "live"]
+        refused = relay_cli(*fresh)
+        assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert f"pid {old}" in refused.stderr and socket.gethostname() in refused.stderr, refused.stderr[-2000:]
+        assert not (run_dir.parent / ".archive").exists() and layout.read_tracker(run_dir) == 2, "nothing moved"
+
+        # The same writer as if it ran on another node: this host cannot see its pid, the fresh start goes on.
+        lease = json.loads(Lease(run_dir).path.read_text())
+        Lease(run_dir).path.write_text(json.dumps({**lease, "host": "gpu-node-7"}))
+        started = relay_cli(*fresh)
+        assert started.returncode == 0, started.stderr[-3000:]
+        assert "gpu-node-7" in started.stdout + started.stderr, "the unseen writer is named"
+        new_rows = read_metrics(run_dir)
+        assert [r["step"] for r in new_rows] == [1, 2]
+
+        once.with_name(once.name + ".go").touch()  # the old trainer goes on: step 4, then its save
+        assert server.wait(old) == 3, log.read_text()[-3000:]
+        assert "refusing to write" in log.read_text() and not alive(old)
+    finally:
+        server.close()
+    assert layout.read_tracker(run_dir) == 2 and sorted(layout.step_dirs(run_dir)) == [2]
+    assert read_metrics(run_dir) == new_rows, "no row of the old writer"
+    assert not any(e.get("attempt") == old_attempt for e in read_events(run_dir)), "no event of the old writer"
+    staging = layout.relay_dir(run_dir, "staging")
+    assert not staging.exists() or not any(staging.iterdir()), "no staging folder of the old writer"

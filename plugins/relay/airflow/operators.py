@@ -247,7 +247,7 @@ class RayChunkOperator(ChunkTaskOperator):
                                  run, stopped)
             # The fencing token is taken here, at submission, and travels in the request: a stale job that
             # starts late (a PENDING one of an earlier try) finds a newer token and never writes.
-            token = Lease(run.dir).acquire(sub_id)
+            token = Lease(run.dir, incarnation=run.incarnation).acquire(sub_id)
             req = ChunkRequest(run=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id, lease_token=token)
             self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
             hook.jobs.submit(req, sub_id, job_metadata(req, dag_run_id, ti.try_number),

@@ -26,7 +26,7 @@ from relay.common.errors import RelayError
 from relay.preflight import doctor
 from relay.preflight.checks import check_settings, prepare_data, publish_record
 from relay.preflight.guard import DriftError
-from relay.preflight.prepare import fresh_start_plan, prepare_run, resolve_run_name, run_state
+from relay.preflight.prepare import fresh_start_done, fresh_start_plan, prepare_run, resolve_run_name, run_state
 from relay.report import run_report as report
 from relay.runs import goodput, layout
 from relay.runs.metrics import read_events
@@ -148,9 +148,11 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
         store = checkpoint_store(spec)
         confirm = params.get("confirm_fresh_start") or ""
         run = Run.of(spec, resolve_run_name(spec, run_name))
+        asked_by = f"DAG run {context['dag_run'].dag_id}/{context['dag_run'].run_id}"
         if answer:  # a person approved the fresh start in the UI
             confirm, started_by = run.name, f"{started_by} (fresh start approved by {Answer(**answer).who()})"
-        elif params.get("fresh_start") and confirm.strip() != run.name and spec.airflow.approvals:
+        elif (params.get("fresh_start") and confirm.strip() != run.name and spec.airflow.approvals
+              and not fresh_start_done(run.dir, asked_by)):
             plan = fresh_start_plan(run, store)
             if plan.needed:
                 raise DecisionNeeded(run, Decision(
@@ -158,11 +160,14 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
                     plan.markdown(spec.checkpoint_dir, store.uri if store is not None else None),
                     ["Approve", "Reject"], ["Approve"], {"run": run.name}))
         state = prepare_run(spec, run.name, fresh_start=bool(params.get("fresh_start")), confirm=confirm,
-                            started_by=started_by, store=store)
+                            started_by=started_by, store=store, asked_by=asked_by,
+                            jobs=_ray_jobs(spec) if params.get("fresh_start") else None)
     except DecisionNeeded:
         raise
     except RelayError as e:
         raise AirflowFailException(str(e)) from None
+    for note in state.notes:
+        log.warning("%s", note)
     if state.problem:
         log.warning("run %s: %s; the next chunk's trainer quarantines it and resumes from the newest valid checkpoint",
                     state.run_name, state.problem)
@@ -179,6 +184,15 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
     _log_checklist(state.run(spec))
     return {**state.to_dict(), "alert_emails": list(channels.emails), "logical_date": when.isoformat(),
             "data_files": list(spec.data.train_files)}
+
+
+def _ray_jobs(spec):
+    """The spec's Ray cluster, where a fresh start looks for the run's live jobs; None (said) without one."""
+    try:
+        return RayJobsHook(spec.ray.conn_id).jobs
+    except Exception as e:  # a missing connection: the lease still fences out any writer of the old run
+        log.warning("cannot look for live Ray jobs of the run through connection %s: %s", spec.ray.conn_id, e)
+        return None
 
 
 def _log_checklist(run: Run) -> None:

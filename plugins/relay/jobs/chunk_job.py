@@ -90,7 +90,7 @@ def chunk_index(spec: RunSpec, to_step: int) -> int | None:
 def chunk_request(run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
     """The job's request, with the run's lease taken for sub_id now (the token travels in the request: a
     job that starts late finds a newer token and never writes)."""
-    token = Lease(run.dir).acquire(sub_id)
+    token = Lease(run.dir, incarnation=run.incarnation).acquire(sub_id)
     return ChunkRequest(run=run, to_step=to_step, chunk=chunk_index(run.spec, to_step), attempt=sub_id,
                         lease_token=token, restore=restore)
 

@@ -44,6 +44,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relay.common.processes import runs, started_at
+
 MARKER = "RELAY_LOCAL_HEAD"  # in the environment of every process of a private head: its temp dir's name
 JOB_FILE = "relay-job.json"  # in the head's temp dir: the job to stop when the command is gone
 SID_FILE = "ray-start.sid"  # in the head's temp dir: the session of `ray start` and the daemons it leaves
@@ -308,7 +310,7 @@ def start_watchdog(pid: int, temp_dir: Path, ready_timeout: float = 30) -> subpr
     """`python -m relay.jobs.local_head --watch PID --temp-dir DIR`, detached (a session of its own, so a
     Ctrl-C in the terminal does not reach it; its output in DIR/watchdog.log): once pid is gone, it stops
     the job named in DIR/JOB_FILE and the head in temp_dir. Returns once it watches."""
-    created = _create_time(pid)
+    created = started_at(pid)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_package_root()), os.environ.get("PYTHONPATH"))
                                                         if p)}
     log_path = temp_dir / "watchdog.log"
@@ -330,24 +332,6 @@ def _package_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def _create_time(pid: int) -> float:
-    import psutil
-
-    return psutil.Process(pid).create_time()
-
-
-def owner_alive(pid: int, created: float) -> bool:
-    """Whether the process `pid` that started at `created` still runs (not a zombie, not a new process
-    that was given the same pid)."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def stop_job_over_http(address: str, submission_id: str, timeout: float = 10) -> bool:
     req = urllib.request.Request(f"{address.rstrip('/')}/api/jobs/{submission_id}/stop", method="POST")
     try:
@@ -363,7 +347,7 @@ def watch(pid: int, created: float, temp_dir: Path, poll_s: float = WATCH_POLL_S
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(f"{time.strftime('%H:%M:%S')} {WATCHING} process {pid}", flush=True)
-    while owner_alive(pid, created):
+    while runs(pid, created):
         time.sleep(poll_s)
     print(f"{time.strftime('%H:%M:%S')} process {pid} is gone: stopping its Ray job and head in {temp_dir}",
           flush=True)

@@ -13,11 +13,8 @@ DAG's preflight.run task logs this same checklist, so the UI and the terminal ne
 
 from __future__ import annotations
 
-import socket
 from dataclasses import asdict, dataclass
 from typing import Any
-
-import psutil
 
 from relay.checkpoints.resume import quarantined
 from relay.checkpoints.validate import validate_checkpoint
@@ -132,26 +129,20 @@ def live(run: Run, jobs=None) -> Finding:
         except Exception as e:  # any other failure to reach the Jobs API
             return Finding(name, False, f"cannot ask Ray at {jobs.address} for live jobs: {e}",
                            "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS)")
-    held = Lease(run.dir).current() if run.dir.is_dir() else None
+    lease = Lease(run.dir)
+    held = lease.current() if run.dir.is_dir() else None
     holder = ""
     if held:
-        holder = f"lease token {held.get('token')} last taken by {held.get('holder')} (pid {held.get('pid')} on " \
-                 f"{held.get('host')})"
-        if held.get("host") == socket.gethostname() and _is_trainer(psutil, held.get("pid")):
-            alive.append(f"trainer pid {held['pid']} ({held.get('holder')}) still runs")
+        holder = f"lease token {held.get('token')} last taken by {held.get('holder') or 'nobody'} (pid " \
+                 f"{held.get('pid')} on {held.get('host')})"
+        writer = lease.writer()
+        if writer is not None and writer[0]:
+            alive.append(f"trainer {writer[1]} still runs")
     if alive:
         return Finding(name, False, "; ".join(alive) + (f"; {holder}" if holder else ""),
                        "stop it before resuming (`ray job stop ID`, or kill the pid); a chunk started by the DAG "
                        "stops the run's live jobs itself, and the lease fences out a stale trainer's saves")
     return Finding(name, True, "no live job or trainer of this run" + (f"; {holder}" if holder else ""))
-
-
-def _is_trainer(psutil, pid) -> bool:
-    try:
-        cmd = " ".join(psutil.Process(int(pid)).cmdline())
-    except (psutil.Error, TypeError, ValueError):
-        return False
-    return "relay" in cmd
 
 
 def model(run: Run) -> Finding:

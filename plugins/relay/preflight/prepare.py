@@ -7,21 +7,28 @@ the run's name; it moves the old run aside, locally (<checkpoint_dir>/.archive/)
 (<prefix>/.archive/), never deleting it, and begins a new incarnation (relay.runs.record), so that nothing
 of the old life can be restored into the new one.
 
+A fresh start never moves a run aside under a live writer: a trainer of the run that still runs on this
+host, or a live Ray job of the run, refuses it, named. A writer this host cannot see (a trainer on another
+node) is named in the log, and its lease token, bound to the old incarnation and below every token of the
+new one (relay.runs.lease), keeps it from writing into the new run. A fresh start happens once per DAG run:
+the run record keeps which one performed it, and that DAG run cleared and run again continues the run.
+
 A folder with no run record whose name S3 holds is refused: continuing the published run is a
 deliberate `relay checkpoint restore`, which brings its record along.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relay.checkpoints.validate import latest_step_or_problem
 from relay.common.errors import RunError
 from relay.common.timestamps import utc_now, utc_stamp
 from relay.runs import layout
+from relay.runs.lease import Lease
 from relay.runs.plan import ChunkPlan
-from relay.runs.record import VERSION, folder_incarnation, new_incarnation, write_record
+from relay.runs.record import VERSION, folder_incarnation, new_incarnation, read_record, write_record
 from relay.runs.run import Run
 from relay.runs.spec import RunSpec, check_run_name
 
@@ -37,6 +44,7 @@ class RunState:
     problem: str | None = None  # a broken latest checkpoint, which the next chunk's trainer falls back from
     incarnation: str | None = None
     archived_uri: str | None = None  # where a fresh start moved the old incarnation's S3 objects
+    notes: list[str] = field(default_factory=list)  # what the caller should tell a person (a warning each)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,19 +109,28 @@ def _steps(steps: list[int]) -> str:
 
 
 def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: bool = False,
-                confirm: str = "", started_by: str = "", store=None) -> RunState:
+                confirm: str = "", started_by: str = "", store=None, jobs=None,
+                asked_by: str | None = None) -> RunState:
     """Resolve the run, apply a (confirmed) fresh start, and write the run record of a new run or incarnation.
 
     With a store (the spec's S3), the run's published incarnation is checked too: a fresh start moves it
     aside, and a folder that holds another incarnation of the run, or none, is refused. Without one
-    (no s3 section, or the CLI's --offline), S3 is never looked at.
+    (no s3 section, or the CLI's --offline), S3 is never looked at. `jobs` (relay.jobs.ray_jobs.RayJobs) lets a
+    fresh start see the run's live Ray jobs too. `asked_by`: who asks for the fresh start (a DAG run's id); a
+    fresh start it already performed is not performed again.
     """
     run = Run.of(spec, resolve_run_name(spec, requested))
     name, run_dir = run.name, run.dir
     local = folder_incarnation(run_dir) if run_dir.is_dir() else None
+    notes: list[str] = []
+    if fresh_start and asked_by and (done := fresh_start_done(run_dir, asked_by)):
+        notes.append(f"{asked_by} already started run {name} again from step 0 (at {done.get('at')}, incarnation "
+                     f"{local}); it is not started again: the run continues from its latest checkpoint")
+        fresh_start = False
     has_local = run_dir.is_dir() and any(run_dir.iterdir())
     published = store.incarnation(name) if store is not None else None
     archived = archived_uri = None
+    last_token = None
     if fresh_start and (has_local or published):
         if (confirm or "").strip() != name:
             raise RunError(
@@ -122,11 +139,16 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
                 "old run is moved aside, never deleted. To keep it, trigger without fresh_start, or pick a new run "
                 "name",
             )
+        notes += refuse_live_writers(run, jobs)
         stamp = utc_stamp()
         if published:  # S3 first: a failure here leaves everything as it was, and the retry starts over
             archived_uri = store.archive_run(name, f"{name}-{stamp}")
         if has_local:
-            archived = archive_run(run_dir, stamp)
+            lease = Lease(run_dir)
+            with lease.locked(f"a fresh start of run {name}"):  # no token is taken while the folder moves
+                refuse_live_writers(run, None)
+                last_token = int((lease.current() or {}).get("token", 0))
+                archived = archive_run(run_dir, stamp)
         local = None
     elif published and local != published:
         raise RunError(_incarnations_differ(name, run_dir, local, published, store),
@@ -136,14 +158,51 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
                        f"run is moved aside, not deleted); or pick another run name")
     run_dir.mkdir(parents=True, exist_ok=True)
     if local is None:
+        incarnation = new_incarnation()
         write_record(run_dir, {
-            "version": VERSION, "run": name, "incarnation": new_incarnation(), "spec": spec.name,
+            "version": VERSION, "run": name, "incarnation": incarnation, "spec": spec.name,
             "spec_source": spec.source, "created": utc_now(), "started_by": started_by,
             "settings_fingerprint": spec.settings_fingerprint(), "resume_critical": spec.resume_critical(),
             **({"previous": {"archived_to": str(archived) if archived else None, "archived_uri": archived_uri}}
                if archived or archived_uri else {}),
+            **({FRESH_START: {"asked_by": asked_by or started_by, "at": utc_now()}} if fresh_start else {}),
         })
-    return run_state(run, archived, archived_uri)
+        if last_token:
+            Lease(run_dir).carry_forward(last_token, incarnation)
+    state = run_state(run, archived, archived_uri)
+    state.notes = notes
+    return state
+
+
+FRESH_START = "fresh_start"  # the run record's note of the fresh start that began this incarnation
+
+
+def fresh_start_done(run_dir: Path, asked_by: str) -> dict | None:
+    """The fresh start `asked_by` (a DAG run's id) performed, if the folder's incarnation began with it."""
+    done = read_record(run_dir).get(FRESH_START) if run_dir.is_dir() else None
+    return done if isinstance(done, dict) and done.get("asked_by") == asked_by else None
+
+
+def refuse_live_writers(run: Run, jobs=None) -> list[str]:
+    """Refuse (RunError) when a writer of the run may still write: its lease's trainer alive on this host, or a
+    live Ray job of the run (with `jobs`). Returns what cannot be seen from here, for the log: a writer on
+    another host, or a Ray that does not answer (the lease's fencing keeps such a writer out)."""
+    seen: list[str] = []
+    unseen: list[str] = []
+    writer = Lease(run.dir).writer() if run.dir.is_dir() else None
+    if writer is not None:
+        (seen if writer[0] else unseen).append(f"trainer {writer[1]}")
+    if jobs is not None:
+        try:
+            seen += [f"Ray job {j.submission_id} ({j.status})" for j in jobs.live_jobs_of_run(run.spec.name, run.name)]
+        except Exception as e:  # an unreachable Ray is no reason to refuse: the fencing holds
+            unseen.append(f"the run's Ray jobs: Ray did not answer ({str(e).splitlines()[0][:160] if str(e) else e!r})")
+    if seen:
+        raise RunError(f"fresh start of run {run.name!r} refused: it has a live writer: {'; '.join(seen)}",
+                       "stop it first (`ray job stop ID`, or end the `relay train` process; a DAG run's job ends when "
+                       "the DAG run is marked failed), then trigger the fresh start again; nothing was moved")
+    return [f"fresh start of run {run.name}: cannot see whether {w}; whatever it is, its lease token is fenced out "
+            "of the new incarnation" for w in unseen]
 
 
 def _incarnations_differ(name: str, run_dir: Path, local: str | None, published: str, store) -> str:

@@ -8,6 +8,11 @@ that lock too for every tracker write and checkpoint move. So once a newer attem
 an older trainer (an orphan that outlived its Ray job, say) can no longer write a checkpoint: its
 commit is refused. The lock is an fcntl lock on the run folder's storage, so it holds on local disks
 and on NFSv4-style shared storage.
+
+A token is bound to the run's incarnation (relay.runs.record) it was taken in, and a fresh start carries the
+counter into the new incarnation's lease, one past the last token of the old one: a trainer of the old life
+that is still alive (an orphan, a job on another node) holds a token that no writer of the new life has,
+and an incarnation that is not the folder's, so its next check refuses it either way.
 """
 
 from __future__ import annotations
@@ -21,19 +26,23 @@ from typing import Iterator
 
 from relay.common.errors import LeaseLost
 from relay.common.filelock import DEFAULT_TIMEOUT_S, file_lock
+from relay.common.processes import runs, started_at
 from relay.common.timestamps import utc_now
 from relay.runs.layout import atomic_write_json, relay_dir
+from relay.runs.record import folder_incarnation
 
 LEASE = "lease.json"
 LOCK = "lease.lock"
 
 
 class Lease:
-    def __init__(self, run_dir: Path, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, run_dir: Path, timeout: float = DEFAULT_TIMEOUT_S, *, incarnation: str | None = None):
         self.run_dir = Path(run_dir)
         self.path = relay_dir(run_dir, LEASE)
         self.lock_path = relay_dir(run_dir, LOCK)
         self.timeout = timeout
+        # The life of the run this writer writes for (its request's); else pinned by acquire() or claim().
+        self.incarnation = incarnation
 
     def locked(self, what: str) -> contextlib.AbstractContextManager:
         """Hold the run's lock without taking a new token: for every tracker write and checkpoint move that
@@ -50,11 +59,22 @@ class Lease:
         """Take the lease for `holder` and return its new fencing token. Waits for a commit in progress."""
         with self.locked(f"taking the lease for {holder}"):
             token = int((self.current() or {}).get("token", 0)) + 1
+            here = folder_incarnation(self.run_dir)
+            self._refuse_other_life(here, token)
+            self.incarnation = self.incarnation or here
             atomic_write_json(self.path, {
-                "token": token, "holder": holder, "host": socket.gethostname(), "pid": os.getpid(),
+                "token": token, "incarnation": here, "holder": holder, **_this_process(),
                 "acquired_at": utc_now(),
             })
             return token
+
+    def carry_forward(self, last_token: int, incarnation: str | None) -> None:
+        """A fresh start's new lease: nobody holds it, and its next token comes after every token of the
+        archived incarnation (`last_token`, its newest, is burned too: a submission that took it while the
+        run was moved aside finds it taken)."""
+        with self.locked("carrying the lease's tokens into the new incarnation"):
+            atomic_write_json(self.path, {"token": int(last_token) + 1, "incarnation": incarnation, "holder": "",
+                                          "carried_at": utc_now()})
 
     def claim(self, token: int) -> None:
         """The trainer that a submission's token was taken for starts: check the token, and record this
@@ -63,23 +83,48 @@ class Lease:
             self.check(token)
             current = self.current()
             assert current is not None  # check() just found the lease, and the lock is held
-            atomic_write_json(self.path, {**current, "host": socket.gethostname(), "pid": os.getpid(),
-                                          "trainer_started_at": utc_now()})
+            self.incarnation = self.incarnation or current.get("incarnation")
+            atomic_write_json(self.path, {**current, **_this_process(), "trainer_started_at": utc_now()})
 
     def holds(self, holder: str) -> bool:
         """Whether `holder` (a Ray submission id, say) holds the lease now."""
         return (self.current() or {}).get("holder") == holder
 
     def check(self, token: int) -> None:
-        """Raise LeaseLost unless `token` still holds the lease."""
+        """Raise LeaseLost unless `token` still holds the lease, in this writer's incarnation of the run."""
         cur = self.current()
         if cur is None or int(cur["token"]) != int(token):
-            holder = cur and f"{cur.get('holder')} (token {cur.get('token')}, since {cur.get('acquired_at')})"
+            holder = cur and f"{cur.get('holder') or 'nobody'} (token {cur.get('token')}, since " \
+                             f"{cur.get('acquired_at') or cur.get('carried_at')})"
             raise LeaseLost(
                 f"run {self.run_dir.name}: this trainer holds lease token {token}, but the lease is now held by "
                 f"{holder or 'nobody'}; refusing to write",
                 "nothing to do: a newer attempt of this run owns it; this process stops without saving",
             )
+        self._refuse_other_life(cur.get("incarnation") or folder_incarnation(self.run_dir), token)
+
+    def _refuse_other_life(self, here: str | None, token: int) -> None:
+        if self.incarnation and here and here != self.incarnation:
+            raise LeaseLost(
+                f"run {self.run_dir.name}: this writer belongs to incarnation {self.incarnation} (lease token "
+                f"{token}), but the run was started again since: its folder holds incarnation {here}; refusing "
+                "to write",
+                "nothing to do: this process stops without writing; the new incarnation's chunks go on",
+            )
+
+    def writer(self) -> tuple[bool, str] | None:
+        """The trainer that holds the lease, when one may still run: (True, who) when it runs on this host,
+        (False, who) when it ran on another host, where this one cannot see whether it still runs (its
+        fencing token keeps it out of a new incarnation either way); None when nobody holds the lease or its
+        process on this host has ended."""
+        cur = self.current() or {}
+        host, pid = cur.get("host"), cur.get("pid")
+        if not cur.get("holder") or not isinstance(pid, int):
+            return None
+        who = f"pid {pid} on {host} ({cur['holder']}, lease token {cur.get('token')})"
+        if host != socket.gethostname():
+            return False, who
+        return (True, who) if runs(pid, cur.get("pid_started")) else None
 
     @contextlib.contextmanager
     def commit(self, token: int) -> Iterator[None]:
@@ -87,3 +132,9 @@ class Lease:
         with self.locked(f"committing a checkpoint with token {token}"):
             self.check(token)
             yield
+
+
+def _this_process() -> dict:
+    """Who writes: host, pid, and the process's start time, so a pid reused by another process is not taken
+    for a live writer."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": started_at()}

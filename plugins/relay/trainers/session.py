@@ -49,7 +49,7 @@ class ChunkSession:
                                      started=training_started)
         self._save_started: float | None = None
         self._save_s: float | None = None  # what this process's last save took
-        self.lease = Lease(self.run_dir)
+        self.lease = Lease(self.run_dir, incarnation=req.run.incarnation)
         if req.lease_token is None:
             req.lease_token = self.lease.acquire(f"local:{socket.gethostname()}:{os.getpid()}")
         else:

@@ -403,7 +403,7 @@ def _actor_session(chunk: VerlChunk):
     class ActorSession(ChunkSession):
         def __init__(self, req: ChunkRequest, resume_step: int):  # no super().__init__: nothing to resume
             self.req, self.spec, self.run_dir = req, req.spec, req.run_dir
-            self.lease = Lease(self.run_dir)
+            self.lease = Lease(self.run_dir, incarnation=req.run.incarnation)
             assert req.lease_token is not None  # the driver took the lease: its token travels in the request
             self.token = req.lease_token
             self.lease.check(self.token)
