@@ -239,3 +239,109 @@ def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_si
     assert m.world_size == 1 and m.resharded_from["world_size"] == 2, "validated by the gate, its manifest says how"
     assert doctor.parallelism(run).ok and not doctor.parallelism(run).warning
     assert to_spec_world_size(run) is None, "once is enough"
+
+
+# ------------------------------------------------------------------- a reshard in place, killed anywhere
+
+def tree(folder: Path) -> dict:
+    """{relative path: sha256} of every file of a folder."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def originals(run: Path, want: dict) -> list[Path]:
+    """The folders under the run's .relay/ that hold the original step, byte for byte."""
+    return [p for p in layout.relay_dir(run).rglob("global_step_1*") if p.is_dir() and tree(p) == want]
+
+
+@pytest.mark.parametrize("point,refuse", [("reshard_staged", ""), ("swap_journaled", ""), ("swap_exchanged", ""),
+                                          ("swap_journaled", "rename_exchange"),
+                                          ("swap_original_aside", "rename_exchange")],
+                         ids=["staged", "journaled", "exchanged", "journaled-no-exchange", "between-two-renames"])
+def test_a_reshard_killed_anywhere_leaves_a_whole_step_and_its_original(written, tmp_path, point, refuse):
+    """`relay checkpoint reshard` SIGKILLed at each point of its swap, with renameat2's exchange and without it (two
+    renames, as on NFS): the gate, `relay doctor` or the next reshard finishes or undoes the swap, the tracker names
+    a whole, valid step 1, and the original is kept byte for byte, also through later reshards (a reshard clears its
+    staging folder, where a swap killed after its exchange left the original)."""
+    from relay.common.faultpoint import KILL_ENV, REFUSE_ENV
+
+    run = tmp_path / "run"
+    shutil.copytree(written[(2, 2)], run)
+    assert admit_dir(run).ok
+    want = tree(layout.step_dir(run, 1))
+    killed = relay_cli("checkpoint", "reshard", str(run), "--world-size", "1",
+                       env={KILL_ENV: f"{point}@1", REFUSE_ENV: refuse})
+    assert killed.returncode == -9 and f"killed at {point}" in killed.stdout, killed.stdout + killed.stderr
+    assert layout.read_tracker(run) == 1
+
+    admission = admit_dir(run)  # the gate: an interrupted swap is finished or undone first
+    assert admission.ok, admission.explain()
+    assert not layout.relay_dir(run, "swap.json").exists()
+    ws = json.loads((layout.step_dir(run, 1) / "actor" / "fsdp_config.json").read_text())["world_size"]
+    assert ws == (1 if point in ("swap_exchanged", "swap_original_aside") else 2), "finished once it had begun"
+    assert tree(layout.step_dir(run, 1)) == want or originals(run, want), "the original is kept"
+
+    for m in ((2, 1) if ws == 1 else (1, 2, 1)):  # later reshards back and forth
+        r = relay_cli("checkpoint", "reshard", str(run), "--world-size", str(m))
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert originals(run, want), "a later reshard deleted the only copy of the original"
+    assert admit_dir(run).ok and layout.read_tracker(run) == 1
+
+
+def test_a_reshard_in_place_fences_out_a_live_trainer(written, tmp_path):
+    """A reshard in place takes the run's lease: a trainer still alive holds a token that no longer writes."""
+    from relay.common.errors import LeaseLost
+    from relay.runs.lease import Lease
+
+    run = tmp_path / "run"
+    shutil.copytree(written[(2, 2)], run)
+    trainer = Lease(run)
+    token = trainer.acquire("a trainer left alive")
+    reshard(run, 1)
+    with pytest.raises(LeaseLost, match="reshard:"):
+        trainer.check(token)
+
+
+UNNAMED = """
+import sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from relay.checkpoints.safeload import load
+
+actor, k = Path(sys.argv[1]), int(sys.argv[2])
+for rank in range(k):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=k)
+    mesh = init_device_mesh("cpu", (k,))  # one dimension, no name
+    def move(v):
+        if isinstance(v, DTensor):
+            return DTensor.from_local(v.to_local(), mesh, v.placements, shape=v.shape, stride=v.stride())
+        if isinstance(v, dict):
+            return {key: move(x) for key, x in v.items()}
+        return v
+    for kind in ("model", "optim"):
+        path = actor / f"{kind}_world_size_{k}_rank_{rank}.pt"
+        torch.save(move(load(path, mmap=False)), path)
+    dist.destroy_process_group()
+"""
+
+
+def test_a_one_dimensional_mesh_without_names_is_resharded(written, tmp_path):
+    """FSDP2 over a 1-D device mesh made without dimension names is as valid a layout as verl's named one."""
+    import subprocess
+    import sys
+
+    from support.helpers import ROOT
+
+    unnamed = tmp_path / "unnamed"
+    shutil.copytree(written[(2, 2)], unnamed)
+    subprocess.run([sys.executable, "-c", UNNAMED, str(layout.step_dir(unnamed, 1) / "actor"), "2"], cwd=ROOT,
+                   check=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "plugins")})
+    assert shards(unnamed, "model")[0]["model.embed_tokens.weight"].device_mesh.mesh_dim_names is None
+    for m in (1, 3):
+        out = reshard(unnamed, m, out=tmp_path / f"to{m}")
+        full_in, full_out = gathered(written[(2, 2)]), gathered(out.step_dir.parent)
+        assert full_in.keys() == full_out.keys() and all(torch.equal(full_in[n], full_out[n]) for n in full_in)
+        assert shards(out.step_dir.parent, "model")[0]["model.embed_tokens.weight"].device_mesh.mesh_dim_names is None

@@ -192,6 +192,32 @@ def test_an_unconfirmed_fresh_start_waits_for_an_approval_in_the_ui(airflow):
     assert (old / "global_step_6").is_dir(), "the old run was moved aside, not deleted"
 
 
+def test_a_cleared_dag_run_does_not_start_its_run_again(airflow):
+    """A DAG run whose conf asks for a (confirmed) fresh start performs it once: cleared and run again as a whole,
+    its preflight.run says so and the run continues from its checkpoint; nothing is archived a second time."""
+    api, spec_path = airflow["api"], airflow["runs"] / "decide.yaml"
+    api.wait_for_dag("relay_decide")
+    rd = trained_offline(spec_path, "fc")
+    run_id = api.trigger("relay_decide", {"run": "fc", "fresh_start": True, "confirm_fresh_start": "fc",
+                                          "alert_channels": []})["dag_run_id"]
+    assert api.wait_for_run("relay_decide", run_id, timeout=900)["state"] == "success"
+    after_first = read_record(rd)["incarnation"]
+    rows = read_metrics(rd)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and len(list((rd.parent / ".archive").glob("fc-*"))) == 1
+
+    tasks = [t["task_id"] for t in api.task_instances("relay_decide", run_id)]
+    api.clear_task_instances("relay_decide", run_id, tasks)
+    wait_for(lambda: api.dag_run("relay_decide", run_id)["state"] in ("success", "failed") and
+             any(t["try_number"] == 2 for t in api.task_instances("relay_decide", run_id)
+                 if t["task_id"] == "preflight.run"), 600, "the cleared DAG run to run again")
+    assert api.wait_for_run("relay_decide", run_id, timeout=900)["state"] == "success"
+    assert read_record(rd)["incarnation"] == after_first, "not started again"
+    assert len(list((rd.parent / ".archive").glob("fc-*"))) == 1, "nothing archived a second time"
+    assert read_metrics(rd) == rows and layout.read_tracker(rd) == 6, "nothing trained again"
+    log = api.task_log("relay_decide", run_id, "preflight.run", try_number=2)
+    assert f"DAG run relay_decide/{run_id} already started run fc again from step 0" in log, log[-3000:]
+
+
 def test_a_rejected_or_unanswered_decision_stops_the_dag_run_and_changes_nothing(airflow):
     api = airflow["api"]
     for dag, spec_name, run, answer in (("relay_decide", "decide", "fr", "Reject"), ("relay_hurry", "hurry", "ft", None)):

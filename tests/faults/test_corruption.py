@@ -171,3 +171,34 @@ def test_a_corrupted_checkpoint_is_refused_quarantined_and_the_run_resumes_bitwi
         assert report.ok, report.summary()
     fault_row(case="corruption", fault=FAULT[way], action=action(way, check, resumed), steps_lost=lost,
               layer="trainer", run_dir=run)
+
+
+def test_the_gates_fallback_never_moves_the_tracker_back_over_a_newer_commit(tmp_path):
+    """The gate quarantines a corrupt step 4 and validates step 2 to fall back to (outside the run's lock, it takes
+    time); meanwhile a trainer (the live job of a supervised run) commits step 6. The gate's tracker move is a
+    compare-and-swap under the lock: it finds the tracker moved on and leaves it at 6, which is never lost."""
+    from relay.common.faultpoint import FAULT_ENV
+    from support.corrupt import flip
+    from support.faults import ForkServer, wait_for_line
+    from support.helpers import relay_cli, write_spec
+
+    spec = write_spec(tmp_path, name="cas", **{"trainer.settings.save_freq": 2})
+    rd = tmp_path / "ckpt" / "cas"
+    assert relay_cli("train", str(spec), "--to-step", "4", "--offline").returncode == 0
+    flip(rd / "global_step_4" / "actor" / layout.shard_name("model", 1, 0))
+    server = ForkServer()
+    try:
+        log, once = tmp_path / "gate.log", tmp_path / "gate.once"
+        gate = server.start(["checkpoint", "validate", str(rd), "--step", "4", "--quarantine"], log,
+                            env={FAULT_ENV: "before_fallback@2", "RELAY_FAULT_ONCE": str(once)})
+        wait_for_line(log, "[relay-fault] paused at before_fallback step 2", gate)
+        # The live trainer falls back by itself, trains steps 3..6 and commits step 6.
+        r = relay_cli("train", str(spec), "--to-step", "6", "--offline")
+        assert r.returncode == 0 and layout.read_tracker(rd) == 6, r.stderr[-2000:]
+        once.with_name(once.name + ".go").touch()
+        assert server.wait(gate) == 1, log.read_text()[-3000:]  # the finding: step 4 is corrupt
+    finally:
+        server.close()
+    assert layout.read_tracker(rd) == 6, "the gate moved the tracker back over a newer commit"
+    assert "tracker moved to step 6" in log.read_text(), log.read_text()[-3000:]
+    assert sorted(layout.step_dirs(rd)) == [2, 4, 6], "the retrained step 4 and step 6, committed"

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.checkpoints import manifest
+from relay.checkpoints import manifest, swap
 from relay.checkpoints.resume import find_resume_point, quarantine
 from relay.checkpoints.validate import CheckReport, validate_checkpoint, write_manifest
 from relay.common.errors import CheckpointError
@@ -68,6 +68,8 @@ def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | No
     """Validate a checkpoint (default: the tracker's); write its manifest, or quarantine it and fall back."""
     run_dir = Path(run_dir)
     t0 = time.time()
+    if run_dir.is_dir() and (done := swap.recover(run_dir)):  # a reshard killed mid-swap
+        print(f"[relay] {done}", flush=True)
     report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke,
                                  expect_critic=expect_critic)
     if report.step is not None and run_dir.is_dir():  # what the gate costs a chunk (relay.runs.save_interval)

@@ -22,9 +22,11 @@ time, each tensor in its own memory map of a buffer file (page cache, not anonym
 records its device mesh; the mesh of rank r of M is made in this process with torch's fake process-group
 backend (no peers, no collectives), as verl's would be made by rank r.
 
-In place (the default), the new step is written under .relay/staging, fsynced, and swapped with the old
-folder (renameat2 RENAME_EXCHANGE) under the run's lease lock; the world-size-K original is moved to
-.relay/resharded/, never deleted.
+In place (the default), the reshard takes the run's lease (a trainer still alive is fenced out), writes the
+new step under .relay/staging, fsyncs it, and swaps it with the old folder under the lease
+(relay.checkpoints.swap: one renameat2 RENAME_EXCHANGE, or two journaled renames where the filesystem has no
+exchange; an interrupted swap is finished or undone by the next reshard, `relay doctor`, the gate or a
+resume); the world-size-K original is moved to .relay/resharded/, never deleted.
 """
 
 from __future__ import annotations
@@ -32,17 +34,20 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from relay.checkpoints import manifest
+from relay.checkpoints import manifest, swap
 from relay.checkpoints.safeload import is_sharded_record, load
 from relay.common.errors import CheckpointError
+from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -108,6 +113,8 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
     if not isinstance(world_size, int) or world_size < 1:
         raise CheckpointError(f"--world-size {world_size}: a world size is a number of processes, at least 1",
                               "give the number of GPUs (processes) the next chunk trains on")
+    if out is None and (done := swap.recover(run_dir)):
+        print(f"[relay] {done}", flush=True)
     report = validate_checkpoint(run_dir, step)
     if not report.ok:
         failed = report.failed
@@ -136,7 +143,11 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
         staged = layout.relay_dir(out, "staging", f"{layout.step_name(step)}.reshard")
     else:
         staged = layout.relay_dir(run_dir, "staging", f"{layout.step_name(step)}.reshard-{world_size}")
-    shutil.rmtree(staged, ignore_errors=True)
+        # In place, the reshard is the run's writer: a trainer still alive loses the lease and stops at its next
+        # check, before it could write over the step being swapped.
+        lease = Lease(run_dir)
+        token = lease.acquire(f"reshard:{socket.gethostname()}:{os.getpid()}")
+    shutil.rmtree(staged, ignore_errors=True)  # a derived copy (recover() leaves no original in staging)
     staged.mkdir(parents=True)
     try:
         written = _write_step(src, staged, k, world_size, fsdp_version)
@@ -155,24 +166,15 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
         layout.write_tracker(out, step)
         return ReshardResult(run_dir, step, k, world_size, fsdp_version, final, None, written, time.time() - t0)
 
-    final = src
     aside = layout.relay_dir(run_dir, "resharded", f"{layout.step_name(step)}.world_size_{k}.{int(time.time())}")
-    aside.parent.mkdir(parents=True, exist_ok=True)
-    with Lease(run_dir).locked(f"resharding step {step} to world size {world_size}"):
-        # global_step_N is the original or the resharded step at every instant, never missing: the two folders
-        # swap in one renameat2(RENAME_EXCHANGE) where the filesystem has it; the original is then set aside,
-        # kept, never deleted.
-        if _exchange(staged, final):
-            staged.rename(aside)
-        else:
-            src.rename(aside)
-            staged.rename(final)
-        layout.fsync_dir(run_dir)
-        layout.fsync_dir(aside.parent)
-        layout.fsync_dir(staged.parent)
+    fault_point("reshard_staged", step)
+    with lease.commit(token):
+        # The original is kept, never deleted; global_step_N names a whole checkpoint at every instant, whatever
+        # kills this process (relay.checkpoints.swap).
+        swap.replace_step(run_dir, step, staged, aside)
         if layout.read_tracker(run_dir) == step:
             layout.write_tracker(run_dir, step)  # the same commit as a trainer's save: durable, atomic
-    return ReshardResult(run_dir, step, k, world_size, fsdp_version, final, aside, written, time.time() - t0)
+    return ReshardResult(run_dir, step, k, world_size, fsdp_version, src, aside, written, time.time() - t0)
 
 
 def to_spec_world_size(run) -> ReshardResult | None:
@@ -205,25 +207,6 @@ def to_spec_world_size(run) -> ReshardResult | None:
                               f"{admission.explain()}", f"the original is kept in {result.original}; move it back "
                                                         "to resume at the old world size")
     return result
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the system or filesystem lacks it."""
-    import ctypes
-    import os
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    errno = ctypes.get_errno()
-    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not on this filesystem or kernel
-        return False
-    raise OSError(errno, f"swapping {a} and {b}: {os.strerror(errno)}")
 
 
 # ------------------------------------------------------------------------------------ the step
@@ -297,7 +280,7 @@ def _save(obj: Any, path: Path) -> int:
 @dataclass
 class _ModelLayout:
     shapes: dict[str, tuple]  # parameter -> global shape, in the state dict's order
-    mesh_dim_names: tuple | None
+    mesh_dim_names: tuple | None  # None: a 1-D mesh made without names, kept so
 
 
 def _placement(src: Path, name: str, value: Any) -> int | None:
@@ -328,22 +311,23 @@ def _model_layout(src: Path, models: list[dict], plain_is_full: bool = False) ->
         if list(sd) != names:
             raise CheckpointError(f"{src}: the model shards of ranks 0 and {r} hold different parameters",
                                   "the checkpoint is inconsistent; resume from an earlier step")
-    dims = None
+    meshes = []
     shapes = {}
     for name in names:
         v = models[0][name]
         _placement(src, name, v)
         shapes[name] = tuple(v.shape)
         spec = getattr(v, "_spec", None)
-        if spec is not None and dims is None:
-            dims = spec.mesh.mesh_dim_names
-    if dims is None and plain_is_full:
-        dims = ("fsdp",)  # the mesh verl gives FSDP (verl.utils.device_mesh: one dimension, "fsdp")
-    if dims is None:  # plain tensors only (buffers alone may be plain): not FSDP's sharded state dict
-        raise CheckpointError(f"{src}: the model shards hold plain tensors, not FSDP's DTensors, so how they are "
-                              "sharded is unknown (an unknown placement); Relay reshards checkpoints of verl's "
-                              "FSDPCheckpointManager", "resume at the world size the checkpoint was written at")
-    return _ModelLayout(shapes, dims)
+        if spec is not None:
+            meshes.append(spec.mesh.mesh_dim_names)
+    if meshes:
+        return _ModelLayout(shapes, meshes[0])
+    if plain_is_full:
+        return _ModelLayout(shapes, ("fsdp",))  # the mesh verl gives FSDP (verl.utils.device_mesh: "fsdp")
+    # plain tensors only (buffers alone may be plain): not FSDP's sharded state dict
+    raise CheckpointError(f"{src}: the model shards hold plain tensors, not FSDP's DTensors, so how they are "
+                          "sharded is unknown (an unknown placement); Relay reshards checkpoints of verl's "
+                          "FSDPCheckpointManager", "resume at the world size the checkpoint was written at")
 
 
 def _pieces(locals_: list, dim: int, n: int, k: int, start: int, end: int):
@@ -517,6 +501,6 @@ def _mesh(dim_names: tuple | None, world_size: int, rank: int) -> Iterator[Any]:
                               "run `python -m relay checkpoint reshard` from the CLI or an Airflow task, not a trainer")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,), mesh_dim_names=dim_names or ("fsdp",))
+        yield init_device_mesh("cpu", (world_size,), mesh_dim_names=dim_names)
     finally:
         dist.destroy_process_group()

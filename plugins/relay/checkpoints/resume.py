@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from relay.checkpoints import swap
 from relay.checkpoints.validate import CheckReport, validate_checkpoint
 from relay.common.errors import CheckpointError, RelayError
+from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_stamp
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -81,13 +83,17 @@ def find_resume_point(run_dir: Path, *,
     valid. Raises when checkpoints existed and none is valid anywhere.
     """
     run_dir = Path(run_dir)
+    if done := swap.recover(run_dir):  # a reshard killed mid-swap: global_step_N whole again first
+        print(f"[relay] {done}", flush=True)
     point = ResumePoint(0)
+    seen = _tracker_bytes(run_dir)  # what every tracker move below expects to find: a compare-and-swap
     try:
         tracker = layout.read_tracker(run_dir)
     except CheckpointError as e:
         tracker = None
         point.quarantined.append({"step": None, "check": "structure", "detail": e.what, "path": None})
-        _set_aside_tracker(run_dir)
+        _set_aside_tracker(run_dir, seen)
+        seen = None
     candidates = sorted((s for s, p in layout.step_dirs(run_dir).items() if not layout.is_rotation_leftover(p)),
                         reverse=True)
     if tracker is not None and tracker not in candidates:
@@ -102,8 +108,17 @@ def find_resume_point(run_dir: Path, *,
                 point.step, point.restored_from = restored
                 return point
             if tracker != step:
+                fault_point("before_fallback", step)
                 with Lease(run_dir).locked(f"pointing the tracker back at step {step}"):
-                    layout.write_tracker(run_dir, step)
+                    now = _tracker_bytes(run_dir)
+                    if now == seen:
+                        layout.write_tracker(run_dir, step)
+                if now != seen:  # a commit (a live job's) moved it while the candidates were validated
+                    print(f"[relay] the tracker moved to step {_shown(now)} while step {step} was validated to fall "
+                          "back to: it is left as it is, and resuming is looked at again from there", flush=True)
+                    again = find_resume_point(run_dir, restore=restore, smoke=smoke)
+                    again.quarantined[:0] = point.quarantined
+                    return again
                 record_event(run_dir, "fallback", step=step, tracker_was=tracker)
             point.step, point.report = step, report
             return point
@@ -118,7 +133,7 @@ def find_resume_point(run_dir: Path, *,
             point.step, point.restored_from = restored
             return point
     if point.quarantined or quarantined(run_dir):
-        _set_aside_tracker(run_dir)
+        _set_aside_tracker(run_dir, seen)
         why = "; ".join(f"step {q['step']}: {q['check']} failed: {q['detail']}" for q in point.quarantined)
         raise CheckpointError(
             f"run {run_dir.name} has no valid checkpoint left ({why or 'all were quarantined earlier'}); "
@@ -141,11 +156,24 @@ def _restore_newer(restore, run_dir: Path, step: int) -> tuple[int, str] | None:
         return None
 
 
-def _set_aside_tracker(run_dir: Path) -> None:
-    """A tracker that names nothing valid must not survive: verl would start from scratch with it."""
+def _tracker_bytes(run_dir: Path) -> bytes | None:
+    """The tracker as it is now, whatever it holds (None: no tracker)."""
+    try:
+        return layout.tracker_path(run_dir).read_bytes()[:layout.TRACKER_MAX_BYTES + 1]
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
+def _shown(tracker: bytes | None) -> str:
+    return tracker.decode("utf-8", "replace").strip()[:20] if tracker is not None else "none"
+
+
+def _set_aside_tracker(run_dir: Path, seen: bytes | None) -> None:
+    """A tracker that names nothing valid must not survive: verl would start from scratch with it. Only the
+    tracker that was refused (`seen`) is set aside: one a commit wrote since is left alone."""
     t = layout.tracker_path(run_dir)
     with Lease(run_dir).locked("setting a refused tracker aside"):
-        if t.exists():
+        if t.exists() and _tracker_bytes(run_dir) == seen:
             dest = layout.relay_dir(run_dir, QUARANTINE, f"{layout.TRACKER}.{int(time.time() * 1e3)}")
             dest.parent.mkdir(parents=True, exist_ok=True)
             t.rename(dest)

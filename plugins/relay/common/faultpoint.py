@@ -16,6 +16,9 @@ KILL_ENV = "RELAY_FAULT_KILL_AT"  # <phase>@<step>: the process SIGKILLs itself 
 # <phase>@<step>: the process caps its own address space (RELAY_FAULT_ALLOC_MB above what it uses, default 256)
 # and allocates until Python raises MemoryError, as a trainer that exhausts a memory limit does
 ALLOC_ENV = "RELAY_FAULT_ALLOC_AT"
+# <what>[,<what>...]: what the system refuses, as some do (rename_exchange: renameat2's RENAME_EXCHANGE, EINVAL
+# on NFS and other filesystems), so that the fallback a refusal takes is tested where the system allows it
+REFUSE_ENV = "RELAY_FAULT_REFUSE"
 # The trainer's points, in the order a step reaches them (the kill matrix draws from these). A publish
 # has one more: publish_files, its files uploaded, its manifest and `latest` not yet.
 FAULT_PHASES = ("after_step", "mid_save", "before_fsync", "before_rename", "after_rename", "after_tracker")
@@ -46,6 +49,11 @@ def fault_point(phase: str, step: int) -> None:
     go = Path(f"{once}.go") if once else None
     while time.time() < deadline and not (go and go.exists()):
         time.sleep(0.05)
+
+
+def refused(what: str) -> bool:
+    """Whether the fault suite makes the system refuse `what` here (RELAY_FAULT_REFUSE); one lookup when unset."""
+    return what in os.environ.get(REFUSE_ENV, "").split(",")
 
 
 def exhaust_memory(headroom_mb: int) -> None:

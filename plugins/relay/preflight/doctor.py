@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from relay.checkpoints import swap
 from relay.checkpoints.resume import quarantined
 from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import RelayError
@@ -69,6 +70,13 @@ def _changes(run: Run, topic: str | None = None) -> list[guard.Change]:
         return []
     changes = guard.compare(recorded, guard.snapshot(run.spec, run.dir))
     return [c for c in changes if topic is None or _topic(c.key) == topic]
+
+
+def interrupted_swap(run: Run) -> Finding | None:
+    """A reshard killed while it swapped a step folder: finished or undone here, before anything looks at it."""
+    done = swap.recover(run.dir) if run.dir.is_dir() else None
+    return Finding("interrupted reshard", True, done, "nothing: the step folder is whole again; run `relay checkpoint "
+                   f"reshard {run.dir} ...` again if its reshard was undone", warning=True) if done else None
 
 
 def checkpoint(run: Run, store=None, *, deep: bool = True) -> Finding:
@@ -288,8 +296,9 @@ def _recorded(run: Run) -> bool:
 
 def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
     """The whole checklist, cheap checks first where it matters little."""
-    findings = [checkpoint(run, store, deep=deep), live(run, jobs), model(run), parallelism(run), algorithm(run),
-                data(run), settings(run), attention(run), last_failure(run), save_interval(run)]
+    findings = [interrupted_swap(run), checkpoint(run, store, deep=deep), live(run, jobs), model(run),
+                parallelism(run), algorithm(run), data(run), settings(run), attention(run), last_failure(run),
+                save_interval(run)]
     return [f for f in findings if f is not None]
 
 
