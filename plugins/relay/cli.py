@@ -1,4 +1,4 @@
-"""`python -m relay ...`: the core, from a terminal. Exit codes: 0 ok, 1 failed/invalid, 2 usage error.
+"""`python -m relay ...`: the core, from a terminal.
 
 Standard AWS environment variables configure S3 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from relay.checkpoints import preview
 from relay.checkpoints.gate import admit_dir
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step, validate_checkpoint
-from relay.common.errors import RelayError, StoreError
+from relay.common.errors import RelayError, StoreError, UsageError
 from relay.data import quality
 from relay.data.diff import diff
 from relay.data.fingerprint import fingerprint
@@ -35,6 +35,71 @@ from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, parse_uri, s3_client, store_for_spec, upload_args
 from relay.trainers.contract import ChunkRequest, run_chunk
 from relay.trainers.verl_ppo.tiny_model import make_tiny_model
+
+EXIT_CODES = ("exit codes: 0 success; 1 a finding (a checkpoint, tracker or parquet file that exists but is corrupt, "
+              "truncated, empty or unsafe; an audit that diverged; a resume that doctor finds unsafe; a command that "
+              "failed); 2 usage (bad arguments, or a path that does not exist or is not what the command takes)")
+
+
+FIX = "\n  What to do: "  # how a RelayError prints what to do, in a usage error too
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, its usage errors said as Relay's errors are (what is wrong, then what to do), exit 2."""
+
+    def error(self, message: str):
+        what, _, fix = message.partition(FIX)
+        self.exit(2, f"relay: {what}{FIX}{f'{fix} (`{self.prog} --help`)' if fix else f'see `{self.prog} --help`'}\n")
+
+
+def _path(kind: str, what: str):
+    """An argparse type: a path that exists and is a `kind` ("folder" or "file"), else a usage error naming it."""
+
+    def check(value: str) -> str:
+        p = Path(value)
+        if not p.exists():
+            raise argparse.ArgumentTypeError(f"{value} does not exist{FIX}give {what}")
+        if (kind == "folder") != p.is_dir():
+            raise argparse.ArgumentTypeError(f"{value} is not a {kind}{FIX}give {what}")
+        return value
+
+    return check
+
+
+def _s3_uri(value: str) -> str:
+    """An argparse type: s3://BUCKET/PREFIX."""
+    try:
+        parse_uri(value)
+    except RelayError as e:
+        raise argparse.ArgumentTypeError(f"{e.what}{FIX}{e.fix}" if e.fix else e.what) from None
+    return value
+
+
+def _s3_uri_or(local):
+    """An argparse type: an s3:// URI, or what `local` accepts."""
+    return lambda value: _s3_uri(value) if value.startswith("s3://") else local(value)
+
+
+def _new_folder(value: str) -> str:
+    """An argparse type: a folder to write into, which may not exist yet but is not a file."""
+    if Path(value).exists() and not Path(value).is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is not a folder{FIX}give a folder to write into")
+    return value
+
+
+def _world_size(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a world size is a number of processes, at least 1{FIX}give "
+                                         "the number of GPUs (processes) the next chunk trains on")
+    return n
+
+
+RUN_FOLDER = "the run's checkpoint folder (<checkpoint_dir>/<run>, verl's default_local_dir)"
+PARQUET = "a parquet file"
 
 
 def _spec(path: str, check_environment: bool = True):
@@ -345,7 +410,7 @@ def cmd_report(args) -> int:
 def cmd_audit(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / layout.METRICS).is_file():
-        raise RelayError(f"{run_dir} has no {layout.METRICS}: not a run folder, or nothing trained yet",
+        raise UsageError(f"{run_dir} has no {layout.METRICS}: not a run folder, or nothing trained yet",
                          "give the run's folder, <checkpoint_dir>/<run>")
     tolerance = _spec(args.spec).audit.tolerance if args.spec else None
     result = audit(run_dir, tolerance)
@@ -379,7 +444,7 @@ def cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # `relay ...` (the console script) or `python -m relay ...`: usage lines name what was typed
     prog = "python -m relay" if sys.argv[0].endswith("__main__.py") else "relay"
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = _Parser(prog=prog, description=__doc__, epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("plan", help="print a spec's chunk plan and what a run has done")
@@ -417,13 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     ms = s.add_subparsers(dest="model_command", required=True)
     c = ms.add_parser("tiny", help="write a tiny verl-ready model (a 2-layer Qwen2 and a byte-level tokenizer with a "
                                    "chat template) into a new folder, with no download: the same bytes every time")
-    c.add_argument("dir")
+    c.add_argument("dir", type=_new_folder)
     c.set_defaults(func=cmd_model_tiny)
 
     s = sub.add_parser("checkpoint", help="checkpoint commands")
     cs = s.add_subparsers(dest="checkpoint_command", required=True)
     c = cs.add_parser("validate", help="validate a run's checkpoint (default: the one the tracker names)")
-    c.add_argument("dir", help="the run's checkpoint folder (verl's default_local_dir)")
+    c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
     c.add_argument("--step", type=int)
     c.add_argument("--quick", action="store_true",
                    help="structure, consistency and integrity only (default: every level but smoke: also load every "
@@ -439,35 +504,36 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_validate)
     c = cs.add_parser("publish", help="validate, then publish a checkpoint to s3://BUCKET/PREFIX/<run>/")
-    c.add_argument("dir")
-    c.add_argument("uri", help="s3://BUCKET/PREFIX")
+    c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
+    c.add_argument("uri", type=_s3_uri, help="s3://BUCKET/PREFIX")
     c.add_argument("--step", type=int, help="default: the tracker's")
     c.add_argument("--run", help="run name (default: the folder's name)")
     _upload_options(c)
     c.set_defaults(func=cmd_checkpoint_publish)
     c = cs.add_parser("restore", help="restore the newest valid published checkpoint into DIR")
-    c.add_argument("uri", help="s3://BUCKET/PREFIX")
-    c.add_argument("dir")
+    c.add_argument("uri", type=_s3_uri, help="s3://BUCKET/PREFIX")
+    c.add_argument("dir", type=_new_folder)
     c.add_argument("--step", type=int, help="newest at or below this step")
     c.add_argument("--run", help="run name (default: DIR's name)")
     c.set_defaults(func=cmd_checkpoint_restore)
     c = cs.add_parser("reshard", help="write a valid checkpoint of verl's FSDP at another world size (number of GPUs): "
                                       "in place, the original kept in .relay/resharded/, or into --out")
-    c.add_argument("dir", help="the run's checkpoint folder (verl's default_local_dir)")
-    c.add_argument("--world-size", type=int, required=True, help="the number of processes (GPUs) to resume on")
+    c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
+    c.add_argument("--world-size", type=_world_size, required=True, help="the number of processes (GPUs) to resume on")
     c.add_argument("--step", type=int, help="default: the tracker's")
     c.add_argument("--out", help="write the resharded step into this run folder instead; the source is not touched")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_reshard)
     c = cs.add_parser("ls", help="list published checkpoints under s3://BUCKET/PREFIX")
-    c.add_argument("uri")
+    c.add_argument("uri", type=_s3_uri)
     c.add_argument("--run")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_ls)
 
     c = cs.add_parser("inspect", help="what a resume would load: step, epoch, dataloader position, LR, RNG, "
                                       "parallelism, parameters, files and checksums (nothing is unpickled)")
-    c.add_argument("source", help="a run folder, a global_step_N folder, or s3://BUCKET/PREFIX/RUN[/global_step_N]")
+    c.add_argument("source", type=_s3_uri_or(_path("folder", "a run folder, a global_step_N folder or an s3:// URI")),
+                   help="a run folder, a global_step_N folder, or s3://BUCKET/PREFIX/RUN[/global_step_N]")
     c.add_argument("--step", type=int, help="default: the tracker's (the published latest for S3)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_inspect)
@@ -483,23 +549,24 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("data", help="training data: quality checks, freeze, diff")
     ds = s.add_subparsers(dest="data_command", required=True)
     c = ds.add_parser("check", help="run the verl RL data-quality suite (great-expectations) on a parquet file")
-    c.add_argument("parquet")
+    c.add_argument("parquet", type=_path("file", PARQUET))
     c.add_argument("--suite", action="append", help="extra expectations file (YAML), repeatable")
     c.add_argument("--min-rows", type=int, default=1, help="fewest rows acceptable (a run uses train_batch_size)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_data_check)
     c = ds.add_parser("freeze", help="fingerprint a parquet file and upload it to s3://BUCKET/PREFIX/data/<sha256>")
-    c.add_argument("parquet")
-    c.add_argument("uri")
+    c.add_argument("parquet", type=_path("file", PARQUET))
+    c.add_argument("uri", type=_s3_uri)
     _upload_options(c)
     c.set_defaults(func=cmd_data_freeze)
     c = ds.add_parser("diff", help="what changed from PARQUET_A to PARQUET_B (exit 0 when identical)")
-    c.add_argument("a")
-    c.add_argument("b")
+    c.add_argument("a", type=_path("file", PARQUET))
+    c.add_argument("b", type=_path("file", PARQUET))
     c.set_defaults(func=cmd_data_diff)
 
     s = sub.add_parser("report", help="a run's report: plots, chunk table, fingerprints (report.html + report.png)")
-    s.add_argument("source", help="a run folder (<checkpoint_dir>/<run>) or s3://BUCKET/PREFIX/RUN")
+    s.add_argument("source", type=_s3_uri_or(_path("folder", "a run folder or s3://BUCKET/PREFIX/RUN")),
+                   help="a run folder (<checkpoint_dir>/<run>) or s3://BUCKET/PREFIX/RUN")
     s.add_argument("--out", help="output folder (default: <run>/.relay/report/; ./report-<run>/ for S3)")
     s.add_argument("--json", action="store_true", help="the report as JSON on stdout and nothing else (goodput, "
                                                        "chunks, audit, save interval); no files unless --out")
@@ -507,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("audit", help="the replay audit: each step trained twice (after a resume) against its first "
                                      "try; exit 0 consistent, 1 diverged")
-    s.add_argument("run_dir", help="a run folder (<checkpoint_dir>/<run>)")
+    s.add_argument("run_dir", type=_path("folder", "a run folder (<checkpoint_dir>/<run>)"),
+                   help="a run folder (<checkpoint_dir>/<run>)")
     s.add_argument("--spec", help="the run's spec: its audit.tolerance (default: every metric exact)")
     s.add_argument("--json", action="store_true", help="the audit as JSON on stdout, and nothing else")
     s.set_defaults(func=cmd_audit)

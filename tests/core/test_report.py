@@ -128,7 +128,7 @@ def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
 @pytest.mark.services
 def test_a_report_from_an_s3_run_without_metrics_says_what_to_do(tmp_path):
     r = relay_cli("report", "s3://relay/nothing-here/r", "--out", str(tmp_path))
-    assert r.returncode == 1 and "no metrics.jsonl or events.jsonl under s3://relay/nothing-here/r/" in r.stderr
+    assert r.returncode == 2 and "no metrics.jsonl or events.jsonl under s3://relay/nothing-here/r/" in r.stderr
 
 
 def test_the_run_report_link_is_declared_on_the_operator(resumed, monkeypatch):

@@ -170,9 +170,9 @@ def test_the_cli_reshards_and_refuses_bad_input(written, tmp_path):
     assert not layout.relay_dir(run, "resharded").exists(), "--out touches nothing of the source"
 
     r = relay_cli("checkpoint", "reshard", str(run), "--world-size", "0")
-    assert r.returncode == 1 and "at least 1" in r.stderr
+    assert r.returncode == 2 and "at least 1" in r.stderr
     r = relay_cli("checkpoint", "reshard", str(run), "--world-size", "2")
-    assert r.returncode == 1 and "already at world size 2" in r.stderr
+    assert r.returncode == 2 and "already at world size 2" in r.stderr
     (layout.step_dir(run, 1) / "actor" / "optim_world_size_2_rank_1.pt").unlink()
     r = relay_cli("checkpoint", "reshard", str(run), "--world-size", "4")
     assert r.returncode == 1 and "not a valid checkpoint" in r.stderr and "optim_world_size_2_rank_1.pt" in r.stderr

@@ -46,7 +46,7 @@ from typing import Any, Iterator
 
 from relay.checkpoints import manifest, swap
 from relay.checkpoints.safeload import is_sharded_record, load
-from relay.common.errors import CheckpointError
+from relay.common.errors import CheckpointError, UsageError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
 from relay.runs import layout
@@ -127,7 +127,7 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
     src = layout.step_dir(run_dir, step)
     k = report.world_size
     if k == world_size:
-        raise CheckpointError(f"{src} is already at world size {k}", "nothing to do")
+        raise UsageError(f"{src} is already at world size {k}", "nothing to do")
     fsdp_version = int(report.fsdp_version or 0)
     if fsdp_version not in (1, 2):
         raise CheckpointError(f"{src}/actor/fsdp_config.json records FSDP version {report.fsdp_version!r}; "

@@ -32,6 +32,13 @@ class SpecError(RelayError):
         super().__init__(f"run spec {where}: {problem}", fix)
 
 
+class UsageError(RelayError):
+    """What a command was given is not what it takes (a folder that holds no run, a request that does not apply):
+    nothing was looked at or changed."""
+
+    exit_code = 2
+
+
 class RunError(RelayError):
     """A training run cannot be started or continued as asked (bad name, unguarded fresh start...)."""
 

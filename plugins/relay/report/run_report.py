@@ -29,7 +29,7 @@ from typing import Any
 
 from relay.checkpoints import manifest
 from relay.checkpoints.resume import quarantined
-from relay.common.errors import RelayError
+from relay.common.errors import UsageError
 from relay.common.redaction import redact
 from relay.common.timestamps import epoch
 from relay.runs import goodput, layout
@@ -60,8 +60,8 @@ MARKER_STYLE = {  # kind -> (colour, line style)
 }
 
 
-class ReportError(RelayError):
-    """A run report cannot be built: nothing recorded where it was looked for."""
+class ReportError(UsageError):
+    """A run report cannot be built: nothing recorded where it was looked for (not a run's folder or prefix)."""
 
 
 @dataclass(frozen=True)
