@@ -86,7 +86,8 @@ def render(rows: list[dict], sources: list[Path], wall: int | None = None, worke
         "uninterrupted run with the same seed, and that the steps lost are at most the steps since the last "
         "valid checkpoint. *Steps lost*: steps trained before the fault and trained again after it. *Cause as "
         "classified*: what Relay's failure classification (relay.runs.failure_cause) named each attempt the fault "
-        "ended; none when no attempt failed.",
+        "ended; none when no attempt failed. *Data lost*: a step's metrics row, a committed checkpoint that no "
+        "newer published one covers, or a frozen data copy, found neither in the run's folder nor in S3.",
         "",
         "| fault | what Relay did | cause as classified | steps lost | data lost | layer | test | result |",
         "|---|---|---|---|---|---|---|---|",

@@ -31,6 +31,7 @@ from relay.runs.phases import record_job_times
 from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
 from relay.runs.spec import load_spec
+from relay.s3 import history
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, parse_uri, s3_client, store_for_spec, upload_args
 from relay.trainers.contract import ChunkRequest, run_chunk
@@ -279,7 +280,9 @@ def cmd_checkpoint_publish(args) -> int:
     if not admission.ok:
         print(admission.explain(), file=sys.stderr)
         return 1
-    result = _store(args.uri, args).publish(args.run or run_dir.name, run_dir, step)
+    store = _store(args.uri, args)
+    result = store.publish(args.run or run_dir.name, run_dir, step)
+    history.publish(store, args.run or run_dir.name, run_dir)
     print(f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
           f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "
           f"{result.seconds:.1f}s; latest {'-> ' + str(step) if result.latest_moved else 'unchanged'}")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, s3_client
-from support.faults import ForkServer
+from support.faults import ForkServer, data_lost
 from support.helpers import assert_bitwise_equal, model_state, write_spec
 from support.s3proxy import FaultyS3Proxy
 
@@ -82,6 +83,7 @@ def test_s3_answering_500_and_503_for_a_while_costs_nothing(world, fault_row):
     assert store.latest("flaky")["step"] == 6
     store.verify("flaky", store.manifest("flaky", 6))
     assert_bitwise_equal(model_state(host_b / f"global_step_{STEPS}"), world["baseline"])
+    assert data_lost(host_b, store) == "no", "the run's history came back with its checkpoint"
     fault_row(case="s3-errors", layer="trainer + S3 (proxy)",
               fault=f"S3 answers 500 InternalError and 503 SlowDown to every third request ({injected} errors) "
                     "during a publish and a restore",
@@ -127,6 +129,13 @@ def test_a_new_worker_host_with_an_empty_checkpoint_dir_restores_from_s3(world, 
     log = world["last_log"].read_text()
     assert "restored step 6 from s3://" in log and "resumes from step 6" in log
     assert_bitwise_equal(model_state(host_b / f"global_step_{STEPS}"), world["baseline"])
+    # The run's history came back with its checkpoint: each step's row (steps 7-9 of host A, trained again on
+    # host B, as first tries in metrics.superseded.jsonl), host A's events before B's.
+    assert data_lost(host_b, _store(world)) == "no"
+    assert [r["step"] for r in read_jsonl(host_b / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in read_jsonl(host_b / SUPERSEDED)] == [7, 8, 9]
+    starts = [e["resumed_from"] for e in read_events(host_b) if e["event"] == "chunk_start"]
+    assert starts == [0, 6], "host A's chunk start, then host B's"
     fault_row(case="new-worker-host", fault="the next chunk runs on a host whose checkpoint folder has no "
                                             "checkpoint (host A, with unpublished step 9, is gone)",
               action="no valid local checkpoint: restored the newest valid published one of the run's own "

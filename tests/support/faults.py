@@ -62,9 +62,10 @@ def data_lost(run_dir: Path, store=None) -> str:
 
     The run's data: one metrics row for every step up to its tracker (steps trained again after a resume
     keep their first rows in metrics.superseded.jsonl); every checkpoint a trainer committed or a restore
-    brought (events.jsonl), unless retention deleted it on purpose, still whole in the folder (structure
-    and integrity), published in S3, or set aside by a check (.relay/quarantine, .relay/superseded); and
-    the frozen data copies the run record names, in the folder or in S3."""
+    brought (events.jsonl), unless retention deleted it on purpose or a newer published checkpoint covers it
+    (a mid-chunk save that lived only on a host that is gone), still whole in the folder (structure and
+    integrity), published in S3, or set aside by a check (.relay/quarantine, .relay/superseded); and the
+    frozen data copies the run record names, in the folder or in S3."""
     import re
 
     from relay.checkpoints.validate import validate_checkpoint
@@ -86,7 +87,8 @@ def data_lost(run_dir: Path, store=None) -> str:
     aside = {int(m.group(1)) for corner in ("quarantine", "superseded")
              for p in (layout.relay_dir(run_dir, corner).iterdir() if layout.relay_dir(run_dir, corner).is_dir() else ())
              if (m := re.match(r"global_step_(\d+)\.", p.name))}
-    for step in sorted(committed - retired - published - aside):
+    covered = {s for s in committed if any(p > s for p in published)}
+    for step in sorted(committed - retired - published - aside - covered):
         if not (layout.step_dir(run_dir, step).is_dir()
                 and validate_checkpoint(run_dir, step, upto="integrity").ok):
             missing.append(f"checkpoint step {step}")

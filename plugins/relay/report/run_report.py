@@ -36,9 +36,10 @@ from relay.runs import goodput, layout
 from relay.runs.audit import AuditReport, audit
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 from relay.runs.plan import ChunkPlan
-from relay.runs.record import RECORD, read_record
+from relay.runs.record import read_record
 from relay.runs.run import Run
 from relay.runs.save_interval import SaveInterval, save_interval
+from relay.s3 import history
 from relay.s3.store import CheckpointStore, parse_uri, s3_client
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
@@ -617,11 +618,7 @@ def publish(run: Run, store, out_dir: Path | None = None) -> dict[str, str]:
     out = {"summary": redact(report.summary()), "html": str(paths["html"]), "png": str(paths["png"])}
     if store is None:
         return out
-    for name in (layout.METRICS, SUPERSEDED, layout.EVENTS):
-        if (run_dir / name).is_file():
-            # One read, one PUT: the next chunk's trainer may be appending to the file right now.
-            store.put_bytes(store.run_key(run.name, name), (run_dir / name).read_bytes(), "application/x-ndjson")
-    store.put_json(store.run_key(run.name, RECORD), read_record(run_dir))
+    history.publish(store, run.name, run_dir)
     out["png_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, PNG), paths["png"].read_bytes(),
                                      "image/png")
     out["html_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, HTML), paths["html"].read_bytes(),
@@ -655,12 +652,7 @@ def from_s3(uri: str, workdir: Path, client=None) -> Report:
         raise ReportError(f"{uri} names no run", "give s3://BUCKET/PREFIX/RUN (as `checkpoint ls` lists them)")
     store = CheckpointStore(client or s3_client(), f"s3://{bucket}/{prefix}")
     run_dir = Path(workdir) / run
-    got = []
-    for name, dest in ((layout.METRICS, run_dir / layout.METRICS), (SUPERSEDED, run_dir / SUPERSEDED),
-                       (layout.EVENTS, run_dir / layout.EVENTS), (RECORD, layout.relay_dir(run_dir, RECORD))):
-        if store.head(store.run_key(run, name)) is not None:
-            store.download_object(store.run_key(run, name), dest)
-            got.append(name)
+    got = history.fetch(store, run, run_dir)
     if layout.METRICS not in got and layout.EVENTS not in got:
         raise ReportError(f"no {layout.METRICS} or {layout.EVENTS} under {uri}/",
                           "they are published with the report after each chunk's publish task; for a run "

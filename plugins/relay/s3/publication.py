@@ -16,6 +16,7 @@ from relay.common.errors import CheckpointError
 from relay.runs import layout
 from relay.runs.metrics import record_event
 from relay.runs.run import Run
+from relay.s3 import history
 from relay.s3.store import CheckpointStore
 
 HF_DIR = layout.HF_DIR
@@ -71,6 +72,7 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
     spec, run_dir = run.spec, run.dir
     t0 = time.time()
     r = store.publish(run.name, run_dir, step)
+    history.publish(store, run.name, run_dir)  # restored with the checkpoint on a host that lost the folder
     pub = Publication(run.name, step, r.uri, f"{r.uri}relay_manifest.json", len(r.uploaded), len(r.skipped),
                       r.bytes_uploaded, round(r.seconds, 3), r.latest_moved)
     policy = spec.checkpoints

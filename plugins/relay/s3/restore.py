@@ -23,6 +23,7 @@ from relay.runs.metrics import record_event
 from relay.runs.record import VERSION as RECORD_VERSION
 from relay.runs.record import folder_incarnation, incarnation_of, write_record
 from relay.runs.run import Run
+from relay.s3 import history
 from relay.s3.store import CheckpointStore, StoreError, store_for_spec
 
 
@@ -82,6 +83,7 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
             layout.write_tracker(run_dir, m.step)
             if local is None:
                 _restore_record(store, run, run_dir, incarnation, uri)
+            history.restore(store, run, run_dir, m.step)  # each step's row and every event, not only the weights
         record_event(run_dir, "restore", step=m.step, uri=uri)
         return m.step, uri
     return None

@@ -1,0 +1,97 @@
+"""A run's history beside its checkpoints in S3: its metrics rows (metrics.jsonl, and the first tries of steps
+trained again, metrics.superseded.jsonl), its events (events.jsonl) and its record (.relay/run.json).
+
+It is published with each checkpoint, so that a run resumed on a host that lost its folder (restored from S3)
+keeps every step's row and every event, not only its weights; and with the report, which is rebuilt from it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from relay.runs import layout
+from relay.runs.metrics import SUPERSEDED, read_jsonl
+from relay.runs.record import RECORD, read_record
+from relay.s3.store import CheckpointStore
+
+ROWS = (layout.METRICS, SUPERSEDED, layout.EVENTS)  # JSONL, one row a line
+
+
+def where(run_dir: Path, name: str) -> Path:
+    """Where a history file lives in a run folder."""
+    return layout.relay_dir(run_dir, RECORD) if name == RECORD else Path(run_dir) / name
+
+
+def publish(store: CheckpointStore, run: str, run_dir: Path) -> list[str]:
+    """Put the run's history under <prefix>/<run>/; the names put."""
+    put = []
+    for name in ROWS:
+        path = where(run_dir, name)
+        if path.is_file():
+            # One read, one PUT: the next chunk's trainer may be appending to the file right now.
+            store.put_bytes(store.run_key(run, name), path.read_bytes(), "application/x-ndjson")
+            put.append(name)
+    record = read_record(run_dir)
+    if record:
+        store.put_json(store.run_key(run, RECORD), record)
+        put.append(RECORD)
+    return put
+
+
+def fetch(store: CheckpointStore, run: str, run_dir: Path) -> list[str]:
+    """Download the run's published history into `run_dir`, laid out as a run folder; the names found."""
+    got = []
+    for name in (*ROWS, RECORD):
+        if store.head(store.run_key(run, name)) is not None:
+            store.download_object(store.run_key(run, name), where(run_dir, name))
+            got.append(name)
+    return got
+
+
+def restore(store: CheckpointStore, run: str, run_dir: Path, step: int) -> list[str]:
+    """After a restore brought checkpoint `step` into `run_dir`: bring back the history the folder lacks (a new
+    host's folder lacks all of it). Rows of steps up to `step` that the folder has no row of are taken from S3;
+    S3's rows of later steps become first tries (metrics.superseded.jsonl), since they are trained again from
+    `step`; events and first tries the folder lacks are added, in time order. What the folder holds is kept."""
+    with tempfile.TemporaryDirectory(dir=layout.relay_dir(run_dir)) as tmp:
+        got = [n for n in fetch(store, run, Path(tmp)) if n in ROWS]
+        published = {name: read_jsonl(where(Path(tmp), name)) for name in got}
+    if not published:
+        return []
+    local = {name: read_jsonl(where(run_dir, name)) for name in ROWS}
+    rows = {r.get("step"): r for r in local[layout.METRICS]}
+    again = []
+    for r in published.get(layout.METRICS, []):
+        if r.get("step") in rows:
+            continue
+        if isinstance(r.get("step"), int) and r["step"] <= step:
+            rows[r["step"]] = r
+        else:
+            again.append(dict(r, superseded_by=f"a restore of step {step}"))
+    merged = {
+        layout.METRICS: sorted(rows.values(), key=lambda r: r.get("step") or 0),
+        SUPERSEDED: _union(local[SUPERSEDED], published.get(SUPERSEDED, []) + again),
+        layout.EVENTS: sorted(_union(local[layout.EVENTS], published.get(layout.EVENTS, [])),
+                              key=lambda e: str(e.get("time", ""))),
+    }
+    changed = []
+    for name, new in merged.items():
+        if new != local[name]:
+            layout.atomic_write(where(run_dir, name), "".join(json.dumps(r, sort_keys=True) + "\n"
+                                                               for r in new).encode())
+            changed.append(name)
+    return changed
+
+
+def _union(mine: list[dict], theirs: list[dict]) -> list[dict]:
+    """Mine, then theirs that mine lacks (the same row twice is one row)."""
+    seen = {json.dumps(r, sort_keys=True) for r in mine}
+    out = list(mine)
+    for r in theirs:
+        key = json.dumps(r, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
