@@ -69,14 +69,39 @@ def test_an_event_after_a_torn_line_is_not_lost(tmp_path, capsys):
     assert '"chu\n' in (tmp_path / layout.EVENTS).read_text()  # the torn line is kept, on a line of its own
 
 
-def test_events_from_many_writers_are_whole_lines(tmp_path):
-    threads = [threading.Thread(target=lambda i=i: [record_event(tmp_path, "save", step=i * 100 + k)
-                                                    for k in range(50)]) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(e["step"] for e in read_events(tmp_path)) == sorted(i * 100 + k for i in range(4) for k in range(50))
+WRITER = """
+import contextlib, sys
+sys.path.insert(0, sys.argv[1])
+from relay.runs import metrics
+if sys.argv[4] == "unlocked":  # the control: the same writer without its lock
+    metrics.file_lock = lambda *a, **k: contextlib.nullcontext()
+for k in range(int(sys.argv[3])):
+    metrics.record_event(sys.argv[2], "save", writer=sys.argv[5], k=k, pad="x" * 6000)
+"""
+
+
+def _write_events_from_processes(run_dir, lock: str, writers: int = 4, each: int = 150) -> list[dict]:
+    run_dir.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, PLUGINS, str(run_dir), str(each), lock, str(w)])
+             for w in range(writers)]
+    for p in procs:
+        assert p.wait(60) == 0
+    return read_events(run_dir)
+
+
+def test_events_from_many_processes_are_whole_lines_and_none_is_lost(tmp_path, capsys):
+    """Writers on several hosts share events.jsonl (a trainer on a Ray node, the gate in an Airflow worker), where
+    an append is not atomic (NFS): each line, longer than PIPE_BUF here, is written at the file's end under the
+    run folder's lock. Without the lock, the same writers lose lines."""
+    events = _write_events_from_processes(tmp_path / "locked", "locked")
+    assert sorted((e["writer"], e["k"]) for e in events) == [(str(w), k) for w in range(4) for k in range(150)]
+    assert all(len(e["pad"]) == 6000 for e in events)
+    for w in range(4):
+        assert [e["k"] for e in events if e["writer"] == str(w)] == list(range(150)), "each writer's lines in order"
+    assert "unreadable" not in capsys.readouterr().err
+
+    unlocked = _write_events_from_processes(tmp_path / "unlocked", "unlocked")
+    assert len(unlocked) < 4 * 150, "the control: without the lock, lines are lost"
 
 
 def _step(folder, step, *, actor=True):

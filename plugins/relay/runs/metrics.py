@@ -80,18 +80,21 @@ def record_event(run_dir: Path, event: str, **fields: Any) -> dict:
     """Append a run event (chunk attempt started, resumed from step S, finished...) to events.jsonl.
 
     Writers on several hosts (the trainer on a Ray node, the gate in an Airflow worker) take turns under
-    a lock, each writes its line in one write, and a line torn by a killed writer is closed first, so
-    that it never swallows the next event."""
+    a lock, each writes its line at the file's end, and a line torn by a killed writer is closed first, so
+    that it never swallows the next event. The end is found and written at explicitly, as an NFS client
+    does for O_APPEND: no filesystem is trusted to append atomically, the lock alone orders the writers."""
     row = {"event": event, "time": event_time(), **fields}  # `time` in fields (a time Ray recorded) wins
     path = Path(run_dir) / EVENTS
     line = (json.dumps(row, sort_keys=True) + "\n").encode()
     with file_lock(relay_dir(run_dir, "events.lock"), f"recording the event {event}"):
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 line = b"\n" + line
-            os.write(fd, line)
+            written = 0
+            while written < len(line):
+                written += os.pwrite(fd, line[written:], size + written)
         finally:
             os.close(fd)
     return row
