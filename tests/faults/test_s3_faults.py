@@ -141,3 +141,53 @@ def test_a_new_worker_host_with_an_empty_checkpoint_dir_restores_from_s3(world, 
               action="no valid local checkpoint: restored the newest valid published one of the run's own "
                      "incarnation (step 6) from S3, verified each file's CRC64NVME and validated it, then resumed "
                      "from it", steps_lost=3, run_dir=host_b, store=_store(world))
+
+
+def test_a_restore_leaves_no_download_behind_and_refuses_a_volume_too_small(world, tmp_path):
+    """A restore preallocates each download at full size: a candidate that fails (a damaged object) is removed
+    before the next one is tried; what a killed restore left is removed by the next; and a checkpoint that does
+    not fit on the volume is refused before anything is written, with the bytes needed and free."""
+    import subprocess
+
+    from relay.common.faultpoint import KILL_ENV
+    from relay.runs import layout
+    from support.helpers import relay_cli
+
+    host_a = world["folder"] / "leak-a" / "leak"
+    assert _train(world, host_a, 6, offline=True) == 0
+    for step in (3, 6):
+        assert _publish(world, host_a, step)[0] == 0
+    store, uri = _store(world), world["spec"].s3.uri
+    m6 = store.manifest("leak", 6)
+    rel = max(m6.files, key=lambda r: m6.files[r]["size"])
+    store.client.put_object(Bucket=store.bucket, Key=store.step_key("leak", 6, rel),
+                            Body=b"\0" * m6.files[rel]["size"])  # same size, other bytes: its CRC64NVME differs
+
+    def leftovers(run_dir):
+        staging = layout.relay_dir(run_dir, "staging")
+        return sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
+
+    fresh = tmp_path / "b" / "leak"
+    r = relay_cli("checkpoint", "restore", uri, str(fresh))
+    assert r.returncode == 0 and "restored step 3" in r.stdout, r.stdout + r.stderr
+    assert "skipping" in r.stdout + r.stderr and leftovers(fresh) == [], "the damaged candidate's download is gone"
+
+    killed = tmp_path / "c" / "leak"
+    r = relay_cli("checkpoint", "restore", uri, str(killed), env={KILL_ENV: "restore_downloaded@3"})
+    assert r.returncode == -9 and leftovers(killed) == ["restore-global_step_3"]
+    r = relay_cli("checkpoint", "restore", uri, str(killed))
+    assert r.returncode == 0 and leftovers(killed) == [], r.stdout + r.stderr
+
+    small = tmp_path / "small"
+    small.mkdir()
+    half = store.manifest("leak", 3).total_bytes // 2 // 1024  # KiB: room for half the checkpoint
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={half}k", "tmpfs", str(small)], capture_output=True,
+                             text=True)
+    assert mounted.returncode == 0, f"this case mounts a tmpfs (root or CAP_SYS_ADMIN): {mounted.stderr}"
+    try:
+        r = relay_cli("checkpoint", "restore", uri, str(small / "leak"))
+        assert r.returncode == 1 and "needs" in r.stderr and "bytes" in r.stderr and "free" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and leftovers(small / "leak") == []
+        assert not layout.step_dir(small / "leak", 3).exists()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)

@@ -17,6 +17,7 @@ from typing import Callable
 from relay.checkpoints.resume import quarantine
 from relay.checkpoints.validate import check_file, validate_checkpoint
 from relay.common.errors import CheckpointError
+from relay.common.faultpoint import fault_point
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import record_event
@@ -44,6 +45,7 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
         raise StoreError(f"{run_dir} holds incarnation {local} of run {run}; {store.uri}/{run}/ holds incarnation "
                          f"{incarnation}: restoring would mix two runs under one name",
                          "restore into another folder, or move this one aside first")
+    _remove_leftovers(run_dir)
     for s in sorted(store.steps(run), reverse=True):
         if (step is not None and s > step) or s <= above:
             continue
@@ -59,13 +61,17 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
                 f"{incarnation}")
             continue
         uri = store.step_uri(run, m.step)
-        staging = layout.relay_dir(run_dir, "staging", f"restore-{layout.step_name(m.step)}")
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = layout.relay_dir(run_dir, "staging", f"{RESTORE_STAGING}{layout.step_name(m.step)}")
         try:  # each file is checked (integrity, loadability, numerics) as soon as it is in, while others download
             checked = store.download(run, m, staging, on_file=lambda rel, _path: check_file(staging, rel))
         except CheckpointError as e:
+            shutil.rmtree(staging, ignore_errors=True)  # preallocated at full size: never kept for the next try
             log(f"skipping {uri}: {e.what}")
             continue
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fault_point("restore_downloaded", m.step)
         with Lease(run_dir).locked(f"restoring step {m.step} from {uri}"):
             final = layout.step_dir(run_dir, m.step)
             if final.exists():
@@ -87,6 +93,16 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
         record_event(run_dir, "restore", step=m.step, uri=uri)
         return m.step, uri
     return None
+
+def _remove_leftovers(run_dir: Path) -> None:
+    """What a killed restore left in staging (downloads preallocated at full size): a restore starts clean."""
+    staging = layout.relay_dir(run_dir, "staging")
+    for old in staging.glob(f"{RESTORE_STAGING}*") if staging.is_dir() else ():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+RESTORE_STAGING = "restore-"
+
 
 def _restore_record(store: CheckpointStore, run: str, run_dir: Path, incarnation: str | None, uri: str) -> None:
     """The run record of a folder that a restore filled: the published one (settings snapshot, frozen data),

@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -507,6 +508,7 @@ class CheckpointStore:
         if problems:
             raise CheckpointError(f"download of {self.step_uri(run, m.step)} refused: {'; '.join(problems[:5])}",
                                   "an older published checkpoint is tried next")
+        _refuse_without_space(dest, sum(plan.size for plan in plans), self.step_uri(run, m.step))
         results: dict[str, T] = {}
         try:
             for plan in plans:
@@ -565,6 +567,18 @@ class CheckpointStore:
 
 
 RANGE_READ = 1 << 20  # a range is written as it arrives, 1 MiB at a time: memory stays concurrency x 1 MiB
+
+
+def _refuse_without_space(dest: Path, needed: int, uri: str) -> None:
+    """Before anything is preallocated: the checkpoint must fit on dest's volume."""
+    folder = Path(dest)
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise RelayError(f"restoring {uri} needs {needed:,} bytes in {dest}, and its volume has {free:,} free",
+                         f"free {needed - free:,} bytes or more on that volume (or lower checkpoints.keep_local), then "
+                         "restore again; nothing was written")
 
 
 def download_concurrency() -> int:
