@@ -4,6 +4,8 @@ processes that fail (a reward function that raises, a trainer that exhausts a me
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from relay.common.errors import SpecError
@@ -105,6 +107,80 @@ def test_relays_errors_say_their_cause():
 
     assert [e.cause for e in (SpecError, LeaseLost, DriftError)] == [fc.REFUSED] * 3
     assert [e.cause for e in (StoreError, LockTimeout, DiskFullError)] == [fc.INFRASTRUCTURE] * 3
+
+
+TAILS = Path(__file__).resolve().parents[1] / "data" / "log_tails"  # tests/support/record_log_tails.py
+
+
+def recorded(name: str, step: int | None = 3) -> fc.Cause:
+    """Classify a log tail recorded from a real failure (Ray 2.60, verl 0.9.1) as the train task does."""
+    head, _, rest = (TAILS / f"{name}.txt").read_text().partition("\n--- message ---\n")
+    message, _, tail = rest.partition("\n--- log tail ---\n")
+    code = head.removeprefix("exit_code: ").strip()
+    return fc.classify("FAILED", message, tail, int(code) if code.lstrip("-").isdigit() else None, step=step)
+
+
+def test_a_traceback_outranks_keywords_in_real_log_tails():
+    """An exception in user code is an exception, whatever its message or type says: one that mentions a
+    preemption, a ConnectionRefusedError of a reward function (in verl's reward workers, the chunk's traceback
+    ends in verl's own RuntimeError), so that the same exception at the same step twice stops the retries."""
+    preempted = recorded("ray_exception_mentions_preempted")
+    assert preempted.cause == fc.EXCEPTION, preempted.report()
+    assert preempted.signature == "RuntimeError: reward server unavailable: its spot node was preempted"
+    refused = recorded("ray_user_connection_refused")
+    assert refused.cause == fc.EXCEPTION and refused.signature.startswith("ConnectionRefusedError"), refused.report()
+    verl = recorded("verl_reward_connection_refused", step=1)
+    assert verl.cause == fc.EXCEPTION, verl.report()
+    assert verl.signature.startswith("RuntimeError: Sync replay buffer selected terminal groups"), verl.signature
+    for cause in (preempted, refused, verl):
+        same = {"event": fc.EVENT, "cause": cause.cause, "step": cause.step, "signature": cause.signature}
+        assert fc.repeats(cause, [same]), "the same exception at the same step twice: no more retries"
+
+
+def test_a_host_out_of_memory_on_another_node_is_read_from_rays_own_messages():
+    """No cgroup of this host saw it: Ray's memory monitor killed a task of the job, or the job's supervisor."""
+    for name in ("ray_memory_monitor_kill_task", "ray_memory_monitor_kill_supervisor"):
+        cause = recorded(name)
+        assert cause.cause == fc.HOST_OOM, cause.report()
+        assert any("running low on memory" in line for line in cause.evidence), cause.evidence
+
+
+def test_every_relay_error_says_whether_a_retry_can_help():
+    """An explicit attribute on every error class, and on every bare RelayError raised; the job's cause line
+    carries it, and the policy follows it: verl ending before the chunk's end is retried."""
+    import ast
+    import importlib
+    import pkgutil
+
+    import relay
+    from relay.common.errors import RelayError
+
+    for mod in pkgutil.walk_packages(relay.__path__, "relay."):
+        if not mod.name.startswith(("relay.airflow", "relay.devstack", "relay.__main__")):
+            importlib.import_module(mod.name)
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    undecided = [c.__qualname__ for c in subclasses(RelayError) if c.__module__.startswith("relay.")
+                 and not isinstance(c.retry_helps, bool)]
+    assert not undecided, f"error classes that do not say whether a retry can help: {undecided}"
+    bare = []
+    for path in Path(relay.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RelayError"
+                    and not any(k.arg == "retry_helps" for k in node.keywords)):
+                bare.append(f"{path.name}:{node.lineno}")
+    assert not bare, f"RelayError raised without saying whether a retry can help: {bare}"
+
+    ended = fc.classify("FAILED", "", "[relay] chunk 2 of run r failed: verl ended at step 3, before the chunk's end "
+                                      "step 4\n[relay] cause: unknown (ChunkEndedEarly; a retry can help)", 1)
+    assert fc.policy(ended) != fc.STOP
+    refused = fc.classify("FAILED", "", "[relay] chunk 2 of run r failed: drifted\n"
+                                        "[relay] cause: refused (DriftError; a retry cannot help)", 1)
+    assert refused.cause == fc.REFUSED and fc.policy(refused) == fc.STOP
 
 
 def test_the_same_exception_at_the_same_step_twice_is_deterministic():

@@ -68,6 +68,8 @@ class Answer:
 class DecisionNeeded(RelayError):
     """A task met a decision only a person should make (raised by Relay's task code, caught by its operator)."""
 
+    retry_helps = False
+
     def __init__(self, run: Run, decision: Decision):
         super().__init__(f"run {run}: {decision.subject}", "answer it in the Airflow UI's Required Actions")
         self.run = run

@@ -98,6 +98,6 @@ def drill_env(drill: dict, once_file: Path) -> dict[str, str]:
     if set(drill or {}) != {"kill_at"} or phase not in FAULT_PHASES or not step.isdigit():
         raise RelayError(f"conf relay_fault {str(drill)[:80]!r} is not a drill Relay runs",
                          f"give {{\"kill_at\": \"<phase>@<step>\"}} with a phase among {', '.join(FAULT_PHASES)}, "
-                         "e.g. {\"kill_at\": \"after_step@34\"}")
+                         "e.g. {\"kill_at\": \"after_step@34\"}", retry_helps=False)
     once_file.parent.mkdir(parents=True, exist_ok=True)
     return {KILL_ENV: f"{phase}@{int(step)}", "RELAY_FAULT_ONCE": str(once_file)}

@@ -30,7 +30,7 @@ _local = threading.local()  # .held: {lock path: depth} of this thread
 class LockTimeout(RelayError):
     """A run-folder lock was held by someone else for longer than a writer waits."""
 
-    cause = "infrastructure"
+    retry_helps = True
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ BLOCK = 8 << 20
 class DataError(RelayError):
     """Training data is missing, unreadable, of poor quality, or changed under a run."""
 
+    retry_helps = False
+
 
 @dataclass(frozen=True)
 class Fingerprint:

@@ -48,6 +48,8 @@ class DataQualityError(DataError):
 class QualityCheckError(RelayError):
     """great-expectations itself failed (not the data): the check could not be made."""
 
+    retry_helps = False  # the same data and suite fail the same way
+
 
 @dataclass
 class Failure:

@@ -26,6 +26,8 @@ class DriftError(RelayError):
     """The settings of this chunk differ from the run's recorded ones: `table` says how, key by key; `keys`
     are what allow_drift would name to accept them."""
 
+    retry_helps = False
+
     def __init__(self, what: str, fix: str | None = None, *, table: str = "", keys: Sequence[str] = ()):
         super().__init__(what, fix)
         self.table, self.keys = table, list(keys)

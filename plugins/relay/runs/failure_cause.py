@@ -3,10 +3,14 @@ Airflow retries), the alerts and `relay doctor`.
 
 The evidence is what a person would read: the Ray job's status and message, its driver's exit code (a
 negative code, or 128+N from the shell Ray starts it with, is signal N) and a bounded tail of its log.
-The rules go from the most specific evidence to the least: a line that names the cause (CUDA out of
-memory, a NCCL watchdog, Relay's own `[relay] cause:` line) beats the signal that ended the process, and
-a bare SIGKILL is an OOM kill only with evidence of one (the cgroup's `oom_kill` count rose, or the
-kernel's or Ray's memory monitor said so); otherwise it came from outside (preemption, a lost node).
+The rules go from the most specific evidence to the least: Relay's own `[relay] cause:` line (which also
+says whether a retry can help), then a line that names the cause wherever it is (CUDA out of memory, a
+NCCL watchdog, Ray's memory monitor killing a worker on any node); then a traceback, which outranks
+keywords: the exception it ends in is an exception of the training code, unless its own text says a node
+was lost or a collective timed out, even when its message mentions a preemption or its type is
+ConnectionRefusedError (a reward function's, say). Keywords of infrastructure and lost nodes count only
+without a traceback. A bare SIGKILL is an OOM kill only with evidence of one (the cgroup's `oom_kill` count
+rose); otherwise it came from outside (preemption, a lost node).
 
 Each cause has a policy (spec `airflow.retry_on`, defaults in POLICY): retry; retry after a backoff
 (`airflow.retry_backoff_seconds`); or stop without retrying. An exception raised at the same step with
@@ -70,24 +74,26 @@ CAUSES: dict[str, tuple[str, str, str]] = {
     UNKNOWN: ("unknown: no evidence names a cause", RETRY, "read the job's log below"),
 }
 
-# Relay's own errors name their cause on a line of the job's log (relay.trainers.job).
-RELAY_CAUSE_LINE = re.compile(r"^\[relay\] cause: (\w+)")
+# Relay's own errors name their cause on a line of the job's log (relay.trainers.job), and whether a retry helps.
+RELAY_CAUSE_LINE = re.compile(r"^\[relay\] cause: (\w+)(?: \([\w.]+; a retry (can|cannot) help\))?")
 ACCELERATOR_OOM_LINES = re.compile(
     r"CUDA out of memory|HIP out of memory|NPU out of memory|OutOfMemoryError: (CUDA|HIP|NPU)|"
     r"torch\.cuda\.OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory")
 HOST_OOM_LINES = re.compile(
     r"(^|[^\w.])MemoryError\b|[Cc]annot allocate memory|std::bad_alloc|ray\.exceptions\.OutOfMemoryError|"
-    r"node running low on memory|Out of memory: Killed process|oom-kill")
+    r"node running low on memory|NODE_OUT_OF_MEMORY|Out of memory: Killed process|oom-kill")
 COLLECTIVE_LINES = re.compile(
     r"Watchdog caught collective operation timeout|DistNetworkError|DistStoreError|ProcessGroupNCCL.*[Tt]imeout|"
     r"NCCL (communicator was aborted|error.*[Tt]imeout)|[Gg]loo.*(Timed out|timed out|Connection closed by peer)")
 NODE_LOST_LINES = re.compile(
     r"NodeDiedError|node (\S+ )?(has )?died|node was terminated|The node with node id \S+ .*(died|dead)|"
-    r"raylet (has )?died|ActorDiedError.*node|Node (\S+ )?is dead|preempted", re.IGNORECASE)
+    r"raylet (has )?died|ActorDiedError.*node|Node (\S+ )?is dead", re.IGNORECASE)
+PREEMPTED_LINES = re.compile(r"preempted", re.IGNORECASE)  # a keyword: outranked by a traceback
 INFRA_LINES = re.compile(
     r"EndpointConnectionError|Could not connect to the endpoint URL|ConnectionRefusedError|"
     r"cannot reach the Ray|Ray Jobs API .* unreachable|Failed to connect to GCS|NoCredentialsError")
 LINE_PREFIX = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?|\([\w.:]+ pid=\d+(?:, ip=[\d.]+)?\)\s)+")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours a worker's prefix
 TRACEBACK = "Traceback (most recent call last):"
 EXCEPTION_LINE = re.compile(r"^(?:ray\.exceptions\.RayTaskError\((\w+)\): .*|([A-Za-z_][\w.]*(?:Error|Exception|Exit|"
                             r"Interrupt|Warning)\b)(?::\s?(.*))?)$")
@@ -103,6 +109,7 @@ class Cause:
     evidence: list[str] = field(default_factory=list)
     signature: str | None = None
     exit_code: int | None = None
+    retry_helps: bool | None = None  # what Relay's own error said (None: not said)
 
     @property
     def title(self) -> str:
@@ -155,8 +162,8 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     def found(pattern: re.Pattern) -> list[str]:
         return [ln[:300] for ln in lines + msg_lines if pattern.search(ln)][-3:]
 
-    def made(cause: str, evidence: list[str], signature: str | None = None) -> Cause:
-        return Cause(cause, step, list(dict.fromkeys(evidence)), signature, exit_code)
+    def made(cause: str, evidence: list[str], signature: str | None = None, retry_helps: bool | None = None) -> Cause:
+        return Cause(cause, step, list(dict.fromkeys(evidence)), signature, exit_code, retry_helps)
 
     if status in ("STALLED", "TIMEOUT"):
         return made(STALLED, [message[:300]] if message else [])
@@ -167,7 +174,8 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     relay = [m for ln in lines if (m := RELAY_CAUSE_LINE.match(ln))]
     if relay and relay[-1].group(1) in CAUSES:
         said = [ln for ln in lines if ln.startswith("[relay] chunk") and (" failed" in ln or " stopped" in ln)][-1:]
-        return made(relay[-1].group(1), said + [relay[-1].group(0)])
+        helps = {"can": True, "cannot": False}.get(relay[-1].group(2) or "")
+        return made(relay[-1].group(1), said + [relay[-1].group(0)], retry_helps=helps)
     if ev := found(ACCELERATOR_OOM_LINES):
         return made(ACCELERATOR_OOM, ev)
     if ev := found(HOST_OOM_LINES):
@@ -177,13 +185,15 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
                                "process(es) in the job's cgroup while it ran"])
     if ev := found(COLLECTIVE_LINES):
         return made(COLLECTIVE_TIMEOUT, ev)
-    if ev := found(INFRA_LINES):
-        return made(INFRASTRUCTURE, ev)
-    if ev := found(NODE_LOST_LINES):  # before exceptions: a lost node shows as an actor's traceback
-        return made(PREEMPTED, ev)
     if exc := last_exception(lines) or last_exception(msg_lines):  # a long traceback outgrows a short tail
         signature, evidence = exc
+        if NODE_LOST_LINES.search(signature):  # a lost node shows as an actor's traceback
+            return made(PREEMPTED, evidence, signature)
         return made(EXCEPTION, evidence, signature)
+    if ev := found(INFRA_LINES):
+        return made(INFRASTRUCTURE, ev)
+    if ev := found(NODE_LOST_LINES) or found(PREEMPTED_LINES):
+        return made(PREEMPTED, ev)
     if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP) or status == "STOPPED":
         what = (f"the driver was ended by {signal.Signals(sig).name} (exit code {exit_code}) with no error of its own"
                 if sig else "the job was stopped (`ray job stop` or the cluster)")
@@ -194,7 +204,7 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
 def unprefixed(log: str) -> list[str]:
     """A log's non-empty lines without the prefixes that torch.distributed (`[rank0]: `) and Ray (`(WorkerDict
     pid=12, ip=10.0.0.2) `) put before a worker's own output: a traceback reads as its process printed it."""
-    return [LINE_PREFIX.sub("", ln.rstrip(), count=1) for ln in log.splitlines() if ln.strip()]
+    return [LINE_PREFIX.sub("", ANSI.sub("", ln).rstrip(), count=1) for ln in log.splitlines() if ln.strip()]
 
 
 def last_exception(lines: list[str]) -> tuple[str, list[str]] | None:
@@ -209,14 +219,25 @@ def last_exception(lines: list[str]) -> tuple[str, list[str]] | None:
         if m and not ln.startswith((" ", "\t")):
             typ = m.group(1) or m.group(2)
             text = (m.group(3) or "").strip() if m.group(2) else ln.strip().partition("): ")[2]
+            if m.group(1):  # Ray's wrapper names the actor and its pid: the wrapped exception's own line, if shown
+                inner = [(j, x) for j, x in enumerate(tb[i + 1:], i + 1) if not x.startswith((" ", "\t"))
+                         and (n := EXCEPTION_LINE.match(x.strip())) and n.group(2)
+                         and n.group(2).rpartition(".")[2] == typ]
+                if inner:
+                    i, ln = inner[-1]
+                    text = (EXCEPTION_LINE.match(ln.strip()).group(3) or "").strip()  # type: ignore[union-attr]
             frames = [f.strip() for f in tb[:i] if f.strip().startswith("File ")]
             return f"{typ.rpartition('.')[2]}: {text}"[:200], frames[-1:] + [ln.strip()[:300]]
     return None
 
 
 def policy(cause: Cause, retry_on: Mapping[str, str] | None = None) -> str:
-    """retry, backoff or stop: the spec's `airflow.retry_on` for this cause, else the default."""
-    return (retry_on or {}).get(cause.cause) or CAUSES[cause.cause][1]
+    """retry, backoff or stop: the spec's `airflow.retry_on` for this cause; else what Relay's own error said
+    (stop when a retry cannot help, never stop when it can); else the cause's default."""
+    default = CAUSES[cause.cause][1]
+    if cause.retry_helps is not None:
+        default = STOP if not cause.retry_helps else (RETRY if default == STOP else default)
+    return (retry_on or {}).get(cause.cause) or default
 
 
 def repeats(cause: Cause, earlier: list[dict]) -> bool:

@@ -525,7 +525,7 @@ class CheckpointStore:
         except OSError as e:  # disk full, permissions: a local failure, never taken for a damaged publication
             raise RelayError(f"download of {self.step_uri(run, m.step)} into {dest} failed: {e}",
                              "free space (or fix the folder's permissions) and restore again; nothing published or "
-                             "already in the run folder was touched") from None
+                             "already in the run folder was touched", retry_helps=True) from None
         finally:
             for plan in plans:
                 plan.close()
@@ -578,7 +578,7 @@ def _refuse_without_space(dest: Path, needed: int, uri: str) -> None:
     if needed > free:
         raise RelayError(f"restoring {uri} needs {needed:,} bytes in {dest}, and its volume has {free:,} free",
                          f"free {needed - free:,} bytes or more on that volume (or lower checkpoints.keep_local), then "
-                         "restore again; nothing was written")
+                         "restore again; nothing was written", retry_helps=True)
 
 
 def download_concurrency() -> int:

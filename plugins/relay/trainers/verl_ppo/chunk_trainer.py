@@ -111,7 +111,8 @@ def active_chunk() -> VerlChunk:
         from relay.common.errors import RelayError
 
         raise RelayError("RelayChunkTrainer was built without a chunk (install() was not called in this process)",
-                         "run verl through relay.trainers.verl_ppo (the TaskRunner installs the chunk)")
+                         "run verl through relay.trainers.verl_ppo (the TaskRunner installs the chunk)",
+                         retry_helps=False)
     return _ACTIVE
 
 

@@ -34,6 +34,7 @@ class HorizonError(RelayError):
     """A chunk cannot keep the run's LR-schedule horizon: refused before any GPU time."""
 
     exit_code = 2
+    retry_helps = False
 
 
 def warmup_steps(optim, horizon: int) -> int:

@@ -22,7 +22,7 @@ from relay.common.errors import RelayError
 class PlacementError(RelayError):
     """A verl resource pool needs more on one node than any node of the cluster has."""
 
-    cause = "infrastructure"
+    retry_helps = True
 
 
 def placement_groups(pool_spec: dict[str, list[int]], max_colocate_count: int,

@@ -34,7 +34,8 @@ def relay_task_runner() -> type:
         def run(self, config):
             chunk = chunk_trainer.detach(config)
             if chunk is None:
-                raise RelayError("verl's config carries no Relay chunk", "start main_ppo through Relay's entrypoint")
+                raise RelayError("verl's config carries no Relay chunk", "start main_ppo through Relay's entrypoint",
+                                 retry_helps=False)
             chunk_trainer.install(chunk)
             tracking.apply_env(chunk.tracking_env)
             return super().run(config)

@@ -69,7 +69,7 @@ def make_tiny_model(folder: Path, shape: TinyModelShape = TinyModelShape()) -> P
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()):
         raise RelayError(f"{folder} is not empty: a tiny model is only written into a new folder",
-                         "give a new folder, or remove this one if it holds nothing you need")
+                         "give a new folder, or remove this one if it holds nothing you need", retry_helps=False)
     tokenizer = byte_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,

@@ -74,11 +74,11 @@ def make_dataset(folder: str | os.PathLike, train_rows: int = 256, val_rows: int
 
     if train_rows < 1 or val_rows < 1:
         raise RelayError(f"tiny dataset: train_rows ({train_rows}) and val_rows ({val_rows}) must be >= 1",
-                         "ask for at least one row of each")
+                         "ask for at least one row of each", retry_helps=False)
     pairs_available = (MAX_OPERAND + 1) ** 2
     if train_rows + val_rows > pairs_available:
         raise RelayError(f"tiny dataset: {train_rows} + {val_rows} rows, but only {pairs_available} distinct "
-                         "problems exist to hold validation out of train", "ask for fewer rows")
+                         "problems exist to hold validation out of train", "ask for fewer rows", retry_helps=False)
     rng = random.Random(seed)  # one stream: val drawn first, then train without the val problems
     val = _problems(rng, val_rows, set())
     train = _problems(rng, train_rows, set(val))
@@ -112,7 +112,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
         raise RelayError(f"the tiny arithmetic reward was asked to score data_source {data_source!r}; it only "
                          f"knows {DATA_SOURCE!r}",
                          "point reward.custom_reward_function at the reward of that data, or make the data with "
-                         "relay.trainers.verl_ppo.tiny_task.make_dataset")
+                         "relay.trainers.verl_ppo.tiny_task.make_dataset", retry_helps=False)
     truth = str(ground_truth).strip()
     text = (solution_str or "").strip()
     if text == truth:

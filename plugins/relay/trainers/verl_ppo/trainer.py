@@ -29,7 +29,7 @@ import time
 
 from relay.checkpoints import manifest
 from relay.checkpoints.validate import write_manifest
-from relay.common.errors import CheckpointError, RelayError
+from relay.common.errors import ChunkEndedEarly, RelayError
 from relay.common.progress import step_line
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -143,8 +143,9 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     if latest is None or latest < req.to_step:
         if (stopped := stop_of(run_dir, req.attempt)) is not None:  # the actor saved and stopped, as asked
             raise session.stopped_early(int(stopped["step"]), str(stopped["reason"]), record=False)
-        raise CheckpointError(f"verl ended at step {latest or start}, before the chunk's end step {req.to_step}",
-                              "the retry resumes from the latest valid checkpoint")
+        raise ChunkEndedEarly(f"verl ended at step {latest or start}, before the chunk's end step {req.to_step}",
+                              "nothing, if it does not repeat: the retry resumes from the latest valid checkpoint; if "
+                              "it does, look in the job's log for what ended verl's loop (a worker group, the data)")
     return ChunkResult(req.run.name, start, req.to_step, req.to_step - start, time.time() - t0,
                        str(layout.step_dir(run_dir, req.to_step)))
 

@@ -22,6 +22,7 @@ class VerlContractError(RelayError):
     """verl's trainer lookup changed: Relay cannot put its chunk trainer where verl looks for it."""
 
     exit_code = 2
+    retry_helps = False
 
 
 def original_class(actor_class) -> type:
