@@ -160,3 +160,59 @@ def test_once_the_chunks_last_step_is_in_the_trigger_polls_for_the_jobs_end_clos
     assert [e.payload["status"] for e in asyncio.run(follow())] == ["SUCCEEDED"]
     assert {s for s, ended in naps if not ended} == {0.5}, naps
     assert naps[-1][0] == triggers.ENDING_POLL_S and sum(1 for s, _ in naps if s == triggers.ENDING_POLL_S) >= 4, naps
+
+
+# A chunk that prints 20 MB after each step (verl at debug level) and says each step as a trainer does: its
+# heartbeat in the run folder (relay.runs.heartbeat) and its step line, which the next 20 MB bury at once.
+LOUD_CHUNK = r"""
+import sys, time
+from relay.runs import heartbeat
+filler = ("x" * 99 + "\\n") * 1000
+steps, run_dir, attempt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+for step in range(1, 6):
+    while step > steps:  # hung: no step any more, while the log goes on
+        sys.stdout.write(filler)
+        time.sleep(1)
+    heartbeat.beat(run_dir, attempt, step)
+    print(f"[relay] step {step}/5 chunk 1 eta 1s", flush=True)
+    for _ in range(200):
+        sys.stdout.write(filler)
+    sys.stdout.flush()
+    time.sleep(8)
+"""
+
+
+@pytest.mark.parametrize("steps,ends", [(5, "SUCCEEDED"), (2, "STALLED")], ids=["loud", "loud-and-hung"])
+def test_a_job_that_prints_20_mb_between_steps_is_not_taken_for_stalled(ray_address, tmp_path, steps, ends):
+    """The stall watch reads each attempt's heartbeat, not the log's last lines: a job printing 20 MB between its
+    steps (its step lines never in a poll's tail) trains to its end; one whose steps stop is stopped within its
+    limit, however much it prints."""
+    import asyncio
+
+    from relay.airflow import triggers
+
+    script = tmp_path / "loud_chunk.py"
+    script.write_text(LOUD_CHUNK)
+    jobs = RayJobs(ray_address)
+    env = shipped_code()
+    env["working_dir"] = str(tmp_path)
+    sub_id = f"loud-{steps}-{time.time_ns()}"
+    jobs.client.submit_job(submission_id=sub_id, entrypoint=f"python loud_chunk.py {steps} {tmp_path / 'run'} {sub_id}",
+                           runtime_env=env)
+    limit = 15.0  # steps come every ~9 s; the log's tail shows none of them
+    trigger = triggers.RayJobTrigger(address=ray_address, submission_id=sub_id, deadline=time.time() + 600,
+                                     poll_seconds=1, stall_after_s=limit, startup_s=5, end_step=5,
+                                     run_dir=str(tmp_path / "run"))
+
+    async def follow():
+        return [e async for e in trigger.run()]
+
+    t0 = time.time()
+    try:
+        [event] = asyncio.run(follow())
+    finally:
+        jobs.client.stop_job(sub_id)
+    assert event.payload["status"] == ends, event.payload
+    if ends == "STALLED":
+        assert event.payload["step"] == 2 and "no new step" in event.payload["message"]
+        assert time.time() - t0 < 2 * 10 + limit + 15, "stopped within its limit"

@@ -280,7 +280,8 @@ class RayChunkOperator(ChunkTaskOperator):
             trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
                                   poll_seconds=spec.ray.poll_seconds, stall_after_s=stall_after,
                                   startup_s=spec.alerts.startup_minutes * 60, end_step=chunk.end_step,
-                                  adoptable=True, stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S),
+                                  adoptable=True, stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+                                  run_dir=str(run.dir)),
             method_name="execute_complete",
         )
 

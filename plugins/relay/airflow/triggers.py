@@ -3,8 +3,10 @@ storage (CheckpointTrigger), so no worker slot is held while waiting.
 
 RayJobTrigger streams the job's new log lines (a chunk's per-step progress) into the task log, reading
 only the log's last lines per poll however long the log grows, and fires one event when the job ends.
-A running job that prints no new step for longer than its stall limit (relay.alerts.stall) is
-stopped, and the event says STALLED: a hung rollout never waits out the chunk's whole timeout. It
+A running job that makes no new step for longer than its stall limit (relay.alerts.stall) is
+stopped, and the event says STALLED: a hung rollout never waits out the chunk's whole timeout. Its steps
+are read from the attempt's heartbeat in the run folder (relay.runs.heartbeat), which no volume of log
+output hides, and from the step lines of the log where the folder cannot be seen from the triggerer. It
 enforces the chunk's deadline itself, stopping the job: Airflow's own defer timeout kills the
 trigger without calling on_kill. A person's mark-failed or mark-success calls on_kill,
 which stops the job; a clear calls it too, and then a chunk's job is left for the task's next try to
@@ -24,6 +26,7 @@ from asgiref.sync import sync_to_async
 from relay.alerts.stall import StallWatch
 from relay.common.progress import STEP_LINE
 from relay.jobs.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
+from relay.runs import heartbeat
 from relay.runs.layout import checkpoint_reached
 
 # Once the chunk's last step is in the log, the job's end (its save, then the driver's exit) is polled this often:
@@ -36,7 +39,7 @@ class RayJobTrigger(BaseTrigger):
     def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
                  unreachable_grace_s: float = 300.0, stall_after_s: float | None = None,
                  startup_s: float = 0.0, end_step: int | None = None, adoptable: bool = False,
-                 stop_grace_s: float = 0.0):
+                 stop_grace_s: float = 0.0, run_dir: str | None = None):
         super().__init__()
         self.address = address
         self.submission_id = submission_id
@@ -48,6 +51,7 @@ class RayJobTrigger(BaseTrigger):
         self.end_step = end_step  # the chunk's last step: the save after it gets startup_s too
         self.adoptable = adoptable  # a cleared task's next try may adopt the job (a chunk's): leave it running
         self.stop_grace_s = stop_grace_s  # a job this trigger stops may take this long to save its step and end
+        self.run_dir = run_dir  # where the attempt's heartbeat is (None: the log's step lines only)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -63,6 +67,7 @@ class RayJobTrigger(BaseTrigger):
                 "end_step": self.end_step,
                 "adoptable": self.adoptable,
                 "stop_grace_s": self.stop_grace_s,
+                "run_dir": self.run_dir,
             },
         )
 
@@ -102,14 +107,18 @@ class RayJobTrigger(BaseTrigger):
             for line in new:
                 self.log.info("%s", line)
             seen = tail or seen
+            beat = await asyncio.to_thread(heartbeat.last_step, self.run_dir, self.submission_id) \
+                if self.run_dir else None
             if self.end_step is not None and not ending:
-                ending = any(int(step) >= self.end_step for step in STEP_LINE.findall("\n".join(new)))
+                ending = any(int(step) >= self.end_step for step in STEP_LINE.findall("\n".join(new))) or \
+                    (beat is not None and beat >= self.end_step)
             if state.status in TERMINAL:
                 yield self._event(state.status, state.message, exit_code=state.exit_code)
                 return
             if self.stall_after_s and state.status == "RUNNING":
                 watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time(), self.end_step)
                 watch.saw("\n".join(new), time.time())
+                watch.saw_step(beat, time.time())
                 if stalled := watch.stalled(time.time()):
                     ended = await self._stop_and_wait(jobs)
                     yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped ({ended})",

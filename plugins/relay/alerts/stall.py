@@ -26,7 +26,8 @@ def stall_limit_s(run: Run) -> float:
 
 
 class StallWatch:
-    """Follows a job's log and says when it has gone `limit_s` without a new step."""
+    """Follows a job's steps (its heartbeat, relay.runs.heartbeat, and its log's step lines) and says when it
+    has gone `limit_s` without a new one."""
 
     def __init__(self, limit_s: float, startup_s: float, started_at: float, end_step: int | None = None):
         self.limit_s = limit_s
@@ -37,8 +38,13 @@ class StallWatch:
 
     def saw(self, new_log_text: str, now: float) -> None:
         steps = STEP_LINE.findall(new_log_text)
-        if steps and int(steps[-1]) != self.last_step:
-            self.last_step = int(steps[-1])
+        if steps:
+            self.saw_step(int(steps[-1]), now)
+
+    def saw_step(self, step: int | None, now: float) -> None:
+        """The job's newest step now (None: not known)."""
+        if step is not None and step != self.last_step and (self.last_step is None or step > self.last_step):
+            self.last_step = step
             self.since = now
 
     def stalled(self, now: float) -> str | None:

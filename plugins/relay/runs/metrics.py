@@ -76,6 +76,40 @@ class MetricsLog:
             self._fh = None
 
 
+class JsonlFollower:
+    """The rows appended to a JSONL file since the last call, read from where the last call stopped: what a poll
+    reads grows with what was appended, not with the file. A line not yet whole waits for the next call; a file
+    rewritten meanwhile (a resume supersedes rows by writing it anew) is read again from its start."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.offset = 0
+        self.bytes_read = 0
+        self._inode: int | None = None
+        self._partial = b""
+
+    def new_rows(self) -> list[dict]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return []
+        if st.st_ino != self._inode or st.st_size < self.offset:
+            self._inode, self.offset, self._partial = st.st_ino, 0, b""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(st.st_size - self.offset)
+        self.offset += len(data)
+        self.bytes_read += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        rows = []
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a torn line (a writer killed mid-line): read_jsonl says so where it matters
+        return rows
+
+
 def record_event(run_dir: Path, event: str, **fields: Any) -> dict:
     """Append a run event (chunk attempt started, resumed from step S, finished...) to events.jsonl.
 

@@ -26,7 +26,7 @@ from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
 from relay.common.timestamps import process_started
 from relay.data.freeze import frozen_files, verify_frozen
-from relay.runs import layout
+from relay.runs import heartbeat, layout
 from relay.runs.failure_cause import cgroup_oom_kills
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events, record_event
@@ -133,6 +133,7 @@ class ChunkSession:
         row = {"step": step, "chunk": self.req.chunk, "attempt": self.req.attempt, "seconds": round(seconds, 4),
                "time": time.time(), **values}
         self.metrics.append(row)
+        heartbeat.beat(self.run_dir, self.req.attempt, step)
         self.say(step_line(step, self.spec.total_steps, self.req.chunk, self.req.to_step, self._step_times[-20:],
                            values))
         fault_point("after_step", step)
@@ -227,6 +228,7 @@ class ChunkSession:
     def finish(self, end_step: int) -> None:
         self.stopping.close()
         self.metrics.close()
+        heartbeat.clear(self.run_dir, self.req.attempt)
         record_event(self.run_dir, "chunk_end", chunk=self.req.chunk, attempt=self.req.attempt, end_step=end_step,
                      seconds=round(time.time() - self._t0, 3))
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.common.faultpoint import fault_point
-from relay.runs import layout
+from relay.runs import heartbeat, layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog
 from relay.runs.phases import record_phase
@@ -423,6 +423,7 @@ def _actor_session(chunk: VerlChunk):
             self._step_times.append(seconds)
             self.metrics.append({"step": step, "chunk": self.req.chunk, "attempt": self.req.attempt,
                                  "seconds": round(seconds, 4), "time": time.time(), **values})
+            heartbeat.beat(self.run_dir, self.req.attempt, step)
 
     return ActorSession(ChunkRequest.from_json(chunk.request), chunk.resume_step)
 

@@ -26,6 +26,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 from relay.checkpoints import manifest
 from relay.checkpoints.validate import write_manifest
@@ -33,7 +34,7 @@ from relay.common.errors import ChunkEndedEarly, RelayError
 from relay.common.progress import step_line
 from relay.runs import layout
 from relay.runs.lease import Lease
-from relay.runs.metrics import MetricsLog, read_events
+from relay.runs.metrics import JsonlFollower, read_events
 from relay.runs.phases import phase_marks, record_phase
 from relay.trainers import stopping
 from relay.trainers.contract import ChunkRequest, ChunkResult
@@ -193,7 +194,7 @@ class ProgressWatcher:
 
     def __init__(self, session, start: int, end: int, poll_s: float = 2.0):
         self.session, self.last, self.end, self.poll_s = session, start, end, poll_s
-        self.metrics = MetricsLog(session.run_dir)
+        self.metrics = JsonlFollower(Path(session.run_dir) / layout.METRICS)  # each poll reads what was appended
         self._times: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="relay-progress", daemon=True)
@@ -205,7 +206,7 @@ class ProgressWatcher:
 
     def poll(self) -> list[int]:
         printed = []
-        for row in self.metrics.rows():
+        for row in self.metrics.new_rows():
             step = row.get("step", 0)
             if step <= self.last or row.get("attempt") != self.session.req.attempt:
                 continue
