@@ -22,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
 from relay.common.faultpoint import FAULT_PHASES as PHASES  # noqa: E402 (the kill points' order; no heavy import)
 
 PROPERTY = "relay_fault"
-# The cases issue 9 asks for; a case id not yet in the results is listed as "not covered yet".
+# The fault cases the suite covers; a case id not yet in the results is listed as "not covered yet".
 PLANNED = {
     "trainer-kill": "trainer SIGKILLed at 20 seeded points, some inside checkpoint writing",
     "ray-orphan": "Ray head dies, a trainer lives on as an orphan (fenced by the lease)",
     "ray-head-restart": "Ray head dies mid-chunk and comes back",
     "scheduler-kill": "Airflow scheduler and triggerer killed and restarted mid-chunk",
+    "triggerer-down": "the triggerer down while a chunk's job trains past the chunk's timeout",
     "task-cleared": "a person clears a deferred train task while its job trains well",
     "task-process-kill": "the train task's process SIGKILLed between its job's submission and its deferral",
     "job-frozen": "a chunk's trainer frozen (SIGSTOP): alive, no new step",

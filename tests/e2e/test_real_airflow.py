@@ -53,12 +53,18 @@ def airflow(tmp_path_factory, ray_address):
     write_spec(runs, name="careful", total_steps=6, chunk_steps=6,
                **{"approvals.max_steps_lost": 1, "trainer.settings.save_freq": 3,
                   "alerts.deadline": "2026-01-01T00:00:00Z"})
+    # A chunk whose job holds after step 3 past its 0.5-minute timeout, while the triggerer is down.
+    write_spec(runs, name="outage", total_steps=6, chunk_steps=6, **{
+        "ray.chunk_timeout_minutes": 0.5, "alerts.stall_minutes": 10,
+        "ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@3", "RELAY_FAULT_ONCE": str(faults / "outage"),
+                         "RELAY_FAULT_PAUSE_S": "1200"}})
     write_spec(runs, name="weekly", total_steps=6, chunk_steps=6, **{
         "airflow.schedule": "0 0 * * 1", "airflow.start_date": "2025-01-06",
         "data.train_files": [str(data / "prompts-{{ ds_nodash }}.parquet")], "data.val_files": []})
 
     with postgres_database("relay_e2e") as db_url, airflow_processes(
-            base, runs, db_url, AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60") as af:
+            base, runs, db_url, AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60",
+            AIRFLOW__SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL="2") as af:
         yield {**af, "runs": runs, "data": data, "faults": faults}
 
 
@@ -106,6 +112,46 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
                      "chunk and try): exactly one job ran for chunk 2, it trained on undisturbed, and the run "
                      "succeeded with steps 6 and 12 published and announced as asset events", steps_lost=0,
               run_dir=run_dir, store=store_for_spec(spec))
+
+
+@pytest.mark.fault
+def test_a_chunk_whose_triggerer_was_down_past_its_timeout_is_adopted_not_trained_again(airflow, ray_address,
+                                                                                      fault_row):
+    """The triggerer is down while a chunk's job trains past the chunk's timeout: no trigger stops the job, Airflow's
+    own defer timeout fails the task's try, and the next try adopts the job, which holds the run's lease and made
+    a step within the stall limit, instead of stopping it and training its steps again."""
+    api, held = airflow["api"], airflow["faults"] / "outage"
+    api.wait_for_dag("relay_outage")
+    t0 = time.time()
+    run_id = api.trigger("relay_outage", {"run": "down", "alert_channels": []})["dag_run_id"]
+
+    def train(**want):
+        t = next((t for t in api.task_instances("relay_outage", run_id) if t["task_id"] == "chunk_01.train"), {})
+        return all(t.get(k) == v for k, v in want.items())
+
+    try:
+        wait_for(lambda: held.exists() and train(state="deferred"), 600, "chunk 1's job held after step 3, deferred")
+        assert stack.kill_process("airflow-triggerer")
+        wait_for(lambda: train(state="deferred", try_number=2), 300,
+                 "Airflow's defer timeout to fail try 1 and try 2 to defer on the same job")
+    finally:
+        Path(f"{held}.go").touch()  # the job goes on
+        stack.start_process("airflow-triggerer", [str(stack.bin_dir() / "airflow"), "triggerer"], airflow["env"],
+                            cwd=airflow["home"])
+    assert api.wait_for_run("relay_outage", run_id, timeout=900)["state"] == "success"
+    [job] = [j for j in jobs_of_run(ray_address, "down", t0) if (j.metadata or {}).get("relay_chunk") == "1"]
+    assert str(job.status) == "SUCCEEDED", "one job trained the chunk: adopted, not stopped and submitted again"
+    log = api.task_log("relay_outage", run_id, "chunk_01.train", try_number=2)
+    assert f"this try adopts Ray job {job.submission_id} of an earlier try" in log, log[-3000:]
+    spec = load_spec(airflow["runs"] / "outage.yaml", check_environment=False)
+    run_dir = spec.run_dir("down")
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7)), "each step once: nothing retrained"
+    fault_row(case="triggerer-down", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+              fault="the triggerer is down while chunk 1's job trains past the chunk's timeout (held after step 3)",
+              action="Airflow's defer timeout failed the try; its retry found the job holding the run's lease with a "
+                     "recent step and adopted it (its timeout counted again from the adoption); the job trained on to "
+                     "step 6, and no step was trained twice", steps_lost=0, run_dir=run_dir,
+              store=store_for_spec(spec))
 
 
 def test_the_api_server_listens_on_loopback_only(airflow):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from airflow.sdk import BaseOperator
@@ -63,6 +64,7 @@ from relay.trainers.contract import ChunkRequest
 
 FALLBACK_APPROVED = "fallback_approved"  # events.jsonl: a person approved resuming below a quarantined step
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
+TRIGGER_TIMEOUT_MARGIN_S = 10.0  # Airflow's defer timeout comes this long after the trigger's own deadline handling
 
 
 class ChunkFailed(AirflowException):
@@ -232,9 +234,10 @@ class RayChunkOperator(ChunkTaskOperator):
         existing = hook.jobs.get(sub_id)
         started = time.time()
         if existing is None and (adopted := self._healthy_earlier_job(context, hook, run, chunk)) is not None:
+            # Found training well: its chunk timeout counts again from here (an earlier try's ended for a reason
+            # of Airflow's own, a triggerer that was down past it among them).
             job, why = adopted
             sub_id = self._submission_id = job.submission_id
-            started = job.start_time or started
             self.log.info("%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
                           chunk, run, sub_id, why, ray_job_page(hook.dashboard_url, sub_id))
             self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
@@ -276,13 +279,17 @@ class RayChunkOperator(ChunkTaskOperator):
         stall_after = stall_limit_s(run)
         self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step and after the last) is a "
                       "stall: alerted, job stopped, retried", stall_after, spec.alerts.startup_minutes * 60)
+        stop_grace = spec.ray.stop_grace_seconds + STOP_MARGIN_S
         self.defer(
             trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
                                   poll_seconds=spec.ray.poll_seconds, stall_after_s=stall_after,
                                   startup_s=spec.alerts.startup_minutes * 60, end_step=chunk.end_step,
-                                  adoptable=True, stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S,
-                                  run_dir=str(run.dir)),
+                                  adoptable=True, stop_grace_s=stop_grace, run_dir=str(run.dir)),
             method_name="execute_complete",
+            # The trigger enforces the deadline itself (it stops the job); Airflow's own timeout, a little later,
+            # only fires when no triggerer ran it: this try fails, the job trains on, and the next try adopts it.
+            timeout=timedelta(seconds=max(0.0, deadline - time.time()) + stop_grace + 2 * spec.ray.poll_seconds
+                              + TRIGGER_TIMEOUT_MARGIN_S),
         )
 
     @staticmethod
