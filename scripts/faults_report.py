@@ -29,6 +29,7 @@ PLANNED = {
     "ray-head-restart": "Ray head dies mid-chunk and comes back",
     "scheduler-kill": "Airflow scheduler and triggerer killed and restarted mid-chunk",
     "triggerer-down": "the triggerer down while a chunk's job trains past the chunk's timeout",
+    "celery-worker-kill": "a Celery worker SIGKILLed during a chunk's validate task",
     "task-cleared": "a person clears a deferred train task while its job trains well",
     "task-process-kill": "the train task's process SIGKILLed between its job's submission and its deferral",
     "job-frozen": "a chunk's trainer frozen (SIGSTOP): alive, no new step",

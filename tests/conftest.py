@@ -20,7 +20,8 @@ from support.helpers import ROOT, model_state, relay_cli, session_shared, shared
 # --no-loadscope-reorder: xdist's default hands out the files with the most tests first, and this order only
 # broke its ties (a rehearsal started verl's 4-test file 19 minutes in, and ended 10 minutes over budget).
 SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/test_retries.py",
-              "airflow/test_run_dag.py", "e2e/test_real_airflow.py", "e2e/test_ui.py", "airflow/test_alerts_dag.py",
+              "airflow/test_run_dag.py", "e2e/test_real_airflow.py", "e2e/test_celery.py", "e2e/test_ui.py",
+              "airflow/test_alerts_dag.py",
               "airflow/test_data_dag.py", "core/test_store.py", "faults/test_ray_head_orphan.py",
               "trainers/test_verl_cpu_platform.py", "core/test_validate.py", "faults/test_kill_points.py",
               "faults/test_disk_full.py", "core/test_reshard.py", "faults/test_data_change.py",

@@ -32,7 +32,7 @@ SCHEMA_GIT_BLOB = "5db97d0fbbb8e7fbedea0bb5fdb3fe0e93b0e4b1"
 DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
 
 AIRFLOW_COMPONENTS = ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
-CHECKPOINT_USERS = ("ray-head", "ray-worker", "airflow-init", *AIRFLOW_COMPONENTS)
+CHECKPOINT_USERS = ("ray-head", "ray-worker", "airflow-init", *AIRFLOW_COMPONENTS, "airflow-worker")
 # Published port of each service: (its variable in include/stack.env, the port it listens on inside).
 PUBLISHED = {"airflow-apiserver": "RELAY_AIRFLOW_API_PORT", "ray-head": "RELAY_RAY_DASHBOARD_PORT",
              "s3": "RELAY_S3_PORT"}
@@ -319,6 +319,34 @@ def test_the_stack_has_its_services_wired_together(compose):
     assert "--address=ray-head:6390" in worker["command"] and "--port=6390" in service(compose, "ray-head")["command"]
     devices = worker["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+
+
+def test_the_celery_profile_runs_the_tasks_on_celery_workers_configured_like_the_scheduler(raw, user_env):
+    """`docker compose --profile celery up` with AIRFLOW_EXECUTOR=CeleryExecutor: a Redis broker, workers with the
+    scheduler's image, settings and mounts, their results in the metadata database; without the profile and the
+    variable, the LocalExecutor and neither service."""
+    missing: list[str] = []
+    celery = interpolate(raw, {**user_env, "AIRFLOW_EXECUTOR": "CeleryExecutor"}, missing)
+    assert not missing
+    local = interpolate(raw, user_env, missing)
+    for name in ("redis", "airflow-worker"):
+        assert service(celery, name)["profiles"] == ["celery"], f"{name} runs only in the celery profile"
+    assert environment(service(local, "airflow-scheduler"))["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+
+    worker, scheduler = service(celery, "airflow-worker"), service(celery, "airflow-scheduler")
+    assert worker["command"] == "airflow celery worker" and worker["deploy"]["replicas"] == 2
+    assert worker["image"] == scheduler["image"] and worker["user"] == scheduler["user"]
+    assert mounts(worker) == mounts(scheduler), "the same code, logs and checkpoints"
+    env, sched_env = environment(worker), environment(scheduler)
+    assert {k: v for k, v in env.items() if k != "DUMB_INIT_SETSID"} == sched_env
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://redis:6379/0" and "redis" in worker["depends_on"]
+    db = sched_env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].replace("postgresql+psycopg2://", "postgresql://")
+    assert env["AIRFLOW__CELERY__RESULT_BACKEND"] == f"db+{db}"
+    assert "celery inspect ping" in worker["healthcheck"]["test"][1].replace("--app airflow.providers.celery."
+                                                                          "executors.celery_executor.app ", "")
+    pins = (ROOT / "requirements.txt").read_text()
+    assert re.search(r"^apache-airflow-providers-celery==\S+$", pins, re.M), "the provider is pinned"
 
 
 def test_references_between_services_resolve(compose):

@@ -16,13 +16,15 @@ from support.receivers import free_port
 
 
 @contextmanager
-def airflow_processes(base: Path, runs: Path, db_url: str | None = None, **env_extra: str):
+def airflow_processes(base: Path, runs: Path, db_url: str | None = None, broker_url: str | None = None,
+                      **env_extra: str):
     """Start them under base/ (home, pids, logs) reading the specs in `runs`; stop them at the end.
-    db_url: None for SQLite in base/home (a copy of a migrated DB placed there first is migrated no further)."""
+    db_url: None for SQLite in base/home (a copy of a migrated DB placed there first is migrated no further).
+    broker_url: the CeleryExecutor with this broker (its workers are the caller's to start)."""
     saved = {k: os.environ.get(k) for k in ("RELAY_STACK_DIR", "RELAY_AIRFLOW_API_PORT")}
     # relay.devstack.stack reads both at each call: its pid files and the API's port stay this module's own
     os.environ.update(RELAY_STACK_DIR=str(base / "stack"), RELAY_AIRFLOW_API_PORT=str(free_port()))
-    env = stack.airflow_env(base / "home", db_url, parallelism=4)
+    env = stack.airflow_env(base / "home", db_url, parallelism=4, broker_url=broker_url)
     # A module's specs are written before its Airflow starts and never change: the DAG processor parses them
     # once instead of every 30 s (each parse of the specs folder costs about 2 CPU-s on these 2 cores).
     env.update(RELAY_RUNS_DIR=str(runs), AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="3600", **env_extra)

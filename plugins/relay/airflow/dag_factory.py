@@ -92,10 +92,12 @@ def build_dag(spec: RunSpec) -> DAG:
                     train = RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index, **pool,
                                              doc_md=f"Train {chunk}: one Ray job that resumes from the latest "
                                                     "checkpoint.")
+                    # An invalid checkpoint fails it without retries (AirflowFailException); a lost worker's
+                    # try is retried, on any worker.
                     validate = ValidateCheckpointOperator(
                         task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=train.task_id,
-                        retries=0, doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine "
-                                          "it if it is not whole.")
+                        doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine it if it is "
+                               "not whole.")
                     if spec.checkpoints.on_world_size_change == "reshard":
                         # Its own task, so the UI shows it: a no-op unless the world size changed.
                         reshard = PythonOperator(task_id="reshard", python_callable=reshard_to_spec, **kw,

@@ -480,6 +480,7 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
     def execute(self, context) -> dict:
         run, chunk = self._context(context)
         spec = run.spec
+        fault_point(f"validate:{run}", chunk.index)  # the fault suite's worker kill lands here
         trained = (context["ti"].xcom_pull(task_ids=self.train_task) or {}) if self.train_task else {}
         here = step_dir(run.dir, chunk.end_step)
         if trained.get("how", "").startswith("already reached") and (not here.is_dir() or manifest.read(here)):

@@ -78,6 +78,6 @@ def supervise_task(spec, **kwargs) -> SupervisedRunOperator:
 def validate_task(spec, chunk) -> SupervisedValidateOperator:
     """chunk_k.validate of a supervised run (create it inside the chunk's task group)."""
     return SupervisedValidateOperator(
-        task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=None, retries=0,
+        task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=None,
         doc_md=f"Wait for step {chunk.end_step}'s checkpoint of the supervised job; validate it; quarantine it if "
                "it is not whole.")

@@ -253,8 +253,10 @@ def ray_stop() -> None:
 AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
 
-def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4) -> dict[str, str]:
-    """Airflow's configuration for the local stack and the tests: LocalExecutor, low parallelism."""
+def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4,
+                broker_url: str | None = None) -> dict[str, str]:
+    """Airflow's configuration for the local stack and the tests: LocalExecutor, low parallelism; with a
+    broker_url (redis://...), the CeleryExecutor, its results in the metadata database (db_url: PostgreSQL)."""
     home.mkdir(parents=True, exist_ok=True)
     secret_file = home / "relay_secret"
     if not secret_file.exists():
@@ -293,7 +295,26 @@ def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4) -> 
         "RELAY_PROJECT_ROOT": str(project.root()),
         "GX_ANALYTICS_ENABLED": "false",
     })
+    if broker_url:
+        if not db_url or not db_url.startswith("postgresql"):
+            raise ValueError("the CeleryExecutor keeps its results in the metadata database: give a PostgreSQL db_url")
+        env.update({"AIRFLOW__CORE__EXECUTOR": "CeleryExecutor", "AIRFLOW__CELERY__BROKER_URL": broker_url,
+                    "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db_url}",
+                    "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(parallelism)})
     return env
+
+
+def celery_worker_start(name: str, env: dict[str, str], workdir: Path, log_server_port: int,
+                        concurrency: int = 1) -> int:
+    """An `airflow celery worker` of its own: its working directory, its Airflow home (where its task logs go) and
+    temporary folder under `workdir`, its log server's port; the rest of its configuration is `env`'s."""
+    home, tmp = workdir / "airflow-home", workdir / "tmp"
+    for folder in (home, tmp):
+        folder.mkdir(parents=True, exist_ok=True)
+    worker_env = {**env, "AIRFLOW_HOME": str(home), "TMPDIR": str(tmp),
+                  "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(log_server_port)}
+    return start_process(name, [str(bin_dir() / "airflow"), "celery", "worker", "--concurrency", str(concurrency),
+                                "--celery-hostname", f"{name}@%h"], worker_env, cwd=workdir)
 
 
 def airflow_cli(env: dict[str, str], *args: str, check: bool = True, timeout: float = 600):
