@@ -15,10 +15,10 @@ from support.faults import fault_row  # noqa: F401 (a fixture: a fault case's ro
 from support.helpers import ROOT, model_state, relay_cli, session_shared, shared_service, train, write_spec
 
 # The slowest files first (longest-processing-time-first: a long file handed out last would run alone at the end
-# while the other workers idle), by their times in a CI rehearsal (.relay/test-results/junit.xml); verl's DAG
+# while the other workers idle), by their times in a full run (.relay/test-results/junit.xml); verl's DAG
 # first of all, its jobs busy the cores while the Airflow files wait on their schedulers. scripts/test.sh passes
-# --no-loadscope-reorder: xdist's default hands out the files with the most tests first, and this order only
-# broke its ties (a rehearsal started verl's 4-test file 19 minutes in, and ended 10 minutes over budget).
+# --no-loadscope-reorder: xdist's default hands out the files with the most tests first, and this order would
+# then only break its ties (verl's 4-test file would start late and end long after the others).
 SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/test_retries.py",
               "airflow/test_run_dag.py", "e2e/test_real_airflow.py", "e2e/test_celery.py", "e2e/test_ui.py",
               "airflow/test_alerts_dag.py",
@@ -87,7 +87,7 @@ def baseline(tmp_path_factory, uninterrupted_run):
 @pytest.fixture(scope="session", autouse=True)
 def data_check_cache(tmp_path_factory):
     """Remembered data-quality passes (relay.data.quality) in a folder of this session's, shared by its workers and
-    the Airflow processes and jobs they start: never an earlier session's, nor the user's ~/.cache."""
+    the Airflow processes and jobs they start: never another pytest session's, nor the user's ~/.cache."""
     with session_shared(tmp_path_factory, "data-checks") as folder:
         pass
     saved = os.environ.get("RELAY_DATA_CHECK_CACHE")

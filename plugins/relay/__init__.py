@@ -11,4 +11,4 @@ imported only inside the functions that need them, so that a DAG file or a spec 
 Everything else is imported at the top of a module.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"

@@ -444,9 +444,9 @@ def cmd_demo(args) -> int:
     return demo.run(keep_running=args.keep_running, provoke_resume=not args.no_kill)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     # `relay ...` (the console script) or `python -m relay ...`: usage lines name what was typed
-    prog = "python -m relay" if sys.argv[0].endswith("__main__.py") else "relay"
+    prog = prog or ("python -m relay" if sys.argv[0].endswith("__main__.py") else "relay")
     p = _Parser(prog=prog, description=__doc__, epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -4,14 +4,15 @@ With the LocalExecutor every task process is a fork of a worker, and every worke
 (airflow/executors/local_executor.py; the task SDK's supervisor forks once more per task). A module the
 scheduler has imported, each task starts with; any other, each task imports again: torch for the gate, the
 tiny model's transformers classes for its smoke check, boto3 for a publish, matplotlib for the report, Ray's job
-client for a train task, Relay's Airflow modules for the DAG file each task parses. Measured on the demo
-(2026-12-03, the same DAG run twice on the 2-core machine): its 18 task processes took 70 CPU-s without this and
-15 CPU-s with it, for 8 CPU-s once in the scheduler.
+client for a train task, Relay's Airflow modules for the DAG file each task parses. On the demo, the task
+processes take a fraction of the CPU they take without it, for a few CPU-s once in the scheduler (the figures:
+docs/benchmarks.md).
 
 relay.devstack.stack runs it through $AIRFLOW_HOME/config/airflow_local_settings.py (stack.LOCAL_SETTINGS),
 which every Airflow process imports at start-up; it acts only in `airflow scheduler` with the LocalExecutor
 (RELAY_PRELOAD=0: off). Not in plugins/: Airflow's plugin loader imports every module there, in task processes
-too. Left to the tasks: pyarrow (its import starts a thread) and great-expectations (3 CPU-s, skipped by a remembered pass).
+too. Left to the tasks: pyarrow (its import starts a thread) and great-expectations (seconds, skipped by a remembered
+pass).
 """
 
 from __future__ import annotations

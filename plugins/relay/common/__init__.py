@@ -1,5 +1,6 @@
 """Shared vocabulary every layer uses: errors (each says what to do), secret redaction, UTC timestamps,
-file locks, fault points for the fault tests, the project's folders, and the per-step progress line.
+file locks, fault points for the fault tests, the project's folders, the per-step progress line, and whether a
+process is still the one that was seen.
 
 The lowest layer: imports nothing of Relay's outside this folder.
 """

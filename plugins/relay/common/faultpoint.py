@@ -91,7 +91,7 @@ def _armed(var: str, phase: str, step: int) -> bool:
 def drill_env(drill: dict, once_file: Path) -> dict[str, str]:
     """A drill asked for in a DAG run's conf ({"relay_fault": {"kill_at": "after_step@34"}}): the job
     environment that arms it, once per DAG run and chunk (the demo's provoked resume; a team's own
-    rehearsal of a crash). Bad input is an error that says what is accepted."""
+    drill of a crash). Bad input is an error that says what is accepted."""
 
     kill_at = drill.get("kill_at") if isinstance(drill, dict) else None
     phase, _, step = str(kill_at).partition("@")

@@ -143,7 +143,7 @@ def load_expectations(path: Path) -> list[tuple[str, dict, str]]:
     except (OSError, yaml.YAMLError) as e:
         raise DataError(f"cannot read expectations file {path}: {e}", "fix the file in include/expectations/")
     if not isinstance(items, list) or not all(isinstance(i, dict) and "type" in i for i in items):
-        raise DataError(f"{path} must be a list of {{type: expect_..., kwargs: {{...}}}}", "see the README")
+        raise DataError(f"{path} must be a list of {{type: expect_..., kwargs: {{...}}}}", "see docs/guides/freezes.md")
     return [(i["type"], i.get("kwargs", {}), i.get("meaning", "")) for i in items]
 
 

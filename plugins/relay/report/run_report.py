@@ -340,7 +340,7 @@ pre {{ background: #f7f7f7; padding: 0.8em; }}
 </table>"""
 
     def to_dict(self) -> dict:
-        """`relay report --json`: stable keys (the README's "Goodput" section lists them)."""
+        """`relay report --json`: stable keys (docs/guides/report.md lists them)."""
         return {
             "version": JSON_VERSION, "run": self.run, "source": self.source,
             "step": self.steps[-1] if self.rows else 0, "total_steps": self.total_steps,

@@ -171,7 +171,7 @@ class Ledger:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        """`relay report --json`'s `goodput`: stable keys, documented in the README."""
+        """`relay report --json`'s `goodput`: stable keys, documented in docs/guides/report.md."""
         return {
             "version": VERSION, "start": event_time(self.start), "end": event_time(self.end),
             "wall_s": round(self.wall_s, 3), "parts": _rounded(self.parts),

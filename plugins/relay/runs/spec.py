@@ -38,7 +38,7 @@ S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/-]*
 
 class TrainerSpec(StrictModel):
     kind: str = critical(description="one of: " + ", ".join(KINDS))
-    settings: dict[str, Any] = critical(default_factory=dict)
+    settings: dict[str, Any] = critical(default_factory=dict, description="the trainer kind's settings (below)")
 
     @field_validator("kind")
     @classmethod
@@ -52,8 +52,10 @@ class TrainerSpec(StrictModel):
 
 
 class DataSpec(StrictModel):
-    train_files: list[str] = critical(min_length=1)
-    val_files: list[str] = critical(default_factory=list)
+    train_files: list[str] = critical(min_length=1, description=(
+        "parquet files in verl's RL schema (relative paths: to the project root); frozen into the run folder at the "
+        "first chunk"))
+    val_files: list[str] = critical(default_factory=list, description="held-out parquet files, frozen alike")
     on_source_change: Literal["fail", "use_frozen"] = Field(
         "fail", description="when a source file changes under a run: fail (say what changed), or continue on "
                             "the frozen copy with a warning and an alert")
@@ -65,8 +67,8 @@ class KeepBest(StrictModel):
     """Keep the k best validated checkpoints by a metric of their step's metrics.jsonl row."""
 
     metric: str = Field(description="a metric of metrics.jsonl, e.g. val/reward_mean or reward_mean")
-    mode: Literal["max", "min"] = "max"
-    k: int = Field(default=1, ge=1)
+    mode: Literal["max", "min"] = Field("max", description="max: the higher the metric, the better")
+    k: int = Field(default=1, ge=1, description="how many of the best are kept")
 
 
 class CheckpointPolicy(StrictModel):
@@ -132,12 +134,12 @@ class ApprovalSpec(StrictModel):
 class RaySpec(StrictModel):
     conn_id: str = Field(default="relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
     python: str = Field(default="python", description="interpreter the job's entrypoint runs on the cluster")
-    entrypoint_num_cpus: float = Field(default=1, ge=0)
+    entrypoint_num_cpus: float = Field(default=1, ge=0, description="CPUs the job's driver reserves on the cluster")
     entrypoint_resources: dict[str, float] = Field(default_factory=dict, description=(
         "custom Ray resources the job's entrypoint (the trainer's driver) needs, e.g. {trainer_node: 1} to "
         "keep it off the head node"))
     chunk_timeout_minutes: float = Field(default=120, gt=0, description="a chunk's job is stopped after this long")
-    poll_seconds: float = Field(default=2.0, gt=0)
+    poll_seconds: float = Field(default=2.0, gt=0, description="how often the train task's trigger asks Ray about its job")
     stop_grace_seconds: int = Field(default=120, ge=0, description=(
         "how long a chunk's job that is stopped may take to finish its step and save it before it is killed: "
         "Relay's own stops (a stall, the chunk's timeout, a newer try) wait this long for it, and `ray job stop` "
@@ -152,9 +154,11 @@ class S3Spec(StrictModel):
     uri: str = Field(pattern=S3_URI_PATTERN, description="s3://bucket/prefix that runs are published under")
     part_size_mb: int = Field(32, ge=5, le=5120, description="multipart part size")
     concurrency: int = Field(4, ge=1, le=64, description="parts uploaded at once")
-    server_side_encryption: Literal["AES256", "aws:kms"] | None = None
-    kms_key_id: str | None = None
-    acl: Literal["bucket-owner-full-control", "private"] | None = None
+    server_side_encryption: Literal["AES256", "aws:kms"] | None = Field(None, description="ask S3 to encrypt every "
+       "object Relay writes")
+    kms_key_id: str | None = Field(None, description="the KMS key of server_side_encryption: aws:kms")
+    acl: Literal["bucket-owner-full-control", "private"] | None = Field(None, description="canned ACL of every object "
+       "Relay writes")
 
     @field_validator("uri")
     @classmethod
@@ -210,11 +214,12 @@ class AlertSpec(StrictModel):
 
 
 class AirflowSpec(StrictModel):
-    retries: int = Field(default=2, ge=0)
-    retry_delay_seconds: float = Field(default=30, ge=0)
+    retries: int = Field(default=2, ge=0, description="retries of a failed task (a chunk's train task resumes from "
+                                                      "the latest valid checkpoint)")
+    retry_delay_seconds: float = Field(default=30, ge=0, description="the wait before a retry")
     retry_on: dict[str, Literal["retry", "backoff", "stop"]] = Field(
         default_factory=dict, description="what a failed chunk's train task does, by its cause "
-                                          "(relay.runs.failure_cause; the README's table has the defaults): retry, "
+                                          "(relay.runs.failure_cause; docs/guides/failures.md has the defaults): retry, "
                                           "backoff (retry after retry_backoff_seconds) or stop (no retry)")
     retry_backoff_seconds: float = Field(default=300, ge=0, description="the wait before a `backoff` retry, on top "
                                                                         "of retry_delay_seconds")
@@ -229,7 +234,7 @@ class AirflowSpec(StrictModel):
     pool: str | None = Field(default="relay_trainers", description="Airflow pool of the train tasks: its slots, with "
                                                                    "deferred tasks counted, are the trainers a cluster runs "
                                                                    "at once, whatever triggered the runs")
-    tags: list[str] = Field(default_factory=list)
+    tags: list[str] = Field(default_factory=list, description="more tags of the DAG (it is always tagged relay)")
     approvals: bool = Field(default=True, description="ask a person in the UI (Required Actions) before a fresh start "
                                                       "of a run with checkpoints, a resume-critical settings change, "
                                                       "or a fallback that loses more than approvals.max_steps_lost "
@@ -254,21 +259,22 @@ class AirflowSpec(StrictModel):
 
 class RunSpec(StrictModel):
     name: str = Field(pattern=NAME_PATTERN, description="the spec's name; its DAG is relay_<name>")
-    description: str = ""
-    trainer: TrainerSpec
-    total_steps: int = critical(gt=0)
-    chunk_steps: int = Field(gt=0)
-    seed: int = critical()
+    description: str = Field("", description="a line shown as the DAG's description")
+    trainer: TrainerSpec = Field(description="what trains: a trainer kind and its settings")
+    total_steps: int = critical(gt=0, description="the run's optimizer steps, in every chunk the LR schedule's horizon")
+    chunk_steps: int = Field(gt=0, description="steps per chunk: one Ray job each (the last chunk may be shorter)")
+    seed: int = critical(description="the run's seed: model init, data order, sampling")
     threads: int = critical(gt=0, description="torch/OMP threads: sums differ between thread counts")
     checkpoint_dir: str = critical(description="root folder; a run's checkpoints are in <checkpoint_dir>/<run>")
-    data: DataSpec
-    checkpoints: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
-    ray: RaySpec = Field(default_factory=RaySpec)
-    s3: S3Spec | None = None
-    alerts: AlertSpec = Field(default_factory=AlertSpec)
-    airflow: AirflowSpec = Field(default_factory=AirflowSpec)
-    audit: AuditSpec = Field(default_factory=AuditSpec)
-    approvals: ApprovalSpec = Field(default_factory=ApprovalSpec)
+    data: DataSpec = Field(description="the training data")
+    checkpoints: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="validation, retention and "
+       "exports of checkpoints")
+    ray: RaySpec = Field(default_factory=RaySpec, description="the Ray cluster the chunks run on")
+    s3: S3Spec | None = Field(None, description="where validated checkpoints are published; none: nothing is published")
+    alerts: AlertSpec = Field(default_factory=AlertSpec, description="who is told what, and when a job counts as stalled")
+    airflow: AirflowSpec = Field(default_factory=AirflowSpec, description="the DAG: retries, schedule, pool, approvals")
+    audit: AuditSpec = Field(default_factory=AuditSpec, description="the replay audit of steps trained twice")
+    approvals: ApprovalSpec = Field(default_factory=ApprovalSpec, description="when a decision waits for a person in the UI")
     save_before: str | None = Field(default=None, description=(
         "a wall-clock deadline (a reservation's end): ISO 8601 with its zone or epoch seconds, or ${VAR} naming "
         "the job's environment variable that holds one. The trainer saves and ends its chunk early enough for "

@@ -37,14 +37,15 @@ class VerlOptimSettings(StrictModel):
     """The actor's optimizer and LR schedule (verl's FSDPOptimizerConfig). The schedule's horizon is
     always the run's total_steps, whatever the chunk."""
 
-    lr: float = Field(1e-6, gt=0)
-    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    lr: float = Field(1e-6, gt=0, description="peak learning rate")
+    lr_scheduler_type: Literal["constant", "cosine"] = Field("constant", description="verl's LR schedule, with "
+                                                               "warmup")
     lr_warmup_steps: int = Field(-1, description="absolute warmup steps; <= 0 uses lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = Field(0.0, ge=0, le=1, description="warmup as a share of the run's total steps")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    num_cycles: float = Field(0.5, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    clip_grad: float = Field(1.0, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the LR's floor, as a share of lr")
+    num_cycles: float = Field(0.5, gt=0, description="cosine: its cycles over the horizon (0.5: one decay)")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's weight decay")
+    clip_grad: float = Field(1.0, gt=0, description="gradient norm clipping")
 
     @property
     def horizon_dependent(self) -> bool:
@@ -77,24 +78,26 @@ class VerlPPOSettings(StrictModel):
     rollout_name: Literal["vllm", "sglang", "hf"] = critical(
         "vllm", description="vllm | sglang (GPU engines) | hf: transformers' generate(), for the tiny model on a CPU")
     fsdp_version: Literal[1, 2] = critical(2, description="1: strategy fsdp, 2: fsdp2")
-    nnodes: int = critical(1, ge=1)
-    n_gpus_per_node: int = critical(8, ge=1)
+    nnodes: int = critical(1, ge=1, description="nodes of the training world (world size = nnodes x n_gpus_per_node)")
+    n_gpus_per_node: int = critical(8, ge=1, description="GPUs per node")
     adv_estimator: str = critical("grpo", min_length=1, description="verl's algorithm.adv_estimator (gae has a critic)")
     rollout_n: int = critical(5, ge=1, description="responses per prompt")
     train_batch_size: int = critical(1024, gt=0, description="prompts per step")
-    ppo_mini_batch_size: int = critical(256, gt=0)
-    max_prompt_length: int = critical(512, gt=0)
-    max_response_length: int = critical(1024, gt=0)
-    temperature: float = critical(1.0, gt=0)
-    clip_ratio: float = critical(0.2, gt=0)
-    entropy_coeff: float = critical(0.0, ge=0)
-    use_kl_loss: bool = critical(True)
-    kl_loss_coef: float = critical(0.001, ge=0)
-    kl_loss_type: str = critical("low_var_kl")
-    use_kl_in_reward: bool = critical(False)
-    total_epochs: int = critical(15, gt=0)
-    shuffle: bool = critical(True)
-    optim: VerlOptimSettings = critical(default_factory=VerlOptimSettings)
+    ppo_mini_batch_size: int = critical(256, gt=0, description="prompts per optimizer step")
+    max_prompt_length: int = critical(512, gt=0, description="longest prompt, in tokens")
+    max_response_length: int = critical(1024, gt=0, description="longest response, in tokens")
+    temperature: float = critical(1.0, gt=0, description="sampling temperature of the rollout")
+    clip_ratio: float = critical(0.2, gt=0, description="PPO's clip range")
+    entropy_coeff: float = critical(0.0, ge=0, description="weight of the entropy bonus")
+    use_kl_loss: bool = critical(True, description="a KL loss against the reference model")
+    kl_loss_coef: float = critical(0.001, ge=0, description="its weight")
+    kl_loss_type: str = critical("low_var_kl", description="verl's KL estimator")
+    use_kl_in_reward: bool = critical(False, description="a KL penalty in the reward instead (verl's "
+                                                         "algorithm.use_kl_in_reward)")
+    total_epochs: int = critical(15, gt=0, description="passes over the training data")
+    shuffle: bool = critical(True, description="shuffle the data each epoch (seeded by the run's seed)")
+    optim: VerlOptimSettings = critical(default_factory=VerlOptimSettings, description="the actor's optimizer and LR "
+       "schedule")
     project_name: str | None = critical(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                                         description="tracking project; default relay-<spec name>")
     experiment_name: str | None = critical(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
@@ -103,10 +106,11 @@ class VerlPPOSettings(StrictModel):
                                                                        "(key=value, keys that exist in verl's "
                                                                        "ppo_trainer.yaml)")
     # Not resume-critical: speed and memory knobs, logging, validation, saving.
-    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0)
-    log_prob_micro_batch_size_per_gpu: int = Field(32, gt=0)
+    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0, description="samples per GPU per forward/backward (memory, "
+                                                                    "not the math)")
+    log_prob_micro_batch_size_per_gpu: int = Field(32, gt=0, description="samples per GPU when computing log-probabilities")
     tensor_model_parallel_size: int = Field(2, ge=1, description="rollout tensor parallelism")
-    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="share of each GPU the rollout engine takes")
     logger: list[TrackingBackend] = Field(default_factory=_console_only, description="verl's tracking backends")
     test_freq: int = Field(-1, description="validate every N steps (verl's test_freq); <= 0: only at the run's end")
     validate_every_chunk: bool = Field(False, description="also validate at every chunk's end (verl validates on "
