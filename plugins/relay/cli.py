@@ -35,6 +35,7 @@ from relay.s3 import history
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, parse_uri, s3_client, store_for_spec, upload_args
 from relay.trainers.contract import ChunkRequest, run_chunk
+from relay.trainers.quiet import quiet_known_noise
 from relay.trainers.verl_ppo.tiny_model import make_tiny_model
 
 EXIT_CODES = ("exit codes: 0 success; 1 a finding (a checkpoint, tracker or parquet file that exists but is corrupt, "
@@ -603,6 +604,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -52,3 +52,58 @@ def test_a_trigger_event_without_its_fields_is_an_error_that_says_so(event):
     with pytest.raises(AirflowException, match="has no status or no submission_id; clear the task to run it again"):
         event_status(event, "chunk 2/2 (steps 7..12) of run r", "submission_id")
     assert event_status({"status": "STALLED", "submission_id": "j"}, "chunk 2", "submission_id") == "STALLED"
+
+
+def test_an_unconfigured_channel_is_one_warning_per_run_not_an_error_per_alert(tmp_path, caplog):
+    """A spec names a channel whose Airflow connection does not exist (the e-mail channel on a deployment without
+    smtp_default): the run's first alert says so in one WARNING naming it and what to do; no alert logs an ERROR."""
+    import logging
+
+    from relay.airflow.notifiers import send_once
+    from relay.runs.run import Run
+    from relay.runs.spec import load_spec
+    from support.helpers import write_spec
+
+    spec = load_spec(write_spec(tmp_path, name="quiet", **{"alerts.email": ["oncall@example.com"],
+                                                            "alerts.smtp_conn_id": "no_such_smtp"}),
+                     check_environment=False)
+    run = Run.of(spec, "quiet")
+    run.dir.mkdir(parents=True)
+    caplog.set_level(logging.INFO, logger="relay.airflow.notifiers")
+    for n in range(3):
+        send_once({"params": {}}, run, an_alert(), f"event-{n}")
+    said = [r for r in caplog.records if "not configured" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "email:no_smtp" not in said[0].getMessage() and "email:no_such_smtp" in said[0].getMessage()
+    assert "once per run" in said[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "no ERROR for a missing connection"
+
+
+def test_the_local_stacks_mail_sink_keeps_each_alert_as_a_file(tmp_path, monkeypatch):
+    """`relay stack up` points smtp_default at its mail sink: an alert e-mail lands in its folder as a .eml file."""
+    import email
+    import email.policy
+    import json
+    import subprocess
+    import sys
+
+    from support.helpers import ROOT
+    from support.receivers import free_port
+
+    port, folder = free_port(), tmp_path / "mail"
+    sink = subprocess.Popen([sys.executable, "-m", "relay.devstack.mailsink", "--port", str(port), "--dir",
+                             str(folder)], cwd=ROOT)
+    try:
+        monkeypatch.setenv("AIRFLOW_CONN_LOCAL_MAIL", json.dumps({
+            "conn_type": "smtp", "host": "127.0.0.1", "port": port,
+            "extra": {"from_email": "relay@localhost", "disable_ssl": True, "disable_tls": True}}))
+        alert = an_alert()
+        assert wait_for(lambda: deliver(alert, Channels(("oncall@example.com",), "local_mail", None, None))
+                        == {"email:local_mail": "sent"}, timeout=30)
+        assert wait_for(lambda: list(folder.glob("*.eml")))
+        [eml] = folder.glob("*.eml")
+        msg = email.message_from_bytes(eml.read_bytes(), policy=email.policy.default)
+        assert msg["Subject"] == alert.subject() and msg["X-Envelope-To"] == "oncall@example.com"
+    finally:
+        sink.terminate()
+        sink.wait(10)

@@ -117,3 +117,32 @@ def test_the_save_after_a_chunks_last_step_gets_the_startup_allowance():
     watch.saw("[relay] step 12/12 chunk 2 reward=0.3\n", now=100)
     assert watch.stalled(now=400) is None, "a long save of the chunk's checkpoint is not a stall"
     assert watch.stalled(now=461) == "no new step for 361s after step 12, the chunk's last (saving) (limit 360s)"
+
+
+def test_a_warning_sent_in_a_try_does_not_silence_its_failure_alert(tmp_path):
+    """A train try that warned (a fallback, a decision) and then failed still alerts its failure: only a failure
+    alert of its own in the same try makes the failure callback quiet."""
+    from relay.alerts.ledger import AlertLedger
+
+    ledger = AlertLedger(tmp_path)
+    ledger.claim("fallback-key", an_alert(kind="fallback", task="chunk_02.train", try_number=1))
+    assert not ledger.alerted_in_try("manual__1", "chunk_02.train", 1)
+    ledger.claim("failure-key", an_alert(kind="chunk_failed", task="chunk_02.train", try_number=1))
+    assert ledger.alerted_in_try("manual__1", "chunk_02.train", 1)
+
+
+def test_each_kind_of_alert_reads_right_in_every_channel():
+    """A failure says what failed; a decision asks its question, its Markdown read as words in the log and e-mail
+    and as Slack's own bold; news (a warning, a recovery) says what happened."""
+    failure = an_alert()
+    assert ("What failed", failure.what) in failure.fields()
+    decision = an_alert(kind="decision", what="Start run **demo** again from step 0?",
+                        details="- local: `/ckpt/demo` (steps 6) to `/ckpt/.archive/demo-<time>/`")
+    assert ("The question", "Start run demo again from step 0?") in decision.fields()
+    text = decision.text()
+    assert "What failed" not in text and "**" not in text and "`" not in text, text
+    assert "<code>/ckpt/demo</code>" in decision.html() and "**" not in decision.html()
+    slack = " ".join(b.get("text", {}).get("text", "") for b in decision.slack()["blocks"] if "text" in b)
+    assert "`/ckpt/demo`" in slack and "```" not in slack
+    for kind in ("fallback", "recovered", "finished"):
+        assert an_alert(kind=kind).label == "What happened"

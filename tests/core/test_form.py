@@ -38,3 +38,15 @@ def test_refusals_say_what_is_wrong_and_give_an_example(tmp_path):
     (mail,) = form.explain(s, {"alert_emails": ["ml-platform"]})
     assert "'ml-platform' is not an e-mail address" in mail
     assert len(form.explain(s, {"run": "a..b", "fresh_start": 1})) == 2
+
+
+def test_the_fresh_start_help_says_where_an_unconfirmed_one_waits(tmp_path):
+    """Without Confirm fresh start, a run with checkpoints waits for a person on the task's Required Actions page
+    (approvals on, the default), or is refused (approvals off): the form's help says which, and where."""
+    asking = form.fields(load_spec(write_spec(tmp_path, name="asks"), check_environment=False))
+    help_text = asking["fresh_start"]["description"]
+    assert "Required Actions page" in help_text and "preflight.run" in help_text, help_text
+    assert "also needs Confirm fresh start" not in help_text
+    refusing = form.fields(load_spec(write_spec(tmp_path, name="refuses", **{"airflow.approvals": False}),
+                                            check_environment=False))
+    assert "refused" in refusing["fresh_start"]["description"]

@@ -210,6 +210,27 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     aside.verify(archived.name, kept)
 
 
+def test_the_report_link_opened_logged_out_goes_through_the_login_page_and_back(browser, airflow, triggered):
+    """A report link opened in a browser without an Airflow session (a colleague's, an alert's) lands on Airflow's
+    login page, and after the login on the report, as Airflow's own pages do."""
+    airflow["api"].wait_for_run("relay_demo", triggered["run_id"], timeout=900)
+    context = browser.new_context(viewport={"width": 1500, "height": 900})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    context.set_default_navigation_timeout(UI_TIMEOUT_MS)
+    try:
+        tab = context.new_page()
+        report = f"{airflow['url']}/relay/dags/relay_demo/runs/demo/report"
+        tab.goto(report)
+        tab.wait_for_url("**/auth/login**")
+        tab.fill("input[name=username]", "admin")
+        tab.fill("input[name=password]", airflow["password"])
+        tab.get_by_role("button", name="Sign in").click()
+        tab.wait_for_url(report)
+        assert tab.get_by_role("heading", name="Run demo").is_visible()
+    finally:
+        context.close()
+
+
 def test_relay_pages_need_airflow_login(airflow):
     import urllib.error
     import urllib.request

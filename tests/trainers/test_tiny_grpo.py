@@ -72,3 +72,43 @@ def test_reward_rises_within_60_steps(tmp_path):
     rewards = [r["reward_mean"] for r in read_metrics(tmp_path / "learn")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
     assert last > first + 0.1, f"mean reward did not rise: first 10 steps {first:.3f}, last 20 {last:.3f}"
+
+
+def test_a_chunks_log_carries_its_step_lines_and_no_known_noise(tmp_path):
+    """What a person reads in a chunk's log: Relay's step lines (the ETA of the chunk and of the run, named), and no
+    warning of verl's platform detection on a host without an accelerator or of torchdata's deprecated torch call.
+    A fresh `python -m relay train` process, as a job's driver is."""
+    import subprocess
+    import sys
+
+    from relay.trainers.quiet import NOISE
+    from support.helpers import ROOT, write_spec
+
+    spec = write_spec(tmp_path, name="quiet")
+    r = subprocess.run([sys.executable, "-m", "relay", "train", str(spec), "--to-step", "2", "--offline"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "[relay] step 2/12 chunk 1 eta " in out and "(run eta " in out, out[-3000:]
+    for noise in (*NOISE, "set_vital"):
+        assert noise not in out, f"{noise!r} in the chunk's log:\n{out[-3000:]}"
+
+
+def test_airflows_task_processes_skip_the_pathspec_deprecation(tmp_path):
+    """Every Airflow process of the local stack (and the compose file's) ignores pathspec's deprecation warning that
+    Airflow's .airflowignore reader sets off in every task's log (Airflow's configuration, imported first, shows
+    deprecation warnings unless warning options are set)."""
+    import os
+    import subprocess
+    import sys
+
+    from relay.devstack import stack
+
+    code = ("import airflow.configuration; from pathspec.patterns.gitwildmatch import GitWildMatchPattern; "
+            "GitWildMatchPattern('*.py')")
+    plain = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=plain)
+    assert "GitWildMatchPattern" in shown.stdout + shown.stderr, "the warning this is about"
+    env = stack.airflow_env(tmp_path / "home")
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**plain, **env})
+    assert quiet.returncode == 0 and "GitWildMatchPattern" not in quiet.stdout + quiet.stderr, quiet.stdout

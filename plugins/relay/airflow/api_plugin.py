@@ -3,11 +3,13 @@
 - the trigger form's refusals in plain words: Airflow answers a value outside a run DAG's Params with
   jsonschema's text (the regex, the whole schema); the UI shows that answer as it comes. The
   middleware replaces it with relay.airflow.form.explain's words: what is wrong, and an example.
+- a rejected decision on the DAG run's note: who rejected what, and that nothing was changed.
 - the training run's name on the DAG run: a trigger of a run DAG gets the DAG run id
   "NAME__manual__<time>" (the run list and the grid show ids) unless the person typed one, and the
   note "training run: NAME" (the DAG run's page shows notes).
 - Relay's pages under /relay, behind Airflow's own login (the UI's session cookie) and its DAG
-  permissions: the run report, built when it is opened, so a link to it never expires.
+  permissions: the run report, built when it is opened, so a link to it never expires. A browser without a
+  session is sent to the login page and back.
 
 Only the API server mounts these; other processes that load plugins import this module and build
 nothing else.
@@ -15,14 +17,18 @@ nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 from datetime import datetime, timezone
+from urllib.parse import unquote
 
 from airflow.plugins_manager import AirflowPlugin
-from fastapi import Depends, FastAPI, HTTPException
-from fastapi.responses import HTMLResponse
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import HTMLResponse, RedirectResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay.airflow import form
 from relay.airflow.links import RELAY_APP_PREFIX
@@ -35,6 +41,9 @@ from relay.runs.spec import dated_run_name, spec_for_dag
 log = logging.getLogger(__name__)
 
 TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?")
+NOTE_MAX = 1000  # Airflow's dag_run_note.content
+ANSWER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/(?P<run_id>[^/]+)/taskInstances/(?P<task_id>[^/]+)/"
+                         r"(?P<map_index>-?[0-9]+)/hitlDetails")
 
 
 def run_name_of(spec, conf: dict, logical_date: str | None) -> str:
@@ -54,6 +63,9 @@ class TriggerFormMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "PATCH" and \
+                (answered := ANSWER_PATH.fullmatch(scope.get("path", ""))) is not None:
+            return await self.app(scope, receive, _note_rejections(send, answered))
         match = TRIGGER_PATH.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
         if match is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
@@ -148,6 +160,69 @@ def _explained(body: bytes, spec, conf) -> bytes:
     return json.dumps({"detail": text}).encode()
 
 
+def _note_rejections(send, answered: re.Match):
+    """Wrap `send`: once a person's answer to a Relay decision is accepted (200) and it does not go on, the DAG run's
+    note says who rejected what and that nothing was changed (the task's own log says the same)."""
+    status, chunks = 0, []
+
+    async def wrapped(message):
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body" and status == 200:
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                try:
+                    answer = json.loads(b"".join(chunks))
+                    await asyncio.to_thread(note_rejection, unquote(answered["dag_id"]), unquote(answered["run_id"]),
+                                            unquote(answered["task_id"]), int(answered["map_index"]), answer)
+                except Exception as e:  # noqa: BLE001 - a note is never worth the person's answer
+                    log.warning("the DAG run's note was not written: %s", e)
+        await send(message)
+
+    return wrapped
+
+
+def note_rejection(dag_id: str, run_id: str, task_id: str, map_index: int, answer: dict) -> str | None:
+    """If `answer` rejects the Relay decision the task asked, write it on the DAG run's note; the note, or None."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    from relay.airflow.decisions import rejection_text
+
+    with create_session() as session:
+        ti = session.scalar(select(TaskInstance).where(
+            TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id, TaskInstance.task_id == task_id,
+            TaskInstance.map_index == map_index))
+        decision = _found(ti.next_kwargs if ti is not None else None, "decision")
+        chosen = (answer.get("chosen_options") or [""])[0]
+        if not isinstance(decision, dict) or chosen in (decision.get("proceed") or []):
+            return None
+        who = (answer.get("responded_by") or {}).get("name") or "someone"
+        run = (decision.get("data") or {}).get("run") or "?"
+        note = f"{rejection_text(run, decision.get('subject', ''), chosen, f'{who} in the Airflow UI')}."
+        dag_run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+        if dag_run is not None and dag_run.dag_run_note is None:
+            dag_run.note = (note[:NOTE_MAX], None)
+        elif dag_run is not None:  # the training run's note of the trigger: kept, the rejection below it
+            dag_run.dag_run_note.content = f"{dag_run.dag_run_note.content}\n\n{note}"[:NOTE_MAX]
+        return note
+
+
+def _found(node, key: str):
+    """`key`'s value in a task's next_kwargs, however Airflow serialized them ({"__var": ...} wrappers)."""
+    if isinstance(node, dict):
+        if key in node:
+            value = node[key]
+            return _found(value, "__var") if isinstance(value, dict) and "__var" in value else value
+        for value in node.values():
+            if (hit := _found(value, key)) is not None:
+                return hit
+    return None
+
+
 # ------------------------------------------------------------------------------------- Relay's pages
 def _pages() -> FastAPI:
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
@@ -155,6 +230,14 @@ def _pages() -> FastAPI:
 
     app = FastAPI(title="Relay", docs_url=None, redoc_url=None, openapi_url=None)
     can_read_runs = [Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))]
+
+    @app.exception_handler(StarletteHTTPException)
+    async def login_first(request: Request, exc: StarletteHTTPException):
+        """A browser without an Airflow session (a link opened from an alert, by a colleague) is sent to Airflow's
+        login page, and back here once logged in, as Airflow's own pages do; an API client gets the 401."""
+        if exc.status_code == 401 and "text/html" in request.headers.get("accept", ""):
+            return RedirectResponse(login_url(request), status_code=303)
+        return await http_exception_handler(request, exc)
 
     @app.get("/dags/{dag_id}/runs/{run}/report", response_class=HTMLResponse, dependencies=can_read_runs)
     def run_report(dag_id: str, run: str) -> HTMLResponse:
@@ -170,6 +253,16 @@ def _pages() -> FastAPI:
             raise HTTPException(404, f"{e.what}. {e.fix}") from None
 
     return app
+
+
+def login_url(request: Request) -> str:
+    """Airflow's login page, with the page asked for as where to come back to (on the UI's own base URL)."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.configuration import conf
+
+    here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    base = conf.get("api", "base_url", fallback="") or str(request.base_url)
+    return get_auth_manager().get_url_login(next_url=base.rstrip("/") + here)
 
 
 class RelayPlugin(AirflowPlugin):

@@ -12,8 +12,10 @@ Airflow's HITL detail (subject, the facts, the options: what the Required Action
 task in awaiting_input (TaskAwaitingInput: no worker slot, no trigger, no triggerer), with one alert that
 links to the page. The page, or `PATCH /api/v2/dags/D/dagRuns/R/taskInstances/T/-1/hitlDetails` with
 `{"chosen_options": [...]}`, answers it; the task resumes in `decided` with the choice, who made it and
-when, and runs again with the answer. A rejection, or no answer within `approvals.timeout_minutes` (the
-scheduler's timeout sweep), fails the task without retries and stops the DAG run: nothing was changed.
+when, and runs again with the answer. A rejection is a person's decision, not a failure: the task says in a
+short message who rejected what and that nothing changed, and ends skipped, with every task after it; Relay's
+API-server plugin writes the same on the DAG run's note. No answer within `approvals.timeout_minutes` (the
+scheduler's timeout sweep) fails the task without retries and stops the DAG run: nothing was changed.
 
 A trigger that already carries the decision (`confirm_fresh_start` naming the run, `allow_drift` naming the
 keys) asks nothing, so backfills and CLI triggers stay unattended.
@@ -21,6 +23,7 @@ keys) asks nothing, so backfills and CLI triggers stay unattended.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -118,9 +121,27 @@ def answer(run: Run, decision: dict, event: dict) -> Answer:
     when = at.isoformat(timespec="seconds") if at is not None and hasattr(at, "isoformat") else str(at)
     a = Answer(d.kind, chosen, who.get("name") or who.get("id") or "someone", when, d.data)
     if chosen not in d.proceed:
-        raise AirflowFailException(f"run {run}: \"{d.subject}\": {chosen!r} chosen by {a.who()}: this DAG run stops; "
-                                   "nothing was changed" + _unattended(d.kind, run))
+        raise Rejected(rejection_text(run.name, d.subject, chosen, a.who()) + _unattended(d.kind, run) + ".")
     return a
+
+
+class Rejected(Exception):
+    """A person chose an option that does not go on: their decision, said in plain words."""
+
+
+def rejection_text(run: str, subject: str, chosen: str, who: str) -> str:
+    """Who rejected what, and that nothing changed: the task's log and the DAG run's note say the same."""
+    return (f'"{subject}": {chosen!r} chosen by {who}. Nothing was changed: run {run} stays as it was, and the '
+            f"tasks after this one are skipped")
+
+
+def skip_rejected(log, rejected: Rejected) -> NoReturn:
+    """End the asking task as a person decided: a short wrapped message, no traceback, this task and the ones
+    after it skipped (the DAG run is not a failure)."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    log.warning("%s", textwrap.fill(str(rejected), 100))
+    raise AirflowSkipException(str(rejected).partition(".")[0])
 
 
 def _unattended(kind: str, run: Run) -> str:
@@ -145,7 +166,10 @@ class DecidingPythonOperator(PythonOperator):
         decision = decision or {}
         kwargs: dict[str, Any] = dict(self.op_kwargs)  # type: ignore[has-type]  # PythonOperator sets it
         spec = load_spec(kwargs["spec_path"], check_environment=False)
-        got = answer(Run.of(spec, decision.get("data", {}).get("run")), decision, event or {})
+        try:
+            got = answer(Run.of(spec, decision.get("data", {}).get("run")), decision, event or {})
+        except Rejected as rejected:
+            skip_rejected(self.log, rejected)
         self.op_kwargs = {**kwargs, "answer": got.to_dict()}
         try:
             return super().execute(context)

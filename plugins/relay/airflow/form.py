@@ -47,8 +47,13 @@ def fields(spec) -> dict[str, dict[str, Any]]:
         },
         "fresh_start": {
             "default": False, "type": ["boolean", "null"], "title": "Fresh start",
-            "description": "Start the run again from step 0. A run that has checkpoints also needs Confirm fresh "
-                           "start; its old checkpoints are archived under <checkpoint_dir>/.archive, never deleted.",
+            "description": "Start the run again from step 0, as a new incarnation; its old checkpoints are moved to "
+                           "<checkpoint_dir>/.archive (and S3's .archive), never deleted. A run that has checkpoints "
+                           + ("waits for a person's approval first, on the preflight.run task's Required Actions "
+                              "page (the task asks there and alerts with the link), unless Confirm fresh start names "
+                              "it." if spec.airflow.approvals else
+                              "also needs Confirm fresh start: without it, the DAG run is refused.")
+                           + " Refused while a trainer or Ray job of the run still runs.",
         },
         "confirm_fresh_start": {
             "default": None, "type": ["null", "string"], "title": "Confirm fresh start",

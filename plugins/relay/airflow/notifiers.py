@@ -110,16 +110,34 @@ def deliver(alert: Alert, channels: Channels) -> dict[str, str]:
                 results[name] = "sent"
                 break
             except Exception as e:  # any channel error: logged, the task goes on
+                if _not_configured(e):  # said once per run by send_once, never an error per alert
+                    results[name] = f"{NOT_CONFIGURED}: {str(e).splitlines()[0][:200]}"
+                    break
                 results[name] = redact(f"failed: {type(e).__name__}: {str(e)[:300]}")
-                if attempt == SEND_ATTEMPTS or _not_configured(e):
+                if attempt == SEND_ATTEMPTS:
                     break
                 time.sleep(SEND_BACKOFF_S * attempt)
-        level = logging.INFO if results[name] == "sent" else logging.ERROR
-        log.log(level, "alert %s via %s: %s", alert.kind, name, results[name])
+        if not results[name].startswith(NOT_CONFIGURED):
+            level = logging.INFO if results[name] == "sent" else logging.ERROR
+            log.log(level, "alert %s via %s: %s", alert.kind, name, results[name])
     if not results:
         log.warning("alert %s: no channel configured (spec alerts.email / slack_conn_id / webhook_conn_id)",
                     alert.kind)
     return results
+
+
+NOT_CONFIGURED = "not configured"
+
+
+def _warn_unconfigured(ledger: AlertLedger | None, results: dict[str, str]) -> None:
+    """A channel whose connection does not exist: one clear WARNING per run (the ledger remembers it), saying which
+    connection to add; the alerts go on to the channels that work."""
+    for name, result in results.items():
+        if not result.startswith(NOT_CONFIGURED) or (ledger is not None and not ledger.first_unconfigured(name)):
+            continue
+        log.warning("alert channel %s is not configured (%s): this run's alerts are not sent there. Add the "
+                    "connection (docs/guides/alerts.md says how), or remove the channel from the spec's alerts "
+                    "section; this is said once per run", name, result.partition(": ")[2])
 
 
 def _not_configured(error: Exception) -> bool:
@@ -184,6 +202,7 @@ def send_once(context, run: Run, alert: Alert, key: str) -> bool:
         return False
     log.warning("ALERT\n%s", alert.text())
     results = deliver(alert, Channels.of(run.spec, context.get("params")))
+    _warn_unconfigured(ledger, results)
     if ledger is not None:
         ledger.delivered(key, results)
     return True

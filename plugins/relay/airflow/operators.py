@@ -25,7 +25,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.airflow.assets import run_checkpoints
-from relay.airflow.decisions import Decision, DecisionNeeded, answer, ask
+from relay.airflow.decisions import Decision, DecisionNeeded, Rejected, answer, ask, skip_rejected
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import (
@@ -318,7 +318,10 @@ class RayChunkOperator(ChunkTaskOperator):
     def fallback_decided(self, context, event: dict | None = None, decision: dict | None = None) -> dict:
         """A person answered the fallback question: record the approval (events.jsonl), then run the chunk."""
         run, chunk = self._context(context)
-        got = answer(run, decision or {}, event or {})
+        try:
+            got = answer(run, decision or {}, event or {})
+        except Rejected as rejected:
+            skip_rejected(self.log, rejected)
         record_event(run.dir, FALLBACK_APPROVED, chunk=chunk.index, quarantined=got.data["quarantined"],
                      resume_from=got.data["resume_from"], by=got.by, at=got.at)
         self.log.warning("%s of run %s: %s approved resuming from step %s (quarantined step %s)", chunk, run,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as dc_fields
 from datetime import datetime, timezone
@@ -105,12 +106,19 @@ class Alert:
                                       f"step {self.step}" if self.step is not None else "") if x)
         return f"[relay {self.severity.upper()}] {self.run}: {self.headline}" + (f" ({where})" if where else "")
 
+    @property
+    def label(self) -> str:
+        """What the alert's `what` is, by its kind: a failure's, a decision's, or news (a warning, a recovery)."""
+        if self.kind == "decision":
+            return "The question"
+        return "What failed" if self.severity == "error" else "What happened"
+
     def fields(self) -> list[tuple[str, str]]:
         """The facts, in reading order; a fact Relay could not know says so instead of being dropped."""
         last = ("none" if self.last_valid_step is None else f"step {self.last_valid_step}")
         last += f" ({self.last_valid_uri})" if self.last_valid_uri else " (not published to S3)"
         rows = [
-            ("Run", self.run), ("What failed", self.what), *([("Cause", self.cause)] if self.cause else []),
+            ("Run", self.run), (self.label, _plain(self.what)), *([("Cause", self.cause)] if self.cause else []),
             ("What Relay did", self.action or "-"),
             ("Chunk", str(self.chunk) if self.chunk else "-"),
             ("Global step", "-" if self.step is None else str(self.step)),
@@ -125,12 +133,13 @@ class Alert:
         return rows
 
     def text(self) -> str:
+        """Plain text (the task log): a decision's Markdown (**bold**, `code`) read as words."""
         body = "\n".join(f"{k}: {v}" for k, v in self.fields())
-        return f"{self.subject()}\n{body}" + (f"\n\n{self.details}" if self.details else "")
+        return f"{self.subject()}\n{body}" + (f"\n\n{_plain(self.details)}" if self.details else "")
 
     def html(self) -> str:
         rows = "".join(f"<tr><th align='left'>{html.escape(k)}</th><td>{_link(v)}</td></tr>" for k, v in self.fields())
-        details = f"<pre>{html.escape(self.details)}</pre>" if self.details else ""
+        details = f"<pre>{_marked_up(self.details)}</pre>" if self.details else ""
         return f"<h3>{html.escape(self.subject())}</h3><table>{rows}</table>{details}"
 
     def payload(self) -> dict:
@@ -143,13 +152,30 @@ class Alert:
         facts = [{"type": "mrkdwn", "text": f"*{k}*\n{_mrkdwn(v)}"} for k, v in self.fields()]
         blocks: list[dict[str, Any]] = [{"type": "header", "text": {"type": "plain_text", "text": self.subject()[:150]}}]
         blocks += [{"type": "section", "fields": facts[i:i + 10]} for i in range(0, len(facts), 10)]
-        if self.details:
+        if self.details and self.kind == "decision":  # Markdown facts: Slack's own bold and code
+            blocks.append({"type": "section", "text": {"type": "mrkdwn",
+                                                       "text": BOLD.sub(r"*\1*", self.details)[:2900]}})
+        elif self.details:
             blocks.append({"type": "section", "text": {"type": "mrkdwn",
                                                        "text": f"```{self.details[:2900]}```"}})
         return {"text": self.subject(), "blocks": blocks}
 
     def to_json(self) -> str:
         return json.dumps(self.payload(), sort_keys=True)
+
+
+BOLD = re.compile(r"\*\*(.+?)\*\*")
+CODE = re.compile(r"`([^`]+)`")
+
+
+def _plain(text: str) -> str:
+    """Markdown's emphasis and code spans (what the Required Actions page renders) as plain words."""
+    return CODE.sub(r"\1", BOLD.sub(r"\1", text))
+
+
+def _marked_up(text: str) -> str:
+    """Markdown's bold and code spans as HTML, the rest escaped."""
+    return CODE.sub(r"<code>\1</code>", BOLD.sub(r"<b>\1</b>", html.escape(text)))
 
 
 def _link(value: str) -> str:

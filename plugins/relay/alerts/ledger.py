@@ -65,8 +65,20 @@ class AlertLedger:
                 if e["key"] == key:
                     e["delivered"] = results
 
+    def first_unconfigured(self, channel: str) -> bool:
+        """Whether this is the first time the run met `channel` unconfigured (remembered: said once per run)."""
+        with self._locked() as record:
+            said = record.setdefault("unconfigured", [])
+            if channel in said:
+                return False
+            said.append(channel)
+            return True
+
     def alerted_in_try(self, dag_run: str, task: str, try_number: int | None) -> bool:
-        return any(e["dag_run"] == dag_run and e["task"] == task and e["try"] == try_number for e in self.entries())
+        """Whether this try of the task already sent a failure alert of its own (a warning it sent, a fallback or a
+        decision, does not count: its failure is still to be told)."""
+        return any(e["dag_run"] == dag_run and e["task"] == task and e["try"] == try_number
+                   and e.get("severity") == "error" for e in self.entries())
 
     def open_failures(self) -> list[dict]:
         return [e for e in self.entries() if e["open"]]

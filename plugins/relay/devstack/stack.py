@@ -294,6 +294,8 @@ def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4,
             "extra": {"endpoint_url": s3_endpoint(), "region_name": "us-east-1"}}),
         "RELAY_PROJECT_ROOT": str(project.root()),
         "GX_ANALYTICS_ENABLED": "false",
+        # Airflow's .airflowignore reader warns of a pathspec deprecation in every task's log: not the user's concern
+        "PYTHONWARNINGS": "ignore:GitWildMatchPattern:DeprecationWarning",
     })
     if broker_url:
         if not db_url or not db_url.startswith("postgresql"):
@@ -474,11 +476,46 @@ def up(with_airflow: bool = True, db_url: str | None = None, ray_cpus: int | Non
     """Start the whole local stack; return how to reach it. ray_cpus: the head's logical CPUs (head_cpus())."""
     info = {"s3": s3_start(), "ray": ray_start(ray_cpus)}
     if with_airflow:
-        env = airflow_env(state_dir() / "airflow", db_url)
+        info["mail"] = str(mail_start())
+        env = {**airflow_env(state_dir() / "airflow", db_url), "AIRFLOW_CONN_SMTP_DEFAULT": mail_connection()}
         airflow_start(env)
         info.update(airflow=airflow_url(), airflow_home=env["AIRFLOW_HOME"],
                     user="admin", password=airflow_password(Path(env["AIRFLOW_HOME"])))
     return info
+
+
+def mail_dir() -> Path:
+    """Where the local stack's mail sink keeps the alert e-mails it receives, one .eml file each."""
+    return state_dir() / "mail"
+
+
+def mail_start() -> Path:
+    """The mail sink (relay.devstack.mailsink) on RELAY_SMTP_PORT, unless it runs; its folder."""
+    if "mail" not in running_services():
+        start_process("mail", [sys.executable, "-m", "relay.devstack.mailsink", "--port",
+                               str(ports()["RELAY_SMTP_PORT"]), "--dir", str(mail_dir())], _clean_env(),
+                      cwd=state_dir())
+        deadline = time.time() + 30
+        while not _port_open(ports()["RELAY_SMTP_PORT"]):
+            if time.time() > deadline:
+                raise RuntimeError(f"the mail sink did not listen on 127.0.0.1:{ports()['RELAY_SMTP_PORT']}; see "
+                                   f"{state_dir() / 'logs' / 'mail.log'}")
+            time.sleep(0.2)
+    return mail_dir()
+
+
+def mail_connection() -> str:
+    """The stack's smtp_default connection: the mail sink, plain SMTP on 127.0.0.1, no login."""
+    return json.dumps({"conn_type": "smtp", "host": "127.0.0.1", "port": ports()["RELAY_SMTP_PORT"],
+                       "extra": {"from_email": "relay@localhost", "disable_ssl": True, "disable_tls": True}})
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def settle_dag_runs(wait_s: float, say=print) -> list[str]:

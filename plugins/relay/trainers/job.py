@@ -13,9 +13,11 @@ import sys
 
 from relay.common.errors import RelayError, StoppedEarly
 from relay.trainers.contract import ChunkRequest, run_chunk
+from relay.trainers.quiet import quiet_known_noise
 
 
 def main() -> int:
+    quiet_known_noise()
     req = ChunkRequest.from_env()
     try:
         result = run_chunk(req)
