@@ -148,8 +148,8 @@ def test_the_spec_settings_reach_the_store_and_the_cli(tmp_path):
                                        "s3.acl": "bucket-owner-full-control"}), check_environment=False)
     assert store_for_spec(spec, client=object()).extra_args == {
         "ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/k", "ACL": "bucket-owner-full-control"}
-    args = build_parser().parse_args(["checkpoint", "publish", "d", "s3://relay/x", "--sse", "AES256", "--acl",
-                                      "bucket-owner-full-control"])
+    args = build_parser().parse_args(["checkpoint", "publish", str(tmp_path), "s3://relay/x", "--sse", "AES256",
+                                      "--acl", "bucket-owner-full-control"])
     assert _store(args.uri, args).extra_args == {"ServerSideEncryption": "AES256", "ACL": "bucket-owner-full-control"}
     from relay.common.errors import SpecError
 
