@@ -125,6 +125,36 @@ def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
         (STEPS, "valid", store.step_uri("r", STEPS))
 
 
+def test_the_report_shows_the_incarnation_and_decisions_and_lists_only_incidents(resumed, tmp_path):
+    """The page a person reads: the run's incarnation (begun by whom, the old one's place after a fresh start), the
+    decisions people made, incidents without the routine handoffs between chunks, S3 locations as text to copy
+    (a browser cannot open s3://), a long summary line wrapped, the Checkpoint link's row highlighted, and a link
+    back to the DAG run it was opened from."""
+    from relay.runs.record import read_record, update_record
+
+    run_dir = resumed["run_dir"]
+    before = read_record(run_dir)
+    try:
+        update_record(run_dir, started_by="manual__1 (fresh start approved by admin in the Airflow UI at t)",
+                      previous={"archived_to": "/ckpt/.archive/r-t", "archived_uri": "s3://relay/runs/.archive/r-t/"})
+        rep = report.build(run_dir, plan=ChunkPlan.from_spec(resumed["spec"]))
+        page = rep.html(b"png", back="http://127.0.0.1:8080/dags/relay_t/runs/manual__1")
+    finally:
+        layout.atomic_write_json(layout.relay_dir(run_dir, "run.json"), before)
+    assert f"Incarnation <code>{before['incarnation']}</code>" in page
+    assert "fresh start approved by admin in the Airflow UI" in page
+    assert "<code>/ckpt/.archive/r-t</code>" in page and "<code>s3://relay/runs/.archive/r-t/</code>" in page
+    incidents = page.split('<ul id="markers">')[1].split("</ul>")[0]
+    assert "retry" in incidents and "drift" in incidents
+    assert "class=\"marker resume\"" not in incidents, "a chunk's planned handoff is not an incident"
+    decisions = page.split('<ul id="decisions">')[1].split("</ul>")[0]
+    assert "settings change accepted by test: trainer.settings.kl_loss_coef" in decisions
+    assert "started again from step 0" in decisions
+    assert 'href="s3://' not in page and 'class="copy"' in page
+    assert "white-space: pre-wrap" in page and "tr:target" in page
+    assert '<a id="back" href="http://127.0.0.1:8080/dags/relay_t/runs/manual__1">' in page
+
+
 @pytest.mark.services
 def test_a_report_from_an_s3_run_without_metrics_says_what_to_do(tmp_path):
     r = relay_cli("report", "s3://relay/nothing-here/r", "--out", str(tmp_path))

@@ -160,10 +160,12 @@ def test_the_train_task_links_to_its_ray_job_and_the_run_report(page, airflow, t
     job.close()
 
     page.get_by_role("link", name="Run report").click()  # Relay's page in the API server, built when opened
-    page.wait_for_url("**/relay/dags/relay_demo/runs/demo/report")
+    page.wait_for_url("**/relay/dags/relay_demo/runs/demo/report?dag_run=**")
     assert page.get_by_role("heading", name="Run demo").is_visible()
     assert "step 12 of 12" in page.inner_text("body")
     assert page.locator("#step-12").count() == 1, "the Checkpoint link's anchor: the chunk table's row"
+    page.get_by_role("link", name="Back to the DAG run in Airflow").click()
+    page.wait_for_url(triggered["url"].split("?")[0].rstrip("/") + "**")
 
 
 def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_the_old_one(page, airflow, triggered,

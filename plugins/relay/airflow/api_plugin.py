@@ -22,7 +22,7 @@ import json
 import logging
 import re
 from datetime import datetime, timezone
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -240,15 +240,20 @@ def _pages() -> FastAPI:
         return await http_exception_handler(request, exc)
 
     @app.get("/dags/{dag_id}/runs/{run}/report", response_class=HTMLResponse, dependencies=can_read_runs)
-    def run_report(dag_id: str, run: str) -> HTMLResponse:
-        """The run report, built now from the run's folder (or S3 where this server cannot see it)."""
+    def run_report(dag_id: str, run: str, dag_run: str | None = None) -> HTMLResponse:
+        """The run report, built now from the run's folder (or S3 where this server cannot see it); `dag_run`: the
+        DAG run the link came from, linked back to."""
         spec = spec_for_dag(dag_id)
         if spec is None:
             raise HTTPException(404, f"{dag_id} is not a DAG of a Relay run spec in include/runs")
         try:
+            from airflow.configuration import conf
+
             from relay.airflow.hooks import checkpoint_store
 
-            return HTMLResponse(report.current_html(Run.of(spec, run), checkpoint_store(spec)))
+            base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+            back = f"{base}/dags/{quote(dag_id)}" + (f"/runs/{quote(dag_run, safe='')}" if dag_run else "")
+            return HTMLResponse(report.current_html(Run.of(spec, run), checkpoint_store(spec), back=back))
         except RelayError as e:
             raise HTTPException(404, f"{e.what}. {e.fix}") from None
 

@@ -33,8 +33,10 @@ def relay_page(path: str) -> str:
     return f"{base}{RELAY_APP_PREFIX}{path}"
 
 
-def report_page(dag_id: str, run: str) -> str:
-    return relay_page(f"/dags/{quote(dag_id)}/runs/{quote(run)}/report")
+def report_page(dag_id: str, run: str, dag_run: str | None = None) -> str:
+    """The run report's page; with the DAG run a link comes from, the report links back to it."""
+    page = relay_page(f"/dags/{quote(dag_id)}/runs/{quote(run)}/report")
+    return f"{page}?dag_run={quote(dag_run, safe='')}" if dag_run else page
 
 
 def ray_job_page(dashboard: str, submission_id: str) -> str:
@@ -58,7 +60,7 @@ class RunReportLink(BaseOperatorLink):
 
     def get_link(self, operator, *, ti_key) -> str:
         run = _run_of(operator, ti_key)
-        return report_page(ti_key.dag_id, run) if run else ""
+        return report_page(ti_key.dag_id, run, ti_key.run_id) if run else ""
 
 
 class CheckpointLink(BaseOperatorLink):
@@ -72,7 +74,7 @@ class CheckpointLink(BaseOperatorLink):
             return ""
         step = ChunkPlan.from_spec(load_spec(operator.spec_path, check_environment=False)).chunk(
             operator.chunk_index).end_step
-        return f"{report_page(ti_key.dag_id, run)}#step-{step}"
+        return f"{report_page(ti_key.dag_id, run, ti_key.run_id)}#step-{step}"
 
 
 class RayJobLink(BaseOperatorLink):

@@ -120,6 +120,8 @@ class Report:
     audit: AuditReport | None = None  # the replay audit of the steps trained twice
     save_interval: SaveInterval | None = None  # Young–Daly from the run's measured costs
     goodput: goodput.Ledger | None = None  # where the wall time went, what failures cost
+    incarnation: dict = field(default_factory=dict)  # this life of the run: id, begun, by whom, the old one's place
+    decisions: list[str] = field(default_factory=list)  # what people decided: fresh starts, drift, fallbacks
 
     @property
     def steps(self) -> list[int]:
@@ -258,28 +260,45 @@ class Report:
         ax.set_title(self.goodput.summary().partition(";")[0] + " (wall time of each chunk's attempts, by part)",
                      fontsize=9)
 
-    def html(self, png: bytes) -> str:
-        """One self-contained page: the picture inline (base64), the chunk table, the fingerprints."""
+    def incidents(self) -> list[Marker]:
+        """What went wrong or was set right: retries, quarantines, fallbacks, restores, drift, divergences. A
+        chunk's planned handoff to the next (its resume from the previous chunk's end) is routine, not one."""
+        return [m for m in self.markers if m.kind not in ("chunk", "resume")]
+
+    def html(self, png: bytes, back: str | None = None) -> str:
+        """One self-contained page: the picture inline (base64), the chunk table, the fingerprints. `back`: the
+        page a person came from (the DAG run in Airflow's UI), linked at the top."""
         e = html.escape
 
         def cell(v) -> str:
             return f"<td>{'—' if v is None or v == '' else e(str(v))}</td>"
 
+        def location(uri: str | None) -> str:
+            """An s3:// location as text a browser cannot open, with a button that copies it."""
+            if not uri:
+                return "—"
+            return f'<code>{e(uri)}</code> <button class="copy" data-copy="{e(uri)}" title="copy">copy</button>'
+
         rows = "\n".join(
             f'<tr class="chunk" id="step-{c.end_step}" data-chunk="{c.chunk}">' + "".join(cell(v) for v in (
                 c.chunk, c.start_step, c.end_step, c.attempts, _duration(c.wall_seconds),
                 _duration(c.trainer_seconds), _size(c.checkpoint_bytes), c.validation))
-            + (f'<td><a href="{e(c.s3_uri)}">{e(c.s3_uri)}</a></td>' if c.s3_uri else "<td>—</td>") + "</tr>"
-            for c in self.chunks)
-        marks = "\n".join(f'<li class="marker {e(m.kind)}">step {m.step}: {e(m.label)}</li>'
-                          for m in self.markers if m.kind != "chunk")
+            + f"<td>{location(c.s3_uri)}</td></tr>" for c in self.chunks)
+        marks = "\n".join(f'<li class="marker {e(m.kind)}">step {m.step}: {e(m.label)}</li>' for m in self.incidents())
         files = "".join(f"<li>{e(f.get('role', '?'))} <code>{e(f.get('sha256', ''))}</code> ({f.get('rows')} rows, "
                         f"from {e(str(f.get('source')))})</li>" for f in self.data_files)
-        drift = "".join(f"<li>{e(d.get('at', '?'))} by {e(d.get('by') or '?')}: "
-                        + e(", ".join(f"{c['key']}: {c['was']!r} -> {c['now']!r}" for c in d.get("changes", [])))
-                        + "</li>" for d in self.drift)
+        decisions = "".join(f"<li>{e(d)}</li>" for d in self.decisions)
+        inc = self.incarnation
+        life = (f"<p id=\"incarnation\">Incarnation <code>{e(str(inc.get('id') or '1'))}</code>"
+                + (f", begun {e(str(inc['began']))}" if inc.get("began") else "")
+                + (f" by {e(str(inc['by']))}" if inc.get("by") else "") + ".</p>")
+        if inc.get("archived_to") or inc.get("archived_uri"):
+            life += ("<p>The previous incarnation was moved aside, never deleted: "
+                     + " and ".join(location(x) for x in (inc.get("archived_to"), inc.get("archived_uri")) if x)
+                     + "</p>")
         image = "data:image/png;base64," + base64.b64encode(png).decode()
         ledger = self._goodput_html()
+        backlink = f'<p><a id="back" href="{e(back)}">&larr; Back to the DAG run in Airflow</a></p>' if back else ""
         return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Relay run report: {e(self.run)}</title>
 <style>
@@ -287,10 +306,21 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width:
 table {{ border-collapse: collapse; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }}
 th {{ background: #f2f2f2; }} code {{ font-size: 0.9em; }} img {{ max-width: 100%; }}
-pre {{ background: #f7f7f7; padding: 0.8em; }}
-</style></head><body>
+pre {{ background: #f7f7f7; padding: 0.8em; white-space: pre-wrap; overflow-wrap: anywhere; }}
+tr {{ scroll-margin-top: 4em; }} tr:target {{ background: #fff3b0; outline: 2px solid #e0b000; }}
+button.copy {{ font-size: 0.8em; cursor: pointer; }}
+</style>
+<script>
+document.addEventListener("click", (ev) => {{
+  const b = ev.target.closest("button.copy");
+  if (!b) return;
+  navigator.clipboard.writeText(b.dataset.copy).then(() => {{ b.textContent = "copied"; }});
+}});
+</script></head><body>
+{backlink}
 <h1>Run {e(self.run)}</h1>
 <p>Source: <code>{e(self.source)}</code>; written {e(time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime()))}</p>
+{life}
 <pre>{e(self.summary())}</pre>
 <img alt="reward mean, loss, KL, LR and seconds per step over global steps" src="{image}">
 <h2>Chunks</h2>
@@ -300,14 +330,14 @@ pre {{ background: #f7f7f7; padding: 0.8em; }}
 </table>
 <h2>Goodput</h2>
 {ledger}
-<h2>Resumes, retries, quarantines, drift</h2>
+<h2>Incidents: retries, quarantines, fallbacks, restores, drift</h2>
 <ul id="markers">{marks or '<li>none</li>'}</ul>
+<h2>Decisions</h2>
+<ul id="decisions">{decisions or '<li>none</li>'}</ul>
 <h2>Fingerprints</h2>
 <p>Settings fingerprint: <code id="settings-fingerprint">{e(self.settings_fingerprint or 'none')}</code></p>
 <p>Data fingerprint: <code id="data-fingerprint">{e(self.data_fingerprint or 'none (data never frozen)')}</code></p>
 <ul>{files}</ul>
-<h2>Drift decisions</h2>
-<ul>{drift or '<li>none</li>'}</ul>
 <p>{_n(self.superseded_rows, 'step row')} trained again after resumes (the first tries' rows are kept in
 {SUPERSEDED}).</p>
 </body></html>
@@ -385,7 +415,31 @@ def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, sourc
         settings_fingerprint=record.get("settings_fingerprint"), data_fingerprint=data_fingerprint(data),
         data_files=data, drift=record.get("drift") or [], audit=replay,
         save_interval=_save_interval(run_dir, spec, plan), goodput=goodput.build(events, rows, superseded),
+        incarnation=_incarnation(record), decisions=_decisions(record, events),
     )
+
+
+def _incarnation(record: dict) -> dict:
+    """This life of the run, from its record: its id, when and by whom it began, where the old life went."""
+    previous = record.get("previous") or {}
+    return {"id": record.get("incarnation"), "began": record.get("created"), "by": record.get("started_by"),
+            "archived_to": previous.get("archived_to"), "archived_uri": previous.get("archived_uri")}
+
+
+def _decisions(record: dict, events: list[dict]) -> list[str]:
+    """What people decided about the run, oldest first: a fresh start, accepted settings changes, fallbacks."""
+    out = []
+    if record.get("previous"):
+        out.append(f"{record.get('created', '?')}: started again from step 0 as a new incarnation "
+                   f"({record.get('started_by') or 'by a trigger'})")
+    for d in record.get("drift") or []:
+        keys = ", ".join(f"{c['key']}: {c['was']!r} -> {c['now']!r}" for c in d.get("changes", []))
+        out.append(f"{d.get('at', '?')}: settings change accepted by {d.get('by') or '?'}: {keys}")
+    for e in events:
+        if e.get("event") == "fallback_approved":
+            out.append(f"{e.get('at') or e.get('time', '?')}: {e.get('by', '?')} approved resuming chunk "
+                       f"{e.get('chunk')} from step {e.get('resume_from')}, below quarantined step {e.get('quarantined')}")
+    return out
 
 
 def _save_interval(run_dir: Path, spec, plan) -> SaveInterval | None:
@@ -626,9 +680,9 @@ def publish(run: Run, store, out_dir: Path | None = None) -> dict[str, str]:
     return out
 
 
-def current_html(run: Run, store) -> str:
+def current_html(run: Run, store, back: str | None = None) -> str:
     """The run's report as it is now: from its folder where this process sees it, else from S3 (the
-    Airflow UI's "Run report" link is served through this, so it never expires)."""
+    Airflow UI's "Run report" link is served through this, so it never expires). `back`: the page to link back to."""
     run_dir = run.dir
     if (run_dir / layout.METRICS).is_file() or (run_dir / layout.EVENTS).is_file():
         report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec), spec=run.spec)
@@ -638,7 +692,7 @@ def current_html(run: Run, store) -> str:
     else:
         raise ReportError(f"run {run} has no metrics or events in {run_dir} and its spec publishes nowhere",
                           "the report exists once a chunk of the run has trained")
-    return redact(report.html(report.plot_png()))
+    return redact(report.html(report.plot_png(), back=back))
 
 
 # ---------------------------------------------------------------------------------------- from S3
