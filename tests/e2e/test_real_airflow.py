@@ -130,8 +130,11 @@ def test_a_chunk_whose_triggerer_was_down_past_its_timeout_is_adopted_not_traine
         return all(t.get(k) == v for k, v in want.items())
 
     try:
-        wait_for(lambda: held.exists() and train(state="deferred"), 600, "chunk 1's job held after step 3, deferred")
+        # The triggerer goes down as soon as the task defers on its job: on a loaded machine the job's start-up
+        # alone can outlast the 30 s timeout, which a running triggerer would enforce by stopping the job.
+        wait_for(lambda: train(state="deferred"), 600, "chunk 1's train task to defer on its Ray job")
         assert stack.kill_process("airflow-triggerer")
+        wait_for(held.exists, 600, "chunk 1's job to hold after step 3")
         wait_for(lambda: train(state="deferred", try_number=2), 300,
                  "Airflow's defer timeout to fail try 1 and try 2 to defer on the same job")
     finally:
