@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
+from playwright.sync_api import expect
 
 from relay.devstack import stack
 from relay.runs.spec import load_spec
@@ -133,12 +134,20 @@ def test_an_invalid_run_name_is_refused_in_plain_words(page, airflow, triggered)
     before = len(airflow["api"].dag_runs("relay_demo"))
     dialog = open_trigger_form(page, airflow)
     page.fill("#element_run", "../x")
-    dialog.get_by_role("button", name="Trigger").click()
+    dialog.get_by_role("button", name="Trigger").click()  # the dialog scrolls down to the button
     message = dialog.get_by_text("is not a run name")
     message.wait_for()
     text = message.inner_text()
     assert "Run: '../x' is not a run name" in text and "e.g. 'demo-2'" in text
     assert "Failed validating" not in dialog.inner_text() and "^" not in text, "no jsonschema dump, no regex"
+    # The reason where the person is looking: in the toast (not only "Bad Request"), and in view in the dialog.
+    toast = page.locator('[data-scope="toast"][data-part="root"]').filter(has_text="Failed to Trigger")
+    expect(toast).to_contain_text("Run: '../x' is not a run name", timeout=10_000)
+    expect(toast).to_be_in_viewport()
+    expect(dialog.get_by_role("alert").filter(has_text="is not a run name")).to_be_in_viewport(ratio=0.9)
+    for shown in (message, toast.get_by_text("is not a run name")):  # wrapped at words, never mid-word
+        style = shown.evaluate("e => [getComputedStyle(e).wordBreak, getComputedStyle(e).overflowWrap]")
+        assert style[0] == "normal" and style[1] in ("break-word", "normal"), style
     shot(page, "airflow-trigger-refused.png")
     assert len(airflow["api"].dag_runs("relay_demo")) == before, "nothing was triggered"
     page.keyboard.press("Escape")

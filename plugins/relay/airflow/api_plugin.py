@@ -7,6 +7,8 @@
 - the training run's name on the DAG run: a trigger of a run DAG gets the DAG run id
   "NAME__manual__<time>" (the run list and the grid show ids) unless the person typed one, and the
   note "training run: NAME" (the DAG run's page shows notes).
+- a refused trigger's reason in view: Airflow's UI page gets trigger_refusal.js (UiScriptMiddleware), which
+  scrolls the dialog's answer into view and puts it in the toast, wrapped at words.
 - Relay's pages under /relay, behind Airflow's own login (the UI's session cookie) and its DAG
   permissions: the run report, built when it is opened, so a link to it never expires. A browser without a
   session is sent to the login page and back.
@@ -22,6 +24,7 @@ import json
 import logging
 import re
 from datetime import datetime, timezone
+from pathlib import Path
 from urllib.parse import quote, unquote
 
 from airflow.plugins_manager import AirflowPlugin
@@ -87,6 +90,53 @@ class TriggerFormMiddleware:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         await self.app(scope, _replay(body), _plain_refusals(send, spec, conf))
+
+
+UI_SCRIPT = Path(__file__).with_name("trigger_refusal.js")
+
+
+class UiScriptMiddleware:
+    """ASGI middleware on the API server: Airflow's UI page (its index.html, served for every UI path) gets Relay's
+    trigger_refusal.js before </head>. Only GETs whose answer is that page are touched, asked uncompressed (the page
+    is a few hundred bytes); the API, Relay's pages and static files pass as they are."""
+
+    def __init__(self, app):
+        self.app = app
+        self.tag = f"<script>\n{UI_SCRIPT.read_text()}</script>\n".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if scope["type"] != "http" or scope["method"] != "GET" or path.startswith(("/api/", "/static/", "/relay/")):
+            return await self.app(scope, receive, send)
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]
+        await self.app({**scope, "headers": headers}, receive, _with_script(send, self.tag))
+
+
+def _with_script(send, tag: bytes):
+    """Wrap `send`: an HTML answer that is Airflow's UI page gets `tag` before its </head>."""
+    start = None
+    chunks: list[bytes] = []
+
+    async def wrapped(message):
+        nonlocal start
+        if message["type"] == "http.response.start":
+            kinds = [v for k, v in message["headers"] if k.lower() == b"content-type"]
+            if kinds and kinds[0].startswith(b"text/html"):
+                start = message
+                return
+        if start is None or message["type"] != "http.response.body":
+            return await send(message)
+        chunks.append(message.get("body", b""))
+        if message.get("more_body"):
+            return
+        body = b"".join(chunks)
+        if b'<div id="root"' in body and b"</head>" in body:
+            body = body.replace(b"</head>", tag + b"</head>", 1)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped
 
 
 def _named(payload: dict, run: str) -> dict:
@@ -273,5 +323,7 @@ def login_url(request: Request) -> str:
 class RelayPlugin(AirflowPlugin):
     name = "relay"
     fastapi_root_middlewares = [{"middleware": TriggerFormMiddleware, "args": [], "kwargs": {},
-                                 "name": "Relay: the trigger form in plain words, the training run as a note"}]
+                                 "name": "Relay: the trigger form in plain words, the training run as a note"},
+                                {"middleware": UiScriptMiddleware, "args": [], "kwargs": {},
+                                 "name": "Relay: a refused trigger's reason in view in Airflow's UI"}]
     fastapi_apps = [{"app": _pages(), "url_prefix": RELAY_APP_PREFIX, "name": "Relay pages"}]
