@@ -210,8 +210,8 @@ def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
 
 
 def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_size(written, tmp_path):
-    from relay.checkpoints.reshard import to_spec_world_size
     from relay.preflight import doctor, guard
+    from relay.preflight.world_size import to_spec_world_size
     from relay.runs.run import Run
 
     at_two = Run.of(verl_spec(tmp_path, "reshard", n_gpus=2), "r")

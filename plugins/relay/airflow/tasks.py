@@ -111,7 +111,7 @@ def data_freeze(spec_path: str, **context) -> dict:
 def reshard_to_spec(spec_path: str, **context) -> dict | None:
     """checkpoints.on_world_size_change: reshard. Before the chunk's job: when the spec's world size differs from the
     latest checkpoint's, reshard that step in place (the original kept), validate it, publish it, alert once."""
-    from relay.checkpoints.reshard import to_spec_world_size
+    from relay.preflight.world_size import to_spec_world_size
 
     run = training_run(spec_path, context)
     try:

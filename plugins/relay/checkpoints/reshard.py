@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from relay.checkpoints import manifest, swap
+from relay.checkpoints.reshard_record import RECORD
 from relay.checkpoints.safeload import is_sharded_record, load
 from relay.common.errors import CheckpointError, UsageError
 from relay.common.faultpoint import fault_point
@@ -52,7 +53,6 @@ from relay.common.timestamps import utc_now
 from relay.runs import layout
 from relay.runs.lease import Lease
 
-RECORD = "relay_resharded.json"
 # A parameter of a decoder layer (verl's FSDP1 wrap policy makes each one a unit: _no_split_modules).
 _LAYER = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
 
@@ -80,21 +80,6 @@ class ReshardResult:
                  if self.original else f"into {self.step_dir}; the source is untouched")
         return (f"resharded step {self.step} (FSDP{self.fsdp_version}) from world size {self.from_world_size} to "
                 f"{self.to_world_size} {where}: {self.bytes_written / 2**20:.1f} MiB in {self.seconds:.1f}s")
-
-
-def record_of(step_dir: Path) -> dict | None:
-    """The reshard record of a step folder ({world_size, manifest_sha256, ...}), or None."""
-    try:
-        d = json.loads((Path(step_dir) / RECORD).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{Path(step_dir) / RECORD} cannot be read ({e})",
-                              "reshard the step again from its original in .relay/resharded/") from None
-    if not isinstance(d, dict) or not isinstance(d.get("world_size"), int) or d["world_size"] < 1:
-        raise CheckpointError(f"{Path(step_dir) / RECORD} is malformed: {str(d)[:120]}",
-                              "reshard the step again from its original in .relay/resharded/")
-    return d
 
 
 def bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -175,38 +160,6 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
         if layout.read_tracker(run_dir) == step:
             layout.write_tracker(run_dir, step)  # the same commit as a trainer's save: durable, atomic
     return ReshardResult(run_dir, step, k, world_size, fsdp_version, src, aside, written, time.time() - t0)
-
-
-def to_spec_world_size(run) -> ReshardResult | None:
-    """Before a chunk (checkpoints.on_world_size_change: reshard): reshard the run's latest checkpoint in place to
-    the spec's world size and admit it through the gate; None when they already agree or there is no checkpoint."""
-    from relay.checkpoints.gate import admit
-    from relay.checkpoints.validate import validate_checkpoint
-
-    settings = run.spec.settings
-    want, fsdp = getattr(settings, "world_size", None), getattr(settings, "fsdp_version", None)
-    latest = layout.read_tracker(run.dir) if run.dir.is_dir() else None
-    if not latest or want is None:
-        return None
-    have = validate_checkpoint(run.dir, latest, upto="structure")
-    if have.world_size in (None, want):
-        return None  # no readable world size: the trainer's own validation says what is wrong
-    if fsdp is not None and have.fsdp_version not in (None, fsdp):
-        raise CheckpointError(f"run {run.name}: step {latest} is FSDP{have.fsdp_version}, the spec asks for FSDP{fsdp}; "
-                              "a reshard keeps the FSDP version",
-                              f"set trainer.settings.fsdp_version: {have.fsdp_version} again")
-    tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
-    if want % tp:
-        raise CheckpointError(f"run {run.name}: world size {want} does not divide by the rollout's tensor parallel size "
-                              f"{tp}, so verl would not run it; step {latest} was not resharded",
-                              "give a world size that is a multiple of tensor_model_parallel_size")
-    result = reshard(run.dir, want, step=latest)
-    admission = admit(run, latest)  # as the chunk's validate task admits a step: its smoke check, its fingerprint
-    if not admission.ok:
-        raise CheckpointError(f"run {run.name}: step {latest} resharded to world size {want} failed validation: "
-                              f"{admission.explain()}", f"the original is kept in {result.original}; move it back "
-                                                        "to resume at the old world size")
-    return result
 
 
 # ------------------------------------------------------------------------------------ the step

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from relay.checkpoints import integrity, manifest, reshard, safeload
+from relay.checkpoints import integrity, manifest, safeload
+from relay.checkpoints.reshard_record import record_of
 from relay.checkpoints.safeload import is_sharded_record
 from relay.common.errors import CheckpointError
 from relay.runs import layout
@@ -204,7 +205,7 @@ def _consistency(report: CheckReport, run_dir: Path, step: int, tracker: int | N
     if earlier and earlier[1] != report.world_size:
         # A world size changes only through `relay checkpoint reshard`, whose record names the one it came from.
         try:
-            record = reshard.record_of(layout.step_dir(run_dir, step))
+            record = record_of(layout.step_dir(run_dir, step))
         except CheckpointError as e:
             return report.add("consistency", False, e.what)
         if record is None or record["world_size"] != earlier[1]:
@@ -401,7 +402,7 @@ def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | No
 
 def _resharded_from(step_dir: Path) -> dict | None:
     """The manifest's record of a reshard: the world size the step was written at, and the sha256 of its manifest."""
-    record = reshard.record_of(step_dir)
+    record = record_of(step_dir)
     return None if record is None else {"world_size": record["world_size"],
                                         "manifest_sha256": record.get("manifest_sha256")}
 

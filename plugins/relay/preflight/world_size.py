@@ -1,0 +1,41 @@
+"""A run's checkpoint at its spec's world size, before a chunk (checkpoints.on_world_size_change: reshard): the
+latest step resharded in place and admitted through the gate. It reads the run's spec, so it sits above
+relay.checkpoints, which reshards and validates folders and knows no spec."""
+
+from __future__ import annotations
+
+from relay.checkpoints.gate import admit
+from relay.checkpoints.reshard import ReshardResult, reshard
+from relay.checkpoints.validate import validate_checkpoint
+from relay.common.errors import CheckpointError
+from relay.runs import layout
+from relay.runs.run import Run
+
+
+def to_spec_world_size(run: Run) -> ReshardResult | None:
+    """Before a chunk (checkpoints.on_world_size_change: reshard): reshard the run's latest checkpoint in place to
+    the spec's world size and admit it through the gate; None when they already agree or there is no checkpoint."""
+    settings = run.spec.settings
+    want, fsdp = getattr(settings, "world_size", None), getattr(settings, "fsdp_version", None)
+    latest = layout.read_tracker(run.dir) if run.dir.is_dir() else None
+    if not latest or want is None:
+        return None
+    have = validate_checkpoint(run.dir, latest, upto="structure")
+    if have.world_size in (None, want):
+        return None  # no readable world size: the trainer's own validation says what is wrong
+    if fsdp is not None and have.fsdp_version not in (None, fsdp):
+        raise CheckpointError(f"run {run.name}: step {latest} is FSDP{have.fsdp_version}, the spec asks for FSDP{fsdp}; "
+                              "a reshard keeps the FSDP version",
+                              f"set trainer.settings.fsdp_version: {have.fsdp_version} again")
+    tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
+    if want % tp:
+        raise CheckpointError(f"run {run.name}: world size {want} does not divide by the rollout's tensor parallel size "
+                              f"{tp}, so verl would not run it; step {latest} was not resharded",
+                              "give a world size that is a multiple of tensor_model_parallel_size")
+    result = reshard(run.dir, want, step=latest)
+    admission = admit(run, latest)  # as the chunk's validate task admits a step: its smoke check, its fingerprint
+    if not admission.ok:
+        raise CheckpointError(f"run {run.name}: step {latest} resharded to world size {want} failed validation: "
+                              f"{admission.explain()}", f"the original is kept in {result.original}; move it back "
+                                                        "to resume at the old world size")
+    return result
