@@ -73,7 +73,7 @@ def measure(address: str, run_dir: Path) -> list[dict]:
         last_step_done = max(r["time"] for r in steps)
         out.append({
             "chunk": start.get("chunk"), "resumed_from": start.get("resumed_from"), "steps_n": len(steps),
-            **{p: b - a for p, a, b in zip(PARTS, times, times[1:])},
+            **{p: b - a for p, a, b in zip(PARTS, times, times[1:], strict=False)},
             "steps": last_step_done - times[-1], "job end": info.end_time / 1e3 - last_step_done,
             "start-up": times[-1] - times[0], "wall": info.end_time / 1e3 - times[0],
         })

@@ -117,7 +117,7 @@ def _commands(parser: argparse.ArgumentParser, path: list[str]):
     helps = {a.dest: a.help for a in sub._choices_actions}
     for name, child in sub.choices.items():
         child._relay_help = helps.get(name)  # type: ignore[attr-defined]
-        yield from _commands(child, path + [name])
+        yield from _commands(child, [*path, name])
 
 
 def cli_page() -> str:

@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
-from relay.common.faultpoint import FAULT_PHASES as PHASES  # noqa: E402 (the kill points' order; no heavy import)
+from relay.common.faultpoint import FAULT_PHASES as PHASES
 
 PROPERTY = "relay_fault"
 # The fault cases the suite covers; a case id not yet in the results is listed as "not covered yet".

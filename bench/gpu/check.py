@@ -92,8 +92,8 @@ class Policy:
         resp = seq[:, plen:]
         eos = (resp == task.VOCAB[task.EOS]).int()
         mask = ((eos.cumsum(1) - eos) == 0).float()
-        rewards = torch.tensor([task.reward(task.decode_response(r.tolist()), t) for r, t in zip(resp, truths)],
-                               device=self.device)
+        rewards = torch.tensor([task.reward(task.decode_response(r.tolist()), t)
+                                for r, t in zip(resp, truths, strict=False)], device=self.device)
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(rewards)), mask.sum(1).long() - 1] = rewards
         adv, _ = compute_grpo_outcome_advantage(token_rewards, mask, np.repeat(np.arange(len(pairs)), n))
@@ -227,7 +227,7 @@ def lr_chunks() -> tuple[bool, str]:
     lrs, sha = chunked(lambda end: total)  # Relay: the horizon stays the run's total
     naive, _ = chunked(lambda end: end)  # total_training_steps = the chunk's end
     ok = lrs == straight and sha == straight_sha and naive != straight
-    first_diff = next((i + 1 for i, (a, b) in enumerate(zip(naive, straight)) if a != b), None)
+    first_diff = next((i + 1 for i, (a, b) in enumerate(zip(naive, straight, strict=False)) if a != b), None)
     return ok, (f"cosine, warmup ratio 0.1, 30 steps: 3 chunks {'==' if lrs == straight else '!='} unchunked at every "
                 f"step, parameters {'bitwise equal' if sha == straight_sha else 'DIFFER'}; horizon = chunk end "
                 f"differs from step {first_diff}")
@@ -363,7 +363,7 @@ def main() -> int:
         t = time.time()
         try:
             ok, detail = fn()
-        except Exception as e:  # a check that crashes fails, with its reason
+        except Exception as e:  # noqa: BLE001 - a check that crashes fails, with its reason
             ok, detail = False, f"{type(e).__name__}: {e}"
         results[name] = {"ok": ok, "detail": detail, "seconds": round(time.time() - t, 1)}
         print(f"{'PASS' if ok else 'FAIL'} {name}: {detail} ({time.time() - t:.0f}s)", flush=True)

@@ -123,7 +123,7 @@ def test_a_runs_folder_is_worked_out_in_one_place():
     so the folder of a run, from the trigger form's name to the trainer's default_local_dir and the S3
     key, never goes back and forth between a spec and a bare name."""
     calls = []
-    for module, path in MODULES.items():
+    for _module, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "run_dir":
                 calls.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")

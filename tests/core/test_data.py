@@ -115,7 +115,7 @@ def frozen_run(tmp_path):
 
 
 MUTATIONS = {
-    "row appended": (lambda r: r + [dict(r[0], extra_info={"split": "train", "index": 5000})],
+    "row appended": (lambda r: [*r, dict(r[0], extra_info={"split": "train", "index": 5000})],
                      "1 row(s) added (extra_info.index: 5000)"),
     "row deleted": (lambda r: r[:10] + r[11:], "1 row(s) removed (extra_info.index: 10)"),
     "rows reordered": (lambda r: r[1:] + r[:1], "rows reordered"),
@@ -175,7 +175,7 @@ DRIFTS = {
 
 @pytest.mark.parametrize("drift", list(DRIFTS))
 def test_settings_drift_is_refused_with_a_diff_and_accepted_only_when_allowed(tmp_path, frozen_run, drift):
-    spec, src = frozen_run
+    _spec, src = frozen_run
     key, value = DRIFTS[drift]
     changed = load_spec(write_spec(tmp_path, **{"data.train_files": [str(src)], "data.val_files": [], key: value}))
     with pytest.raises(guard.DriftError) as e:

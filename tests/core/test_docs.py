@@ -14,7 +14,7 @@ import yaml
 from support.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import docs_reference  # noqa: E402
+import docs_reference
 
 
 def test_the_generated_references_are_not_stale():

@@ -47,5 +47,5 @@ def test_a_deadline_must_be_one_instant(tmp_path):
     assert load_spec(write_spec(tmp_path / "ok", **{"alerts.deadline": "2026-12-24T18:00:00+01:00"}),
                      check_environment=False).alerts.deadline
     for bad in ("next friday", "2026-12-24T18:00:00"):
-        with pytest.raises(SpecError, match="alerts.deadline"):
+        with pytest.raises(SpecError, match=r"alerts\.deadline"):
             load_spec(write_spec(tmp_path / "bad", **{"alerts.deadline": bad}), check_environment=False)

@@ -85,7 +85,7 @@ def test_gaps_are_told_apart_and_overlaps_counted_once():
                    (t + 18, "phase", {"phase": "job_ended", "attempt": name, "chunk": chunk})]
         else:
             ev += [(t + 18, "chunk_failed", {"attempt": name, "chunk": chunk, "cause": "exception", "step": 2})]
-        return ev + [(t + 20, "phase", {"phase": "task_done", "attempt": name, "chunk": chunk})]
+        return [*ev, (t + 20, "phase", {"phase": "task_done", "attempt": name, "chunk": chunk})]
 
     events = _events(*attempt(0, "a1", 1, "d1", 0, 5, end="failed"), *attempt(50, "a2", 1, "d1", 0, 5),
                      (76, "validation", {"step": 5, "seconds": 2.0}), *attempt(80, "a3", 2, "d1", 5, 10),

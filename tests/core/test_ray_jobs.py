@@ -61,8 +61,8 @@ def test_runtime_env_carries_the_request_and_pins_threads():
 def test_unreachable_ray_is_a_clear_error():
     from relay.common.errors import RayJobError
 
-    with pytest.raises(RayJobError, match="cannot reach the Ray Jobs API at http://127.0.0.1:9"):
-        RayJobs("http://127.0.0.1:9").client
+    with pytest.raises(RayJobError, match=r"cannot reach the Ray Jobs API at http://127\.0\.0\.1:9"):
+        _ = RayJobs("http://127.0.0.1:9").client
 
 
 # A chunk that logs 50 MB: 5 steps, each after 10 MB of verbose lines (a verl run at debug level).

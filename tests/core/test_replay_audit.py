@@ -70,7 +70,7 @@ def test_a_tampered_first_try_is_reported_with_its_step_and_metric(resumed, tmp_
     tolerant = write_spec(tmp_path / "tolerant", **{"audit.tolerance": {"loss": 1e-6}})
     assert relay_cli("audit", str(run_dir), "--spec", str(tolerant)).returncode == 0
     assert audit(run_dir, {"*": 1e-6}).consistent and not audit(run_dir, {"reward_mean": 1.0}).consistent
-    with pytest.raises(SpecError, match="audit.tolerance"):
+    with pytest.raises(SpecError, match=r"audit\.tolerance"):
         load_spec(write_spec(tmp_path / "bad", **{"audit.tolerance": {"loss": -1}}), check_environment=False)
 
 

@@ -33,7 +33,7 @@ def write_run(run_dir: Path, *, killed: bool = True, failed: bool = True) -> Non
     run_dir.mkdir(parents=True)
     rows, events = [], []
     attempts = [("a1", 0.0, 20), ("a2", 600.0, 40), ("a3", 1200.0, 60), ("a4", 7200.0, 80)]
-    for i, (name, start, end) in enumerate(attempts):
+    for _i, (name, start, end) in enumerate(attempts):
         events.append({"event": "chunk_start", "attempt": name, "time": iso(T0 + start), "resumed_from": end - 20,
                        "process_started": T0 + start - 10.0})
         for k, step in enumerate(range(end - 19, end + 1)):

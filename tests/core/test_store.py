@@ -20,7 +20,7 @@ from relay.s3.store import CheckpointStore, s3_client
 from support.helpers import PY, ROOT, relay_cli
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
-import verl_checkpoint  # noqa: E402
+import verl_checkpoint
 
 
 @pytest.fixture

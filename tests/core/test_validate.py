@@ -16,7 +16,7 @@ from support.corrupt import DEFECTS
 from support.helpers import ROOT, relay_cli
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
-import verl_checkpoint  # noqa: E402
+import verl_checkpoint
 
 KINDS = [(1, 1), (1, 2), (2, 1), (2, 2)]  # (FSDP version, world size)
 

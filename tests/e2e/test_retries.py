@@ -14,6 +14,7 @@ Each scenario's run trains 12 steps in chunks of 6 with the tiny trainer (the po
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -208,5 +209,5 @@ def test_two_runs_in_a_one_slot_pool_never_train_at_the_same_time(airflow, ray_a
 
     jobs = sorted((j.start_time, j.end_time, name) for name in runs for j in jobs_of_run(ray_address, name, since))
     assert len(jobs) == 2, jobs
-    for (_, end, a), (start, _, b) in zip(jobs, jobs[1:]):
+    for (_, end, a), (start, _, b) in itertools.pairwise(jobs):
         assert end <= start, f"a job of {a} ran until {end}, after one of {b} started at {start}"

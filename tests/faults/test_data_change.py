@@ -57,7 +57,7 @@ def _rename_column(path) -> None:
 
 # way -> (change(source path), what before_chunk's refusal names, the user's fix)
 WAYS = {
-    "row appended": (lambda p: _rewrite(p, lambda r: r + [{**r[0], "extra_info": {"split": "train", "index": 1000}}]),
+    "row appended": (lambda p: _rewrite(p, lambda r: [*r, {**r[0], "extra_info": {"split": "train", "index": 1000}}]),
                      ["rows 1000 -> 1001", "1 row(s) added (extra_info.index: 1000)"], "use_frozen"),
     "row deleted": (lambda p: _rewrite(p, lambda r: r[:10] + r[11:]),
                     ["rows 1000 -> 999", "1 row(s) removed (extra_info.index: 10)"], "restore"),

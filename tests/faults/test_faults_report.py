@@ -7,7 +7,7 @@ import sys
 from support.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import faults_report  # noqa: E402
+import faults_report
 
 ROW = {"case": "trainer-kill", "fault": "trainer SIGKILLed | mid save", "action": "resumed", "cause": "preempted",
        "steps_lost": 2, "data_lost": "no", "layer": "trainer", "test_seed": 7}

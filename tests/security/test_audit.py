@@ -12,7 +12,7 @@ import yaml
 from support.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import audit_offline  # noqa: E402
+import audit_offline
 
 
 def _advisory(db, name: str, id_: str, events: list[dict], **extra) -> None:

@@ -197,7 +197,7 @@ def test_any_text_is_a_manifest_or_a_checkpoint_error(text):
 
 
 @FUZZ
-@given(key=st.sampled_from(MANIFEST_KEYS + ["files.rel", "files.size", "files.crc", "extra"]), value=json_like,
+@given(key=st.sampled_from([*MANIFEST_KEYS, "files.rel", "files.size", "files.crc", "extra"]), value=json_like,
        rel=st.text(max_size=30))
 def test_a_manifest_with_one_field_broken_is_a_manifest_or_a_checkpoint_error(key, value, rel):
     d = _valid_manifest()

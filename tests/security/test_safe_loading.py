@@ -162,5 +162,5 @@ def test_a_file_changed_after_validation_is_never_given_to_verls_merger(tmp_path
     with pytest.raises(CheckpointError, match="changed since validation"):
         unchanged_since_validation(step, "actor/")
     (step / "actor" / "extra.pt").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="extra.pt"):
+    with pytest.raises(CheckpointError, match=r"extra\.pt"):
         unchanged_since_validation(step, "actor/")

@@ -36,7 +36,7 @@ def flip(p: Path) -> None:
 def nan(p: Path) -> None:
     """One NaN in the embedding (a DTensor's local part under FSDP2, a plain tensor under FSDP1)."""
     import torch
-    import torch.distributed.tensor  # noqa: F401 (lets weights_only load FSDP2's DTensors)
+    import torch.distributed.tensor
 
     sd = torch.load(p, weights_only=True)
     t = sd["model.embed_tokens.weight"]

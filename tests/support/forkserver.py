@@ -35,11 +35,11 @@ os.dup2(2, 1)
 
 # Everything a command imports, imported before any fork (nothing here starts a thread or computes).
 if MODE == "airflow":
-    import airflow.__main__  # noqa: E402  (settings, configuration, the ORM engine: not connected yet)
-    from airflow.cli import cli_parser  # noqa: E402
-    from airflow.cli.commands import dag_command  # noqa: E402,F401
+    import airflow.__main__
+    from airflow.cli import cli_parser
+    from airflow.cli.commands import dag_command  # noqa: F401
 
-    from relay.airflow.preload import TASK_MODULES  # noqa: E402
+    from relay.airflow.preload import TASK_MODULES
 
     for _name in TASK_MODULES:
         importlib.import_module(_name)
@@ -50,21 +50,21 @@ if MODE == "airflow":
         airflow.__main__.main()
         return 0
 else:
-    import relay.cli  # noqa: E402
-    import relay.trainers.tiny_grpo.trainer as tiny  # noqa: E402
+    import relay.cli
+    import relay.trainers.tiny_grpo.trainer as tiny
 
     tiny._quiet_verl()
-    import torch  # noqa: E402,F401
-    import torch.distributed.tensor  # noqa: E402,F401
-    from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402,F401
-    from transformers import Qwen2ForCausalLM  # noqa: E402,F401
-    from verl.trainer.ppo import core_algos  # noqa: E402,F401
-    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager  # noqa: E402,F401
-    from verl.workers.config import ActorConfig  # noqa: E402,F401
+    import torch
+    import torch.distributed.tensor  # noqa: F401
+    from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: F401
+    from transformers import Qwen2ForCausalLM  # noqa: F401
+    from verl.trainer.ppo import core_algos  # noqa: F401
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager  # noqa: F401
+    from verl.workers.config import ActorConfig  # noqa: F401
 
-    import relay.checkpoints.resume  # noqa: E402,F401
-    import relay.checkpoints.safeload  # noqa: E402,F401
-    import relay.checkpoints.validate  # noqa: E402,F401
+    import relay.checkpoints.resume
+    import relay.checkpoints.safeload
+    import relay.checkpoints.validate
 
     entry = relay.cli.main
 

@@ -106,7 +106,7 @@ if __name__ == "__main__":
     # rank imported them again (about 8 CPU-s apiece on these cores). No process group exists before the fork.
     import torch.multiprocessing as mp
     import transformers  # noqa: F401
-    import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401
+    import verl.utils.checkpoint.fsdp_checkpoint_manager
     import verl.utils.fsdp_utils  # noqa: F401
 
     mp.start_processes(_worker, args=(a,), nprocs=a.world_size, start_method="fork")

@@ -102,7 +102,7 @@ def test_a_new_host_restores_its_own_run_from_s3_by_its_incarnation(baseline, tm
     from relay.trainers.contract import ChunkRequest
     from relay.trainers.session import ChunkSession
 
-    spec_path, straight = baseline
+    spec_path, _straight = baseline
     local = tmp_path / "host-a" / "newhost"
     train(spec_path, local, 6)
     uri = load_spec(spec_path).s3.uri

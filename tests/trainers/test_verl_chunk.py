@@ -207,7 +207,7 @@ def test_three_chunks_equal_one_unchunked_run_lr_and_data_at_every_step(tmp_path
     assert "validation skipped" in out
 
     for k in ("lr", "batches", "saved", "validated", "steps"):
-        log[k].clear() if isinstance(log[k], list) else log[k].clear()
+        log[k].clear()
     unchunked = make_spec(tmp_path, chunk_steps=TOTAL)
     run_chunks(unchunked, "straight", [30])
     assert log["validated"] == [0, 30]
@@ -297,7 +297,7 @@ def test_rollout_state_is_moved_out_and_a_world_size_change_is_refused(tmp_path,
     tq_state.mkdir()
     (tq_state / "inflight.bin").write_bytes(b"x")
     bigger = make_spec(tmp_path, n_gpus_per_node=2)
-    with pytest.raises(SpecError, match="world size 2 .*step 10's shards are world size 1"):
+    with pytest.raises(SpecError, match=r"world size 2 .*step 10's shards are world size 1"):
         run_chunks(bigger, "h", [20])
     assert not tq_state.exists()
     assert list(layout.relay_dir(run_dir, "rollout_state").glob("global_step_10.*/transfer_queue/inflight.bin"))
@@ -313,7 +313,7 @@ def test_verl_and_relay_must_agree_on_the_resume_step(tmp_path, gpu_stand_ins, m
     run_chunks(spec, "a", [10])
     run_dir = spec.run_dir("a")
     hygiene.check_tracker_agrees(run_dir, 10)
-    with pytest.raises(CheckpointError, match="verl would resume from .*global_step_10, but Relay validated no "):
+    with pytest.raises(CheckpointError, match=r"verl would resume from .*global_step_10, but Relay validated no "):
         hygiene.check_tracker_agrees(run_dir, 0)
     layout.write_tracker(run_dir, 7)  # a tracker naming a missing folder: verl would silently start at 0
     with pytest.raises(CheckpointError, match=r"verl would resume from scratch \(step 0\), but Relay validated "

@@ -104,7 +104,7 @@ def test_every_key_relay_sets_exists_in_verls_schema(tmp_path):
         parent, _, leaf = k.rpartition(".")
         assert OmegaConf.select(base, parent) is not None and leaf not in OmegaConf.select(base, parent)
     with pytest.raises(ConfigCompositionException):  # a typo fails: Hydra refuses an unknown key
-        overrides.compose(overrides_for(spec) + ["trainer.save_frequency=3"])
+        overrides.compose([*overrides_for(spec), "trainer.save_frequency=3"])
 
 
 def test_values_survive_hydra_quoting(tmp_path):

@@ -183,7 +183,7 @@ def test_a_random_tiny_model_scores_unevenly_within_a_group(tiny_model):
 
 
 def test_a_foreign_data_source_is_refused_with_what_to_do():
-    with pytest.raises(RelayError, match="'openai/gsm8k'.*only knows 'relay_tiny_arith'") as e:
+    with pytest.raises(RelayError, match=r"'openai/gsm8k'.*only knows 'relay_tiny_arith'") as e:
         tiny_task.compute_score("openai/gsm8k", "42", "42")
     assert "custom_reward_function" in str(e.value)
 
@@ -250,7 +250,7 @@ def test_the_spec_passes_relays_check_with_its_data(tmp_path, monkeypatch):
 def test_the_spec_composes_into_verls_config_for_a_cpu_and_passes_verls_validation():
     from relay.trainers.verl_ppo import overrides
 
-    spec, cfg = spec_config()
+    _spec, cfg = spec_config()
     a = cfg.actor_rollout_ref
     # one of each of verl's helper processes; the dataloader in the trainer itself
     assert a.rollout.agent.num_workers == 1 and cfg.reward.num_workers == 1

@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -54,7 +54,7 @@ def run_name_of(spec, conf: dict, logical_date: str | None) -> str:
 
     if (isinstance(conf.get("run"), str) and conf["run"].strip()) or not spec.airflow.schedule:
         return resolve_run_name(spec, conf.get("run"))
-    when = datetime.fromisoformat(logical_date) if logical_date else datetime.now(timezone.utc)
+    when = datetime.fromisoformat(logical_date) if logical_date else datetime.now(UTC)
     return dated_run_name(spec, when)
 
 
@@ -144,7 +144,7 @@ def _named(payload: dict, run: str) -> dict:
     run's page shows it), unless the person gave their own."""
     out = dict(payload)
     if not out.get("dag_run_id"):
-        out["dag_run_id"] = f"{run}__manual__{datetime.now(timezone.utc).isoformat()}"
+        out["dag_run_id"] = f"{run}__manual__{datetime.now(UTC).isoformat()}"
     note = f"training run: {run}"
     out["note"] = f"{out['note']}\n\n{note}" if out.get("note") else note
     return out
@@ -321,9 +321,10 @@ def login_url(request: Request) -> str:
 
 
 class RelayPlugin(AirflowPlugin):
+    # Airflow's plugin loader reads these class attributes; AirflowPlugin declares them as plain lists.
     name = "relay"
-    fastapi_root_middlewares = [{"middleware": TriggerFormMiddleware, "args": [], "kwargs": {},
+    fastapi_root_middlewares = [{"middleware": TriggerFormMiddleware, "args": [], "kwargs": {},  # noqa: RUF012
                                  "name": "Relay: the trigger form in plain words, the training run as a note"},
                                 {"middleware": UiScriptMiddleware, "args": [], "kwargs": {},
                                  "name": "Relay: a refused trigger's reason in view in Airflow's UI"}]
-    fastapi_apps = [{"app": _pages(), "url_prefix": RELAY_APP_PREFIX, "name": "Relay pages"}]
+    fastapi_apps = [{"app": _pages(), "url_prefix": RELAY_APP_PREFIX, "name": "Relay pages"}]  # noqa: RUF012

@@ -12,7 +12,7 @@ explicit, recorded exception to the settings guard).
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ def build_dag(spec: RunSpec) -> DAG:
         dag_id=spec.dag_id,
         description=spec.description or f"Relay run spec {spec.name}",
         schedule=a.schedule,
-        start_date=datetime.combine(a.start_date, datetime.min.time(), tzinfo=timezone.utc),
+        start_date=datetime.combine(a.start_date, datetime.min.time(), tzinfo=UTC),
         catchup=a.catchup,
         max_active_runs=a.max_active_runs,
         params=params_for(spec),
@@ -135,7 +135,7 @@ def _deadline_alert(spec: RunSpec):
     from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
 
     at = datetime.fromtimestamp(deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline") or 0,
-                                timezone.utc)
+                                UTC)
     return DeadlineAlert(reference=DeadlineReference.FIXED_DATETIME(at), interval=timedelta(0),
                          callback=SyncCallback("relay.airflow.notifiers.deadline_missed",
                                                kwargs={"spec_path": spec.source}))

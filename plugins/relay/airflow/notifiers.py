@@ -19,9 +19,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable
 
 from airflow.sdk import BaseNotifier
 
@@ -109,7 +109,7 @@ def deliver(alert: Alert, channels: Channels) -> dict[str, str]:
                 send(alert)
                 results[name] = "sent"
                 break
-            except Exception as e:  # any channel error: logged, the task goes on
+            except Exception as e:  # noqa: BLE001 - any channel error: logged, the task goes on
                 if _not_configured(e):  # said once per run by send_once, never an error per alert
                     results[name] = f"{NOT_CONFIGURED}: {str(e).splitlines()[0][:200]}"
                     break

@@ -190,7 +190,7 @@ def _ray_jobs(spec):
     """The spec's Ray cluster, where a fresh start looks for the run's live jobs; None (said) without one."""
     try:
         return RayJobsHook(spec.ray.conn_id).jobs
-    except Exception as e:  # a missing connection: the lease still fences out any writer of the old run
+    except Exception as e:  # noqa: BLE001 - a missing connection: the lease still fences out any writer of the old run
         log.warning("cannot look for live Ray jobs of the run through connection %s: %s", spec.ray.conn_id, e)
         return None
 
@@ -203,7 +203,7 @@ def _log_checklist(run: Run) -> None:
     try:
         findings = doctor.diagnose(run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs,
                                    deep=False)
-    except Exception as e:  # a missing connection, say: the chunk's own submit says so, with what to do
+    except Exception as e:  # noqa: BLE001 - a missing connection, say: the chunk's own submit says so, with what to do
         log.warning("resume checklist not run: %s", e)
         return
     log.info("resume checklist (as `python -m relay doctor %s --run %s`):\n%s", spec.source, run,

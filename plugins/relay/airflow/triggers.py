@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from asgiref.sync import sync_to_async
@@ -87,7 +88,7 @@ class RayJobTrigger(BaseTrigger):
                 state = await jobs.get(self.submission_id)
                 tail = (await jobs.tail(self.submission_id)).splitlines() if state is not None else []
                 unreachable_since = None
-            except Exception as e:  # the head is down or restarting: keep trying for a while
+            except Exception as e:  # noqa: BLE001 - the head is down or restarting: keep trying for a while
                 now = time.time()
                 unreachable_since = unreachable_since or now
                 self.log.warning("Ray Jobs API at %s unreachable (%s); retrying", self.address, e)
@@ -197,7 +198,7 @@ class CheckpointTrigger(BaseTrigger):
         while True:
             try:
                 reached = await asyncio.to_thread(checkpoint_reached, self.run_dir, self.step)
-            except Exception as e:  # a tracker that cannot be read is the validator's to judge
+            except Exception as e:  # noqa: BLE001 - a tracker that cannot be read is the validator's to judge
                 yield TriggerEvent({"status": "present", "step": self.step, "message": str(e)})
                 return
             if reached:

@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as dc_fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from relay.common.errors import CheckpointError, StoreError
@@ -79,7 +79,7 @@ class Alert:
     quarantined_to: str | None = None
     log_url: str = ""
     resolves: list[str] = field(default_factory=list)  # a recovery: the alerts it closes
-    at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -93,7 +93,7 @@ class Alert:
     def headline(self) -> str:
         return KINDS[self.kind][1]
 
-    def redacted(self) -> "Alert":
+    def redacted(self) -> Alert:
         """This alert with every known secret (relay.common.redaction: Airflow's masked connections, ray.env_vars
         expanded from the environment) replaced by ***: what every channel, the ledger and the log get."""
 

@@ -9,9 +9,9 @@ recovery message closes them.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from relay.alerts.alert import Alert
 from relay.common.filelock import file_lock

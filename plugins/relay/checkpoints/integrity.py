@@ -110,7 +110,7 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
     crc64 = 0
     entry_crc: list[int | None] = [None] * len(entries)
     nonfinite: set[int] = set()
-    for (lo, hi), (seg_crc64, seg_entries, seg_nonfinite) in zip(spans, parts):
+    for (lo, hi), (seg_crc64, seg_entries, seg_nonfinite) in zip(spans, parts, strict=False):
         crc64 = checksums.combine_crc64nvme(crc64, seg_crc64, hi - lo) if lo else seg_crc64
         for i, crc, n in seg_entries:
             entry_crc[i] = crc if entry_crc[i] is None else checksums.combine_crc32(entry_crc[i], crc, n)
@@ -118,7 +118,7 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
     if problem is None:
         problem = _past_end(entries, size)
     if problem is None and check_zip:
-        for (name, _, length, want), got in zip(entries, entry_crc):
+        for (name, _, _length, want), got in zip(entries, entry_crc, strict=False):
             if (got if got is not None else 0) != want:
                 problem = f"entry {name} fails its CRC32 check (the bytes were altered)"
                 break

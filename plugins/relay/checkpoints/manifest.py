@@ -53,7 +53,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str = "manifest") -> "Manifest":
+    def from_json(cls, text: str | bytes, where: str = "manifest") -> Manifest:
         """Parse and check a manifest read back from disk or S3: a malformed one is a CheckpointError, and
         every file it names must be a plain relative path (a manifest naming "../x" is refused)."""
         fix = "re-validate the checkpoint to rewrite it (`python -m relay checkpoint validate RUN_DIR --quarantine`)"

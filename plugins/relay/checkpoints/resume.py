@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from relay.checkpoints import swap
 from relay.checkpoints.validate import CheckReport, validate_checkpoint

@@ -122,7 +122,7 @@ def is_sharded_record(value: Any) -> bool:
 def load(path: str | Path, *, mmap: bool = True) -> Any:
     """Load a checkpoint .pt safely. Integrity (CRC, checksums) is integrity.py's job, not this one's."""
     import torch
-    import torch.distributed.tensor  # noqa: F401  registers DTensor for weights_only loading (FSDP2 shards)
+    import torch.distributed.tensor
 
     # Unpickling a DTensor outside its process group makes torch warn about DeviceMesh on every file.
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from relay.checkpoints import integrity, manifest, safeload
 from relay.checkpoints.reshard_record import record_of
@@ -125,7 +126,7 @@ def validate_checkpoint(run_dir: Path, step: int | None = None, *, expected_step
     if smoke is not None:
         try:
             report.add("smoke", True, smoke(ckpt))
-        except Exception as e:  # a failed forward pass, whatever it raised, makes the checkpoint invalid
+        except Exception as e:  # noqa: BLE001 - a failed forward pass, whatever it raised, makes the checkpoint invalid
             report.add("smoke", False, f"forward pass failed: {e}")
     return report
 

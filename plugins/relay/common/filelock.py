@@ -16,8 +16,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from relay.common.errors import RelayError
 from relay.common.timestamps import utc_now

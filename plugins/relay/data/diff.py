@@ -71,8 +71,8 @@ def diff(a: str | Path, b: str | Path) -> DataDiff:
     if fa.schema != fb.schema:
         la, lb = set(fa.schema.splitlines()), set(fb.schema.splitlines())
         d.schema_changes = [f"- {x.strip()}" for x in sorted(la - lb)] + [f"+ {x.strip()}" for x in sorted(lb - la)]
-    cols_a, rows_a = _rows(Path(a))
-    cols_b, rows_b = _rows(Path(b))
+    _cols_a, rows_a = _rows(Path(a))
+    _cols_b, rows_b = _rows(Path(b))
     use_index = all(isinstance(r.get("extra_info"), dict) and "index" in r["extra_info"] for r in rows_a + rows_b)
     keys_a = [_key(r, i, use_index) for i, r in enumerate(rows_a)]
     keys_b = [_key(r, i, use_index) for i, r in enumerate(rows_b)]
@@ -89,8 +89,8 @@ def diff(a: str | Path, b: str | Path) -> DataDiff:
         d.added = list(range(common, len(dig_b)))
         d.removed = list(range(common, len(dig_a)))
         return d
-    by_a = {k: _digest(r) for k, r in zip(keys_a, rows_a)}
-    by_b = {k: _digest(r) for k, r in zip(keys_b, rows_b)}
+    by_a = {k: _digest(r) for k, r in zip(keys_a, rows_a, strict=False)}
+    by_b = {k: _digest(r) for k, r in zip(keys_b, rows_b, strict=False)}
     d.added = [k for k in keys_b if k not in by_a]
     d.removed = [k for k in keys_a if k not in by_b]
     d.changed = [k for k in keys_a if k in by_b and by_a[k] != by_b[k]]

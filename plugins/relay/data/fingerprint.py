@@ -52,6 +52,6 @@ def fingerprint(path: str | Path) -> Fingerprint:
     try:
         meta = pq.read_metadata(path)
         schema = pq.read_schema(path)
-    except Exception as e:  # pyarrow raises several types for a file that is not parquet
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not parquet
         raise DataError(f"{path} is not a readable parquet file ({e})", "check the file") from None
     return Fingerprint(digest, size, meta.num_rows, schema.to_string(show_schema_metadata=False))

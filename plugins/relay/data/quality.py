@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
@@ -103,7 +103,7 @@ def flatten(path: str | Path):
 
     try:
         table = pq.read_table(path)
-    except Exception as e:  # not parquet, truncated...
+    except Exception as e:  # noqa: BLE001 - not parquet, truncated...
         raise DataError(f"{path} is not a readable parquet file ({e})", "check the file") from None
     df = table.flatten().to_pandas()
     if "prompt" in df.columns:
@@ -141,7 +141,7 @@ def load_expectations(path: Path) -> list[tuple[str, dict, str]]:
     try:
         items = yaml.safe_load(Path(path).read_text()) or []
     except (OSError, yaml.YAMLError) as e:
-        raise DataError(f"cannot read expectations file {path}: {e}", "fix the file in include/expectations/")
+        raise DataError(f"cannot read expectations file {path}: {e}", "fix the file in include/expectations/") from None
     if not isinstance(items, list) or not all(isinstance(i, dict) and "type" in i for i in items):
         raise DataError(f"{path} must be a list of {{type: expect_..., kwargs: {{...}}}}", "see docs/guides/freezes.md")
     return [(i["type"], i.get("kwargs", {}), i.get("meaning", "")) for i in items]
@@ -163,7 +163,7 @@ def check(path: str | Path, *, min_rows: int = 1, extra: Sequence[tuple[str, dic
     report.suite = [f"{t}({e.get('column', '')})" for t, e, _ in expectations]
     remembered = _pass_path(path, expectations) if not report.failures else None
     if remembered is not None and remembered.is_file():  # these bytes passed this suite before
-        report.remembered = datetime.fromtimestamp(remembered.stat().st_mtime, timezone.utc).isoformat(timespec="seconds")
+        report.remembered = datetime.fromtimestamp(remembered.stat().st_mtime, UTC).isoformat(timespec="seconds")
         return report
     for result in _run_suite(df, expectations):
         if not result["success"]:
@@ -218,7 +218,7 @@ def _run_suite(df, expectations):
                                     "unexpected_index_column_names": index})
     except RelayError:
         raise
-    except Exception as e:  # great-expectations' own failure: not a verdict on the data
+    except Exception as e:  # noqa: BLE001 - great-expectations' own failure: not a verdict on the data
         raise QualityCheckError(f"great-expectations failed while checking the data: {type(e).__name__}: {e}",
                                 "this is not a data problem; check the expectations files and the GE version") \
             from None

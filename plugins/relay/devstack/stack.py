@@ -123,7 +123,7 @@ def _create_buckets(buckets) -> None:
             try:
                 client.head_bucket(Bucket=bucket)
                 break
-            except Exception:
+            except Exception:  # noqa: BLE001 - botocore raises several types while the filer joins
                 try:
                     client.create_bucket(Bucket=bucket)
                     break
@@ -459,7 +459,7 @@ def _http_ok(url: str) -> bool:
             return r.status < 500
     except urllib.error.HTTPError as e:
         return e.code < 500
-    except Exception:
+    except Exception:  # noqa: BLE001 - refused, reset, timed out: not answering
         return False
 
 
@@ -559,7 +559,7 @@ def down(wait_s: float = 0, say=print) -> list[str]:
     stopped = stop_processes([n for n in running_services() if n != "s3"]) + stop_processes(
         [n for n in running_services() if n == "s3"], timeout=2)
     ray_stop()
-    return stopped + ["ray"]
+    return [*stopped, "ray"]
 
 
 def wipe() -> None:

@@ -132,7 +132,7 @@ class RayJobs:
 
             try:
                 self._client = JobSubmissionClient(self.address)
-            except Exception as e:  # ConnectionError, or ray's own wrappers of it
+            except Exception as e:  # noqa: BLE001 - ConnectionError, or ray's own wrappers of it
                 raise RayJobError(f"cannot reach the Ray Jobs API at {self.address} ({e})",
                                   "start the Ray head (`python -m relay stack up`) or fix the Airflow "
                                   "connection that names it") from None

@@ -134,7 +134,7 @@ def live(run: Run, jobs=None) -> Finding:
         except RelayError as e:
             return Finding(name, False, e.what, "start the Ray head or give its dashboard address (--ray-address, "
                                                 "RAY_ADDRESS, or the DAG's Ray connection)")
-        except Exception as e:  # any other failure to reach the Jobs API
+        except Exception as e:  # noqa: BLE001 - any other failure to reach the Jobs API
             return Finding(name, False, f"cannot ask Ray at {jobs.address} for live jobs: {e}",
                            "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS)")
     lease = Lease(run.dir)

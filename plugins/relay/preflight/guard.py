@@ -127,9 +127,9 @@ def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: s
             table=table, keys=_to_allow(refused),
         )
     if changes and persist:
-        drift = rec.get("drift", []) + [{"at": _now(), "by": by, "dag_run": dag_run,
-                                         "allowed": [a for a in allow if a not in WORLD_SIZE_KEYS],
-                                         "changes": [{"key": c.key, "was": c.was, "now": c.now} for c in changes]}]
+        drift = [*rec.get("drift", []), {
+            "at": _now(), "by": by, "dag_run": dag_run, "allowed": [a for a in allow if a not in WORLD_SIZE_KEYS],
+            "changes": [{"key": c.key, "was": c.was, "now": c.now} for c in changes]}]
         update_record(run_dir, settings={"values": current, "recorded_at": _now(), "by": by}, drift=drift)
     return changes
 

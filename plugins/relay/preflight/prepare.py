@@ -195,7 +195,7 @@ def refuse_live_writers(run: Run, jobs=None) -> list[str]:
     if jobs is not None:
         try:
             seen += [f"Ray job {j.submission_id} ({j.status})" for j in jobs.live_jobs_of_run(run.spec.name, run.name)]
-        except Exception as e:  # an unreachable Ray is no reason to refuse: the fencing holds
+        except Exception as e:  # noqa: BLE001 - an unreachable Ray is no reason to refuse: the fencing holds
             unseen.append(f"the run's Ray jobs: Ray did not answer ({str(e).splitlines()[0][:160] if str(e) else e!r})")
     if seen:
         raise RunError(f"fresh start of run {run.name!r} refused: it has a live writer: {'; '.join(seen)}",

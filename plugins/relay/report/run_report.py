@@ -145,7 +145,7 @@ class Report:
         lines = [f"run {self.run}: step {last} of {self.total_steps or '?'}, {_n(len(self.chunks), 'chunk')}, "
                  f"{_n(attempts, 'attempt')} ({_n(retries, 'retry', 'retries')}), {quarantines} quarantined, "
                  f"{_n(len(self.drift), 'drift decision')}"]
-        steps, reward = self.series(PANELS[0][1])
+        _steps, reward = self.series(PANELS[0][1])
         if reward:
             n = min(10, len(reward))
             _, secs = self.series(PANELS[4][1])
@@ -211,7 +211,7 @@ class Report:
                 top.annotate(m.label, (m.step, row), xytext=(3 if left else -3, 0), textcoords="offset points",
                              ha="left" if left else "right", va="center", fontsize=7, color=MARKER_STYLE[m.kind][0])
         panels = axes[len(strip):]
-        for ax, (title, keys) in zip(panels, PANELS):
+        for ax, (title, keys) in zip(panels, PANELS, strict=False):
             steps, values = self.series(keys)
             if steps:
                 ax.plot(steps, values, color="#2a6f97", lw=1.4, marker="." if len(steps) <= 80 else None, ms=3)

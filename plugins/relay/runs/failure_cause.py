@@ -175,7 +175,7 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     if relay and relay[-1].group(1) in CAUSES:
         said = [ln for ln in lines if ln.startswith("[relay] chunk") and (" failed" in ln or " stopped" in ln)][-1:]
         helps = {"can": True, "cannot": False}.get(relay[-1].group(2) or "")
-        return made(relay[-1].group(1), said + [relay[-1].group(0)], retry_helps=helps)
+        return made(relay[-1].group(1), [*said, relay[-1].group(0)], retry_helps=helps)
     if ev := found(ACCELERATOR_OOM_LINES):
         return made(ACCELERATOR_OOM, ev)
     if ev := found(HOST_OOM_LINES):
@@ -197,7 +197,7 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP) or status == "STOPPED":
         what = (f"the driver was ended by {signal.Signals(sig).name} (exit code {exit_code}) with no error of its own"
                 if sig else "the job was stopped (`ray job stop` or the cluster)")
-        return made(PREEMPTED, [what] + lines[-2:])
+        return made(PREEMPTED, [what, *lines[-2:]])
     return made(UNKNOWN, lines[-3:])
 
 
@@ -227,7 +227,7 @@ def last_exception(lines: list[str]) -> tuple[str, list[str]] | None:
                     i, ln = inner[-1]
                     text = (EXCEPTION_LINE.match(ln.strip()).group(3) or "").strip()  # type: ignore[union-attr]
             frames = [f.strip() for f in tb[:i] if f.strip().startswith("File ")]
-            return f"{typ.rpartition('.')[2]}: {text}"[:200], frames[-1:] + [ln.strip()[:300]]
+            return f"{typ.rpartition('.')[2]}: {text}"[:200], [*frames[-1:], ln.strip()[:300]]
     return None
 
 

@@ -21,6 +21,7 @@ first step it had not trained.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -215,7 +216,7 @@ def build(events: list[dict], kept: list[dict], superseded: list[dict]) -> Ledge
     by_start = sorted(attempts, key=lambda a: a.start)
     starts = [a.start for a in by_start]
     points = sorted(changes)
-    for p, q in zip(points, points[1:]):
+    for p, q in itertools.pairwise(points):
         for sign, i in changes[p]:
             if sign > 0:
                 active[spans[i][2]][i] = None
@@ -296,7 +297,7 @@ def _close(a: Attempt, later: list[Attempt]) -> None:
     m = a._marks
     a.start = min(t for k, t in m.items() if k in (*OPENING, "process_started", "chunk_start"))
     ends = [t for k, t in m.items()] + [e["_t"] for e in a._events] + [r[1] for r in a._rows]
-    a.end = max(ends + [a.start])
+    a.end = max([*ends, a.start])
     steps = [int(r[2]["step"]) for r in a._rows if isinstance(r[2].get("step"), int)]
     a.last_step = max(steps) if steps else None
     a.steps_kept = sum(1 for r in a._rows if r[3])

@@ -185,4 +185,5 @@ def read_fsdp_config(role_dir: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except ValueError as e:
-        raise CheckpointError(f"{p} is not valid JSON ({e})", "the checkpoint is corrupt; resume from an older one")
+        raise CheckpointError(f"{p} is not valid JSON ({e})",
+                              "the checkpoint is corrupt; resume from an older one") from None

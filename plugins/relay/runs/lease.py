@@ -21,8 +21,8 @@ import contextlib
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from relay.common.errors import LeaseLost
 from relay.common.filelock import DEFAULT_TIMEOUT_S, file_lock

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, TextIO
 
 from relay.common.filelock import file_lock
 from relay.common.timestamps import event_time

@@ -38,7 +38,7 @@ class ChunkPlan:
             raise ValueError("total_steps and chunk_steps must be positive")
 
     @classmethod
-    def from_spec(cls, spec) -> "ChunkPlan":
+    def from_spec(cls, spec) -> ChunkPlan:
         return cls(spec.total_steps, spec.chunk_steps)
 
     @property

@@ -24,7 +24,7 @@ class Run:
     incarnation: str | None = None
 
     @classmethod
-    def of(cls, spec: RunSpec, name: str | None = None, incarnation: str | None = None) -> "Run":
+    def of(cls, spec: RunSpec, name: str | None = None, incarnation: str | None = None) -> Run:
         """The run `name` of `spec` (the spec's own run when no name is given)."""
         name = name or spec.name
         return cls(spec, name, spec.run_dir(name), incarnation)

@@ -595,7 +595,7 @@ def parquet_rows(source: str, key: str, path: str) -> int:
 
     try:
         return pq.read_metadata(path).num_rows
-    except Exception as e:  # pyarrow raises several types for a non-parquet file
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a non-parquet file
         raise SpecError(source, key, f"not a readable parquet file: {path} ({e})", "check the file") from None
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from relay.checkpoints.resume import quarantine
 from relay.checkpoints.validate import check_file, validate_checkpoint
@@ -63,7 +63,8 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
         uri = store.step_uri(run, m.step)
         staging = layout.relay_dir(run_dir, "staging", f"{RESTORE_STAGING}{layout.step_name(m.step)}")
         try:  # each file is checked (integrity, loadability, numerics) as soon as it is in, while others download
-            checked = store.download(run, m, staging, on_file=lambda rel, _path: check_file(staging, rel))
+            # on_file runs within this iteration only
+            checked = store.download(run, m, staging, on_file=lambda rel, _path: check_file(staging, rel))  # noqa: B023
         except CheckpointError as e:
             shutil.rmtree(staging, ignore_errors=True)  # preallocated at full size: never kept for the next try
             log(f"skipping {uri}: {e.what}")

@@ -22,10 +22,11 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import boto3
 import urllib3
@@ -347,7 +348,7 @@ class CheckpointStore:
         with ThreadPoolExecutor(self.concurrency) as pool:
             parts = [(rel, self._start(run, step, rel, m.files[rel], step_dir / rel)) for rel in todo]
             futures = [(rel, up, pool.submit(self._upload_part, up, i)) for rel, up in parts for i in range(up["n"])]
-            for rel, up, fut in futures:
+            for _rel, up, fut in futures:
                 up["done"][fut.result()[0]] = fut.result()[1]
         for rel, up in parts:
             self._finish(up)

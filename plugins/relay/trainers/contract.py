@@ -42,13 +42,13 @@ class ChunkRequest:
                            "incarnation": self.run.incarnation, **d})
 
     @classmethod
-    def from_json(cls, blob: str) -> "ChunkRequest":
+    def from_json(cls, blob: str) -> ChunkRequest:
         d = json.loads(blob)
         spec = spec_from_json(json.dumps(d.pop("spec")))
         return cls(run=Run.of(spec, d.pop("run_name"), d.pop("incarnation")), **d)
 
     @classmethod
-    def from_env(cls) -> "ChunkRequest":
+    def from_env(cls) -> ChunkRequest:
         return cls.from_json(os.environ[ENV_VAR])
 
 

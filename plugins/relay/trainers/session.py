@@ -15,10 +15,10 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 from relay.checkpoints.resume import find_resume_point
 from relay.common.errors import DiskFullError, RunError, StoppedEarly

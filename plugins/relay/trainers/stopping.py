@@ -23,7 +23,7 @@ import math
 import signal
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from relay.common.errors import StoppedEarly
@@ -105,7 +105,7 @@ class GracefulStop:
             need = time_needed(step_seconds, save_seconds)
             left = self.deadline - time.time()
             if left < need:
-                at = datetime.fromtimestamp(self.deadline, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                at = datetime.fromtimestamp(self.deadline, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
                 self.reason = (f"save_before {at}: {max(left, 0):.0f}s left, and another step and a save need "
                                f"about {need:.0f}s")
         return self.reason

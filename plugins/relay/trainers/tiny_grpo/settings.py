@@ -68,7 +68,7 @@ class TinyGRPOSettings(StrictModel):
     save_freq: int = Field(0, ge=0, description="also save every N steps inside a chunk (0: only at the chunk's end)")
 
     @model_validator(mode="after")
-    def _mini_batch_divides(self) -> "TinyGRPOSettings":
+    def _mini_batch_divides(self) -> TinyGRPOSettings:
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(
                 f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide "

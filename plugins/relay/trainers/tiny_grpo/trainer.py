@@ -222,8 +222,7 @@ class _TinyGRPO:
     def batches(self):
         """Batches across epoch boundaries, continuing from the restored dataloader position."""
         while self.epoch < self.s.total_epochs:
-            for batch in self.loader:
-                yield batch
+            yield from self.loader
             self.epoch += 1
 
     # --------------------------------------------------------------------------------- step
@@ -260,7 +259,8 @@ class _TinyGRPO:
         resp = seq[:, plen:]
         eos = (resp == task.VOCAB[task.EOS]).int()
         mask = ((eos.cumsum(1) - eos) == 0).float()  # tokens up to and including the first EOS
-        rewards = torch.tensor([self.score(task.decode_response(r.tolist()), i, step) for r, i in zip(resp, rows)])
+        rewards = torch.tensor([self.score(task.decode_response(r.tolist()), i, step)
+                                for r, i in zip(resp, rows, strict=False)])
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(rewards)), mask.sum(1).long() - 1] = rewards
 

@@ -74,7 +74,7 @@ class VerlChunk:
         return base64.b64encode(json.dumps(asdict(self), sort_keys=True).encode()).decode()
 
     @classmethod
-    def decode(cls, blob: str) -> "VerlChunk":
+    def decode(cls, blob: str) -> VerlChunk:
         return cls(**json.loads(base64.b64decode(blob)))
 
     def skip_validation_at(self, step: int) -> bool:
@@ -433,5 +433,5 @@ def _record_tracking(trainer) -> None:
 
     try:
         tracking.record_active(Path(trainer.relay.run_dir), trainer.config.trainer.logger)
-    except Exception as e:  # tracking is never worth failing a chunk over
+    except Exception as e:  # noqa: BLE001 - tracking is never worth failing a chunk over
         _say(f"could not record the tracking run id: {e}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
@@ -70,7 +70,7 @@ class PlatformCPU(PlatformBase):
     def set_device(self, device_index: int) -> None:
         pass  # one device
 
-    def synchronize(self, device_index: Optional[int] = None) -> None:
+    def synchronize(self, device_index: int | None = None) -> None:
         pass  # CPU kernels are done when they return
 
     def manual_seed(self, seed: int) -> None:
@@ -85,7 +85,7 @@ class PlatformCPU(PlatformBase):
     def empty_cache(self) -> None:
         pass
 
-    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
         return None, None  # no compute capability: verl then picks no capability-gated kernel
 
     def communication_backend_name(self) -> str:

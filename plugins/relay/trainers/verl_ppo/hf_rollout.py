@@ -40,7 +40,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from relay.trainers.verl_ppo.hf_sampling import sample, seed_of
 
-_ADAPTER: "HFServerAdapter | None" = None  # the adapter of this process (a hybrid worker holds one)
+_ADAPTER: HFServerAdapter | None = None  # the adapter of this process (a hybrid worker holds one)
 
 
 class HFServerAdapter(BaseRollout):
@@ -142,7 +142,7 @@ class RelaySingleTurnAgentLoop(SingleTurnAgentLoop):
         index, session = kwargs.get("index"), kwargs.get("session_id")
         if index is not None and session is not None:
             # (setattr: verl's class is untyped here, and mypy cannot tell the attribute's type)
-            setattr(self, "server_manager", _Tagged(self.server_manager, f"{index}/{session}"))
+            setattr(self, "server_manager", _Tagged(self.server_manager, f"{index}/{session}"))  # noqa: B010
         return await super().run(sampling_params, **kwargs)
 
 

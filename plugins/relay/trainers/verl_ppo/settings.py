@@ -147,7 +147,7 @@ class VerlPPOSettings(StrictModel):
         return v
 
     @model_validator(mode="after")
-    def _cpu_rollout(self) -> "VerlPPOSettings":
+    def _cpu_rollout(self) -> VerlPPOSettings:
         if self.device == "cpu" and self.rollout_name != "hf":
             raise ValueError(f"device cpu generates with rollout_name hf (transformers in verl's worker); "
                              f"{self.rollout_name} needs GPUs")
@@ -161,7 +161,7 @@ class VerlPPOSettings(StrictModel):
         return self.attn_implementation or ("sdpa" if self.device == "cpu" else None)
 
     @model_validator(mode="after")
-    def _batches(self) -> "VerlPPOSettings":
+    def _batches(self) -> VerlPPOSettings:
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide train_batch_size "
                              f"({self.train_batch_size})")

@@ -44,6 +44,9 @@ class TinyModelShape:
     seed: int = 0
 
 
+TINY = TinyModelShape()  # the default shape (frozen: one instance serves every call)
+
+
 def byte_tokenizer():
     """A byte-level BPE tokenizer with no merges (256 byte tokens, then the ChatML specials)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
@@ -61,7 +64,7 @@ def byte_tokenizer():
                                    model_max_length=TinyModelShape.max_positions, padding_side="left")
 
 
-def make_tiny_model(folder: Path, shape: TinyModelShape = TinyModelShape()) -> Path:
+def make_tiny_model(folder: Path, shape: TinyModelShape = TINY) -> Path:
     """Write the tiny model into `folder` (created; written in a staging folder, then renamed into place)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -94,7 +97,7 @@ def make_tiny_model(folder: Path, shape: TinyModelShape = TinyModelShape()) -> P
     return folder
 
 
-def ensure_tiny_model(folder: Path, shape: TinyModelShape = TinyModelShape()) -> bool:
+def ensure_tiny_model(folder: Path, shape: TinyModelShape = TINY) -> bool:
     """Make the tiny model at `folder` unless it is there already; True when it was made now. Several
     chunks (or hosts on shared storage) may ask at once: one makes it, the others find it made."""
     folder = Path(folder)

@@ -128,7 +128,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
             score += 0.15
         if len(number) == len(truth):
             score += 0.1
-        in_place = sum(1 for x, y in zip(reversed(number), reversed(truth)) if x == y)
+        in_place = sum(1 for x, y in zip(reversed(number), reversed(truth), strict=False) if x == y)
         score += 0.2 * in_place / len(truth)
         if number == truth:
             score += 0.15
