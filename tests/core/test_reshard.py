@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def assert_same_shards(a: Path, b: Path, *, values: bool = True):
     for kind in ("model", "optim"):
         sa, sb = shards(a, kind), shards(b, kind)
         assert len(sa) == len(sb)
-        for r, (x, y) in enumerate(zip(sa, sb)):
+        for r, (x, y) in enumerate(zip(sa, sb, strict=False)):
             ex, ey = entries(x, kind), entries(y, kind)
             assert list(ex) == list(ey), (kind, r)
             for name in ex:
@@ -345,3 +346,18 @@ def test_a_one_dimensional_mesh_without_names_is_resharded(written, tmp_path):
         full_in, full_out = gathered(written[(2, 2)]), gathered(out.step_dir.parent)
         assert full_in.keys() == full_out.keys() and all(torch.equal(full_in[n], full_out[n]) for n in full_in)
         assert shards(out.step_dir.parent, "model")[0]["model.embed_tokens.weight"].device_mesh.mesh_dim_names is None
+
+
+def test_reshards_back_and_forth_within_one_second_keep_every_original(written, tmp_path, monkeypatch):
+    """Each in-place reshard keeps the step it replaced under .relay/resharded/, named by world size and time: a
+    reshard from world size 2 again within the same second as the first gets a name of its own."""
+    run = tmp_path / "run"
+    shutil.copytree(written[(2, 2)], run)
+    want = tree(layout.step_dir(run, 1))
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)  # the same second, however fast or slow
+    for m in (1, 2, 1):
+        reshard(run, m)
+    kept = sorted(p.name for p in layout.relay_dir(run, "resharded").iterdir())
+    assert len(kept) == 3 and len(set(kept)) == 3, kept
+    assert originals(run, want), "the world-size-2 original is kept"
+    assert admit_dir(run).ok and layout.read_tracker(run) == 1

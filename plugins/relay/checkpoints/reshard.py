@@ -39,10 +39,11 @@ import re
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from relay.checkpoints import manifest, swap
 from relay.checkpoints.reshard_record import RECORD
@@ -151,7 +152,7 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
         layout.write_tracker(out, step)
         return ReshardResult(run_dir, step, k, world_size, fsdp_version, final, None, written, time.time() - t0)
 
-    aside = layout.relay_dir(run_dir, "resharded", f"{layout.step_name(step)}.world_size_{k}.{int(time.time())}")
+    aside = _aside(run_dir, step, k)
     fault_point("reshard_staged", step)
     with lease.commit(token):
         # The original is kept, never deleted; global_step_N names a whole checkpoint at every instant, whatever
@@ -160,6 +161,16 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
         if layout.read_tracker(run_dir) == step:
             layout.write_tracker(run_dir, step)  # the same commit as a trainer's save: durable, atomic
     return ReshardResult(run_dir, step, k, world_size, fsdp_version, src, aside, written, time.time() - t0)
+
+
+def _aside(run_dir: Path, step: int, k: int) -> Path:
+    """Where the world-size-k original of a step goes: named by its world size and the time, and never a name
+    already taken (reshards back and forth within one second keep every original)."""
+    name = f"{layout.step_name(step)}.world_size_{k}.{int(time.time())}"
+    aside, n = layout.relay_dir(run_dir, "resharded", name), 1
+    while aside.exists():
+        aside, n = layout.relay_dir(run_dir, "resharded", f"{name}.{n}"), n + 1
+    return aside
 
 
 # ------------------------------------------------------------------------------------ the step
@@ -204,10 +215,10 @@ def _write_role(src: Path, dst: Path, k: int, m: int, fsdp_version: int) -> int:
     for rank in range(m):
         with _mesh(model_layout.mesh_dim_names, m, rank) as mesh:
             builders = {
-                "model": lambda out: {name: _cut(src, name, [sd[name] for sd in models], k, m, rank, mesh, out,
-                                                 plain_in=plain_in, plain_out=plain_out)
-                                      for name in models[0]},
-                "optim": lambda out: _optim(src, optims, k, m, rank, mesh, flat_units, out)}
+                "model": lambda out, rank=rank, mesh=mesh: {
+                    name: _cut(src, name, [sd[name] for sd in models], k, m, rank, mesh, out, plain_in=plain_in,
+                               plain_out=plain_out) for name in models[0]},
+                "optim": lambda out, rank=rank, mesh=mesh: _optim(src, optims, k, m, rank, mesh, flat_units, out)}
             for kind, build in builders.items():
                 measured = _Out()
                 build(measured)  # the first pass only adds up the sizes
@@ -308,7 +319,7 @@ class _Out:
 
     @classmethod
     @contextmanager
-    def backed_by(cls, path: Path, nbytes: int) -> Iterator["_Out"]:
+    def backed_by(cls, path: Path, nbytes: int) -> Iterator[_Out]:
         with open(path, "wb") as f:
             f.truncate(nbytes)  # sparse: pages are made as they are written
         try:
@@ -347,7 +358,7 @@ def _cut(src: Path, name: str, values: list, k: int, m: int, rank: int, mesh, ou
         return values[rank % k]  # replicated, or a plain tensor (a scalar step): the same on every rank
     shape = tuple(values[0].shape)
     locals_ = [v.to_local() if hasattr(v, "to_local") else v for v in values]
-    for r, (v, local) in enumerate(zip(values, locals_)):
+    for r, (v, local) in enumerate(zip(values, locals_, strict=False)):
         a, b = bounds(shape[dim], k, r)
         if tuple(v.shape) != shape or local.shape[dim] != b - a:
             raise CheckpointError(f"{src}: {name} of rank {r} holds rows {local.shape[dim]} of {shape} where torch "
