@@ -141,11 +141,11 @@ def test_an_invalid_run_name_is_refused_in_plain_words(page, airflow, triggered)
     assert "Run: '../x' is not a run name" in text and "e.g. 'demo-2'" in text
     assert "Failed validating" not in dialog.inner_text() and "^" not in text, "no jsonschema dump, no regex"
     # The reason where the person is looking: in the toast (not only "Bad Request"), and in view in the dialog.
-    toast = page.locator('[data-scope="toast"][data-part="root"]').filter(has_text="Failed to Trigger")
+    toast = page.locator('[data-scope="toast"][data-part="root"]').filter(has_text="Failed to Trigger").first
     expect(toast).to_contain_text("Run: '../x' is not a run name", timeout=10_000)
     expect(toast).to_be_in_viewport()
-    expect(dialog.get_by_role("alert").filter(has_text="is not a run name")).to_be_in_viewport(ratio=0.9)
-    for shown in (message, toast.get_by_text("is not a run name")):  # wrapped at words, never mid-word
+    expect(dialog.get_by_role("alert").filter(has_text="is not a run name").first).to_be_in_viewport(ratio=0.9)
+    for shown in (message, toast.get_by_text("is not a run name").first):  # wrapped at words, never mid-word
         style = shown.evaluate("e => [getComputedStyle(e).wordBreak, getComputedStyle(e).overflowWrap]")
         assert style[0] == "normal" and style[1] in ("break-word", "normal"), style
     shot(page, "airflow-trigger-refused.png")
