@@ -144,7 +144,7 @@ def test_an_invalid_run_name_is_refused_in_plain_words(page, airflow, triggered)
     toast = page.locator('[data-scope="toast"][data-part="root"]').filter(has_text="Failed to Trigger").first
     expect(toast).to_contain_text("Run: '../x' is not a run name", timeout=10_000)
     expect(toast).to_be_in_viewport()
-    expect(dialog.get_by_role("alert").filter(has_text="is not a run name").first).to_be_in_viewport(ratio=0.9)
+    expect(message).to_be_in_viewport(ratio=0.9)
     for shown in (message, toast.get_by_text("is not a run name").first):  # wrapped at words, never mid-word
         style = shown.evaluate("e => [getComputedStyle(e).wordBreak, getComputedStyle(e).overflowWrap]")
         assert style[0] == "normal" and style[1] in ("break-word", "normal"), style
@@ -287,3 +287,4 @@ def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(pa
         "relay_demo", run_id)
     drift = read_record(run_dir)["drift"][-1]
     assert drift["by"].startswith("admin in the Airflow UI at ") and drift["allowed"] == ["seed"]
+

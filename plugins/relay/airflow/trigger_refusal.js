@@ -3,8 +3,9 @@
 Airflow's trigger dialog shows the API's answer at the top of a long dialog (scrolled out of view once the person
 has scrolled down to Trigger), and its toast says only "Bad Request". Relay's refusals (relay.airflow.form.explain,
 through relay.airflow.api_plugin) start with "Nothing was triggered". When one appears, this script scrolls it into
-view, puts it in the toast in place of "Bad Request", and marks both so that they wrap at words. Any other error is
-left as Airflow shows it. Injected into the UI's page by relay.airflow.api_plugin.UiScriptMiddleware. */
+view, puts its first sentence in the toast in place of "Bad Request", and marks both so that they wrap at words.
+Any other error is left as Airflow shows it. Injected into the UI's page by relay.airflow.api_plugin.UiScriptMiddleware.
+*/
 (() => {
   const MARK = "Nothing was triggered";
   const FRESH_MS = 30000; // a toast that opens this long after the refusal is about something else
@@ -12,12 +13,20 @@ left as Airflow shows it. Injected into the UI's page by relay.airflow.api_plugi
   let seenAt = 0;
 
   const refusalIn = (dialog) => {
-    for (const alert of dialog.querySelectorAll('[role="alert"]')) {
+    // Airflow's ErrorAlert: Chakra's Alert (class chakra-alert__root; no role in Airflow 3.3's build).
+    for (const alert of dialog.querySelectorAll('[class*="alert__root"], [role="alert"]')) {
       const text = alert.innerText || "";
       const at = text.indexOf(MARK);
       if (at >= 0) return { alert, text: text.slice(at).trim() };
     }
     return null;
+  };
+
+  // The toast is small: the first sentence of each problem (the dialog holds the whole reason, with an example).
+  const inShort = (text) => {
+    const problems = text.slice(MARK.length).replace(/^[.:]\s*/, "").split("\n").map((l) => l.replace(/^- /, ""));
+    const first = problems.filter(Boolean).map((l) => (l.match(/^.*?\.(?=\s|$)/) || [l])[0]);
+    return `${first.join(" ")} The whole reason is at the top of the dialog.`;
   };
 
   const update = () => {
@@ -26,7 +35,7 @@ left as Airflow shows it. Injected into the UI's page by relay.airflow.api_plugi
       if (found && !found.alert.classList.contains("relay-refusal")) {
         found.alert.classList.add("relay-refusal");
         found.alert.scrollIntoView({ block: "nearest" });
-        reason = found.text;
+        reason = inShort(found.text);
         seenAt = Date.now();
       }
     }
