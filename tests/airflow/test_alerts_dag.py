@@ -15,7 +15,8 @@ from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
 from support.helpers import ROOT, dags_test, read_metrics, relay_cli, start_dags_test, write_spec
-from support.receivers import MailSink, wait_for
+from support.polling import wait_for
+from support.receivers import MailSink
 
 ALL_CHANNELS = {"alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",
                 "alerts.webhook_conn_id": "relay_webhook", "alerts.slack_conn_id": "relay_slack"}
@@ -30,7 +31,8 @@ def sinks(receivers):
 
 def settled(sinks, emails: int) -> None:
     """Wait for the expected e-mails, then a moment more: an extra alert would arrive now."""
-    assert wait_for(lambda: len(sinks["mail"].messages) >= emails), [m["Subject"] for m in sinks["mail"].messages]
+    wait_for(lambda: len(sinks["mail"].messages) >= emails, 10,
+             lambda: f"{emails} e-mails; arrived: {[m['Subject'] for m in sinks['mail'].messages]}")
     time.sleep(1)
 
 

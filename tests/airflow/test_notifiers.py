@@ -4,7 +4,8 @@ import pytest
 from core.test_alerts import an_alert
 
 from relay.airflow.notifiers import Channels, deliver
-from support.receivers import MailSink, wait_for
+from support.polling import wait_for
+from support.receivers import MailSink
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def test_an_alert_reaches_email_slack_and_the_webhook(conns):
                                       "relay_webhook"))
     assert results == {"email:relay_smtp": "sent", "slack:relay_slack": "sent", "webhook:relay_webhook": "sent"}
     mail, http = conns["mail"], conns["http"]
-    assert wait_for(lambda: len(mail.messages) == 1)
+    wait_for(lambda: len(mail.messages) == 1, 10, "the alert's e-mail")
     msg = mail.messages[0]
     assert msg["Subject"] == alert.subject() and msg["X-Relay-Alert"] == "checkpoint_invalid"
     assert msg["X-Envelope-To"] == "oncall@example.com, ml@example.com"
@@ -36,7 +37,7 @@ def test_a_broken_channel_is_reported_and_never_raises(conns):
     results = deliver(an_alert(), Channels(("oncall@example.com",), "relay_smtp", None, "relay_broken_webhook"))
     assert results["email:relay_smtp"] == "sent"
     assert results["webhook:relay_broken_webhook"].startswith("failed: ConnectionError")
-    assert wait_for(lambda: len(conns["mail"].messages) == 1)
+    wait_for(lambda: len(conns["mail"].messages) == 1, 10, "the alert's e-mail")
 
 
 def test_no_channel_sends_nothing():
@@ -88,7 +89,7 @@ def test_the_local_stacks_mail_sink_keeps_each_alert_as_a_file(tmp_path, monkeyp
     import sys
 
     from support.helpers import ROOT
-    from support.receivers import free_port
+    from support.ports import free_port
 
     port, folder = free_port(), tmp_path / "mail"
     sink = subprocess.Popen([sys.executable, "-m", "relay.devstack.mailsink", "--port", str(port), "--dir",
@@ -98,9 +99,9 @@ def test_the_local_stacks_mail_sink_keeps_each_alert_as_a_file(tmp_path, monkeyp
             "conn_type": "smtp", "host": "127.0.0.1", "port": port,
             "extra": {"from_email": "relay@localhost", "disable_ssl": True, "disable_tls": True}}))
         alert = an_alert()
-        assert wait_for(lambda: deliver(alert, Channels(("oncall@example.com",), "local_mail", None, None))
-                        == {"email:local_mail": "sent"}, timeout=30)
-        assert wait_for(lambda: list(folder.glob("*.eml")))
+        wait_for(lambda: deliver(alert, Channels(("oncall@example.com",), "local_mail", None, None))
+                 == {"email:local_mail": "sent"}, 30, "the mail sink to accept the alert")
+        wait_for(lambda: list(folder.glob("*.eml")), 10, f"the alert's .eml in {folder}")
         [eml] = folder.glob("*.eml")
         msg = email.message_from_bytes(eml.read_bytes(), policy=email.policy.default)
         assert msg["Subject"] == alert.subject() and msg["X-Envelope-To"] == "oncall@example.com"

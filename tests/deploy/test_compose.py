@@ -24,7 +24,8 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.helpers import ROOT
+
 COMPOSE = ROOT / "docker-compose.yaml"
 ENV_EXAMPLE = ROOT / ".env.example"
 SCHEMA = Path(__file__).with_name("compose-spec.json")

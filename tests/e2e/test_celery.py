@@ -15,9 +15,10 @@ from relay.devstack import stack
 from relay.runs import layout
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
-from support.airflow_procs import airflow_processes, postgres_database, wait_for
+from support.airflow_procs import airflow_processes, postgres_database
 from support.helpers import read_metrics, write_spec
-from support.receivers import free_port
+from support.polling import wait_for
+from support.ports import free_port
 
 REDIS_DB = 13  # this module's own database of the machine's Redis (127.0.0.1:6379)
 WORKERS = ("relay-worker-a", "relay-worker-b")

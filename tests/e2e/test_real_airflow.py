@@ -23,9 +23,10 @@ from relay.runs.metrics import read_events
 from relay.runs.record import read_record
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
-from support.airflow_procs import airflow_processes, postgres_database, wait_for, wait_until_parked
+from support.airflow_procs import airflow_processes, postgres_database, wait_until_parked
 from support.corrupt import flip
 from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, relay_cli, write_spec
+from support.polling import wait_for
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 MONDAYS = ("20250106", "20250113")

@@ -25,9 +25,9 @@ import pytest
 from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
-from support.airflow_procs import airflow_processes, postgres_database, wait_for
+from support.airflow_procs import airflow_processes, postgres_database
 from support.helpers import assert_bitwise_equal, jobs_of_run, model_state, read_metrics, write_spec
-from support.receivers import wait_for as arrived
+from support.polling import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -179,14 +179,14 @@ def test_every_failure_alerts_once_and_recovery_waits_for_the_failed_work(airflo
 
     first = api.trigger(dag_id, {"run": "x"})["dag_run_id"]
     assert api.wait_for_run(dag_id, first, timeout=900)["state"] == "failed"
-    assert arrived(lambda: len(alerts()) == 1, 30), alerts()
+    wait_for(lambda: len(alerts()) == 1, 30, lambda: f"one alert; arrived: {alerts()}")
     api.clear_task_instances(dag_id, first, ["chunk_02.train"])
     wait_for(lambda: api.dag_run(dag_id, first)["state"] == "failed"
              and task(api, dag_id, first, "chunk_02.train")["try_number"] == 2, 600, "the cleared chunk to fail again")
-    assert arrived(lambda: len(alerts()) == 2, 30), alerts()
+    wait_for(lambda: len(alerts()) == 2, 30, lambda: f"two alerts; arrived: {alerts()}")
     second = api.trigger(dag_id, {"run": "x"})["dag_run_id"]
     assert api.wait_for_run(dag_id, second, timeout=900)["state"] == "failed"
-    assert arrived(lambda: len(alerts()) == 3, 30), alerts()
+    wait_for(lambda: len(alerts()) == 3, 30, lambda: f"three alerts; arrived: {alerts()}")
     time.sleep(2)
     got = alerts()
     assert [(a["dag_run"], a["task"], a["kind"]) for a in got] == [

@@ -256,7 +256,8 @@ def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(pa
     with its defaults, preflight.settings asks (the diff) and waits; a person approves it on the task's Required
     Actions page, and the change is recorded as theirs."""
     from relay.runs.record import read_record, update_record
-    from support.airflow_procs import wait_for, wait_until_parked
+    from support.airflow_procs import wait_until_parked
+    from support.polling import wait_for
 
     api = airflow["api"]
     assert api.wait_for_run("relay_demo", triggered["run_id"], timeout=900)["state"] == "success"

@@ -21,8 +21,9 @@ from relay.jobs.ray_jobs import RayJobs
 from relay.runs import layout
 from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
-from support.faults import alive, assert_finished_as, wait_until
+from support.faults import alive, assert_finished_as
 from support.helpers import jobs_of_run, start_dags_test, write_spec
+from support.polling import wait_for
 
 STEPS, LAST_SAVED = 12, 9
 
@@ -64,11 +65,11 @@ def test_the_checkpoint_disk_fills_during_a_save(airflow_home, ray_address, smal
     run_dir = load_spec(spec_path, check_environment=False).run_dir("diskfull")
     t0 = time.time()
     dag = start_dags_test(airflow_home, "relay_diskfull", {})
-    trainer = int(wait_until(lambda: marker.exists() and marker.read_text(), "the trainer held inside step 12's save",
-                             dag_test=dag))
+    trainer = int(wait_for(lambda: marker.exists() and marker.read_text(), 300, "the trainer held inside step 12's save",
+                           gave_up=dag.ended))
     ballast = fill(small_disk)
     Path(f"{marker}.go").touch()
-    wait_until(lambda: not alive(trainer), "the trainer's end", dag_test=dag)
+    wait_for(lambda: not alive(trainer), 300, "the trainer's end", gave_up=dag.ended)
     # Nothing half-written is left, and the last checkpoint is whole (before the retry, seconds away).
     assert not list(layout.relay_dir(run_dir, "staging").glob(f"global_step_{STEPS}.*"))
     assert layout.read_tracker(run_dir) == LAST_SAVED and not layout.step_dir(run_dir, STEPS).exists()

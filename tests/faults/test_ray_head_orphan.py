@@ -11,8 +11,9 @@ from pathlib import Path
 
 from relay.runs.lease import Lease
 from relay.runs.spec import load_spec
-from support.faults import alive, wait_until
+from support.faults import alive
 from support.helpers import start_dags_test
+from support.polling import wait_for
 from support.private_stack import PrivateRay
 from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupted, spec_for
 
@@ -30,16 +31,16 @@ def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(
     run_dir = load_spec(spec, check_environment=False).run_dir("rayorphan")
     try:
         dag = start_dags_test(airflow_home, "relay_rayorphan", {}, env={"AIRFLOW_CONN_RELAY_RAY": cluster.address})
-        wait_until(lambda: marker.exists() and marker.read_text(), "trainer paused after step 8", dag_test=dag)
+        wait_for(lambda: marker.exists() and marker.read_text(), 300, "trainer paused after step 8", gave_up=dag.ended)
         orphan = int(marker.read_text())
         token = Lease(run_dir).current()["token"]
         cluster.kill_head()
         assert alive(orphan), "the trainer lives on, on its worker node"
         # A replacement head at the same dashboard address (its GCS elsewhere: the old node never joins it).
         cluster.start_head(resources=TRAINER_NODE, new_gcs_port=True)
-        wait_until(lambda: Lease(run_dir).current()["token"] > token, "the retry's newer lease", dag_test=dag)
+        wait_for(lambda: Lease(run_dir).current()["token"] > token, 300, "the retry's newer lease", gave_up=dag.ended)
         Path(f"{marker}.go").touch()  # let the orphan go on
-        wait_until(lambda: not alive(orphan), "the orphan's end", timeout=120)
+        wait_for(lambda: not alive(orphan), 120, "the orphan's end")
         rc, out = dag.wait()
         orphan_log = "".join(p.read_text(errors="replace")
                              for p in Path(worker_node).glob("session_*/logs/job-driver-*.log"))

@@ -8,8 +8,9 @@ from checkpoint 6)."""
 from __future__ import annotations
 
 from relay.runs.spec import load_spec
-from support.faults import alive, wait_until
+from support.faults import alive
 from support.helpers import start_dags_test
+from support.polling import wait_for
 from support.private_stack import PrivateRay
 from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupted, spec_for
 
@@ -22,7 +23,7 @@ def test_the_ray_head_dies_mid_chunk_and_comes_back(airflow_home, tmp_path, unin
     run_dir = load_spec(spec, check_environment=False).run_dir("rayrestart")
     try:
         dag = start_dags_test(airflow_home, "relay_rayrestart", {}, env={"AIRFLOW_CONN_RELAY_RAY": cluster.address})
-        wait_until(lambda: marker.exists() and marker.read_text(), "trainer paused after step 8", dag_test=dag)
+        wait_for(lambda: marker.exists() and marker.read_text(), 300, "trainer paused after step 8", gave_up=dag.ended)
         trainer = int(marker.read_text())
         cluster.kill_head()  # the node dies, and the trainer on it
         assert not alive(trainer)

@@ -14,8 +14,9 @@ from relay.common.errors import StoreError
 from relay.runs.metrics import read_events
 from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, s3_client
-from support.faults import assert_finished_as, wait_until
+from support.faults import assert_finished_as
 from support.helpers import start_dags_test, write_spec
+from support.polling import wait_for
 from support.private_stack import PrivateS3, stack_env
 
 STEPS = 12
@@ -50,13 +51,13 @@ def test_s3_stopped_during_a_publish_and_restarted_later(airflow_home, tmp_path,
         dag = start_dags_test(airflow_home, "relay_s3down", {}, env={
             **s3.client_env(), "RELAY_FAULT_PAUSE_AT": "publish_files@6", "RELAY_FAULT_ONCE": str(marker),
             "RELAY_FAULT_PAUSE_S": "300"})
-        wait_until(marker.exists, "the publish of step 6 held after its files", dag_test=dag)
+        wait_for(marker.exists, 300, "the publish of step 6 held after its files", gave_up=dag.ended)
         latest_is_whole()
         assert seen == [] and store.manifest("s3down", 6) is None, "files uploaded, nothing published yet"
         s3.kill()
         Path(f"{marker}.go").touch()
-        wait_until(lambda: "unreachable during" in dag.log.read_text(errors="replace"), "the publish's failure",
-                   dag_test=dag)
+        wait_for(lambda: "unreachable during" in dag.log.read_text(errors="replace"), 300, "the publish's failure",
+                 gave_up=dag.ended)
         s3.start()  # the same data folder: every object uploaded before the crash is there
         while dag.proc.poll() is None:
             latest_is_whole()

@@ -28,6 +28,7 @@ from relay.jobs.ray_jobs import RayJobs
 from relay.preflight.prepare import prepare_run
 from relay.runs.lease import Lease
 from relay.runs.spec import load_spec
+from support.faults import alive
 from support.helpers import PY, ROOT, write_spec
 
 GONE_WITHIN_S = 30  # a head's processes are gone this long after its command was
@@ -92,19 +93,11 @@ class Command:
         local_head.stop_head(self.folder, grace_s=0)  # whatever a failed test left
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie nobody reaps is gone for good
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _wait_gone(folder: Path, *pids: int, timeout: float = GONE_WITHIN_S) -> list:
     """The head's processes (and pids) still alive after waiting up to timeout for them to go."""
     deadline = time.time() + timeout
     while True:
-        left = [p.pid for p in local_head.head_processes(folder)] + [p for p in pids if _alive(p)]
+        left = [p.pid for p in local_head.head_processes(folder)] + [p for p in pids if alive(p)]
         if not left or time.time() > deadline:
             return left
         time.sleep(0.3)

@@ -20,7 +20,7 @@ import pytest
 from relay.checkpoints import integrity, manifest
 from relay.common.errors import StoreError
 from relay.s3.store import CheckpointStore, client_config
-from support.receivers import free_ports
+from support.ports import free_ports
 
 UPLOADS = {"PutObject", "CreateMultipartUpload"}
 PART = 5 << 20

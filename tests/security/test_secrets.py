@@ -18,7 +18,8 @@ from relay.runs import layout
 from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from support.helpers import ROOT, dags_test, write_spec
-from support.receivers import MailSink, wait_for
+from support.polling import wait_for
+from support.receivers import MailSink
 
 TOKEN = f"tok-{uuid.uuid4().hex}"  # an environment variable's value, used by ray.env_vars
 PASSWORD = f"pw-{uuid.uuid4().hex}"  # an Airflow connection's password
@@ -84,7 +85,8 @@ def test_alerts_and_their_ledger_redact_connection_and_environment_secrets(tmp_p
                   action="retried", dag_run="manual__1", task="chunk_01.train", try_number=1)
     with caplog.at_level("INFO"):
         assert send_once(_context("manual__1"), Run.of(spec, "r"), alert, "manual__1|chunk_01.train|chunk_failed")
-    assert wait_for(lambda: len(receivers["mail"].messages) == 1 and http.at("/secret-alerts"))
+    wait_for(lambda: len(receivers["mail"].messages) == 1 and http.at("/secret-alerts"), 10,
+             "the alert by e-mail and webhook")
     payload = json.dumps(http.at("/secret-alerts")[0])
     mail = MailSink.html(receivers["mail"].messages[0]) + str(receivers["mail"].messages[0])
     ledger = layout.relay_dir(spec.run_dir("r"), "alerts.json").read_text()
@@ -143,7 +145,8 @@ def test_a_secret_in_a_failing_tasks_error_is_masked_in_its_log_and_alerts(airfl
         "alerts.smtp_conn_id": "relay_smtp", "alerts.webhook_conn_id": "relay_webhook"})
     r = dags_test(airflow_home, "relay_ssecret", {}, env={**sinks["env"], "RELAY_TEST_TOKEN": TOKEN})
     assert r.returncode != 0
-    assert wait_for(lambda: len(sinks["mail"].messages) == 1 and sinks["http"].at("/alerts")), r.stdout[-3000:]
+    wait_for(lambda: len(sinks["mail"].messages) == 1 and sinks["http"].at("/alerts"), 10,
+             lambda: f"the alert by e-mail and webhook:\n{r.stdout[-3000:]}")
     post = sinks["http"].at("/alerts")[0]
     assert post["task"] == "preflight.data" and "***" in post["details"], post
     texts = {"dags test output": r.stdout + r.stderr, "webhook": json.dumps(post),

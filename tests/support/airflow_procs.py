@@ -5,14 +5,14 @@ with the session's Ray head and S3 server."""
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
 from relay.devstack import stack
 from relay.devstack.airflow_api import AirflowAPI
-from support.receivers import free_port
+from support.polling import wait_for
+from support.ports import free_port
 
 
 @contextmanager
@@ -71,13 +71,3 @@ def wait_until_parked(dag_id: str, run_id: str, task_id: str, timeout: float = 3
                    for line in log.read_text(errors="replace").splitlines())
 
     wait_for(handled, timeout, f"the scheduler to handle {task_id}'s park (in {log})")
-
-
-def wait_for(predicate, timeout: float, what: str):
-    """Poll predicate every 0.5 s until it returns something true; return it, or fail naming `what`."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")

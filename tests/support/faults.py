@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.helpers import ROOT
+
 PROPERTY = "relay_fault"
 
 
@@ -177,17 +178,3 @@ def assert_finished_as(run_dir: Path, baseline: dict, steps: int, out: str = "")
     assert layout.read_tracker(run_dir) == steps, out[-5000:]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1)), "each step once"
     assert_bitwise_equal(model_state(layout.step_dir(run_dir, steps)), baseline)
-
-
-def wait_until(predicate, what: str, timeout: float = 300, dag_test=None):
-    """Poll until predicate() is truthy (and return it). Fails naming `what`, with the DAG run's output
-    when the background `airflow dags test` ended first."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        if dag_test is not None and dag_test.proc.poll() is not None:
-            raise AssertionError(f"the DAG run ended before {what}:\n{dag_test.log.read_text()[-5000:]}")
-        time.sleep(0.05)
-    tail = dag_test.log.read_text()[-5000:] if dag_test is not None else ""
-    raise AssertionError(f"no {what} within {timeout}s\n{tail}")

@@ -188,6 +188,12 @@ class BackgroundDagTest:
             self.proc = ForkedProcess(server, server.start(self.argv, self.log, full_env, whole_env=True,
                                                            cwd=Path(full_env["AIRFLOW_HOME"])))
 
+    def ended(self) -> str | None:
+        """Its output once the DAG run has ended, else None: `gave_up` of a wait_for on something inside it."""
+        if self.proc.poll() is None:
+            return None
+        return f"the DAG run ended:\n{self.log.read_text(errors='replace')[-5000:]}"
+
     def wait(self, timeout: float = 600) -> tuple[int, str]:
         """(return code, output) once the DAG run has ended."""
         rc = self.proc.wait(timeout=timeout)

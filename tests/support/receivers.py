@@ -7,29 +7,10 @@ from __future__ import annotations
 import email
 import email.policy
 import json
-import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: each socket stays bound until all are chosen (free_port() called n times can hand
-    out one port twice, and a server given it twice fails to start: seen once in CI)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+from support.ports import free_port
 
 
 class MailSink:
@@ -104,13 +85,3 @@ def connections(mail: MailSink, http: HttpSink) -> dict[str, str]:
         "AIRFLOW_CONN_RELAY_BROKEN_WEBHOOK": json.dumps({"conn_type": "http",
                                                          "host": f"http://127.0.0.1:{closed}/alerts"}),
     }
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    """Receivers run in other threads: give a just-sent alert a moment to land."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()

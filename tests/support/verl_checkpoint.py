@@ -11,17 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import warnings
 from pathlib import Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, args) -> None:
@@ -101,7 +94,9 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-from")
     a = p.parse_args()
-    a.port = _free_port()
+    from ports import free_port  # run as a script: this folder is on sys.path
+
+    a.port = free_port()
     # torch, transformers and verl imported once, here, and the ranks forked from this process: spawned, each
     # rank imported them again (about 8 CPU-s apiece on these cores). No process group exists before the fork.
     import torch.multiprocessing as mp

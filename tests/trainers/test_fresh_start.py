@@ -45,7 +45,7 @@ def test_train_with_s3_unreachable_says_that_offline_exists(tmp_path):
     """`relay train` looks at the run's published incarnation; with S3 unreachable it says so, and that
     --offline trains without it. Nothing is written in the checkpoint folder."""
     from support.helpers import write_spec
-    from support.receivers import free_port
+    from support.ports import free_port
 
     spec_path = write_spec(tmp_path, name="away")
     r = relay_cli("train", str(spec_path), "--to-step", "2", "--checkpoint-dir", str(tmp_path / "away"),

@@ -15,6 +15,7 @@ from relay.trainers.verl_ppo.tiny_model import make_tiny_model
 from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM_ENV as ENV
 from support import verl_checkpoint
 from support.helpers import ROOT
+from support.ports import free_port
 
 PROBE = """
 import json, warnings
@@ -83,7 +84,7 @@ def test_verls_fsdp_engine_builds_steps_saves_and_loads_the_tiny_model_on_the_cp
     results = []
     for mode in ("step", "load"):
         r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "verl_engine_cpu.py"), str(model), str(ckpt),
-                            mode, str(verl_checkpoint._free_port())], capture_output=True, text=True, timeout=300,
+                            mode, str(free_port())], capture_output=True, text=True, timeout=300,
                            env={**clean, "VERL_LOGGING_LEVEL": "WARN", **ENV})
         assert r.returncode == 0, r.stderr[-3000:]
         results.append(json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:]))

@@ -18,8 +18,8 @@ from relay.runs.run import Run
 from relay.runs.spec import load_spec
 from relay.trainers.verl_ppo import tiny_task
 from relay.trainers.verl_ppo.tiny_model import byte_tokenizer, make_tiny_model
+from support.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"
 SHIPPED = ROOT / "include" / "data" / "tiny_arith"
 # The model's attention on a CPU. verl's model.override_config is an empty mapping, so only a '+' key sets
