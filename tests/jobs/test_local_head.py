@@ -151,7 +151,7 @@ def test_the_cpu_trainer_runs_a_chunk_as_the_dags_job_on_it(command, tmp_path):
     reqs = []
     state = chunk_job.run_attached(jobs, sub_id, lambda: reqs.append(chunk_job.submit_chunk(jobs, run, 2, sub_id,
                                                                                              restore=False)), out=out)
-    assert state.status == "SUCCEEDED", out.getvalue()[-3000:]
+    assert state.status == "SUCCEEDED", f"{state.message} (exit {state.exit_code}):\n{out.getvalue()[-3000:]}"
     assert latest_valid_step(run.dir) == 2
     assert "done: steps 0 -> 2" in out.getvalue(), out.getvalue()[-3000:]
     lease = Lease(run.dir).current()
