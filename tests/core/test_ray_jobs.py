@@ -216,3 +216,25 @@ def test_a_job_that_prints_20_mb_between_steps_is_not_taken_for_stalled(ray_addr
     if ends == "STALLED":
         assert event.payload["step"] == 2 and "no new step" in event.payload["message"]
         assert time.time() - t0 < 2 * 10 + limit + 15, "stopped within its limit"
+
+
+def test_the_shipped_package_keeps_its_hash_while_python_writes_bytecode_beside_it(tmp_path):
+    """Ray names the package by a hash of its files, then hashes them again to upload it: a .pyc that another process
+    writes in between (an Airflow worker importing a module of the plugins folder for the first time) gave the job a
+    package name that was never uploaded, and the job failed at once ("Failed to download runtime_env file package").
+    Bytecode is not shipped, so writing it changes nothing."""
+    import shutil
+
+    from ray._private.runtime_env.packaging import get_uri_for_directory
+
+    package = tmp_path / "relay"
+    shutil.copytree(project.package_dir(), package, ignore=shutil.ignore_patterns("__pycache__"))
+    excludes = shipped_code()["excludes"]
+    before = get_uri_for_directory(str(package), True, excludes=excludes)
+    cache = package / "checkpoints" / "__pycache__"
+    cache.mkdir()
+    (cache / "gate.cpython-311.pyc").write_bytes(b"\x00" * 64)
+    (package / "stray.pyc").write_bytes(b"\x00" * 64)
+    assert get_uri_for_directory(str(package), True, excludes=excludes) == before
+    (package / "checkpoints" / "new_module.py").write_text("X = 1\n")
+    assert get_uri_for_directory(str(package), True, excludes=excludes) != before, "a change of code is a new package"

@@ -49,7 +49,10 @@ def airflow(tmp_path_factory, ray_address):
         pq.write_table(table.slice(i), data / f"prompts-{day}.parquet")
     # Decisions asked in the UI (relay.airflow.decisions): one chunk of 6 steps; one spec whose decisions time out.
     write_spec(runs, name="decide", total_steps=6, chunk_steps=6)
-    write_spec(runs, name="hurry", total_steps=6, chunk_steps=6, **{"approvals.timeout_minutes": 0.05})
+    # Its 21 s outlast the park's own executor event: with a timeout of seconds, Airflow's scheduler resumed the task
+    # before the LocalExecutor reported the parked process's exit, took that report for the resumed try's, and failed
+    # the task without running it (Airflow 3.3's AWAITING_INPUT sweep against a late executor event, under CI's load).
+    write_spec(runs, name="hurry", total_steps=6, chunk_steps=6, **{"approvals.timeout_minutes": 0.35})
     # A fallback question; and a deadline already past (its ETA and Airflow's deadline alert both alert).
     write_spec(runs, name="careful", total_steps=6, chunk_steps=6,
                **{"approvals.max_steps_lost": 1, "trainer.settings.save_freq": 3,
@@ -281,8 +284,8 @@ def test_a_rejected_or_unanswered_decision_stops_the_dag_run_and_changes_nothing
         if answer:
             awaiting(api, dag, run_id, "preflight.run")
             api.answer(dag, run_id, "preflight.run", answer)
-        # Unanswered, the question's 3 s run out while the scheduler may not yet have seen the park (6 s under
-        # CI's load): nothing waits for it; the request is read back once the run has ended.
+        # Unanswered, the question's 21 s run out: nothing waits for it; the request is read back once the run has
+        # ended.
         ended = api.wait_for_run(dag, run_id, timeout=600)
         assert ended["state"] == ("success" if answer else "failed"), ended
         asked = api.decision(dag, run_id, "preflight.run")

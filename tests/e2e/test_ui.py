@@ -10,6 +10,7 @@ docs/airflow-approval.png are copies of them).
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -126,8 +127,19 @@ def test_triggering_relay_demo_with_the_form_defaults_runs_it_to_success(page, a
     page.get_by_text("Success").first.wait_for()
     time.sleep(2)  # the grid's bars settle
     shot(page, "airflow-grid.png")
-    states = {t["task_id"]: t["state"] for t in airflow["api"].task_instances("relay_demo", triggered["run_id"])}
+    tis = airflow["api"].task_instances("relay_demo", triggered["run_id"])
+    states = {t["task_id"]: t["state"] for t in tis}
     assert states["chunk_02.publish"] == "success" and states["finish"] == "success"
+
+    # What a person reads in the task logs of a successful run: no ERROR, and none of the platforms' noise.
+    from relay.trainers.quiet import NOISE
+
+    for t in tis:
+        log = airflow["api"].task_log("relay_demo", triggered["run_id"], t["task_id"], t["try_number"])
+        records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+        errors = [r.get("event") for r in records if r.get("level") in ("error", "critical")]
+        assert records and not errors, f"{t['task_id']}: {errors}"
+        assert not [n for n in (*NOISE, "set_vital", "GitWildMatchPattern") if n in log], f"{t['task_id']}: {log[-3000:]}"
 
 
 def test_an_invalid_run_name_is_refused_in_plain_words(page, airflow, triggered):

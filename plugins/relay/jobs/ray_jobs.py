@@ -100,9 +100,15 @@ def runtime_env(req: ChunkRequest, extra_env: dict[str, str] | None = None) -> d
 NOT_SHIPPED = ["/devstack/", "/airflow/"]
 
 
+# Bytecode is not shipped either: Ray names the package by a hash of its files and hashes them again to upload it,
+# so a .pyc that another process writes in between (an Airflow worker importing a plugins module for the first
+# time) gave the job the name of a package that was never uploaded, and the job failed at its start.
+NOT_SHIPPED_FILES = ["__pycache__", "*.pyc"]  # "__pycache__/" would not match the folder itself, whose name Ray hashes
+
+
 def shipped_code() -> dict:
-    """Relay's package as a py_module (Ray zips and uploads it once per content hash), less NOT_SHIPPED."""
-    return {"py_modules": [str(project.package_dir())], "excludes": NOT_SHIPPED}
+    """Relay's package as a py_module (Ray zips and uploads it once per content hash), less NOT_SHIPPED and bytecode."""
+    return {"py_modules": [str(project.package_dir())], "excludes": [*NOT_SHIPPED, *NOT_SHIPPED_FILES]}
 
 
 @dataclass
