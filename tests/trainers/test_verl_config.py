@@ -167,7 +167,8 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
     assert ray_jobs.entrypoint(req) == "python -m relay.trainers.job"
     env = ray_jobs.runtime_env(req)
     wandb_id = tracking.wandb_run_id(Run.of(spec, "r"))
-    assert env == {"py_modules": [str(project.package_dir())], "excludes": ray_jobs.NOT_SHIPPED, "env_vars": {
+    excludes = [*ray_jobs.NOT_SHIPPED, *ray_jobs.NOT_SHIPPED_FILES]
+    assert env == {"py_modules": [str(project.package_dir())], "excludes": excludes, "env_vars": {
         "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
         "WANDB_RUN_ID": wandb_id, "WANDB_RESUME": "allow",
         ENV_VAR: req.to_json(), "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4",
