@@ -114,24 +114,36 @@ class UiScriptMiddleware:
 
 def _with_script(send, tag: bytes):
     """Wrap `send`: an HTML answer that is Airflow's UI page gets `tag` before its </head>."""
+
+    def html(start) -> bool:
+        kinds = [v for k, v in start["headers"] if k.lower() == b"content-type"]
+        return bool(kinds) and kinds[0].startswith(b"text/html")
+
+    def inject(body: bytes) -> bytes:
+        if b'<div id="root"' in body and b"</head>" in body:
+            return body.replace(b"</head>", tag + b"</head>", 1)
+        return body
+
+    return _rewritten(send, html, inject)
+
+
+def _rewritten(send, wanted, rewrite):
+    """Wrap `send`: an answer whose start message is wanted(start) is held whole and sent as rewrite(body), with its
+    content-length set again; any other passes as it comes."""
     start = None
     chunks: list[bytes] = []
 
     async def wrapped(message):
         nonlocal start
-        if message["type"] == "http.response.start":
-            kinds = [v for k, v in message["headers"] if k.lower() == b"content-type"]
-            if kinds and kinds[0].startswith(b"text/html"):
-                start = message
-                return
+        if message["type"] == "http.response.start" and wanted(message):
+            start = message
+            return
         if start is None or message["type"] != "http.response.body":
             return await send(message)
         chunks.append(message.get("body", b""))
         if message.get("more_body"):
             return
-        body = b"".join(chunks)
-        if b'<div id="root"' in body and b"</head>" in body:
-            body = body.replace(b"</head>", tag + b"</head>", 1)
+        body = rewrite(b"".join(chunks))
         headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
         await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -174,25 +186,7 @@ def _replay(body: bytes):
 
 def _plain_refusals(send, spec, conf):
     """Wrap `send`: a 400 that refuses a Param gets relay.airflow.form.explain's words instead of jsonschema's."""
-    start = None
-    chunks: list[bytes] = []
-
-    async def wrapped(message):
-        nonlocal start
-        if message["type"] == "http.response.start" and message["status"] == 400:
-            start = message
-            return
-        if start is None or message["type"] != "http.response.body":
-            return await send(message)
-        chunks.append(message.get("body", b""))
-        if message.get("more_body"):
-            return
-        body = _explained(b"".join(chunks), spec, conf)
-        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
-        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    return wrapped
+    return _rewritten(send, lambda start: start["status"] == 400, lambda body: _explained(body, spec, conf))
 
 
 def _explained(body: bytes, spec, conf) -> bytes:
