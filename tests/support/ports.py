@@ -1,23 +1,68 @@
-"""Free TCP ports on the loopback for the servers a test starts (mail and HTTP receivers, Airflow, a private Ray)."""
+"""Free TCP ports on the loopback for the servers a test starts (mail and HTTP receivers, Airflow, a private Ray).
+
+The ports come from below the kernel's ephemeral range (32768-60999 here): a port handed out from that range
+is free when chosen, but any outgoing connection on the machine may take it as its source port a moment
+later, and a server that restarts on its port (a private Ray head that comes back) then cannot bind it.
+Each pytest-xdist worker draws from a block of its own, so two workers never hand out the same port."""
 
 from __future__ import annotations
 
+import os
+import random
 import socket
+import time
+
+FIRST, LAST = 27000, 32767  # above the private Ray nodes' worker ports (24000-24999), below the ephemeral range
+_BLOCKS = 8
+
+
+def _block() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    size = (LAST - FIRST + 1) // _BLOCKS
+    start = FIRST + size * (int(worker) % _BLOCKS if worker.isdigit() else 0)
+    return range(start, start + size)
 
 
 def free_port() -> int:
-    """A port nothing listens on now (the server that takes it may race another: free_ports for several)."""
+    """A port nothing listens on now (free_ports for several at once)."""
     return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
     """n distinct free ports: each socket stays bound until all are chosen (free_port() called n times can hand
-    out one port twice, and a server given it twice fails to start: seen once in CI)."""
-    sockets = [socket.socket() for _ in range(n)]
+    out one port twice, and a server given it twice fails to start)."""
+    candidates = list(_block())
+    random.shuffle(candidates)
+    sockets: list[socket.socket] = []
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            if len(sockets) == n:
+                return [s.getsockname()[1] for s in sockets]
+        raise RuntimeError(f"fewer than {n} free ports in {candidates and min(candidates)}-{max(candidates)}")
     finally:
         for s in sockets:
+            s.close()
+
+
+def wait_until_bindable(port: int, timeout: float = 30) -> None:
+    """Wait for a port that a killed server held to be free again (its last processes may take a moment to go)."""
+    deadline = time.time() + timeout
+    while True:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return
+        except OSError:
+            if time.time() > deadline:
+                raise RuntimeError(f"port {port} is still taken {timeout:.0f} s after its server was killed") from None
+            time.sleep(0.2)
+        finally:
             s.close()

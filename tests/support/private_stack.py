@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from relay.devstack import stack
-from support.ports import free_port
+from support.ports import free_port, wait_until_bindable
 
 
 @contextmanager
@@ -102,6 +102,9 @@ class PrivateRay:
         reach it)."""
         if self.gcs_port is None or new_gcs_port:
             self.gcs_port = free_port()
+        if self.nodes:  # a head that comes back: the killed one's sockets may still be closing
+            wait_until_bindable(self.dashboard_port)
+            wait_until_bindable(self.gcs_port)
         self._start("h", ["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
                           "--dashboard-host=127.0.0.1", "--include-dashboard=true",
                           f"--ray-client-server-port={free_port()}"], resources)
