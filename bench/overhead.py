@@ -2,7 +2,7 @@
 
 Runs the demo spec's DAG (60 steps, 3 chunks) on the local stack (started here unless one runs), as the demo
 does but without the provoked resume, then splits each chunk's wall time by the goodput ledger
-(relay.runs.goodput): the same phase events in events.jsonl (relay.runs.phases: the train task's and the Ray
+(relay.insights.goodput): the same phase events in events.jsonl (relay.runs.phases: the train task's and the Ray
 job's marks, the trainer's rows and saves, the gate's validation) that the run report and `relay report --json`
 read, so the benchmark and the report cannot disagree. A chunk's parts:
 
@@ -40,8 +40,8 @@ import verl_startup  # noqa: E402
 
 from relay.devstack import stack  # noqa: E402
 from relay.devstack.airflow_api import AirflowAPI  # noqa: E402
-from relay.runs import goodput  # noqa: E402
-from relay.runs.spec import load_spec  # noqa: E402
+from relay.insights import goodput  # noqa: E402
+from relay.spec.run_spec import load_spec  # noqa: E402
 
 PARTS = ("scheduling", "submission", "startup", "training", "save", "teardown", "validation", "publication")
 AIRFLOW_RAY = ("scheduling", "submission", "teardown")  # what Relay's orchestration adds

@@ -10,7 +10,7 @@ from airflow.sdk import DAG
 from relay.airflow.assets import checkpoint_alias
 from relay.airflow.tasks import evaluate_published
 from relay.common import project
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 
 SPEC = project.root() / "include" / "runs" / "demo.yaml"
 spec = load_spec(SPEC, check_environment=False)

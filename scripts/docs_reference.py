@@ -67,7 +67,7 @@ def _model_of(annotation) -> type[BaseModel] | None:
 
 def spec_rows(model: type[BaseModel], prefix: str = "", inherited: bool = False) -> list[tuple]:
     """(key, type, default, resume-critical, description) of every key of `model`, sub-sections flattened."""
-    from relay.runs.specmodel import is_critical
+    from relay.spec.model import is_critical
 
     rows = []
     for name, field in model.model_fields.items():
@@ -86,8 +86,8 @@ def spec_rows(model: type[BaseModel], prefix: str = "", inherited: bool = False)
 
 
 def spec_page() -> str:
-    from relay.runs.kinds import KINDS
-    from relay.runs.spec import RunSpec
+    from relay.spec.kinds import KINDS
+    from relay.spec.run_spec import RunSpec
 
     def table(rows) -> list[str]:
         out = ["| key | type | default | resume-critical | what it is |", "|---|---|---|---|---|"]

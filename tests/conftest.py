@@ -188,7 +188,7 @@ def interrupted(tmp_path_factory):
 
     from relay.preflight.checks import prepare_data
     from relay.preflight.prepare import prepare_run
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
 
     base = tmp_path_factory.mktemp("interrupted")
     source = Path(shutil.copy(ROOT / "include" / "data" / "arith_train.parquet", base / "source.parquet"))

@@ -20,20 +20,20 @@ from relay.data import quality
 from relay.data.diff import diff
 from relay.data.fingerprint import fingerprint
 from relay.devstack import demo, stack
+from relay.insights import doctor, report
+from relay.insights.audit import audit
 from relay.jobs import chunk_job, local_head
 from relay.jobs.ray_jobs import STOP_MARGIN_S, RayJobs
-from relay.preflight import attention, doctor
+from relay.preflight import attention
 from relay.preflight.prepare import prepare_run
-from relay.report import run_report as report
 from relay.runs import failure_cause, layout
-from relay.runs.audit import audit
 from relay.runs.phases import record_job_times
-from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
 from relay.s3 import history
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, parse_uri, s3_client, store_for_spec, upload_args
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import load_spec
 from relay.trainers.contract import ChunkRequest, run_chunk
 from relay.trainers.quiet import quiet_known_noise
 from relay.trainers.verl_ppo.tiny_model import make_tiny_model
@@ -240,7 +240,7 @@ def cmd_checkpoint_validate(args) -> int:
         return 0 if admission.ok else 1
     smoke = None
     if args.smoke:
-        from relay.checkpoints.gate import smoke_check
+        from relay.preflight.admission import smoke_check
         from relay.runs.record import read_record
 
         source = args.spec or read_record(Path(args.dir)).get("spec_source")

@@ -12,8 +12,8 @@ import pytest
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import read_events
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import ROOT, dags_test, read_metrics, relay_cli, start_dags_test, write_spec
 from support.polling import wait_for
 from support.receivers import MailSink

@@ -10,8 +10,8 @@ import pytest
 
 from relay.runs import layout
 from relay.runs.record import read_record
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import (
     ROOT,
     assert_bitwise_equal,

@@ -62,7 +62,7 @@ def test_an_unconfigured_channel_is_one_warning_per_run_not_an_error_per_alert(t
 
     from relay.airflow.notifiers import send_once
     from relay.runs.run import Run
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
     from support.helpers import write_spec
 
     spec = load_spec(write_spec(tmp_path, name="quiet", **{"alerts.email": ["oncall@example.com"],

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from relay.insights import goodput
 from relay.jobs.ray_jobs import RayJobs
-from relay.runs import goodput, layout
+from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import (
     assert_bitwise_equal,
     dags_test,

@@ -7,7 +7,7 @@ check included) and published to the session's S3.
 
 Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 4, the fifth job): every step once,
 the same LR, data order (dataset indices per step), rewards and resume point, and bitwise equal weights at step 4;
-and the step trained twice equals its first try (relay.runs.audit): the same reward, loss, KL, LR and data order.
+and the step trained twice equals its first try (relay.insights.audit): the same reward, loss, KL, LR and data order.
 The graceful stop and the relay-train-only version of this comparison are verl's own lane
 (tests/trainers/test_verl_cpu_fit.py, `./scripts/test.sh --verl`).
 
@@ -22,14 +22,15 @@ import time
 import pytest
 import yaml
 
-from relay.checkpoints.gate import admit_dir, smoke_check
+from relay.checkpoints.gate import admit_dir
 from relay.devstack import stack
+from relay.insights.audit import audit
+from relay.preflight.admission import smoke_check
 from relay.runs import layout
-from relay.runs.audit import audit
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.faults import alive, kill
 from support.helpers import ROOT, assert_bitwise_equal, model_state, read_metrics, start_dags_test
 from support.verl_jobs import JOB_TIMEOUT, SPEC, job_driver_pid, relay_train, wait_for_step

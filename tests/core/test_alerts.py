@@ -10,7 +10,7 @@ from relay.data.freeze import SourceDriftError
 from relay.data.quality import DataQualityError
 from relay.preflight.guard import DriftError
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import write_spec
 
 

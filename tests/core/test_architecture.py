@@ -11,8 +11,8 @@ from pathlib import Path
 from relay.jobs.ray_jobs import NOT_SHIPPED
 
 PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "relay"
-LAYERS = ["common", "runs", "data", "checkpoints", "s3", "preflight", "trainers", "jobs", "alerts", "report",
-          "devstack", "airflow"]
+LAYERS = ["common", "spec", "runs", "data", "checkpoints", "s3", "preflight", "insights", "trainers", "jobs",
+          "alerts", "devstack", "airflow"]
 TOP = {"__init__", "__main__", "cli"}
 
 
@@ -67,6 +67,15 @@ def test_no_import_runs_upward():
             elif dst != "top" and LAYERS.index(dst) > LAYERS.index(src):
                 upward.append(f"{path.relative_to(PACKAGE)}:{line} ({src}) imports {target} ({dst}), a higher layer")
     assert not upward, "\n".join(upward)
+
+
+def test_checkpoints_know_no_spec():
+    """A checkpoint is checked against what the caller hands over (a smoke function, a fingerprint), never
+    against a spec it reads itself: the spec, and the Run value that carries one, stay above."""
+    offenders = [f"{path.relative_to(PACKAGE)}:{line} imports {target}" for module, path in MODULES.items()
+                 if _folder(module) == "checkpoints" for line, target in _imports(path)
+                 if _folder(target) == "spec" or target == "relay.runs.run"]
+    assert not offenders, offenders
 
 
 def test_no_import_circles():

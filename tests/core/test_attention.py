@@ -8,9 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from relay.preflight import attention, doctor
+from relay.insights import doctor
+from relay.preflight import attention
 from relay.runs.run import Run
-from relay.runs.spec import spec_from_dict
+from relay.spec.run_spec import spec_from_dict
 from support.helpers import ROOT, relay_cli
 
 GSM8K = ROOT / "include" / "runs" / "gsm8k_grpo.yaml"

@@ -14,7 +14,7 @@ from relay.preflight.checks import before_chunk, prepare_data
 from relay.preflight.prepare import prepare_run
 from relay.runs.record import read_record
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import DEMO_SPEC, ROOT, write_spec
 
 DATA = ROOT / "include" / "data" / "arith_train.parquet"

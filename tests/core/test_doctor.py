@@ -10,12 +10,12 @@ import time
 import pyarrow.parquet as pq
 
 from relay.checkpoints.gate import admit_dir
+from relay.insights import doctor
 from relay.jobs.ray_jobs import RayJobs
-from relay.preflight import doctor
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import PY, ROOT, relay_cli, write_spec
 
 

@@ -1,4 +1,4 @@
-"""The run's ETA against alerts.deadline (relay.runs.eta): from its median step time and the time its chunks
+"""The run's ETA against alerts.deadline (relay.insights.eta): from its median step time and the time its chunks
 spend outside their steps, checked against a hand computation; a bad deadline is refused with its key."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 
 from relay.common.errors import SpecError
 from relay.common.timestamps import event_time
+from relay.insights.eta import eta
 from relay.runs import layout
-from relay.runs.eta import eta
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import write_spec
 
 T0 = 1_800_000_000.0

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from relay.common.errors import SpecError
-from relay.preflight import doctor
+from relay.insights import doctor
 from relay.runs import failure_cause as fc
 from relay.runs.metrics import read_events
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import relay_cli, write_spec
 
 RAY_FAILED = "Job entrypoint command failed with exit code {code}, last available logs (truncated to 20,000 chars):\n"

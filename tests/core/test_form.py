@@ -1,7 +1,7 @@
 """The trigger form's fields and its refusals in plain words (relay.airflow.form), without Airflow."""
 
 from relay.airflow import form
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import write_spec
 
 

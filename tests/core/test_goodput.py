@@ -1,4 +1,4 @@
-"""The goodput ledger (relay.runs.goodput, `relay report --json`): where a run's wall time went and what its
+"""The goodput ledger (relay.insights.goodput, `relay report --json`): where a run's wall time went and what its
 failures cost, from what the run's folder records.
 
 A real run (the CPU trainer through `relay train`) killed after step 8, its last checkpoint at 6, then resumed and
@@ -15,8 +15,9 @@ import pytest
 
 from relay.common.faultpoint import KILL_ENV
 from relay.common.timestamps import event_time
-from relay.report import run_report
-from relay.runs import goodput, layout
+from relay.insights import goodput
+from relay.insights import report as run_report
+from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 from support.helpers import relay_cli, write_spec
 

@@ -14,7 +14,7 @@ from relay.common.filelock import LockTimeout, file_lock
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import read_events, record_event
-from relay.runs.spec import CheckpointPolicy
+from relay.spec.run_spec import CheckpointPolicy
 
 PLUGINS = os.path.join(os.path.dirname(__file__), "..", "..", "plugins")
 

@@ -1,4 +1,4 @@
-from relay.runs.plan import ChunkPlan
+from relay.spec.plan import ChunkPlan
 
 
 def test_chunks_end_at_fixed_steps():
@@ -25,7 +25,7 @@ def test_done_chunks_follow_the_latest_checkpoint():
 def test_a_train_to_a_step_inside_a_chunk_is_labelled_with_that_chunk(tmp_path):
     """`relay train --to-step N` off a chunk boundary: its metrics rows, events and job name the chunk N is in."""
     from relay.jobs.chunk_job import chunk_index
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
     from support.helpers import write_spec
 
     spec = load_spec(write_spec(tmp_path), check_environment=False)  # 12 steps in chunks of 6

@@ -7,7 +7,7 @@ import pytest
 from relay.common import project
 from relay.jobs.ray_jobs import RayJobs, runtime_env, shipped_code, submission_id
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 from support.helpers import ROOT
 
@@ -26,7 +26,7 @@ def test_relay_reaches_a_job_only_through_runtime_env(ray_address):
     jobs = RayJobs(ray_address)
     probe = ("python -c 'import relay, os, importlib.util as u; print(\"RELAY_AT\", relay.__file__); "
              "print(\"CWD\", os.getcwd()); print(\"LOCAL_ONLY\", u.find_spec(\"relay.devstack\"), "
-             "u.find_spec(\"relay.airflow\")); import relay.checkpoints.gate, relay.trainers.job'")
+             "u.find_spec(\"relay.airflow\")); import relay.preflight.admission, relay.trainers.job'")
     with_env = jobs.client.submit_job(entrypoint=probe, runtime_env=shipped_code())
     without = jobs.client.submit_job(entrypoint=probe)
     assert wait(jobs, with_env) == "SUCCEEDED"

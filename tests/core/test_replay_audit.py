@@ -1,4 +1,4 @@
-"""The replay audit (relay.runs.audit, `relay audit`): the steps a resume trains again, against their first try.
+"""The replay audit (relay.insights.audit, `relay audit`): the steps a resume trains again, against their first try.
 
 A chunk killed after step 9 (its last checkpoint at 6) resumes from 6 and trains 7..9 again: the CPU trainer
 trains them to the same values, bit for bit, so the audit is consistent. A row of the first try changed by hand
@@ -15,11 +15,11 @@ import pytest
 
 from relay.common.errors import SpecError
 from relay.common.faultpoint import KILL_ENV
-from relay.report import run_report
+from relay.insights import report as run_report
+from relay.insights.audit import _ranges, _same, audit
 from relay.runs import layout
-from relay.runs.audit import _ranges, _same, audit
 from relay.runs.metrics import SUPERSEDED, read_jsonl
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import relay_cli, write_spec
 
 

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
+from relay.insights import report
 from relay.preflight import guard
-from relay.report import run_report as report
 from relay.runs import layout
-from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import load_spec
 from support.helpers import PY, ROOT, read_metrics, relay_cli, write_spec
 
 STEPS = 12  # the test spec: 12 steps in chunks of 6

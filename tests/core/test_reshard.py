@@ -196,7 +196,7 @@ def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
     """The shipped verl spec (world size nnodes x n_gpus_per_node) with its runs under folder."""
     import yaml
 
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
     from support.verl_jobs import SPEC
 
     d = yaml.safe_load(SPEC.read_text())
@@ -211,7 +211,8 @@ def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
 
 
 def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_size(written, tmp_path):
-    from relay.preflight import doctor, guard
+    from relay.insights import doctor
+    from relay.preflight import guard
     from relay.preflight.world_size import to_spec_world_size
     from relay.runs.run import Run
 

@@ -1,4 +1,4 @@
-"""The save interval that fits a run (relay.runs.save_interval): Young–Daly from the run's own measured costs,
+"""The save interval that fits a run (relay.insights.save_interval): Young–Daly from the run's own measured costs,
 checked against a hand computation; the MTBF observed from its interruptions (flagged when fewer than 3), or
 the spec's checkpoints.mtbf_hours; `relay doctor` and the run report say what to set."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from relay.preflight import doctor
-from relay.report import run_report
+from relay.insights import doctor
+from relay.insights import report as run_report
+from relay.insights.save_interval import interruptions, save_interval
 from relay.runs import layout
 from relay.runs.run import Run
-from relay.runs.save_interval import interruptions, save_interval
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import write_spec
 
 T0 = 1_800_000_000.0  # epoch seconds of the run's first attempt

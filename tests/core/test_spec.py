@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from relay.common.errors import SpecError
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import DELETE, DEMO_SPEC, spec_dict, write_spec
 
 
@@ -103,7 +103,7 @@ def test_run_names_cannot_escape_the_checkpoint_root(name):
 
 
 def test_spec_round_trips_through_json():
-    from relay.runs.spec import spec_from_json
+    from relay.spec.run_spec import spec_from_json
 
     spec = load_spec(DEMO_SPEC, check_environment=False)
     again = spec_from_json(spec.to_json())

@@ -14,9 +14,9 @@ import pytest
 from relay.checkpoints import retention
 from relay.checkpoints.gate import admit_dir
 from relay.runs import layout
-from relay.runs.spec import CheckpointPolicy
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, s3_client
+from relay.spec.run_spec import CheckpointPolicy
 from support.helpers import PY, ROOT, relay_cli
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
@@ -159,7 +159,7 @@ def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_proces
     """keep_best {reward_mean, max, k: 2} with keep_local 1: the newest, and the two best by the metric of their
     step's metrics.jsonl row, locally and in S3; retention.json says why each is kept. A later chunk's publish, in
     a process of its own, ranks again from the run's files: a better step displaces the second best."""
-    from relay.runs.spec import KeepBest
+    from relay.spec.run_spec import KeepBest
 
     run = tmp_path / "run"
     small = verl_checkpoint.make(tmp_path / "seed").parent
@@ -188,7 +188,7 @@ def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_proces
 
     trained([60])  # chunk 2: its publish runs in a process of its own, from the run's files alone
     code = ("import sys, json; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-            "from relay.checkpoints import retention; from relay.runs.spec import CheckpointPolicy; "
+            "from relay.checkpoints import retention; from relay.spec.run_spec import CheckpointPolicy; "
             f"p = CheckpointPolicy.model_validate_json({policy.model_dump_json()!r}); "
             f"print(json.dumps(retention.apply_local(Path({str(run)!r}), p, 100, {{10, 30, 50, 60}})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

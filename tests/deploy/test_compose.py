@@ -379,7 +379,7 @@ def test_demo_bucket_is_created_at_start(compose):
 
 
 def test_the_trainer_pool_of_the_specs_is_created_counting_deferred_tasks(compose):
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
 
     pool = load_spec(DEMO_SPEC, check_environment=False).airflow.pool
     script = service(compose, "airflow-init")["command"][0]
@@ -403,7 +403,7 @@ def test_checkpoint_volume_is_one_path_on_ray_and_airflow(compose, monkeypatch):
 
     # The demo spec, loaded as the Airflow containers load it: its runs live on the volume and its data
     # files are in the mounted include/ folder.
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
 
     scheduler = service(compose, "airflow-scheduler")
     env = environment(scheduler)
@@ -447,7 +447,7 @@ def conn_ids_the_code_uses() -> set[str]:
     """The demo spec's connections, and every connection a spec names by default."""
     from pydantic import BaseModel
 
-    from relay.runs.spec import RunSpec
+    from relay.spec.run_spec import RunSpec
 
     ids, seen = set(), set()
 

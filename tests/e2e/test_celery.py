@@ -13,8 +13,8 @@ import pytest
 
 from relay.devstack import stack
 from relay.runs import layout
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.airflow_procs import airflow_processes, postgres_database
 from support.helpers import read_metrics, write_spec
 from support.polling import wait_for

@@ -21,8 +21,8 @@ from relay.jobs.ray_jobs import RayJobs
 from relay.runs import layout
 from relay.runs.metrics import read_events
 from relay.runs.record import read_record
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.airflow_procs import airflow_processes, postgres_database, wait_until_parked
 from support.corrupt import flip
 from support.helpers import ROOT, assert_bitwise_equal, jobs_of_run, model_state, read_metrics, relay_cli, write_spec

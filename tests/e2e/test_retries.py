@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from relay.runs.metrics import read_events
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.airflow_procs import airflow_processes, postgres_database
 from support.helpers import assert_bitwise_equal, jobs_of_run, model_state, read_metrics, write_spec
 from support.polling import wait_for

@@ -20,7 +20,7 @@ import pytest
 from playwright.sync_api import expect
 
 from relay.devstack import stack
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.airflow_procs import airflow_processes
 from support.helpers import ROOT, session_shared, write_spec
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from relay.checkpoints.resume import quarantined
 from relay.runs import layout
 from relay.runs.metrics import read_events
-from relay.runs.spec import load_spec
 from relay.s3.store import store_for_spec
+from relay.spec.run_spec import load_spec
 from support.corrupt import flip
 from support.faults import assert_finished_as
 from support.helpers import relay_cli, start_dags_test, write_spec

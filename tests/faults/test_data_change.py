@@ -31,7 +31,7 @@ from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED
 from relay.runs.record import read_record
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.faults import ForkServer, assert_finished_as
 from support.helpers import ROOT, write_spec
 

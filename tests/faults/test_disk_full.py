@@ -20,7 +20,7 @@ from relay.checkpoints.validate import validate_checkpoint
 from relay.jobs.ray_jobs import RayJobs
 from relay.runs import layout
 from relay.runs.metrics import read_events
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.faults import alive, assert_finished_as
 from support.helpers import jobs_of_run, start_dags_test, write_spec
 from support.polling import wait_for

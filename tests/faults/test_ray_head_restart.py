@@ -7,7 +7,7 @@ from checkpoint 6)."""
 
 from __future__ import annotations
 
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.faults import alive
 from support.helpers import start_dags_test
 from support.polling import wait_for

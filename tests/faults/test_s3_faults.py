@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
-from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, s3_client
+from relay.spec.run_spec import load_spec
 from support.faults import ForkServer, data_lost
 from support.helpers import assert_bitwise_equal, model_state, write_spec
 from support.s3proxy import FaultyS3Proxy

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from relay.common.errors import StoreError
 from relay.runs.metrics import read_events
-from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, s3_client
+from relay.spec.run_spec import load_spec
 from support.faults import assert_finished_as
 from support.helpers import start_dags_test, write_spec
 from support.polling import wait_for

@@ -27,7 +27,7 @@ from relay.jobs import chunk_job, local_head
 from relay.jobs.ray_jobs import RayJobs
 from relay.preflight.prepare import prepare_run
 from relay.runs.lease import Lease
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.faults import alive
 from support.helpers import PY, ROOT, write_spec
 
@@ -194,7 +194,7 @@ def test_a_sigkilled_command_leaves_no_head_and_no_job(tmp_path):
 # ------------------------------------------------------------------ `relay train`: which path (no service)
 
 def _verl_spec(tmp_path: Path, **settings):
-    from relay.runs.spec import spec_from_dict
+    from relay.spec.run_spec import spec_from_dict
 
     s = {"model_path": str(tmp_path / "model"), "nnodes": 1, "n_gpus_per_node": 1, "train_batch_size": 4,
          "ppo_mini_batch_size": 2, "rollout_n": 2, **settings}

@@ -57,7 +57,7 @@ DEMO_KEYS = sorted(_paths(spec_dict()))
 
 
 def _spec_outcome(raw, tmp_path, **kw):
-    from relay.runs.spec import spec_from_dict
+    from relay.spec.run_spec import spec_from_dict
 
     try:
         return spec_from_dict(raw, **kw)
@@ -100,7 +100,7 @@ def test_an_unknown_key_is_named_with_a_suggestion(extra, value, project_root):
 @FUZZ
 @given(text=st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("latin-1")))
 def test_any_file_is_a_spec_or_a_spec_error(text, tmp_path_factory):
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
 
     path = tmp_path_factory.mktemp("spec") / "s.yaml"
     path.write_text(text, errors="surrogateescape")
@@ -116,7 +116,7 @@ def test_any_file_is_a_spec_or_a_spec_error(text, tmp_path_factory):
     "!!python/object/apply:os.system ['true']", "? [a, b]\n: c", "\ufeffname: x", "name: 2024-01-01",
 ])
 def test_hostile_yaml_is_a_spec_error(text, tmp_path):
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
 
     path = tmp_path / "s.yaml"
     path.write_text(text)
@@ -125,7 +125,7 @@ def test_hostile_yaml_is_a_spec_error(text, tmp_path):
 
 
 def test_found_by_fuzzing_nul_paths_deep_values_and_non_utf8(tmp_path, project_root):
-    from relay.runs.spec import load_spec, spec_from_dict
+    from relay.spec.run_spec import load_spec, spec_from_dict
 
     with pytest.raises(SpecError) as e:
         spec_from_dict(_set(spec_dict(), "checkpoint_dir", "ckpt\x00"))
@@ -144,7 +144,7 @@ def test_found_by_fuzzing_nul_paths_deep_values_and_non_utf8(tmp_path, project_r
 @FUZZ
 @given(blob=st.text(max_size=200) | json_like.map(json.dumps))
 def test_a_chunk_request_spec_blob_is_a_spec_or_a_spec_error(blob):
-    from relay.runs.spec import spec_from_json
+    from relay.spec.run_spec import spec_from_json
 
     try:
         spec_from_json(blob)

@@ -14,7 +14,7 @@ import pytest
 from relay.checkpoints import manifest
 from relay.common.errors import CheckpointError, RelayError, SpecError
 from relay.runs import layout
-from relay.runs.spec import load_spec, spec_from_dict
+from relay.spec.run_spec import load_spec, spec_from_dict
 from support.helpers import DEMO_SPEC, relay_cli, write_spec
 
 BAD_RUN_NAMES = ["../escape", "..", ".", "a/b", "/abs", "a\\b", "run\n", "run\x00", "a..b", "", " run", ".hidden",

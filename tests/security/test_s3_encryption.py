@@ -140,8 +140,8 @@ def test_a_server_without_sse_refuses_and_the_error_says_what_to_do(s3_server, t
 
 def test_the_spec_settings_reach_the_store_and_the_cli(tmp_path):
     from relay.cli import _store, build_parser
-    from relay.runs.spec import spec_from_dict
     from relay.s3.store import store_for_spec
+    from relay.spec.run_spec import spec_from_dict
     from support.helpers import spec_dict
 
     spec = spec_from_dict(spec_dict(**{"s3.server_side_encryption": "aws:kms", "s3.kms_key_id": "alias/k",

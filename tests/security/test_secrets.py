@@ -16,7 +16,7 @@ import pytest
 from relay.common import redaction
 from relay.runs import layout
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import ROOT, dags_test, write_spec
 from support.polling import wait_for
 from support.receivers import MailSink
@@ -97,7 +97,7 @@ def test_alerts_and_their_ledger_redact_connection_and_environment_secrets(tmp_p
 
 
 def test_the_run_report_holds_no_secret(tmp_path, secret_env):
-    from relay.report import run_report as report
+    from relay.insights import report
 
     load_spec(write_spec(tmp_path, **{"ray.env_vars": {"HF_TOKEN": "${RELAY_TEST_TOKEN}"}}), check_environment=False)
     run_dir = tmp_path / "ckpt" / "r"

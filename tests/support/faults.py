@@ -46,7 +46,8 @@ def classified(run_dir: Path, driver: tuple[int, str] | None = None) -> str:
     it, a `relay train` process killed in-process, is classified from `driver` (its exit code and log) as Relay
     classifies a Ray job's driver that ended so. "none" when no attempt failed (the fault was absorbed: a
     quarantine and fallback at a resume, a publish retried, an adopted job)."""
-    from relay.runs import failure_cause, goodput
+    from relay.insights import goodput
+    from relay.runs import failure_cause
 
     ledger = goodput.ledger(run_dir)
     causes = []

@@ -2,8 +2,8 @@
 aside, locally and in S3, without deleting it; nothing of the old life is restored into the new one."""
 
 from relay.runs.record import read_record
-from relay.runs.spec import load_spec
 from relay.s3.store import CheckpointStore, store_for_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import assert_bitwise_equal, digests, model_state, read_metrics, relay_cli, train
 
 

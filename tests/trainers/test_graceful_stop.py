@@ -24,7 +24,7 @@ from relay.jobs.ray_jobs import TERMINAL, RayJobs
 from relay.preflight.prepare import prepare_run
 from relay.runs import failure_cause, layout
 from relay.runs.metrics import read_events
-from relay.runs.spec import deadline_seconds, load_spec
+from relay.spec.run_spec import deadline_seconds, load_spec
 from relay.trainers.session import last_save_seconds
 from relay.trainers.stopping import GracefulStop, request_stop, time_needed
 from support.faults import ForkServer, assert_finished_as, wait_for_line

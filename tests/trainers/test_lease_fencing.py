@@ -61,7 +61,7 @@ def test_a_fresh_start_carries_the_token_counter_forward(tmp_path):
     """A fresh start's new lease goes on counting where the archived one stopped, so no token of the old
     life is ever handed out again."""
     from relay.preflight.prepare import prepare_run
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
 
     spec = load_spec(write_spec(tmp_path, name="again"), check_environment=False)
     prepare_run(spec, "again")

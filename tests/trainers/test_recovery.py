@@ -6,7 +6,7 @@ import os
 from relay.runs import layout
 from relay.runs.record import read_record
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli, train
 
 STEPS = 12

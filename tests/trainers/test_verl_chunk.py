@@ -22,7 +22,7 @@ import pytest
 from relay.common.errors import CheckpointError, SpecError
 from relay.runs import layout
 from relay.runs.run import Run
-from relay.runs.spec import spec_from_dict
+from relay.spec.run_spec import spec_from_dict
 from relay.trainers.contract import ChunkRequest
 
 TOTAL, CHUNK = 30, 10
@@ -416,8 +416,8 @@ def test_supervised_mode_one_job_saves_every_chunk_and_the_chunk_tasks_validate_
     """One job to the run's end (verl's loop untouched), saving every chunk_steps; each chunk's
     validation admits its step while the tracker is already further on."""
     from relay.airflow.supervised import SupervisedValidateOperator, whole_run_view
-    from relay.checkpoints.gate import admit
-    from relay.runs.plan import ChunkPlan
+    from relay.preflight.admission import admit
+    from relay.spec.plan import ChunkPlan
 
     log = gpu_stand_ins
     spec = make_spec(tmp_path, mode="supervised")

@@ -10,7 +10,7 @@ import pytest
 
 from relay.common.errors import SpecError
 from relay.runs.run import Run
-from relay.runs.spec import spec_from_dict
+from relay.spec.run_spec import spec_from_dict
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 
 MODEL = "/shared/models/Qwen2.5-3B-Instruct"
@@ -148,7 +148,7 @@ def test_settings_are_resume_critical_and_world_size_is_derived(tmp_path):
     for key in ("trainer.settings.save_freq", "trainer.settings.mode", "trainer.settings.gpu_memory_utilization"):
         assert key not in crit
     assert spec.settings.world_size == 16 and not spec.settings.has_critic
-    from relay.runs.kinds import KINDS
+    from relay.spec.kinds import KINDS
 
     r = KINDS["verl_ppo"].resolved_settings(spec, 7473)
     assert r["resolved.lr_horizon"] == 30 and r["resolved.lr_schedule"] == "cosine (warmup 3 steps, horizon 30 steps)"
@@ -211,7 +211,7 @@ def test_the_dag_file_stays_light_with_a_verl_spec(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys; sys.path.insert(0, 'plugins'); from relay.runs.spec import spec_from_dict; "
+    code = ("import sys; sys.path.insert(0, 'plugins'); from relay.spec.run_spec import spec_from_dict; "
             "s = spec_from_dict({'name': 'g', 'trainer': {'kind': 'verl_ppo', 'settings': {'model_path': '/m'}}, "
             "'total_steps': 3, 'chunk_steps': 1, 'seed': 1, 'threads': 1, 'checkpoint_dir': '/tmp/c', "
             "'data': {'train_files': ['/t.parquet'], 'val_files': ['/v.parquet']}}, check_environment=False); "
@@ -226,7 +226,7 @@ def test_the_dag_file_stays_light_with_a_verl_spec(tmp_path):
 def test_the_shipped_gsm8k_example_composes_and_passes_verls_validation():
     from pathlib import Path
 
-    from relay.runs.spec import load_spec
+    from relay.spec.run_spec import load_spec
     from relay.trainers.verl_ppo import overrides
 
     spec = load_spec(Path(__file__).resolve().parents[2] / "include" / "runs" / "gsm8k_grpo.yaml",

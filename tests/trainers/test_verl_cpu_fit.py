@@ -29,7 +29,7 @@ from relay.common.faultpoint import FAULT_ENV
 from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from relay.trainers import stopping
 from relay.trainers.verl_ppo import chunk_trainer
 from support.helpers import assert_bitwise_equal, model_state, read_metrics
@@ -133,7 +133,7 @@ def test_the_weights_moved(runs):
 
 @E2E
 def test_verls_checkpoints_pass_the_gate_at_every_level_with_the_smoke_check(runs):
-    from relay.checkpoints.gate import smoke_check
+    from relay.preflight.admission import smoke_check
 
     spec = load_spec(SPEC)
     assert spec.checkpoints.smoke

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from relay.runs.spec import spec_from_dict
+from relay.spec.run_spec import spec_from_dict
 
 
 def supervised_spec(tmp_path, mode="supervised"):
@@ -26,7 +26,7 @@ def test_the_supervised_shape(tmp_path):
         supervise_task,
         validate_task,
     )
-    from relay.runs.plan import ChunkPlan
+    from relay.spec.plan import ChunkPlan
 
     spec = supervised_spec(tmp_path)
     assert is_supervised(spec) and not is_supervised(supervised_spec(tmp_path, "chunked"))

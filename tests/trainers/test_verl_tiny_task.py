@@ -15,7 +15,7 @@ import pytest
 
 from relay.common.errors import RelayError
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 from relay.trainers.verl_ppo import tiny_task
 from relay.trainers.verl_ppo.tiny_model import byte_tokenizer, make_tiny_model
 from support.helpers import ROOT

@@ -36,10 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from relay.airflow import form
 from relay.airflow.links import RELAY_APP_PREFIX
 from relay.common.errors import RelayError
+from relay.insights import report
 from relay.preflight.prepare import resolve_run_name
-from relay.report import run_report as report
 from relay.runs.run import Run
-from relay.runs.spec import dated_run_name, spec_for_dag
+from relay.spec.run_spec import dated_run_name, spec_for_dag
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from airflow.sdk import Asset, AssetAlias
 
 from relay.runs.run import Run
-from relay.runs.spec import RunSpec
+from relay.spec.run_spec import RunSpec
 
 
 def checkpoint_alias(spec: RunSpec) -> AssetAlias:

@@ -28,8 +28,8 @@ from relay.airflow.supervised import is_supervised, supervise_task, validate_tas
 from relay.airflow.tasks import data_freeze, finish, preflight, reshard_to_spec, settings_guard
 from relay.common import project
 from relay.common.errors import SpecError
-from relay.runs.plan import ChunkPlan
-from relay.runs.spec import RunSpec, deadline_seconds, load_spec
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import RunSpec, deadline_seconds, load_spec
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from relay.airflow.notifiers import notify
 from relay.common.errors import RelayError
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 
 
 @dataclass

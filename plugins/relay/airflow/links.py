@@ -17,8 +17,8 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
-from relay.runs.plan import ChunkPlan
-from relay.runs.spec import load_spec
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import load_spec
 
 RELAY_APP_PREFIX = "/relay"  # where relay.airflow.api_plugin mounts Relay's pages in the API server
 RAY_JOB_XCOM = "ray_job"  # {"submission_id", "url"}: pushed by the train task when it submits or re-attaches

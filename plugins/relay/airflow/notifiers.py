@@ -32,9 +32,9 @@ from relay.alerts import Alert, AlertLedger, kind_of
 from relay.checkpoints.validate import latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
-from relay.runs.audit import AuditReport
+from relay.insights.audit import AuditReport
 from relay.runs.run import Run
-from relay.runs.spec import dated, dated_run_name, load_spec
+from relay.spec.run_spec import dated, dated_run_name, load_spec
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def notify_use_frozen(context, run: Run, change: str) -> None:
 
 
 def notify_divergence(context, run: Run, report: AuditReport) -> None:
-    """The replay audit found steps trained twice that differ (relay.runs.audit): once per set of diverged steps."""
+    """The replay audit found steps trained twice that differ (relay.insights.audit): once per set of diverged steps."""
     if report.consistent:
         return
     steps = sorted({d.step for d in report.divergences})
@@ -268,7 +268,7 @@ def notify_resharded(context, run: Run, result) -> None:
 
 
 def notify_deadline(context, run: Run, eta) -> None:
-    """The run's ETA (relay.runs.eta) is past alerts.deadline: once per deadline, however many chunks see it."""
+    """The run's ETA (relay.insights.eta) is past alerts.deadline: once per deadline, however many chunks see it."""
     alert = alert_for(context, run, "deadline", f"run {run} will miss its deadline: {eta.describe()}",
                       action="training goes on; to make the deadline, give the run more GPUs or fewer steps, or move "
                              "alerts.deadline (nothing changes automatically)")

@@ -40,26 +40,27 @@ from relay.airflow.task_ids import RUN_TASK
 from relay.airflow.tasks import publish_report, training_run
 from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
 from relay.alerts import stall_limit_s
-from relay.checkpoints import gate, manifest
-from relay.checkpoints.gate import admit, parse_job_output
+from relay.checkpoints import manifest
 from relay.checkpoints.preview import inspect_dir
 from relay.checkpoints.resume import QUARANTINE, quarantined
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.faultpoint import drill_env, fault_point
+from relay.insights.audit import audit
+from relay.insights.eta import eta
 from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, submission_id
+from relay.preflight import admission
+from relay.preflight.admission import admit, parse_job_output
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, layout
-from relay.runs.audit import audit
-from relay.runs.eta import eta
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.phases import record_job_times, record_phase
-from relay.runs.plan import Chunk, ChunkPlan
 from relay.runs.run import Run
-from relay.runs.spec import deadline_seconds, load_spec
 from relay.s3.publication import publish_checkpoint
+from relay.spec.plan import Chunk, ChunkPlan
+from relay.spec.run_spec import deadline_seconds, load_spec
 from relay.trainers.contract import ChunkRequest
 
 FALLBACK_APPROVED = "fallback_approved"  # events.jsonl: a person approved resuming below a quarantined step
@@ -152,7 +153,7 @@ class RayChunkOperator(ChunkTaskOperator):
                 "how": how}
 
     def _check_deadline(self, context, run: Run, latest: int | None) -> None:
-        """Alert once when the run's ETA is past alerts.deadline (relay.runs.eta); it never fails the task."""
+        """Alert once when the run's ETA is past alerts.deadline (relay.insights.eta); it never fails the task."""
         spec = run.spec
         if not spec.alerts.deadline:
             return
@@ -209,7 +210,7 @@ class RayChunkOperator(ChunkTaskOperator):
             self.log.warning("run %s: the times of Ray job %s were not recorded (%s)", run, sub_id, e)
 
     def execute(self, context) -> dict:
-        began = time.time()  # the try runs: the scheduling gap before it ends here (relay.runs.goodput)
+        began = time.time()  # the try runs: the scheduling gap before it ends here (relay.insights.goodput)
         run, chunk = self._context(context)
         spec = run.spec
         latest, problem = latest_step_or_problem(run.dir)
@@ -525,8 +526,8 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
         ti = context["ti"]
         sub_id = submission_id(spec.name, run.name, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
         if hook.jobs.get(sub_id) is None:
-            request = gate.request_json(run, chunk.end_step, self._expected_step(chunk))
-            hook.jobs.submit_module(spec, "relay.checkpoints.gate", {gate.ENV_VAR: request}, sub_id,
+            request = admission.request_json(run, chunk.end_step, self._expected_step(chunk))
+            hook.jobs.submit_module(spec, "relay.preflight.admission", {admission.ENV_VAR: request}, sub_id,
                                     {"relay_spec": spec.name, "relay_run": run.name, "relay_role": "validate"})
         self.defer(trigger=RayJobTrigger(address=hook.address, submission_id=sub_id,
                                          deadline=time.time() + spec.ray.chunk_timeout_minutes * 60,

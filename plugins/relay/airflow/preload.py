@@ -33,8 +33,8 @@ TASK_MODULES = (
     "ray.job_submission",
     "relay.airflow.dag_factory",
     "relay.airflow.tasks",
-    "relay.checkpoints.gate",
-    "relay.report.run_report",
+    "relay.preflight.admission",
+    "relay.insights.report",
     "relay.s3.store",
 )
 

@@ -18,8 +18,8 @@ gate checks the step's folder, not that the tracker names it.
 from __future__ import annotations
 
 from relay.airflow.operators import RayChunkOperator, ValidateCheckpointOperator
-from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
+from relay.spec.plan import ChunkPlan
 from relay.trainers.verl_ppo import overrides
 
 SUPERVISE_TASK = "supervise"

@@ -23,16 +23,15 @@ from relay.airflow.notifiers import (
 from relay.airflow.task_ids import RUN_TASK
 from relay.checkpoints import safeload
 from relay.common.errors import RelayError
-from relay.preflight import doctor
+from relay.insights import doctor, goodput, report
 from relay.preflight.checks import check_settings, prepare_data, publish_record
 from relay.preflight.guard import DriftError
 from relay.preflight.prepare import fresh_start_done, fresh_start_plan, prepare_run, resolve_run_name, run_state
-from relay.report import run_report as report
-from relay.runs import goodput, layout
+from relay.runs import layout
 from relay.runs.metrics import read_events
-from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
-from relay.runs.spec import check_spec_environment, dated, dated_run_name, load_spec
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import check_spec_environment, dated, dated_run_name, load_spec
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,13 @@
 """The gate a chunk's checkpoint passes before anything trusts it: validate every level; record a
 manifest when it is whole; otherwise quarantine it, fall back to the newest valid checkpoint, and
 say so. Shared by the DAG's validate task, `python -m relay checkpoint validate` and Ray jobs.
+
+A folder and what to check it against come from the caller (relay.preflight.admission reads them from the
+run's spec), so the gate knows no spec.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,7 @@ from relay.checkpoints.resume import find_resume_point, quarantine
 from relay.checkpoints.validate import CheckReport, validate_checkpoint, write_manifest
 from relay.common.errors import CheckpointError
 from relay.runs import layout
-from relay.runs.kinds import KINDS
 from relay.runs.metrics import record_event
-from relay.runs.run import Run
-from relay.runs.spec import spec_from_json
 
 
 @dataclass
@@ -46,22 +44,6 @@ class Admission:
                 f"{fb}")
 
 
-def smoke_check(spec):
-    """The trainer's smoke check for this spec, if it has one and the spec asks for it."""
-    if not spec.checkpoints.smoke:
-        return None
-
-    fn = KINDS[spec.trainer.kind].smoke_function()
-    return None if fn is None else (lambda step_dir: fn(spec, step_dir))
-
-
-def admit(run: Run, step: int, *, expected_step: int | None = None) -> Admission:
-    """Validate global_step_<step> of a run (with the trainer's smoke check)."""
-    spec = run.spec
-    return admit_dir(run.dir, step, expected_step=expected_step, smoke=smoke_check(spec), run=run.name,
-                     fingerprint=spec.settings_fingerprint(), expect_critic=spec.settings.has_critic)
-
-
 def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | None = None, smoke=None,
               run: str | None = None, fingerprint: str | None = None,
               expect_critic: bool | None = None) -> Admission:
@@ -72,7 +54,7 @@ def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | No
         print(f"[relay] {done}", flush=True)
     report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke,
                                  expect_critic=expect_critic)
-    if report.step is not None and run_dir.is_dir():  # what the gate costs a chunk (relay.runs.save_interval)
+    if report.step is not None and run_dir.is_dir():  # what the gate costs a chunk (relay.insights.save_interval)
         record_event(run_dir, "validation", step=report.step, ok=report.ok, seconds=round(time.time() - t0, 3))
     if report.ok:
         assert report.step is not None  # a valid report names the step it validated
@@ -86,33 +68,3 @@ def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | No
     except CheckpointError:
         fell_back = None
     return Admission(report, quarantined_to=str(dest), fell_back_to=fell_back)
-
-
-# ------------------------------------------------------------------ as a Ray job (validate_on: ray)
-ENV_VAR = "RELAY_GATE_REQUEST"
-MARKER = "RELAY_ADMISSION "
-
-
-def request_json(run: Run, step: int, expected_step: int | None) -> str:
-    return json.dumps({"spec": json.loads(run.spec.to_json()), "run": run.name, "step": step,
-                       "expected_step": expected_step})
-
-
-def main() -> int:
-    """`python -m relay.checkpoints.gate`: admit a checkpoint where it lives; print the admission on one marked line."""
-
-    req = json.loads(os.environ[ENV_VAR])
-    spec = spec_from_json(json.dumps(req["spec"]))
-    admission = admit(Run.of(spec, req["run"]), req["step"], expected_step=req["expected_step"])
-    print(admission.explain(), flush=True)
-    print(MARKER + json.dumps(admission.to_dict()), flush=True)
-    return 0
-
-
-def parse_job_output(logs: str) -> dict | None:
-    lines = [ln for ln in logs.splitlines() if ln.startswith(MARKER)]
-    return json.loads(lines[-1][len(MARKER):]) if lines else None
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,11 +10,11 @@ from typing import Any
 from relay.common.project import root
 from relay.devstack import stack
 from relay.devstack.airflow_api import AirflowAPI
-from relay.report import run_report as report
+from relay.insights import report
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
-from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
-from relay.runs.spec import load_spec
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import load_spec
 
 DEMO_SPEC = "include/runs/demo.yaml"
 

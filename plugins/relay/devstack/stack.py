@@ -29,7 +29,7 @@ from relay.common import project
 from relay.common.errors import SpecError
 from relay.devstack.airflow_api import AirflowAPI
 from relay.jobs import local_head
-from relay.runs.spec import load_spec
+from relay.spec.run_spec import load_spec
 
 
 def ports() -> dict[str, int]:

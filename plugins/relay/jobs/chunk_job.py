@@ -29,9 +29,9 @@ from typing import TextIO
 from relay.common.errors import RayJobError
 from relay.jobs.ray_jobs import TERMINAL, JobState, RayJobs
 from relay.runs.lease import Lease
-from relay.runs.plan import ChunkPlan
 from relay.runs.run import Run
-from relay.runs.spec import RunSpec
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import RunSpec
 from relay.trainers.contract import ChunkRequest
 
 # Trainer kinds whose `relay train` runs the chunk as a Ray job; the others train in the CLI's process.

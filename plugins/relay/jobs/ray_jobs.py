@@ -24,7 +24,7 @@ import aiohttp
 
 from relay.common import project
 from relay.common.errors import RayJobError
-from relay.runs.kinds import KINDS
+from relay.spec.kinds import KINDS
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 
 if TYPE_CHECKING:

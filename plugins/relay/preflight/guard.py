@@ -17,9 +17,9 @@ from typing import Any
 from relay.common.errors import RelayError
 from relay.common.timestamps import utc_now
 from relay.data.freeze import frozen_files
-from relay.runs.kinds import KINDS
 from relay.runs.record import read_record, update_record
 from relay.runs.run import Run
+from relay.spec.kinds import KINDS
 
 
 class DriftError(RelayError):

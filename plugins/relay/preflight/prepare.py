@@ -27,10 +27,10 @@ from relay.common.errors import RunError
 from relay.common.timestamps import utc_now, utc_stamp
 from relay.runs import layout
 from relay.runs.lease import Lease
-from relay.runs.plan import ChunkPlan
 from relay.runs.record import VERSION, folder_incarnation, new_incarnation, read_record, write_record
 from relay.runs.run import Run
-from relay.runs.spec import RunSpec, check_run_name
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import RunSpec, check_run_name
 
 
 @dataclass

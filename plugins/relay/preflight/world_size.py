@@ -4,10 +4,10 @@ relay.checkpoints, which reshards and validates folders and knows no spec."""
 
 from __future__ import annotations
 
-from relay.checkpoints.gate import admit
 from relay.checkpoints.reshard import ReshardResult, reshard
 from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import CheckpointError
+from relay.preflight.admission import admit
 from relay.runs import layout
 from relay.runs.run import Run
 

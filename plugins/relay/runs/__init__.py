@@ -1,6 +1,7 @@
-"""What a training run is and where its files live: the run spec (and its strict settings models), the
-trainer kinds it may name, the chunk plan, the run folder's layout (checkpoints, tracker, .relay/), the
-run record with its incarnation, the lease (one writer per run), and the run's events and metrics.
+"""The run: its identity (relay.runs.run.Run: spec, name, folder, incarnation), the run folder's layout
+(verl's checkpoint names, the tracker, Relay's .relay/ corner), the run record with its incarnation, the
+lease (one writer per run), the run's metrics and events, the heartbeat, phase events and the
+classification of a failed attempt.
 
-May import relay.common only.
+May import relay.common and relay.spec.
 """

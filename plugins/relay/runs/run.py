@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.runs.spec import RunSpec
+from relay.spec.run_spec import RunSpec
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
 from relay.runs import layout
 from relay.runs.record import RECORD, incarnation_of
-from relay.runs.spec import RUN_NAME_PATTERN, check_run_name
+from relay.spec.run_spec import RUN_NAME_PATTERN, check_run_name
 
 STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/")
 LATEST = "latest.json"

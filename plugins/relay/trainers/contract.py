@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from relay.runs.kinds import KINDS
 from relay.runs.run import Run
-from relay.runs.spec import RunSpec, spec_from_json
+from relay.spec.kinds import KINDS
+from relay.spec.run_spec import RunSpec, spec_from_json
 
 ENV_VAR = "RELAY_CHUNK_REQUEST"
 

@@ -115,7 +115,7 @@ class ChunkSession:
                      tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]],
                      # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
                      host=socket.gethostname(), oom_kills=cgroup_oom_kills(),
-                     process_started=process_started())  # a restart's cost counts from it (relay.runs.save_interval)
+                     process_started=process_started())  # a restart's cost counts from it (relay.insights.save_interval)
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
         self.say(f"run {self.req.run}: chunk {self.req.chunk or '-'} resumes from {where}, "
                  f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from relay.runs.specmodel import StrictModel, critical
+from relay.spec.model import StrictModel, critical
 
 
 class ModelSettings(StrictModel):

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from relay.runs.specmodel import StrictModel, critical
+from relay.spec.model import StrictModel, critical
 
 # Hydra override keys Relay sets from the spec and the chunk; a spec's `overrides` may not name them.
 RELAY_OWNED_KEYS = (

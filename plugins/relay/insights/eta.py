@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relay.common.timestamps import event_time
-from relay.runs import goodput, layout
+from relay.insights import goodput
+from relay.runs import layout
 from relay.runs.metrics import read_jsonl
 
 RECENT_STEPS = 50  # the pace is the recent one: a run speeds up or slows down

@@ -32,15 +32,16 @@ from relay.checkpoints.resume import quarantined
 from relay.common.errors import UsageError
 from relay.common.redaction import redact
 from relay.common.timestamps import epoch
-from relay.runs import goodput, layout
-from relay.runs.audit import AuditReport, audit
+from relay.insights import goodput
+from relay.insights.audit import AuditReport, audit
+from relay.insights.save_interval import SaveInterval, save_interval
+from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_jsonl
-from relay.runs.plan import ChunkPlan
 from relay.runs.record import read_record
 from relay.runs.run import Run
-from relay.runs.save_interval import SaveInterval, save_interval
 from relay.s3 import history
 from relay.s3.store import CheckpointStore, parse_uri, s3_client
+from relay.spec.plan import ChunkPlan
 
 REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report/ in S3
 HTML, PNG = "report.html", "report.png"
@@ -49,7 +50,7 @@ JSON_VERSION = 1  # of `relay report --json`
 PANELS = (("reward mean", ("reward_mean",)), ("loss", ("loss",)), ("KL", ("kl",)), ("LR", ("lr",)),
           ("seconds per step", ("seconds",)))
 LABEL_ROWS = 8  # at most, above the panels
-PART_COLOURS = {  # the goodput ledger's parts (relay.runs.goodput.PARTS): kept steps green, lost ones red
+PART_COLOURS = {  # the goodput ledger's parts (relay.insights.goodput.PARTS): kept steps green, lost ones red
     "training": "#2ca02c", "trained_twice": "#d62728", "save": "#1f77b4", "validation": "#17becf",
     "publication": "#bcbd22", "startup": "#ff7f0e", "submission": "#9467bd", "scheduling": "#8c564b",
     "teardown": "#e377c2", "retry_wait": "#7f7f7f", "idle": "#c7c7c7",

@@ -23,9 +23,9 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 
 from relay.common import project, redaction
 from relay.common.errors import SpecError
-from relay.runs.failure_cause import CAUSES, POLICIES
-from relay.runs.kinds import KINDS
-from relay.runs.specmodel import StrictModel, critical, critical_values
+from relay.spec.causes import CAUSES, POLICIES
+from relay.spec.kinds import KINDS
+from relay.spec.model import StrictModel, critical, critical_values
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -94,14 +94,14 @@ class CheckpointPolicy(StrictModel):
         "reshard; the original is kept, the change recorded and alerted once)"))
     mtbf_hours: float | None = Field(default=None, gt=0, description=(
         "the cluster's mean time between failures, for the save interval `relay doctor` and the report advise "
-        "(relay.runs.save_interval); empty: observed in the run"))
+        "(relay.insights.save_interval); empty: observed in the run"))
 
     def is_milestone(self, step: int, total_steps: int) -> bool:
         return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
 
 
 class AuditSpec(StrictModel):
-    """The replay audit of steps trained twice (relay.runs.audit)."""
+    """The replay audit of steps trained twice (relay.insights.audit)."""
 
     tolerance: dict[str, float] = Field(default_factory=dict, description=(
         "the absolute difference allowed per metric between a step trained again after a resume and its first "
@@ -188,7 +188,7 @@ class AlertSpec(StrictModel):
     on_retry: bool = Field(default=False, description="also alert on each retry, not only once per failure event")
     recovery: bool = Field(default=True, description="say so when a run that alerted succeeds again")
     on_finish: bool = Field(default=False, description="also say when a run finishes, with its goodput: where its wall "
-                                                        "time went and what its failures cost (relay.runs.goodput)")
+                                                        "time went and what its failures cost (relay.insights.goodput)")
     stall_minutes: float | None = Field(
         default=None, gt=0, description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
                                         "retried. Empty: stall_factor x the run's median step time, at least "
@@ -200,7 +200,7 @@ class AlertSpec(StrictModel):
     deadline: str | None = Field(default=None, description=(
         "when the run should be done (ISO 8601 with its zone, epoch seconds, or ${VAR} of Airflow's environment): "
         "each chunk's train task alerts once when the run's ETA (its median step time and chunk overhead) is past "
-        "it, and Airflow's deadline alert says so if a DAG run is still going at it (relay.runs.eta)"))
+        "it, and Airflow's deadline alert says so if a DAG run is still going at it (relay.insights.eta)"))
 
     @field_validator("deadline")
     @classmethod

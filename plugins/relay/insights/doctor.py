@@ -21,10 +21,10 @@ from relay.checkpoints.resume import quarantined
 from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import RelayError
 from relay.data import freeze as frozen
+from relay.insights import save_interval as interval
 from relay.preflight import attention as attn
 from relay.preflight import guard
 from relay.runs import failure_cause, layout
-from relay.runs import save_interval as interval
 from relay.runs.lease import Lease
 from relay.runs.metrics import read_events
 from relay.runs.record import read_record
@@ -275,7 +275,7 @@ def last_failure(run: Run) -> Finding | None:
 
 
 def save_interval(run: Run) -> Finding | None:
-    """The save interval the run's own costs and failures call for (Young–Daly, relay.runs.save_interval): a
+    """The save interval the run's own costs and failures call for (Young–Daly, relay.insights.save_interval): a
     warning when the spec's is off by more than half or twice; nothing before a step and a save were measured."""
     spec = run.spec
     found = interval.save_interval(run.dir, chunk_steps=spec.chunk_steps,

@@ -22,7 +22,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from relay.runs import goodput, layout
+from relay.insights import goodput
+from relay.runs import layout
 from relay.runs.metrics import read_events, read_jsonl
 
 FEW_FAILURES = 3  # an MTBF observed from fewer failures than this is flagged as rough
