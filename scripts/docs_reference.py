@@ -1,7 +1,7 @@
 """Write the generated reference pages of the documentation: docs/reference/spec.md (every key of a run spec,
 from the spec's pydantic models and each trainer kind's settings model) and docs/reference/cli.md (every command,
 from the CLI's own parser). `python scripts/docs_reference.py` (re)writes both; `--check` exits 1 when either is
-stale. tests/core/test_docs.py fails when they are, so the pages never drift from the code."""
+stale. tests/project/test_docs.py fails when they are, so the pages never drift from the code."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 # The test command: install (.venv, and Debian's chromium for the browser tests), start the services the
 # tests need (PostgreSQL if it is down, a Ray head; the tests start S3 and Airflow themselves), run
 # pytest, stop what it started.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/core -x).
-# --fast first: the fast lane, every test that needs no service (tests/conftest.py: needs_services);
-# nothing is installed but .venv and nothing is started (scripts/test.sh --fast tests/core -x).
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/checkpoints -x).
+# --fast first: the fast lane, every test not marked `services` (tests/conftest.py says which are);
+# nothing is installed but .venv and nothing is started (scripts/test.sh --fast tests/spec -x).
 # --verl first: verl's trainer end to end on CPUs, its own lane (tests/trainers/test_verl_cpu_fit.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 .venv/bin/mypy
 if [ "${1:-}" = "--fast" ]; then
   shift
-  RELAY_FAST_LANE=1 exec .venv/bin/python -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile -q "$@"
+  exec .venv/bin/python -m pytest -m "not services" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile -q "$@"
 fi
 # --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes, and 4 to 5 more for a run resharded
 # from world size 2 to 1; tests/conftest.py: VERL_E2E).

@@ -22,59 +22,55 @@ from support.helpers import ROOT, model_state, relay_cli, session_shared, shared
 SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/test_retries.py",
               "airflow/test_run_dag.py", "e2e/test_real_airflow.py", "e2e/test_celery.py", "e2e/test_ui.py",
               "airflow/test_alerts_dag.py",
-              "airflow/test_data_dag.py", "core/test_store.py", "faults/test_ray_head_orphan.py",
-              "trainers/test_verl_cpu_platform.py", "core/test_validate.py", "faults/test_kill_points.py",
-              "faults/test_disk_full.py", "core/test_reshard.py", "faults/test_data_change.py",
+              "airflow/test_data_dag.py", "s3/test_store.py", "faults/test_ray_head_orphan.py",
+              "trainers/test_verl_cpu_platform.py", "checkpoints/test_validate.py", "faults/test_kill_points.py",
+              "faults/test_disk_full.py", "checkpoints/test_reshard.py", "faults/test_data_change.py",
               "trainers/test_verl_chunk.py", "faults/test_ray_head_restart.py", "faults/test_corruption.py",
               "faults/test_s3_faults.py", "trainers/test_tiny_grpo.py", "faults/test_s3_outage.py",
               "faults/test_corruption_stack.py", "jobs/test_local_head.py", "trainers/test_graceful_stop.py",
-              "core/test_report.py", "airflow/test_dag_parse.py")
+              "insights/test_report.py", "airflow/test_dag_parse.py")
 
 
-# The fast lane (`scripts/test.sh --fast`, RELAY_FAST_LANE=1): only tests that need no service run, and
-# nothing is started. A test needs a service when it uses one of these fixtures, is marked `services`
-# (it reaches S3, Ray or Airflow by itself: `relay train` looks at S3 unless --offline), or lives where
-# every test does (tests/airflow, tests/e2e, tests/faults).
-FAST_LANE = os.environ.get("RELAY_FAST_LANE") == "1"
+# A test that needs a service (the S3 server, Ray or Airflow) is marked `services`: every test under tests/e2e
+# and tests/faults (SERVICE_FOLDERS), and elsewhere by its own mark (a module's pytestmark, or a test's). The
+# session's S3 server starts for the first such test only, and a test that asks for a service's fixture without
+# the mark is an error at collection, so the fast lane (`scripts/test.sh --fast`: `-m "not services"`) runs
+# every other test with nothing started.
 # verl's own trainer end to end on CPUs (tests/trainers/test_verl_cpu_fit.py, marked verl_e2e): five verl jobs,
 # each a dozen processes importing torch and verl, 7 to 12 minutes of both cores. Beside the rest of the suite
 # on this 2-core machine it pushed CI past its 30 minutes, so it runs in a lane of its own: RELAY_VERL_E2E=1
 # (`./scripts/test.sh --verl`). CI runs tests/airflow/test_verl_dag.py instead: the spec's
 # DAG, three chunks, a kill and Airflow's retry, and one uninterrupted job to compare it with.
 VERL_E2E = os.environ.get("RELAY_VERL_E2E") == "1"
-SERVICE_FIXTURES = {"ray_address", "airflow_home", "uninterrupted_run", "uninterrupted", "baseline", "interrupted",
-                    "store", "s3", "airflow"}
-SERVICE_FOLDERS = ("/tests/airflow/", "/tests/e2e/", "/tests/faults/")
+SERVICE_FIXTURES = {"s3_server", "ray_address", "airflow_home", "uninterrupted_run", "uninterrupted", "baseline",
+                    "interrupted", "store", "s3", "airflow"}
+SERVICE_FOLDERS = ("/tests/e2e/", "/tests/faults/")  # system tests: every one of them
 
 
-def needs_services(item) -> bool:
-    import inspect
-
-    path = item.path.as_posix()
-    asked = set(inspect.signature(item.obj).parameters)  # s3_server is every test's (autouse): asked for by name
-    return (any(folder in path for folder in SERVICE_FOLDERS) or bool(SERVICE_FIXTURES & set(item.fixturenames))
-            or "s3_server" in asked or item.get_closest_marker("services") is not None)
-
-
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks added here
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         path = item.path.as_posix()
         return next((i for i, name in enumerate(SLOW_FIRST) if path.endswith(name)), len(SLOW_FIRST))
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
-    for item in items:  # the fault suite (`-m fault`): tests/faults/, and the cases marked elsewhere
-        if "/tests/faults/" in item.path.as_posix():
+    unmarked = []
+    for item in items:
+        path = item.path.as_posix()
+        if "/tests/faults/" in path:  # the fault suite (`-m fault`): tests/faults/, and the cases marked elsewhere
             item.add_marker(pytest.mark.fault)
+        if any(folder in path for folder in SERVICE_FOLDERS):
+            item.add_marker(pytest.mark.services)
+        elif SERVICE_FIXTURES & set(item.fixturenames) and item.get_closest_marker("services") is None:
+            unmarked.append(f"{item.nodeid} (uses {', '.join(sorted(SERVICE_FIXTURES & set(item.fixturenames)))})")
+    if unmarked:
+        raise pytest.UsageError("these tests use a service without the `services` mark; add @pytest.mark.services "
+                                "(the fast lane would start the service for them):\n  " + "\n  ".join(unmarked))
     if not VERL_E2E:  # verl's trainer end to end on CPUs: its own lane (see VERL_E2E)
         verl = [item for item in items if item.get_closest_marker("verl_e2e")]
         if verl:
             config.hook.pytest_deselected(items=verl)
             items[:] = [item for item in items if not item.get_closest_marker("verl_e2e")]
-    if FAST_LANE:
-        slow = [item for item in items if needs_services(item)]
-        if slow:
-            config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if not needs_services(item)]
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +95,17 @@ def data_check_cache(tmp_path_factory):
         os.environ["RELAY_DATA_CHECK_CACHE"] = saved
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
+def _services(request):
+    """The session's S3 server for a test marked `services` (its subprocesses reach S3 through the environment)."""
+    if request.node.get_closest_marker("services") is not None:
+        request.getfixturevalue("s3_server")
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """The session's S3 server (SeaweedFS, bucket `relay`); boto3 in tests and their subprocesses uses it.
-    Started unless one answers (scripts/test.sh starts it first), shared by the session's workers. Not in the
-    fast lane, whose tests need no service."""
-    if FAST_LANE:
-        yield None
-        return
+    Started unless one answers (scripts/test.sh starts it first), shared by the session's workers."""
     from relay.devstack import stack
 
     with shared_service(tmp_path_factory, "s3", lambda: stack._http_ok(stack.s3_endpoint()), stack.s3_start,

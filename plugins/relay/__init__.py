@@ -1,6 +1,6 @@
 """Relay: long verl RL runs carried through failures in resumable step-chunks.
 
-Folders in layers, each importing only those below it (tests/core/test_architecture.py checks it):
+Folders in layers, each importing only those below it (tests/project/test_architecture.py checks it):
 
     common < runs < data < checkpoints < s3 < preflight < trainers < jobs < alerts < report
            < devstack < airflow;   cli.py on top

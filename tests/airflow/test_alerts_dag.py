@@ -18,6 +18,8 @@ from support.helpers import ROOT, dags_test, read_metrics, relay_cli, start_dags
 from support.polling import wait_for
 from support.receivers import MailSink
 
+pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
+
 ALL_CHANNELS = {"alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",
                 "alerts.webhook_conn_id": "relay_webhook", "alerts.slack_conn_id": "relay_slack"}
 

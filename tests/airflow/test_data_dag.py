@@ -23,6 +23,8 @@ from support.helpers import (
     write_spec,
 )
 
+pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
+
 DATA = ROOT / "include" / "data" / "arith_train.parquet"
 STEPS = 12
 

@@ -1,11 +1,13 @@
 """Alert channels through Airflow's provider hooks, against a real SMTP server and HTTP receiver."""
 
 import pytest
-from core.test_alerts import an_alert
 
 from relay.airflow.notifiers import Channels, deliver
+from support.alerts import an_alert
 from support.polling import wait_for
 from support.receivers import MailSink
+
+pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
 
 
 @pytest.fixture

@@ -27,6 +27,8 @@ from support.helpers import (
     write_spec,
 )
 
+pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
+
 STEPS = 12  # 2 chunks of 6
 
 

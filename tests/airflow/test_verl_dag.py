@@ -35,6 +35,8 @@ from support.faults import alive, kill
 from support.helpers import ROOT, assert_bitwise_equal, model_state, read_metrics, start_dags_test
 from support.verl_jobs import JOB_TIMEOUT, SPEC, job_driver_pid, relay_train, wait_for_step
 
+pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
+
 RUN = "ci"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 
 import psutil
+import pytest
 
 from relay.devstack import stack
 
@@ -31,6 +32,7 @@ def is_loopback(ip: str) -> bool:
     return addr.is_loopback
 
 
+@pytest.mark.services
 def test_every_s3_port_listens_on_loopback_only(s3_server):
     ports = stack.ports()
     seen = {name: listening(ports[name]) for name in S3_PORTS}
@@ -39,6 +41,7 @@ def test_every_s3_port_listens_on_loopback_only(s3_server):
     assert not exposed, f"S3 ports listening beyond loopback: {exposed}"
 
 
+@pytest.mark.services
 def test_the_ray_dashboard_listens_on_loopback_only(ray_address):
     ips = listening(stack.ports()["RELAY_RAY_DASHBOARD_PORT"])
     assert ips, f"nothing listens on the Ray dashboard port ({ray_address})"

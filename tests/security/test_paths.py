@@ -111,6 +111,7 @@ def test_a_manifest_naming_a_path_outside_its_checkpoint_is_refused(rel):
     assert "m.json is malformed" in e.value.what and "What to do" in str(e.value)
 
 
+@pytest.mark.services
 def test_a_published_manifest_listing_dot_dot_is_never_restored(s3_server, tmp_path):
     """An attacker with write access to the bucket plants a manifest whose files reach outside the run."""
     from relay.s3.restore import restore
@@ -134,6 +135,7 @@ def test_a_published_manifest_listing_dot_dot_is_never_restored(s3_server, tmp_p
 
 @pytest.mark.parametrize("latest", [b'{"step": "1/../../other/global_step_5"}', b'{"step": -3}', b"[1]",
                                     b'{"step": true}', b"\xff\xfe garbage", b'{"uri": "s3://x"}'])
+@pytest.mark.services
 def test_a_malformed_latest_json_is_refused_by_name(s3_server, latest):
     from relay.common.errors import StoreError
     from relay.s3.store import CheckpointStore, s3_client

@@ -115,6 +115,7 @@ def test_every_upload_asks_for_encryption_and_the_acl_and_objects_are_encrypted(
         assert head.get("ServerSideEncryption") == "AES256", (key, head.get("ServerSideEncryption"))
 
 
+@pytest.mark.services
 def test_kms_settings_travel_with_every_upload(s3_server, tmp_path):
     """aws:kms with a key id: asked for on every upload (the local server has no KMS: refused, clearly)."""
     calls: list = []
@@ -126,6 +127,7 @@ def test_kms_settings_travel_with_every_upload(s3_server, tmp_path):
     assert all(p.get("SSEKMSKeyId") == "alias/relay" for op, p in calls if op in UPLOADS) and calls
 
 
+@pytest.mark.services
 def test_a_server_without_sse_refuses_and_the_error_says_what_to_do(s3_server, tmp_path):
     calls: list = []
     store = CheckpointStore(_client(s3_server, calls), f"s3://relay/t-{uuid.uuid4().hex[:8]}", part_size=PART,

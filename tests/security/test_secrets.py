@@ -126,6 +126,7 @@ def sinks(receivers):
     return receivers
 
 
+@pytest.mark.services
 def test_a_secret_in_a_failing_tasks_error_is_masked_in_its_log_and_alerts(airflow_home, sinks, tmp_path):
     """A real DAG run (`airflow dags test`): preflight.data fails, and its error carries a value equal to the
     secret that the spec's ray.env_vars names (the observed values of a failed expectation). The task log,

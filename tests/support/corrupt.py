@@ -1,5 +1,5 @@
 """Ways to damage a verl checkpoint, each named in the checkpoint issue: shared by the validation tests
-(tests/core/test_validate.py) and the corruption fault cases (tests/faults/test_corruption.py), so that
+(tests/checkpoints/test_validate.py) and the corruption fault cases (tests/faults/test_corruption.py), so that
 both hold Relay to the same defects. Each takes a checkpoint's step folder (global_step_N) of any run.
 
 DEFECTS: name -> (damage(step_dir), the check that must refuse it, words its detail must hold).

@@ -1,5 +1,5 @@
-"""Record the log tails that tests/core/test_failure_cause.py classifies, from real failures on a private Ray head
-(Ray 2.60): `python tests/support/record_log_tails.py` (re)writes tests/data/log_tails/*.txt.
+"""Record the log tails that tests/runs/test_failure_cause.py classifies, from real failures on a private Ray head
+(Ray 2.60): `python tests/support/record_log_tails.py` (re)writes tests/support/log_tails/*.txt.
 
 Each file is what the train task reads of a failed chunk job: the driver's exit code (`exit_code: N`), Ray's job
 message (it ends with the log's last lines) after a `--- message ---` line, and the log's last 200 lines (what the
@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "plugins"))
 from relay.devstack import stack  # noqa: E402
 from relay.jobs import local_head  # noqa: E402
 
-OUT = ROOT / "tests" / "data" / "log_tails"
+OUT = ROOT / "tests" / "support" / "log_tails"
 MESSAGE, TAIL = "--- message ---", "--- log tail ---"
 
 JOBS = {

@@ -1,12 +1,15 @@
 """A run is one run: a confirmed fresh start begins a new incarnation from step 0 and moves the old run
 aside, locally and in S3, without deleting it; nothing of the old life is restored into the new one."""
 
+import pytest
+
 from relay.runs.record import read_record
 from relay.s3.store import CheckpointStore, store_for_spec
 from relay.spec.run_spec import load_spec
 from support.helpers import assert_bitwise_equal, digests, model_state, read_metrics, relay_cli, train
 
 
+@pytest.mark.services
 def test_a_confirmed_fresh_start_from_the_cli_starts_again_and_keeps_the_old_run(baseline, tmp_path):
     spec_path, straight = baseline
     spec = load_spec(spec_path)

@@ -68,6 +68,7 @@ def test_a_stop_file_and_a_near_deadline_ask_for_a_stop_and_a_far_one_does_not(t
 
 # ------------------------------------------------------------------------------ real processes
 
+@pytest.mark.services
 @pytest.mark.fault
 def test_relay_train_sigtermed_mid_chunk_saves_its_step_and_the_resume_loses_none(baseline, uninterrupted, tmp_path,
                                                                                  fault_row):
@@ -124,6 +125,7 @@ def test_a_save_before_too_close_for_a_step_ends_the_chunk_at_once_and_loses_not
     assert r.returncode == 0 and layout.read_tracker(run_dir) == 2, r.stderr[-2000:]
 
 
+@pytest.mark.services
 @pytest.mark.fault
 def test_a_chunk_job_stopped_with_ray_job_stop_saves_its_step_and_is_classified_preempted(ray_address,
                                                                                           uninterrupted, tmp_path,

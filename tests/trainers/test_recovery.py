@@ -3,11 +3,15 @@ latest, refusal of unsafe pickles, restore from S3 onto an empty checkpoint dir.
 
 import os
 
+import pytest
+
 from relay.runs import layout
 from relay.runs.record import read_record
 from relay.runs.run import Run
 from relay.spec.run_spec import load_spec
 from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli, train
+
+pytestmark = pytest.mark.services  # every test here reaches S3, Ray or Airflow
 
 STEPS = 12
 

@@ -20,6 +20,7 @@ def comparable(rows):
     return [(r["step"], r["reward_mean"], r["loss"], r["kl"], r["lr"]) for r in rows]
 
 
+@pytest.mark.services
 def test_chunked_run_equals_uninterrupted(baseline, tmp_path):
     spec, straight = baseline
     run_dir = tmp_path / "chunked"
@@ -31,6 +32,7 @@ def test_chunked_run_equals_uninterrupted(baseline, tmp_path):
     assert layout.read_tracker(run_dir) == STEPS
 
 
+@pytest.mark.services
 def test_sigkill_mid_chunk_resumes_exactly(baseline, tmp_path):
     spec, straight = baseline
     run_dir = tmp_path / "killed"

@@ -35,7 +35,10 @@ from relay.trainers.verl_ppo import chunk_trainer
 from support.helpers import assert_bitwise_equal, model_state, read_metrics
 from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, relay_train, two_chunks_with_a_kill, with_job_env
 
-E2E = pytest.mark.verl_e2e  # the tests of the runs: their own lane, ./scripts/test.sh --verl (conftest: VERL_E2E)
+
+def E2E(test):
+    """The tests of the runs: their own lane, ./scripts/test.sh --verl (conftest: VERL_E2E), on the session's Ray head."""
+    return pytest.mark.services(pytest.mark.verl_e2e(test))
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ def test_the_chunk_trainer_checks_before_verl_creates_its_pools(monkeypatch):
         trainer._init_resource_pool_mgr()
 
 
+@pytest.mark.services
 def test_the_local_stacks_ray_head_holds_the_cpu_paths_worker(ray_address):
     """`relay stack up`'s head (the tests' too) advertises logical GPUs on a host without NVIDIA GPUs, so
     verl's pool of one worker at one CPU per bundle fits it; a bundle of more CPUs than the head has (verl's

@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+
 from relay.checkpoints.preview import inspect_dir
 from relay.runs import layout
 from support.helpers import read_metrics, relay_cli
+
+pytestmark = pytest.mark.services  # every test here reaches S3, Ray or Airflow
 
 
 def test_inspect_shows_the_step_epoch_and_dataloader_offset_a_resume_loads(interrupted):

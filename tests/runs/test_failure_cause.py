@@ -109,7 +109,7 @@ def test_relays_errors_say_their_cause():
     assert [e.cause for e in (StoreError, LockTimeout, DiskFullError)] == [fc.INFRASTRUCTURE] * 3
 
 
-TAILS = Path(__file__).resolve().parents[1] / "data" / "log_tails"  # tests/support/record_log_tails.py
+TAILS = Path(__file__).resolve().parents[1] / "support" / "log_tails"  # tests/support/record_log_tails.py
 
 
 def recorded(name: str, step: int | None = 3) -> fc.Cause:

@@ -43,6 +43,7 @@ def objects(store, run, step):
     return [o["Key"] for o in r.get("Contents", [])]
 
 
+@pytest.mark.services
 def test_publish_is_verified_idempotent_and_moves_latest_last(big_run, store):
     first = store.publish("run", big_run, 1)
     assert first.latest_moved and not first.skipped and store.latest("run")["step"] == 1
@@ -54,6 +55,7 @@ def test_publish_is_verified_idempotent_and_moves_latest_last(big_run, store):
     assert "step       1  published" in listing.stdout and "latest" in listing.stdout
 
 
+@pytest.mark.services
 def test_a_killed_publish_leaves_latest_and_completes_on_rerun(big_run, store):
     store.publish("run", big_run, 1)
     code = ("import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
@@ -78,6 +80,7 @@ def test_a_killed_publish_leaves_latest_and_completes_on_rerun(big_run, store):
     assert not uploads.get("Uploads"), "incomplete multipart uploads were aborted"
 
 
+@pytest.mark.services
 def test_restore_picks_the_newest_valid_published_checkpoint(big_run, store, tmp_path):
     store.publish("run", big_run, 1)
     store.publish("run", big_run, 2)
@@ -91,6 +94,7 @@ def test_restore_picks_the_newest_valid_published_checkpoint(big_run, store, tmp
     assert admit_dir(dest).ok
 
 
+@pytest.mark.services
 def test_a_restore_fetches_each_file_in_ranges_in_place_and_refuses_a_changed_byte(big_run, store, tmp_path):
     """Files above the part size come back as concurrent ranged GETs written in place, bit for bit; the
     per-file checks run on each file as it is complete; one byte altered in S3 fails its file's CRC64NVME."""
@@ -131,6 +135,7 @@ def test_unreachable_s3_is_a_clear_error(big_run):
         CheckpointStore(client, "s3://relay/x").publish("run", big_run, 1)
 
 
+@pytest.mark.services
 def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, store):
     run = tmp_path / "run"
     small = verl_checkpoint.make(tmp_path / "seed").parent
@@ -155,6 +160,7 @@ def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, st
     assert not objects(store, "run", 10)
 
 
+@pytest.mark.services
 def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_processes(tmp_path, store):
     """keep_best {reward_mean, max, k: 2} with keep_local 1: the newest, and the two best by the metric of their
     step's metrics.jsonl row, locally and in S3; retention.json says why each is kept. A later chunk's publish, in
@@ -197,6 +203,7 @@ def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_proces
     assert sorted(layout.step_dirs(run)) == [10, 60]
 
 
+@pytest.mark.services
 def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, store):
     """Step 2 published, then quarantined and trained again (other bytes): the re-publish takes down the
     old manifest and points latest back at step 1 first, so a publish killed after its uploads leaves S3

@@ -22,6 +22,7 @@ def wait(jobs: RayJobs, sub_id: str, timeout: float = 120) -> str:
     raise AssertionError(f"job {sub_id} did not end")
 
 
+@pytest.mark.services
 def test_relay_reaches_a_job_only_through_runtime_env(ray_address):
     jobs = RayJobs(ray_address)
     probe = ("python -c 'import relay, os, importlib.util as u; print(\"RELAY_AT\", relay.__file__); "
@@ -77,6 +78,7 @@ for step in range(1, 6):
 """
 
 
+@pytest.mark.services
 def test_progress_polling_reads_a_bounded_tail_of_a_50_mb_log(ray_address, monkeypatch):
     """The trigger follows a job that writes 50 MB of log lines: each poll reads at most the log's last
     TAIL_LINES lines (about 20 KB here), whatever the log's size, and every step line still reaches the
@@ -133,6 +135,7 @@ time.sleep(2)  # the save
 """
 
 
+@pytest.mark.services
 def test_once_the_chunks_last_step_is_in_the_trigger_polls_for_the_jobs_end_closer(ray_address, monkeypatch):
     """The task resumes soon after the job's end: polls come every poll_seconds while the job trains, and
     every ENDING_POLL_S once the chunk's last step is in the log (its save and exit come next)."""
@@ -182,6 +185,7 @@ for step in range(1, 6):
 """
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("steps,ends", [(5, "SUCCEEDED"), (2, "STALLED")], ids=["loud", "loud-and-hung"])
 def test_a_job_that_prints_20_mb_between_steps_is_not_taken_for_stalled(ray_address, tmp_path, steps, ends):
     """The stall watch reads each attempt's heartbeat, not the log's last lines: a job printing 20 MB between its

@@ -51,6 +51,7 @@ def resumed(interrupted):
     return {**interrupted, "resume_step": resume_step}
 
 
+@pytest.mark.services
 def test_the_report_marks_the_resume_and_its_curve_has_no_jump(resumed, baseline, tmp_path):
     run_dir, k = resumed["run_dir"], resumed["resume_step"]
     rep = report.build(run_dir, plan=ChunkPlan.from_spec(resumed["spec"]))
@@ -91,6 +92,7 @@ def test_the_report_marks_the_resume_and_its_curve_has_no_jump(resumed, baseline
     assert not re.search(r'<script\b[^>]*\bsrc=|<link\b|src="http', page), "self-contained: no external assets"
 
 
+@pytest.mark.services
 def test_report_cli_on_a_run_folder(resumed):
     r = relay_cli("report", str(resumed["run_dir"]))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -99,6 +101,7 @@ def test_report_cli_on_a_run_folder(resumed):
     assert str(out / report.HTML) in r.stdout and (out / report.PNG).is_file()
 
 
+@pytest.mark.services
 def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
     from relay.checkpoints.gate import admit_dir
     from relay.s3.store import store_for_spec
@@ -125,6 +128,7 @@ def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
         (STEPS, "valid", store.step_uri("r", STEPS))
 
 
+@pytest.mark.services
 def test_the_report_shows_the_incarnation_and_decisions_and_lists_only_incidents(resumed, tmp_path):
     """The page a person reads: the run's incarnation (begun by whom, the old one's place after a fresh start), the
     decisions people made, incidents without the routine handoffs between chunks, S3 locations as text to copy
@@ -161,6 +165,7 @@ def test_a_report_from_an_s3_run_without_metrics_says_what_to_do(tmp_path):
     assert r.returncode == 2 and "no metrics.jsonl or events.jsonl under s3://relay/nothing-here/r/" in r.stderr
 
 
+@pytest.mark.services
 def test_the_run_report_link_is_declared_on_the_operator(resumed, monkeypatch):
     """Airflow serializes a declared link as {name: xcom_key}; the worker computes its URL at task end."""
     from airflow.sdk import DAG, BaseOperator

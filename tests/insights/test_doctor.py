@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pyarrow.parquet as pq
+import pytest
 
 from relay.checkpoints.gate import admit_dir
 from relay.insights import doctor
@@ -17,6 +18,8 @@ from relay.runs.lease import Lease
 from relay.runs.run import Run
 from relay.spec.run_spec import load_spec
 from support.helpers import PY, ROOT, relay_cli, write_spec
+
+pytestmark = pytest.mark.services  # every test here reaches S3, Ray or Airflow
 
 
 def failed(findings) -> dict:
