@@ -31,7 +31,7 @@ _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 def _stand_ins() -> tuple[type[Any], type[object]]:
     import torch
 
-    class ShardedTensorRecord(torch.Tensor):
+    class ShardedTensorRecord(torch.Tensor):  # type: ignore[misc]  # torch is not analysed: its Tensor is Any
         """What an FSDP1 ShardedTensor holds (local shards, global metadata), without its process group."""
 
         local_shards: list[Any]
