@@ -9,8 +9,10 @@ run's spec), so the gate knows no spec.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from relay.checkpoints import manifest, swap
 from relay.checkpoints.resume import find_resume_point, quarantine
@@ -31,7 +33,7 @@ class Admission:
     def ok(self) -> bool:
         return self.report.ok
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**self.report.to_dict(), "quarantined_to": self.quarantined_to, "fell_back_to": self.fell_back_to,
                 "manifest": self.manifest and f"{self.report.path}/{manifest.NAME}"}
 
@@ -44,8 +46,8 @@ class Admission:
                 f"{fb}")
 
 
-def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | None = None, smoke=None,
-              run: str | None = None, fingerprint: str | None = None,
+def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | None = None,
+              smoke: Callable[[Path], str] | None = None, run: str | None = None, fingerprint: str | None = None,
               expect_critic: bool | None = None) -> Admission:
     """Validate a checkpoint (default: the tracker's); write its manifest, or quarantine it and fall back."""
     run_dir = Path(run_dir)

@@ -50,7 +50,8 @@ def crc64nvme_b64(value: int) -> str:
 
 
 def crc64nvme_bytes(data: bytes, previous: int = 0) -> int:
-    return checksums.crc64nvme(data, previous)
+    crc: int = checksums.crc64nvme(data, previous)
+    return crc
 
 
 def zip_entries(path: Path) -> list[tuple[str, int, int, int]]:
@@ -84,7 +85,7 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
     path = Path(path)
     check_zip = path.suffix == ".pt" if zip_crc is None else zip_crc
     problem = None
-    entries: list = []
+    entries: list[tuple[str, int, int, int]] = []
     if check_zip or finite:
         try:
             entries = zip_entries(path)
@@ -125,8 +126,8 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
     return FileScan(size, crc64nvme_b64(crc64), problem, [entries[i][0] for i in sorted(nonfinite)])
 
 
-def _segment(view: memoryview, span: tuple[int, int], entries: list, ends: list[int],
-             dtypes: list) -> tuple[int, list[tuple[int, int, int]], set[int]]:
+def _segment(view: memoryview, span: tuple[int, int], entries: list[tuple[str, int, int, int]], ends: list[int],
+             dtypes: list[str | None]) -> tuple[int, list[tuple[int, int, int]], set[int]]:
     """(CRC64NVME of view[lo:hi], [(entry index, CRC32 of the entry's bytes in the segment, their length)],
     {index of an entry with a dtype whose values in the segment are not all finite}), block by block."""
     lo, hi = span
@@ -148,7 +149,7 @@ def _segment(view: memoryview, span: tuple[int, int], entries: list, ends: list[
                     part = block[a - b_lo:b - b_lo]
                     try:
                         crc32[i] = _crc32(part, crc32.get(i, 0))
-                        if dtypes[i] is not None and i not in nonfinite and not _all_finite(part, dtypes[i]):
+                        if (dtype := dtypes[i]) is not None and i not in nonfinite and not _all_finite(part, dtype):
                             nonfinite.add(i)
                     finally:
                         part.release()
@@ -187,7 +188,7 @@ def _all_finite(part: memoryview, dtype: str) -> bool:
     return int(masked.max()) != kind[1]
 
 
-def _past_end(entries: list, size: int) -> str | None:
+def _past_end(entries: list[tuple[str, int, int, int]], size: int) -> str | None:
     for name, off, length, _ in entries:
         if off + length > size:
             return f"entry {name} runs past the end of the file; the file is truncated"

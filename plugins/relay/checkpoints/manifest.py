@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 from relay import __version__
 from relay.checkpoints import integrity
@@ -34,15 +35,15 @@ class Manifest:
     step: int
     world_size: int
     fsdp_version: int | None
-    files: dict[str, dict]  # relative path -> {"size": int, "crc64nvme": base64}
-    params: dict[str, list]  # parameter name -> [global shape..., dtype]
+    files: dict[str, dict[str, Any]]  # relative path -> {"size": int, "crc64nvme": base64}
+    params: dict[str, list[Any]]  # parameter name -> [global shape..., dtype]
     settings_fingerprint: str | None = None
     verl_version: str | None = None
     relay_version: str = __version__
     created_at: str = field(default_factory=utc_now)
     checks: list[str] = field(default_factory=list)
     incarnation: str = LEGACY_INCARNATION
-    resharded_from: dict | None = None
+    resharded_from: dict[str, Any] | None = None
     version: int = VERSION
 
     @property
@@ -81,11 +82,11 @@ class Manifest:
         return path
 
 
-def _is_int(v, least: int = 0) -> bool:
+def _is_int(v: object, least: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
-def _short(v) -> str:
+def _short(v: object) -> str:
     r = repr(v)
     return r if len(r) <= 60 else r[:57] + "..."
 

@@ -14,9 +14,10 @@ import math
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from relay.checkpoints import manifest, safeload
+from relay.checkpoints.manifest import Manifest
 from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import CheckpointError, StoreError
 from relay.runs import layout
@@ -24,6 +25,21 @@ from relay.runs.record import read_record
 
 RNG_NAMES = {"cpu": "cpu", "cuda": "cuda", "numpy": "numpy", "random": "python"}
 MAX_OPTIM_DOWNLOAD = 512 << 20  # an S3 optimizer shard above this is not fetched just to count steps
+
+
+class PublishedStore(Protocol):
+    """What inspecting a published checkpoint asks of the store (relay.s3.store.CheckpointStore, a layer above)."""
+
+    @property
+    def uri(self) -> str: ...
+    def run_key(self, run: str, *parts: str) -> str: ...
+    def step_key(self, run: str, step: int, rel: str = "") -> str: ...
+    def step_uri(self, run: str, step: int) -> str: ...
+    def get_json(self, key: str) -> dict[str, Any] | None: ...
+    def latest(self, run: str) -> dict[str, Any] | None: ...
+    def manifest(self, run: str, step: int) -> Manifest | None: ...
+    def verify(self, run: str, m: Manifest) -> None: ...
+    def download_object(self, key_or_uri: str, dest: Path, expect: dict[str, Any] | None = None) -> None: ...
 
 
 @dataclass
@@ -60,7 +76,7 @@ class ResumePreview:
         return f"resumes from step {self.step}: {self.position()}{lr}; {self.source}"
 
     def summary(self) -> str:
-        def fmt(v):
+        def fmt(v: object) -> str:
             return "unknown" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))
 
         total = sum(self.files.values())
@@ -80,7 +96,7 @@ class ResumePreview:
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -115,7 +131,7 @@ def _read_state(preview: ResumePreview, step_dir: Path, world_size: int | None) 
             preview.optimizer_steps = int(s.item() if hasattr(s, "item") else s)
 
 
-def _params_of(preview: ResumePreview, m: manifest.Manifest | None, step_dir: Path) -> None:
+def _params_of(preview: ResumePreview, m: Manifest | None, step_dir: Path) -> None:
     if m is not None and m.params:
         params = m.params
     else:
@@ -131,7 +147,7 @@ def _params_of(preview: ResumePreview, m: manifest.Manifest | None, step_dir: Pa
     preview.dtypes = sorted({str(v[-1]).removeprefix("torch.") for v in params.values()})
 
 
-def _run_context(preview: ResumePreview, record: dict, metrics: list[dict] | None) -> None:
+def _run_context(preview: ResumePreview, record: dict[str, Any], metrics: list[dict[str, Any]] | None) -> None:
     """What the checkpoint does not hold: the training set's size, steps per epoch, the LR used."""
     files = (record.get("data") or {}).get("files") or []
     rows = sum(f["rows"] for f in files if f.get("role") == "train") or None
@@ -148,7 +164,7 @@ def _run_context(preview: ResumePreview, record: dict, metrics: list[dict] | Non
             preview.lr_now = float(row["lr"])
 
 
-def _metrics(run_dir: Path) -> list[dict]:
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
@@ -196,7 +212,7 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
     return preview
 
 
-def inspect_uri(store, run: str, step: int | None = None) -> ResumePreview:
+def inspect_uri(store: PublishedStore, run: str, step: int | None = None) -> ResumePreview:
     """Inspect a published checkpoint: the manifest, the objects' checksums (HEAD), and the small
     state files downloaded to a temporary folder. The run's published record adds its data size."""
 

@@ -39,7 +39,7 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +70,7 @@ class ReshardResult:
     bytes_written: int
     seconds: float
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"run_dir": str(self.run_dir), "step": self.step, "from_world_size": self.from_world_size,
                 "to_world_size": self.to_world_size, "fsdp_version": self.fsdp_version,
                 "step_dir": str(self.step_dir), "original": str(self.original) if self.original else None,
@@ -214,7 +214,7 @@ def _write_role(src: Path, dst: Path, k: int, m: int, fsdp_version: int) -> int:
     written = 0
     for rank in range(m):
         with _mesh(model_layout.mesh_dim_names, m, rank) as mesh:
-            builders = {
+            builders: dict[str, Callable[..., dict[str, Any]]] = {
                 "model": lambda out, rank=rank, mesh=mesh: {
                     name: _cut(src, name, [sd[name] for sd in models], k, m, rank, mesh, out, plain_in=plain_in,
                                plain_out=plain_out) for name in models[0]},
@@ -243,8 +243,8 @@ def _save(obj: Any, path: Path) -> int:
 
 @dataclass
 class _ModelLayout:
-    shapes: dict[str, tuple]  # parameter -> global shape, in the state dict's order
-    mesh_dim_names: tuple | None  # None: a 1-D mesh made without names, kept so
+    shapes: dict[str, tuple[int, ...]]  # parameter -> global shape, in the state dict's order
+    mesh_dim_names: tuple[str, ...] | None  # None: a 1-D mesh made without names, kept so
 
 
 def _placement(src: Path, name: str, value: Any) -> int | None:
@@ -266,10 +266,11 @@ def _placement(src: Path, name: str, value: Any) -> int | None:
     if not placement.is_shard() or getattr(placement, "dim", None) is None:
         raise CheckpointError(f"{src}: {name} has the placement {placement}, which Relay does not reshard",
                               "resume at the world size the checkpoint was written at")
-    return placement.dim
+    dim: int = placement.dim
+    return dim
 
 
-def _model_layout(src: Path, models: list[dict], plain_is_full: bool = False) -> _ModelLayout:
+def _model_layout(src: Path, models: list[dict[str, Any]], plain_is_full: bool = False) -> _ModelLayout:
     names = list(models[0])
     for r, sd in enumerate(models[1:], 1):
         if list(sd) != names:
@@ -294,7 +295,7 @@ def _model_layout(src: Path, models: list[dict], plain_is_full: bool = False) ->
                           "FSDPCheckpointManager", "resume at the world size the checkpoint was written at")
 
 
-def _pieces(locals_: list, dim: int, n: int, k: int, start: int, end: int):
+def _pieces(locals_: list[Any], dim: int, n: int, k: int, start: int, end: int) -> list[Any]:
     """Views of the input ranks' local tensors covering [start, end) of dimension `dim` (of size n)."""
     out = []
     for rank, local in enumerate(locals_):
@@ -327,7 +328,7 @@ class _Out:
         finally:
             path.unlink(missing_ok=True)
 
-    def tensor(self, shape: tuple, dtype):
+    def tensor(self, shape: tuple[int, ...], dtype: Any) -> Any:
         import numpy as np
         import torch
 
@@ -342,7 +343,7 @@ class _Out:
         return torch.from_numpy(raw).view(dtype).view(shape)
 
 
-def _cut(src: Path, name: str, values: list, k: int, m: int, rank: int, mesh, out: _Out, *,
+def _cut(src: Path, name: str, values: list[Any], k: int, m: int, rank: int, mesh: Any, out: _Out, *,
          plain_in: bool = False, plain_out: bool = False) -> Any:
     """Rank `rank` of M's value of one state entry, from the K ranks' values. plain_in: a plain tensor is the
     whole of a sharded one (FSDP1 at world size 1); plain_out: write the whole as a plain tensor (FSDP1 at 1)."""
@@ -378,7 +379,7 @@ def _cut(src: Path, name: str, values: list, k: int, m: int, rank: int, mesh, ou
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _flat_units(src: Path, model: _ModelLayout, optims: list[dict], k: int) -> list[int]:
+def _flat_units(src: Path, model: _ModelLayout, optims: list[dict[str, Any]], k: int) -> list[int]:
     """FSDP1 (use_orig_params false, verl's default): the unpadded length of each flat parameter, in the
     optimizer's order (the root unit, then one per decoder layer), checked against every input rank."""
     units: dict[str, int] = {"root": 0}
@@ -416,8 +417,8 @@ def _tied_embeddings(src: Path) -> bool:
         return False
 
 
-def _optim(src: Path, optims: list[dict], k: int, m: int, rank: int, mesh, flat_units: list[int] | None,
-           out: _Out) -> dict:
+def _optim(src: Path, optims: list[dict[str, Any]], k: int, m: int, rank: int, mesh: Any, flat_units: list[int] | None,
+           out: _Out) -> dict[str, Any]:
     import torch
 
     base = optims[rank % k]
@@ -436,7 +437,7 @@ def _optim(src: Path, optims: list[dict], k: int, m: int, rank: int, mesh, flat_
     return result
 
 
-def _cut_flat(values: list, n: int, k: int, m: int, rank: int, out: _Out):
+def _cut_flat(values: list[Any], n: int, k: int, m: int, rank: int, out: _Out) -> Any:
     """Rank `rank` of M's shard of an FSDP1 flat parameter's state of n values: torch.chunk's cut, padded
     with zeros to ceil(n / M), as FlatParamHandle shards it."""
     unpadded = [v.narrow(0, 0, b - a) for r, v in enumerate(values) for a, b in [bounds(n, k, r)]]
@@ -453,7 +454,7 @@ def _cut_flat(values: list, n: int, k: int, m: int, rank: int, out: _Out):
 
 
 @contextmanager
-def _mesh(dim_names: tuple | None, world_size: int, rank: int) -> Iterator[Any]:
+def _mesh(dim_names: tuple[str, ...] | None, world_size: int, rank: int) -> Iterator[Any]:
     """The 1-D device mesh of rank `rank` of `world_size`, made without peers: torch's fake process-group
     backend answers for the others (nothing is communicated; only the mesh a DTensor records is needed)."""
     import torch.distributed as dist

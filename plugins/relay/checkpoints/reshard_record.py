@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from relay.common.errors import CheckpointError
 
 RECORD = "relay_resharded.json"
 
 
-def record_of(step_dir: Path) -> dict | None:
+def record_of(step_dir: Path) -> dict[str, Any] | None:
     """The reshard record of a step folder ({world_size, manifest_sha256, ...}), or None."""
     try:
         d = json.loads((Path(step_dir) / RECORD).read_text())

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay.checkpoints import swap
 from relay.checkpoints.validate import CheckReport, validate_checkpoint
@@ -29,7 +30,7 @@ QUARANTINE = "quarantine"
 @dataclass
 class ResumePoint:
     step: int  # 0: a fresh start
-    quarantined: list[dict] = field(default_factory=list)  # {"step", "check", "detail", "path"}
+    quarantined: list[dict[str, Any]] = field(default_factory=list)  # {"step", "check", "detail", "path"}
     restored_from: str | None = None  # the store URI a restore came from
     report: CheckReport | None = None
 
@@ -61,7 +62,7 @@ def _quarantine(run_dir: Path, report: CheckReport) -> Path:
     return dest
 
 
-def quarantined(run_dir: Path) -> list[dict]:
+def quarantined(run_dir: Path) -> list[dict[str, Any]]:
     """Reports of a run's quarantined checkpoints, oldest first."""
     folder = layout.relay_dir(run_dir, QUARANTINE)
     out = []
@@ -75,7 +76,7 @@ def quarantined(run_dir: Path) -> list[dict]:
 
 def find_resume_point(run_dir: Path, *,
                       restore: Callable[..., tuple[int, str] | None] | None = None,
-                      smoke=None) -> ResumePoint:
+                      smoke: Callable[[Path], str] | None = None) -> ResumePoint:
     """Validate candidates newest first (the tracker's, then older step folders); quarantine the
     invalid ones; point the tracker at the first valid one. `restore(run_dir, above=N)` (from the store)
     is asked first for a published checkpoint newer than that one when a newer local one was refused
@@ -144,7 +145,7 @@ def find_resume_point(run_dir: Path, *,
     return point
 
 
-def _restore_newer(restore, run_dir: Path, step: int) -> tuple[int, str] | None:
+def _restore_newer(restore: Callable[..., tuple[int, str] | None], run_dir: Path, step: int) -> tuple[int, str] | None:
     """A published checkpoint newer than local `step`, or None; an unreachable store is no reason to fail
     when a valid local checkpoint is there."""
 

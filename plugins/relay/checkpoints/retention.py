@@ -22,6 +22,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 from relay.checkpoints import manifest
 from relay.common.timestamps import utc_now
@@ -33,7 +34,44 @@ STATE = "retention.json"
 VERSION = 1
 
 
-def apply_local(run_dir: Path, policy, total_steps: int, published: set[int]) -> list[int]:
+class BestPolicy(Protocol):
+    """What retention reads of the spec's checkpoints.keep_best (relay.spec.run_spec.KeepBest)."""
+
+    @property
+    def metric(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def k(self) -> int: ...
+
+
+class RetentionPolicy(Protocol):
+    """What retention reads of the spec's checkpoints policy (relay.spec.run_spec.CheckpointPolicy): the
+    checkpoints layer knows no spec."""
+
+    @property
+    def keep_local(self) -> int: ...
+    @property
+    def keep_published(self) -> int: ...
+    @property
+    def delete_grace_minutes(self) -> float: ...
+    @property
+    def keep_best(self) -> BestPolicy | None: ...
+    def is_milestone(self, step: int, total_steps: int) -> bool: ...
+
+
+class RetentionStore(Protocol):
+    """What retention asks of the run's store (relay.s3.store.CheckpointStore, a layer above)."""
+
+    def run_key(self, run: str, *parts: str) -> str: ...
+    def get_json(self, key: str) -> dict[str, Any] | None: ...
+    def put_json(self, key: str, obj: object) -> None: ...
+    def published(self, run: str) -> list[manifest.Manifest]: ...
+    def latest(self, run: str) -> dict[str, Any] | None: ...
+    def delete_checkpoint(self, run: str, step: int) -> int: ...
+
+
+def apply_local(run_dir: Path, policy: RetentionPolicy, total_steps: int, published: set[int]) -> list[int]:
     """Delete local checkpoints beyond keep_local, and leftovers that are no longer the only copy of
     anything (leftovers()); returns the checkpoint steps deleted. Under the run's lock: a trainer's commit
     or a gate's quarantine waits for it, and it for them."""
@@ -66,7 +104,7 @@ def apply_local(run_dir: Path, policy, total_steps: int, published: set[int]) ->
     return delete
 
 
-def reasons(run_dir: Path | None, policy, total_steps: int, steps: list[int], *, newest: int,
+def reasons(run_dir: Path | None, policy: RetentionPolicy, total_steps: int, steps: list[int], *, newest: int,
             latest: int | None) -> dict[int, list[str]]:
     """{step: why it is kept} among `steps` (ascending): the newest `newest`, the latest, milestones, and the
     keep_best k best by their step's metric in the run's metrics.jsonl (none without the run's folder)."""
@@ -83,7 +121,7 @@ def reasons(run_dir: Path | None, policy, total_steps: int, steps: list[int], *,
     return why
 
 
-def best_steps(run_dir: Path | None, keep_best, steps: list[int]) -> dict[int, str]:
+def best_steps(run_dir: Path | None, keep_best: BestPolicy | None, steps: list[int]) -> dict[int, str]:
     """{step: why} of the keep_best k best of `steps` by the metric of their metrics.jsonl row (the newer wins a
     tie); steps whose row lacks the metric are not ranked."""
     if keep_best is None or run_dir is None:
@@ -119,8 +157,8 @@ def leftovers(run_dir: Path, published: set[int]) -> list[Path]:
     return out
 
 
-def apply_published(store, run: str, policy, total_steps: int, now: float | None = None,
-                    run_dir: Path | None = None) -> dict:
+def apply_published(store: RetentionStore, run: str, policy: RetentionPolicy, total_steps: int, now: float | None = None,
+                    run_dir: Path | None = None) -> dict[str, Any]:
     """Mark published checkpoints beyond keep_published for deletion; delete those past their grace. run_dir:
     the run's folder, whose metrics.jsonl ranks the steps for keep_best."""
     now = time.time() if now is None else now

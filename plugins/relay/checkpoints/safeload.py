@@ -20,52 +20,53 @@ import pickle
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, Self
 
 from relay.common.errors import CheckpointError, UnsafeCheckpointError
 
-_ALLOWED: list | None = None
+_ALLOWED: list[object] | None = None
 _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
 
-def _stand_ins():
+def _stand_ins() -> tuple[type[Any], type[object]]:
     import torch
 
-    class ShardedTensorRecord(torch.Tensor):
+    class ShardedTensorRecord(torch.Tensor):  # type: ignore[misc]  # torch is not analysed: its Tensor is Any
         """What an FSDP1 ShardedTensor holds (local shards, global metadata), without its process group."""
 
-        local_shards: list
+        local_shards: list[Any]
         metadata: Any
 
-        def __setstate__(self, state):
+        def __setstate__(self, state: tuple[Any, ...]) -> None:
             self.local_shards, self.metadata = state[0], state[1]
 
         @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> NoReturn:
             raise RuntimeError("a ShardedTensorRecord is for inspection only; load the shard in its process group")
 
         @property
-        def global_shape(self) -> tuple:
+        def global_shape(self) -> tuple[int, ...]:
             return tuple(self.metadata.size)
 
     class ProcessGroupStateRecord:
         """ShardedTensor.ProcessGroupState (ranks and world sizes at save time), inert."""
 
-        args: tuple
+        args: tuple[Any, ...]
         state: Any
 
-        def __new__(cls, *args):
+        def __new__(cls, *args: Any) -> Self:
             obj = object.__new__(cls)
             obj.args = args
             return obj
 
-        def __setstate__(self, state):
+        def __setstate__(self, state: Any) -> None:
             self.state = state
 
     return ShardedTensorRecord, ProcessGroupStateRecord
 
 
-def allowed_globals() -> list:
+def allowed_globals() -> list[object]:
     """What verl's files need beyond plain tensors and containers (torch's own weights_only defaults)."""
     global _ALLOWED
     if _ALLOWED is None:
@@ -83,7 +84,7 @@ def allowed_globals() -> list:
 
         record, pg_state = _stand_ins()
 
-        def restricted_getattr(obj, name):
+        def restricted_getattr(obj: Any, name: str) -> object:
             # ShardedTensor pickles two attribute lookups; any other getattr is refused.
             if obj is record and name == "ProcessGroupState":
                 return pg_state

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,8 +53,8 @@ class CheckReport:
     checks: list[Check] = field(default_factory=list)
     world_size: int | None = None
     fsdp_version: int | None = None
-    files: dict[str, dict] = field(default_factory=dict)
-    params: dict[str, list] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    params: dict[str, list[int | str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -76,7 +76,7 @@ class CheckReport:
         head = f"checkpoint {self.path}: {'VALID' if self.ok else 'INVALID'}"
         return "\n".join([head] + [f"  {'✔' if c.ok else '✘'} {c.name}: {c.detail}" for c in self.checks])
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("files")
         d.pop("params")
@@ -225,11 +225,11 @@ class FileResult:
     scan: integrity.FileScan
     load_error: str | None = None
     nonfinite: str | None = None
-    params: dict[str, list] | None = None
+    params: dict[str, list[int | str]] | None = None
     loaded: bool = False  # checked at the loadability and numerics levels too (when it is a .pt file)
 
 
-def _tensors(obj: Any, prefix: str = ""):
+def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(name, local tensor) pairs of a loaded object: DTensors' local parts, ShardedTensor shards."""
     import torch
 
@@ -247,7 +247,7 @@ def _tensors(obj: Any, prefix: str = ""):
             yield from _tensors(v, f"{prefix}[{i}]")
 
 
-def _global_shape(value: Any) -> list:
+def _global_shape(value: Any) -> list[int | str]:
     shape = value.global_shape if is_sharded_record(value) else tuple(value.shape)
     return [int(x) for x in shape] + [str(value.dtype).removeprefix("torch.")]
 
@@ -401,7 +401,7 @@ def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | No
     return m
 
 
-def _resharded_from(step_dir: Path) -> dict | None:
+def _resharded_from(step_dir: Path) -> dict[str, Any] | None:
     """The manifest's record of a reshard: the world size the step was written at, and the sha256 of its manifest."""
     record = record_of(step_dir)
     return None if record is None else {"world_size": record["world_size"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from relay.common.redaction import redact
 
 
@@ -16,7 +18,7 @@ class RelayError(Exception):
     retry_helps: bool | None = None
     cause = "refused"
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "cause" not in cls.__dict__ and "retry_helps" in cls.__dict__:
             cls.cause = "infrastructure" if cls.retry_helps else "refused"

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from relay.common.errors import RelayError
 
@@ -88,7 +89,7 @@ def _armed(var: str, phase: str, step: int) -> bool:
     return True
 
 
-def drill_env(drill: dict, once_file: Path) -> dict[str, str]:
+def drill_env(drill: Any, once_file: Path) -> dict[str, str]:
     """A drill asked for in a DAG run's conf ({"relay_fault": {"kill_at": "after_step@34"}}): the job
     environment that arms it, once per DAG run and chunk (the demo's provoked resume; a team's own
     drill of a crash). Bad input is an error that says what is accepted."""

@@ -8,7 +8,8 @@ import psutil
 
 def started_at(pid: int | None = None) -> float:
     """When process `pid` (default: this one) started, as psutil reports it (epoch seconds)."""
-    return psutil.Process(pid).create_time()
+    created: float = psutil.Process(pid).create_time()
+    return created
 
 
 def runs(pid: int, started: float | None) -> bool:

@@ -9,6 +9,7 @@ reads whole in Airflow's log view.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 PREFIX = "[relay] "
 STEP_LINE = re.compile(r"^\[relay\] step (\d+)/\d+", re.MULTILINE)
@@ -16,7 +17,7 @@ SHOWN = ("reward_mean", "loss", "kl", "lr")  # the rest stays in metrics.jsonl
 
 
 def step_line(step: int, total: int, chunk: int | None, chunk_end: int, recent_seconds: list[float],
-              values: dict) -> str:
+              values: dict[str, Any]) -> str:
     """The line for `step` (without the "[relay] " prefix): the time left in the chunk (eta) and in the whole run
     (run eta) first, from the mean of the recent steps' seconds."""
     per = sum(recent_seconds) / len(recent_seconds) if recent_seconds else 0.0

@@ -33,7 +33,7 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 def expand(value: str) -> str:
     """Expand ${VAR} and ${VAR:-default}. An unset variable without a default is an error."""
 
-    def sub(m: re.Match) -> str:
+    def sub(m: re.Match[str]) -> str:
         name, default = m.group(1), m.group(2)
         if name in os.environ:
             return os.environ[name]

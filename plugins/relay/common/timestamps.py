@@ -22,7 +22,7 @@ def event_time(at: float | None = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + f".{int(at * 1000) % 1000:03d}Z"
 
 
-def epoch(value) -> float | None:
+def epoch(value: object) -> float | None:
     """Epoch seconds of a recorded time: ISO 8601 (with or without a fraction, Z or an offset) or a number;
     None for anything else."""
     if isinstance(value, bool):

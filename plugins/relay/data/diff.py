@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay.data.fingerprint import fingerprint
 
@@ -21,9 +22,9 @@ class DataDiff:
     rows_a: int
     rows_b: int
     schema_changes: list[str] = field(default_factory=list)
-    added: list = field(default_factory=list)  # keys of rows only in b
-    removed: list = field(default_factory=list)  # keys of rows only in a
-    changed: list = field(default_factory=list)  # keys present in both with other content
+    added: list[Any] = field(default_factory=list)  # keys of rows only in b
+    removed: list[Any] = field(default_factory=list)  # keys of rows only in a
+    changed: list[Any] = field(default_factory=list)  # keys present in both with other content
     reordered: bool = False
     key: str = "extra_info.index"
 
@@ -48,18 +49,18 @@ class DataDiff:
         return "\n".join(out)
 
 
-def _rows(path: Path) -> tuple[list[str], list[dict]]:
+def _rows(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
     return table.schema.names, table.to_pylist()
 
 
-def _key(row: dict, i: int, use_index: bool):
+def _key(row: dict[str, Any], i: int, use_index: bool) -> Any:
     return row["extra_info"]["index"] if use_index else i
 
 
-def _digest(row: dict) -> str:
+def _digest(row: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
 
 

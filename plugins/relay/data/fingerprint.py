@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from relay.common.errors import RelayError
 
@@ -27,7 +28,7 @@ class Fingerprint:
     rows: int
     schema: str  # the Arrow schema, as text
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

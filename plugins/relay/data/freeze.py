@@ -15,6 +15,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from relay.common.timestamps import utc_now
 from relay.data.diff import DataDiff, diff
@@ -24,6 +25,14 @@ from relay.runs.record import read_record, update_record
 from relay.runs.run import Run
 
 FROZEN_DIR = "data"
+
+
+class ObjectStore(Protocol):
+    """What freezing asks of the run's store (relay.s3.store.CheckpointStore, a layer above)."""
+
+    def run_key(self, run: str, *parts: str) -> str: ...
+    def put_file(self, key: str, path: Path) -> str: ...
+    def download_object(self, key_or_uri: str, dest: Path) -> None: ...
 
 
 @dataclass
@@ -40,7 +49,7 @@ class FrozenFile:
     def path(self, run_dir: Path) -> Path:
         return Path(run_dir) / self.frozen
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -67,7 +76,7 @@ def frozen_files(run_dir: Path) -> list[FrozenFile] | None:
     return files
 
 
-def freeze(run: Run, store=None, quality: dict | None = None) -> list[FrozenFile]:
+def freeze(run: Run, store: ObjectStore | None = None, quality: dict[str, Any] | None = None) -> list[FrozenFile]:
     """Fingerprint and copy every data file of the spec into the run (and S3); record it in the run record."""
     run_dir = run.dir
     out = []
@@ -98,7 +107,7 @@ def _copy_verified(src: Path, dest: Path, sha256: str) -> None:
     layout.fsync_dir(dest.parent)
 
 
-def verify_frozen(run_dir: Path, files: list[FrozenFile], store=None) -> dict[str, list[str]]:
+def verify_frozen(run_dir: Path, files: list[FrozenFile], store: ObjectStore | None = None) -> dict[str, list[str]]:
     """Paths of the frozen copies by role, each verified by sha256 (fetched from S3 when missing here)."""
     out: dict[str, list[str]] = {"train": [], "val": []}
     for f in files:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -32,15 +33,19 @@ from relay.common.errors import RelayError
 from relay.data.fingerprint import DataError, sha256_file
 from relay.runs.layout import atomic_write
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 CHECK_VERSION = 1  # bump when flatten() or the way results are read changes: remembered passes no longer count
 REQUIRED = ("data_source", "prompt", "reward_model.ground_truth", "extra_info.index")
 EXAMPLES = 5
+Expectation = tuple[str, dict[str, Any], str]  # (great-expectations type, its arguments, what it means)
 
 
 class DataQualityError(DataError):
     """The data failed its quality suite; `reports` name the failed expectations per file."""
 
-    def __init__(self, what: str, fix: str, reports: list):
+    def __init__(self, what: str, fix: str, reports: list[QualityReport]):
         super().__init__(what, fix)
         self.reports = reports
 
@@ -57,7 +62,7 @@ class Failure:
     column: str | None
     unexpected_count: int | None
     unexpected_percent: float | None
-    examples: list
+    examples: list[Any]
     observed: object = None
     note: str = ""
 
@@ -90,14 +95,14 @@ class QualityReport:
                          + (f" ({f.note})" if f.note else ""))
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(asdict(self), ok=self.ok)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
 
 
-def flatten(path: str | Path):
+def flatten(path: str | Path) -> pd.DataFrame:
     """The parquet file as a pandas DataFrame: struct fields flattened, prompt summarised."""
     import pyarrow.parquet as pq
 
@@ -111,7 +116,7 @@ def flatten(path: str | Path):
     return df
 
 
-def _prompt_ok(p) -> bool:
+def _prompt_ok(p: Any) -> bool:
     if isinstance(p, str):
         return bool(p.strip())
     try:
@@ -122,7 +127,7 @@ def _prompt_ok(p) -> bool:
                               and isinstance(m.get("content"), str) and m["content"] for m in msgs)
 
 
-def builtin_expectations(min_rows: int) -> list[tuple[str, dict, str]]:
+def builtin_expectations(min_rows: int) -> list[Expectation]:
     """(expectation type, kwargs, what it means) for verl's RL schema."""
     return [
         ("expect_column_values_to_not_be_null", {"column": "data_source"}, "data_source is set"),
@@ -136,7 +141,7 @@ def builtin_expectations(min_rows: int) -> list[tuple[str, dict, str]]:
     ]
 
 
-def load_expectations(path: Path) -> list[tuple[str, dict, str]]:
+def load_expectations(path: Path) -> list[Expectation]:
     """A spec's own expectations: a YAML list of {type: expect_..., kwargs: {...}, meaning: "..."}."""
     try:
         items = yaml.safe_load(Path(path).read_text()) or []
@@ -147,7 +152,7 @@ def load_expectations(path: Path) -> list[tuple[str, dict, str]]:
     return [(i["type"], i.get("kwargs", {}), i.get("meaning", "")) for i in items]
 
 
-def check(path: str | Path, *, min_rows: int = 1, extra: Sequence[tuple[str, dict, str]] = ()) -> QualityReport:
+def check(path: str | Path, *, min_rows: int = 1, extra: Sequence[Expectation] = ()) -> QualityReport:
     """Run the verl RL suite (and `extra` expectations) on a parquet file."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     df = flatten(path)
@@ -173,7 +178,7 @@ def check(path: str | Path, *, min_rows: int = 1, extra: Sequence[tuple[str, dic
     return report
 
 
-def _pass_path(path: str | Path, expectations) -> Path | None:
+def _pass_path(path: str | Path, expectations: Sequence[Expectation]) -> Path | None:
     """Where a pass of this file's bytes against these expectations is remembered; None when turned off."""
     where = os.environ.get("RELAY_DATA_CHECK_CACHE", "")
     if where == "off":
@@ -194,7 +199,7 @@ def _remember(target: Path, report: QualityReport) -> None:
         pass
 
 
-def _run_suite(df, expectations):
+def _run_suite(df: pd.DataFrame, expectations: Sequence[Expectation]) -> list[dict[str, Any]]:
     try:
         import great_expectations as gx
         import great_expectations.expectations as gxe
@@ -222,7 +227,7 @@ def _run_suite(df, expectations):
         raise QualityCheckError(f"great-expectations failed while checking the data: {type(e).__name__}: {e}",
                                 "this is not a data problem; check the expectations files and the GE version") \
             from None
-    out = []
+    out: list[dict[str, Any]] = []
     for r in res.results:
         raised = _raised(r.exception_info)
         cfg = r.expectation_config
@@ -242,7 +247,7 @@ def _run_suite(df, expectations):
     return out
 
 
-def _raised(info) -> str | None:
+def _raised(info: object) -> str | None:
     if not isinstance(info, dict):
         return None
     if "raised_exception" in info:

@@ -27,25 +27,26 @@ import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay.runs import layout
 from relay.runs.metrics import read_events, read_jsonl, record_event
-from relay.spec.causes import (  # noqa: F401  (re-exported: the classification's callers name causes here)
-    ACCELERATOR_OOM,
-    BACKOFF,
-    CAUSES,
-    COLLECTIVE_TIMEOUT,
-    EXCEPTION,
-    HOST_OOM,
-    INFRASTRUCTURE,
-    POLICIES,
-    PREEMPTED,
-    REFUSED,
-    RETRY,
-    STALLED,
-    STOP,
-    UNKNOWN,
-)
+
+# The classification's callers name causes here: re-exported from the vocabulary (relay.spec.causes).
+from relay.spec.causes import ACCELERATOR_OOM as ACCELERATOR_OOM
+from relay.spec.causes import BACKOFF as BACKOFF
+from relay.spec.causes import CAUSES as CAUSES
+from relay.spec.causes import COLLECTIVE_TIMEOUT as COLLECTIVE_TIMEOUT
+from relay.spec.causes import EXCEPTION as EXCEPTION
+from relay.spec.causes import HOST_OOM as HOST_OOM
+from relay.spec.causes import INFRASTRUCTURE as INFRASTRUCTURE
+from relay.spec.causes import POLICIES as POLICIES
+from relay.spec.causes import PREEMPTED as PREEMPTED
+from relay.spec.causes import REFUSED as REFUSED
+from relay.spec.causes import RETRY as RETRY
+from relay.spec.causes import STALLED as STALLED
+from relay.spec.causes import STOP as STOP
+from relay.spec.causes import UNKNOWN as UNKNOWN
 
 EVENT = "chunk_failed"  # events.jsonl: one per failed attempt, {chunk, attempt, cause, step, signature, ...}
 
@@ -108,7 +109,7 @@ class Cause:
         lines.append(f"what to do: {self.todo}")
         return "\n".join(lines)
 
-    def to_event(self) -> dict:
+    def to_event(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v not in (None, [])}
 
 
@@ -134,7 +135,7 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     msg_lines = unprefixed(message or "")
     sig = signal_of(exit_code)
 
-    def found(pattern: re.Pattern) -> list[str]:
+    def found(pattern: re.Pattern[str]) -> list[str]:
         return [ln[:300] for ln in lines + msg_lines if pattern.search(ln)][-3:]
 
     def made(cause: str, evidence: list[str], signature: str | None = None, retry_helps: bool | None = None) -> Cause:
@@ -215,7 +216,7 @@ def policy(cause: Cause, retry_on: Mapping[str, str] | None = None) -> str:
     return (retry_on or {}).get(cause.cause) or default
 
 
-def repeats(cause: Cause, earlier: list[dict]) -> bool:
+def repeats(cause: Cause, earlier: list[dict[str, Any]]) -> bool:
     """Whether an earlier failure of the same chunk (its `chunk_failed` events) was the same exception at
     the same step: deterministic, so another try would fail the same way."""
     return cause.cause == EXCEPTION and cause.step is not None and any(
@@ -251,12 +252,12 @@ def step_of_failure(run_dir: Path, attempt: str) -> int | None:
     start = _chunk_start(run_dir, attempt)
     if start is None:
         return None
-    trained = [r["step"] for r in read_jsonl(Path(run_dir) / layout.METRICS)
+    trained: list[int] = [r["step"] for r in read_jsonl(Path(run_dir) / layout.METRICS)
                if r.get("attempt") == attempt and isinstance(r.get("step"), int)]
     return max(trained or [start.get("resumed_from") or 0]) + 1
 
 
-def record_failure(run_dir: Path, cause: Cause, *, chunk: int | None, attempt: str, **fields) -> dict | None:
+def record_failure(run_dir: Path, cause: Cause, *, chunk: int | None, attempt: str, **fields: Any) -> dict[str, Any] | None:
     """The `chunk_failed` event of an attempt (what `repeats` compares, what the report counts). None when the
     run has no folder yet (its first job failed before making one) or it cannot be written: the failure being
     reported matters more than its record."""
@@ -269,7 +270,7 @@ def record_failure(run_dir: Path, cause: Cause, *, chunk: int | None, attempt: s
         return None
 
 
-def earlier_failures(run_dir: Path, chunk: int, scope: str | None = None) -> list[dict]:
+def earlier_failures(run_dir: Path, chunk: int, scope: str | None = None) -> list[dict[str, Any]]:
     """The chunk's `chunk_failed` events, of one DAG run when `scope` (its run id) is given."""
     return [e for e in read_events(run_dir) if e.get("event") == EVENT and e.get("chunk") == chunk
             and (scope is None or e.get("dag_run") == scope)]
@@ -285,7 +286,7 @@ def oom_kills_since_start(run_dir: Path, attempt: str) -> int:
     return max(0, now - start["oom_kills"]) if now is not None else 0
 
 
-def _chunk_start(run_dir: Path, attempt: str) -> dict | None:
+def _chunk_start(run_dir: Path, attempt: str) -> dict[str, Any] | None:
     """The attempt's (last) chunk_start event: where it resumed from, its host, the OOM killer's count then."""
     return next((e for e in reversed(read_events(run_dir))
                  if e.get("event") == "chunk_start" and e.get("attempt") == attempt), None)

@@ -25,6 +25,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 from relay.common.errors import CheckpointError
 
@@ -58,7 +59,7 @@ def relay_dir(run_dir: Path, *parts: str) -> Path:
     return Path(run_dir, RELAY_DIR, *parts)
 
 
-def relpath_problem(rel) -> str | None:
+def relpath_problem(rel: object) -> str | None:
     """Why `rel` is not a plain relative path inside a folder (a checkpoint file named by a manifest, a
     frozen data file named by a run record, a part of an S3 key), or None. Such names are read back from
     disk and S3, so they must never reach outside the folder or the prefix they are joined to."""
@@ -75,13 +76,13 @@ def relpath_problem(rel) -> str | None:
     return None
 
 
-def check_relpath(rel, what: str) -> str:
+def check_relpath(rel: object, what: str) -> str:
     """`rel` if it is a plain relative path (see relpath_problem), else a CheckpointError naming `what`."""
     if problem := relpath_problem(rel):
         raise CheckpointError(f"{what} names the path {rel!r}, which Relay refuses: {problem}",
                               "it was altered or written by something else than Relay; do not use it, validate "
                               "and publish the checkpoint again")
-    return rel
+    return cast(str, rel)  # relpath_problem found none: a non-empty str
 
 
 def tracker_path(run_dir: Path) -> Path:
@@ -131,7 +132,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_json(path: Path, obj) -> None:
+def atomic_write_json(path: Path, obj: object) -> None:
     atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
@@ -166,7 +167,7 @@ def step_dirs(run_dir: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def checkpoint_reached(run_dir, step: int) -> bool:
+def checkpoint_reached(run_dir: Path | str, step: int) -> bool:
     """The tracker names `step` or later, and global_step_<step> is there (cheap: two stats and a read)."""
     tracker = read_tracker(Path(run_dir))
     return tracker is not None and tracker >= step and step_dir(Path(run_dir), step).is_dir()
@@ -178,10 +179,11 @@ def is_rotation_leftover(path: Path) -> bool:
     return not (names & set(ROLES)) and names <= {"data.pt"}
 
 
-def read_fsdp_config(role_dir: Path) -> dict | None:
+def read_fsdp_config(role_dir: Path) -> dict[str, Any] | None:
     p = Path(role_dir) / "fsdp_config.json"
     try:
-        return json.loads(p.read_text())
+        config: dict[str, Any] = json.loads(p.read_text())
+        return config
     except FileNotFoundError:
         return None
     except ValueError as e:

@@ -23,6 +23,7 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from relay.common.errors import LeaseLost
 from relay.common.filelock import DEFAULT_TIMEOUT_S, file_lock
@@ -44,14 +45,15 @@ class Lease:
         # The life of the run this writer writes for (its request's); else pinned by acquire() or claim().
         self.incarnation = incarnation
 
-    def locked(self, what: str) -> contextlib.AbstractContextManager:
+    def locked(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Hold the run's lock without taking a new token: for every tracker write and checkpoint move that
         is not a trainer's commit (the gate's quarantine, a restore, retention). A wait is bounded."""
         return file_lock(self.lock_path, f"{what} (run {self.run_dir.name})", self.timeout)
 
-    def current(self) -> dict | None:
+    def current(self) -> dict[str, Any] | None:
         try:
-            return json.loads(self.path.read_text())
+            lease: dict[str, Any] = json.loads(self.path.read_text())
+            return lease
         except FileNotFoundError:
             return None
 
@@ -134,7 +136,7 @@ class Lease:
             yield
 
 
-def _this_process() -> dict:
+def _this_process() -> dict[str, Any]:
     """Who writes: host, pid, and the process's start time, so a pid reused by another process is not taken
     for a live writer."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": started_at()}

@@ -20,10 +20,10 @@ from relay.runs.layout import EVENTS, METRICS, atomic_write, relay_dir
 SUPERSEDED = "metrics.superseded.jsonl"
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file. A torn line (a writer killed mid-line) is skipped, said on stderr, and kept in
     the file; appends start on a line of their own after it (record_event), so no later row is lost."""
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     torn = 0
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
@@ -40,7 +40,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _dump(rows: Iterable[dict]) -> bytes:
+def _dump(rows: Iterable[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
 
 
@@ -50,7 +50,7 @@ class MetricsLog:
         self.superseded_path = Path(run_dir) / SUPERSEDED
         self._fh: TextIO | None = None
 
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path)
 
     def resume_at(self, step: int, attempt: str) -> int:
@@ -89,7 +89,7 @@ class JsonlFollower:
         self._inode: int | None = None
         self._partial = b""
 
-    def new_rows(self) -> list[dict]:
+    def new_rows(self) -> list[dict[str, Any]]:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -111,7 +111,7 @@ class JsonlFollower:
         return rows
 
 
-def record_event(run_dir: Path, event: str, **fields: Any) -> dict:
+def record_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
     """Append a run event (chunk attempt started, resumed from step S, finished...) to events.jsonl.
 
     Writers on several hosts (the trainer on a Ray node, the gate in an Airflow worker) take turns under
@@ -135,5 +135,5 @@ def record_event(run_dir: Path, event: str, **fields: Any) -> dict:
     return row
 
 
-def read_events(run_dir: Path) -> list[dict]:
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return read_jsonl(Path(run_dir) / EVENTS)

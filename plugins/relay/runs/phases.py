@@ -30,6 +30,7 @@ The other events the ledger reads carry their own duration (`seconds`): `checkpo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Protocol
 
 from relay.common.timestamps import event_time
 from relay.runs.metrics import record_event
@@ -41,8 +42,19 @@ STARTUP = ("resume_checked", "trainer_built", "dataloader_ready", "workers_ready
 VOCABULARY = ORCHESTRATION + STARTUP
 
 
+class JobTimes(Protocol):
+    """What record_job_times reads of a Ray job's state (relay.jobs.ray_jobs.JobState, a layer above)."""
+
+    @property
+    def submission_id(self) -> str: ...
+    @property
+    def start_time(self) -> float | None: ...
+    @property
+    def end_time(self) -> float | None: ...
+
+
 def record_phase(run_dir: Path | str, phase: str, *, chunk: int | None, attempt: str | None,
-                 at: float | None = None, **fields) -> dict:
+                 at: float | None = None, **fields: Any) -> dict[str, Any]:
     """The end of `phase`, now or at epoch seconds `at` (a time another system recorded, such as Ray's)."""
     if phase not in VOCABULARY:
         raise ValueError(f"unknown phase {phase!r}: one of {', '.join(VOCABULARY)}")
@@ -51,13 +63,13 @@ def record_phase(run_dir: Path | str, phase: str, *, chunk: int | None, attempt:
     return record_event(Path(run_dir), EVENT, phase=phase, chunk=chunk, attempt=attempt, **fields)
 
 
-def phase_marks(events: list[dict], attempt: str, phases: tuple[str, ...] = STARTUP) -> dict[str, str]:
+def phase_marks(events: list[dict[str, Any]], attempt: str, phases: tuple[str, ...] = STARTUP) -> dict[str, str]:
     """{phase: time} of one attempt's marks among `phases` (the last mark wins if a phase was recorded twice)."""
     return {e["phase"]: e["time"] for e in events
             if e.get("event") == EVENT and e.get("attempt") == attempt and e.get("phase") in phases}
 
 
-def record_job_times(run_dir: Path | str, job, *, chunk: int | None) -> None:
+def record_job_times(run_dir: Path | str, job: JobTimes | None, *, chunk: int | None) -> None:
     """`job_started` and `job_ended` of a Ray job (relay.jobs.ray_jobs.JobState), at Ray's own times."""
     if job is None:
         return

@@ -13,6 +13,7 @@ import json
 import re
 import secrets
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from relay.common.errors import RunError
 from relay.common.timestamps import utc_stamp
@@ -24,7 +25,7 @@ LEGACY_INCARNATION = "1"  # a record, manifest or publication from before incarn
 INCARNATION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9:._+-]{0,63}")  # only ever compared and shown, never a path
 
 
-def is_incarnation(value) -> bool:
+def is_incarnation(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and INCARNATION_PATTERN.fullmatch(value) is not None
 
 
@@ -33,7 +34,7 @@ def new_incarnation() -> str:
     return f"{utc_stamp()}-{secrets.token_hex(4)}"
 
 
-def read_record(run_dir: Path) -> dict:
+def read_record(run_dir: Path) -> dict[str, Any]:
     """The run record (.relay/run.json): settings, frozen data, drift decisions. {} before the first trigger."""
     path = layout.relay_dir(run_dir, RECORD)
     try:
@@ -49,17 +50,17 @@ def read_record(run_dir: Path) -> dict:
     return record
 
 
-def write_record(run_dir: Path, record: dict) -> dict:
+def write_record(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     layout.atomic_write_json(layout.relay_dir(run_dir, RECORD), record)
     return record
 
 
-def update_record(run_dir: Path, **fields) -> dict:
+def update_record(run_dir: Path, **fields: Any) -> dict[str, Any]:
     """Set fields of the run record (atomic write; only the Airflow side writes it)."""
     return write_record(run_dir, {**read_record(run_dir), **fields})
 
 
-def incarnation_of(record: dict) -> str | None:
+def incarnation_of(record: dict[str, Any]) -> str | None:
     """The incarnation a record names; None for no record at all ({}), "1" for a record from before them."""
     if not record:
         return None

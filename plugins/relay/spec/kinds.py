@@ -26,18 +26,20 @@ class TrainerKind:
     job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
 
     def settings_model(self) -> type[BaseModel]:
-        return _load(self.settings)
+        model: type[BaseModel] = _load(self.settings)
+        return model
 
     def chunk_function(self) -> Callable[..., Any]:
-        return _load(self.train_chunk)
+        function: Callable[..., Any] = _load(self.train_chunk)
+        return function
 
     def smoke_function(self) -> Callable[..., str] | None:
         return _load(self.smoke) if self.smoke else None
 
-    def resolved_settings(self, spec, train_rows: int | None = None) -> dict:
+    def resolved_settings(self, spec: object, train_rows: int | None = None) -> dict[str, Any]:
         return _load(self.resolved)(spec, train_rows) if self.resolved else {}
 
-    def job_environment(self, req) -> dict[str, str]:
+    def job_environment(self, req: object) -> dict[str, str]:
         return _load(self.job_env)(req) if self.job_env else {}
 
 

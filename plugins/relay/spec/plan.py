@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from relay.spec.run_spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class ChunkPlan:
             raise ValueError("total_steps and chunk_steps must be positive")
 
     @classmethod
-    def from_spec(cls, spec) -> ChunkPlan:
+    def from_spec(cls, spec: RunSpec) -> ChunkPlan:
         return cls(spec.total_steps, spec.chunk_steps)
 
     @property

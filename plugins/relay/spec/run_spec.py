@@ -14,12 +14,13 @@ import os
 import re
 import reprlib
 import tempfile
+from collections.abc import Iterator
 from datetime import date, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from relay.common import project, redaction
 from relay.common.errors import SpecError
@@ -171,7 +172,7 @@ class S3Spec(StrictModel):
 
     @field_validator("kms_key_id")
     @classmethod
-    def _kms_needs_sse_kms(cls, v: str | None, info) -> str | None:
+    def _kms_needs_sse_kms(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and info.data.get("server_side_encryption") != "aws:kms":
             raise ValueError("kms_key_id is only used with server_side_encryption: aws:kms; set both, or neither")
         return v
@@ -372,7 +373,7 @@ def check_run_name(run_name: str) -> str:
 
 # ---------------------------------------------------------------------------------------- loading
 
-def load_spec(path: str | os.PathLike, *, check_environment: bool = True) -> RunSpec:
+def load_spec(path: str | os.PathLike[str], *, check_environment: bool = True) -> RunSpec:
     """Load and validate a spec file. With check_environment, also check data and checkpoint dir."""
     source = str(path)
     try:
@@ -470,7 +471,10 @@ def _resolve(source: str, key: str, value: str) -> Path:
                         f"set {e.args[0]}, or give a default as ${{{e.args[0]}:-value}}") from None
 
 
-def _validate(model: type[BaseModel], raw: Any, source: str, prefix: str) -> Any:
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def _validate(model: type[_Model], raw: Any, source: str, prefix: str) -> _Model:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
@@ -500,7 +504,7 @@ def _brief(value: Any) -> str:
     return r.repr(value)
 
 
-def _dotted(prefix: str, loc: tuple) -> str:
+def _dotted(prefix: str, loc: tuple[int | str, ...]) -> str:
     """('data', 'train_files', 0) -> data.train_files[0]"""
     key = prefix.rstrip(".")
     for part in loc:
@@ -508,7 +512,7 @@ def _dotted(prefix: str, loc: tuple) -> str:
     return key
 
 
-def _submodel(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+def _submodel(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
     for part in loc:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)
@@ -524,7 +528,7 @@ def _submodel(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 
 # ---------------------------------------------------------------------------------- dated runs
 
-def _data_paths(spec: RunSpec):
+def _data_paths(spec: RunSpec) -> Iterator[tuple[str, str]]:
     for field in ("train_files", "val_files"):
         for i, f in enumerate(getattr(spec.data, field)):
             yield f"data.{field}[{i}]", f
@@ -594,7 +598,8 @@ def parquet_rows(source: str, key: str, path: str) -> int:
     import pyarrow.parquet as pq  # lazy: only when a spec's environment is checked
 
     try:
-        return pq.read_metadata(path).num_rows
+        rows: int = pq.read_metadata(path).num_rows
+        return rows
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a non-parquet file
         raise SpecError(source, key, f"not a readable parquet file: {path} ({e})", "check the file") from None
 
