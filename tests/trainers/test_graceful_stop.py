@@ -19,7 +19,7 @@ import pytest
 
 from relay.common.errors import SpecError
 from relay.common.faultpoint import FAULT_ENV
-from relay.jobs import chunk_job
+from relay.jobs import chunk_job, submission
 from relay.jobs.ray_jobs import TERMINAL, RayJobs
 from relay.preflight.prepare import prepare_run
 from relay.runs import failure_cause, layout
@@ -134,7 +134,7 @@ def test_a_chunk_job_stopped_with_ray_job_stop_saves_its_step_and_is_classified_
     run = prepare_run(spec, "g", started_by="test").run(spec)
     jobs = RayJobs(ray_address)
     sub_id = chunk_job.local_submission_id(run)
-    req = chunk_job.chunk_request(run, 6, sub_id, restore=False)
+    req = submission.chunk_request(run, 6, sub_id, chunk=chunk_job.chunk_index(run.spec, 6), restore=False)
     marker = tmp_path / "held"
     jobs.submit(req, sub_id, chunk_job.metadata(req), {FAULT_ENV: "after_step@4", "RELAY_FAULT_ONCE": str(marker)})
     try:

@@ -5,12 +5,9 @@ RayChunkOperator: one chunk of a run as one Ray job; deferrable while the job tr
 execute():
   1. The chunk is done when the run's latest valid checkpoint has reached its end step: finish at
      once, with success (a skip would cascade to the later chunks).
-  2. This try's job already exists (same deterministic submission id): re-attach to it.
-  3. A live job of this chunk from an earlier try still trains well (it holds the run's lease and made a
-     step within the stall limit): adopt it. A try that failed for a reason of Airflow's own never
-     throws away a healthy job's steps.
-  4. Otherwise stop every live job of this run (one writer per run), take the run's lease for the new
-     job (its fencing token travels in the request), submit, and defer.
+  2. The checks before a chunk (settings, data, the deadline, a fallback a person must approve).
+  3. Re-attach to this try's job, adopt a healthy job of an earlier try, or stop the run's other jobs and
+     submit a new one under the run's lease (relay.jobs.submission, which `relay train` shares); defer.
 execute_complete(): succeed only when the job succeeded and the run's checkpoint reached the end step.
 """
 
@@ -48,20 +45,19 @@ from relay.common.errors import RelayError
 from relay.common.faultpoint import drill_env, fault_point
 from relay.insights.audit import audit
 from relay.insights.eta import eta
-from relay.jobs.ray_jobs import LIVE, LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, submission_id
+from relay.jobs import submission
+from relay.jobs.ray_jobs import LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, submission_id
 from relay.preflight import admission
 from relay.preflight.admission import admit, parse_job_output
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, layout
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
-from relay.runs.lease import Lease
-from relay.runs.metrics import MetricsLog, read_events, record_event
+from relay.runs.metrics import read_events, record_event
 from relay.runs.phases import record_job_times, record_phase
 from relay.runs.run import Run
 from relay.s3.publication import publish_checkpoint
 from relay.spec.plan import Chunk, ChunkPlan
 from relay.spec.run_spec import deadline_seconds, load_spec
-from relay.trainers.contract import ChunkRequest
 
 FALLBACK_APPROVED = "fallback_approved"  # events.jsonl: a person approved resuming below a quarantined step
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
@@ -212,14 +208,12 @@ class RayChunkOperator(ChunkTaskOperator):
     def execute(self, context) -> dict:
         began = time.time()  # the try runs: the scheduling gap before it ends here (relay.insights.goodput)
         run, chunk = self._context(context)
-        spec = run.spec
         latest, problem = latest_step_or_problem(run.dir)
         if problem:
             self.log.warning("run %s: %s; the chunk's trainer quarantines it and falls back to the newest valid "
                              "checkpoint", run, problem)
         if chunk.done_by(latest):
             return self._done(context, run, chunk, f"already reached step {latest}; nothing to train")
-
         self._log_resume_preview(run, chunk, latest)
         self._checks_before_chunk(context, run, chunk)
         self._check_deadline(context, run, latest)
@@ -227,55 +221,58 @@ class RayChunkOperator(ChunkTaskOperator):
             self._fallback_to_approve(run, latest)
         except DecisionNeeded as need:
             ask(context, need, method_name="fallback_decided")
-        ti = context["ti"]
-        dag_run_id = context["dag_run"].run_id
-        sub_id = submission_id(spec.name, run.name, dag_run_id, chunk.index, ti.try_number)
-        self._submission_id = sub_id
-        hook = RayJobsHook(spec.ray.conn_id)
-        existing = hook.jobs.get(sub_id)
-        started = time.time()
-        if existing is None and (adopted := self._healthy_earlier_job(context, hook, run, chunk)) is not None:
-            # Found training well: its chunk timeout counts again from here (an earlier try's ended for a reason
-            # of Airflow's own, a triggerer that was down past it among them).
-            job, why = adopted
-            sub_id = self._submission_id = job.submission_id
+        hook = RayJobsHook(run.spec.ray.conn_id)
+        job = self._job_of_this_try(context, hook, run, chunk)
+        if job.action == "succeeded":
+            return self._done(context, run, chunk, f"job {job.submission_id} had already succeeded")
+        if job.action == "ended":
+            assert job.state is not None
+            raise AirflowException(f"Ray job {job.submission_id} of this try already ended {job.state.status}: "
+                                   f"{job.state.message}. The next try resumes from the latest checkpoint.")
+        started = time.time()  # an adopted job's chunk timeout counts again from here
+        self._mark(run, "task_started", chunk, job.submission_id, at=began, dag_run=context["dag_run"].run_id,
+                   try_number=context["ti"].try_number)
+        self._submission_id = job.submission_id
+        if job.action == "submit":
+            self._submit(context, hook, run, chunk, job.submission_id, latest)
+        elif job.action == "adopt":
             self.log.info("%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
-                          chunk, run, sub_id, why, ray_job_page(hook.dashboard_url, sub_id))
-            self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
-        elif existing is None:
-            # One that still holds the lease gets its grace to save the step it is in (relay.trainers.stopping).
-            stopped = hook.jobs.stop_run(spec.name, run.name, keep=sub_id,
-                                         wait_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S)
-            if stopped:
-                self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s",
-                                 run, stopped)
-            # The fencing token is taken here, at submission, and travels in the request: a stale job that
-            # starts late (a PENDING one of an earlier try) finds a newer token and never writes.
-            token = Lease(run.dir, incarnation=run.incarnation).acquire(sub_id)
-            req = ChunkRequest(run=run, to_step=chunk.end_step, chunk=chunk.index, attempt=sub_id, lease_token=token)
-            self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
-            hook.jobs.submit(req, sub_id, job_metadata(req, dag_run_id, ti.try_number),
-                             self._drill_env(context, run, chunk))
-            self._mark(run, "job_submitted", chunk, sub_id)
-            fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
-            if (state_store := context.get("task_state_store")) is not None:
-                state_store.set(JOB_STATE_KEY, sub_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
-            self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s (lease token %s): %s",
-                          chunk, run, latest or 0, sub_id, token, ray_job_page(hook.dashboard_url, sub_id))
-        elif existing.status == "SUCCEEDED":
-            return self._done(context, run, chunk, f"job {sub_id} had already succeeded")
-        elif existing.status in LIVE:
-            self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one: %s", sub_id,
-                          existing.status, ray_job_page(hook.dashboard_url, sub_id))
-            self._mark(run, "task_started", chunk, sub_id, at=began, dag_run=dag_run_id, try_number=ti.try_number)
+                          chunk, run, job.submission_id, job.why, ray_job_page(hook.dashboard_url, job.submission_id))
         else:
-            raise AirflowException(f"Ray job {sub_id} of this try already ended {existing.status}: "
-                                   f"{existing.message}. The next try resumes from the latest checkpoint.")
+            self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one: %s", job.submission_id,
+                          job.state and job.state.status, ray_job_page(hook.dashboard_url, job.submission_id))
+        self._defer_on_job(context, hook, run, chunk, job.submission_id, started)
 
-        # The task's "Ray job" link (RayJobLink), shown while the task is deferred on the job
-        ti.xcom_push(key=RAY_JOB_XCOM, value={"submission_id": sub_id,
-                                              "url": ray_job_page(hook.dashboard_url, sub_id)})
+    def _job_of_this_try(self, context, hook: RayJobsHook, run: Run, chunk: Chunk) -> submission.JobDecision:
+        sub_id = submission_id(run.spec.name, run.name, context["dag_run"].run_id, chunk.index,
+                               context["ti"].try_number)
+        state_store = context.get("task_state_store")
+        return submission.decide(hook.jobs, run, chunk, sub_id, stall_limit_s=stall_limit_s(run), warn=self.log.warning,
+                                 remembered=state_store.get(JOB_STATE_KEY) if state_store is not None else None)
 
+    def _submit(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, sub_id: str, latest: int | None) -> None:
+        """Stop the run's other jobs (one that still holds the lease gets its grace to save the step it is in:
+        relay.trainers.stopping), then submit this try's under the run's lease."""
+        ti, dag_run_id = context["ti"], context["dag_run"].run_id
+        done = submission.submit_chunk(
+            hook.jobs, run, chunk.end_step, sub_id, chunk=chunk.index, env=self._drill_env(context, run, chunk),
+            metadata=lambda req: job_metadata(req, dag_run_id, ti.try_number),
+            stop_others_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S)
+        if done.stopped:
+            self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s", run, done.stopped)
+        self._mark(run, "job_submitted", chunk, sub_id)
+        fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
+        if (state_store := context.get("task_state_store")) is not None:
+            state_store.set(JOB_STATE_KEY, sub_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
+        self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s (lease token %s): %s", chunk, run,
+                      latest or 0, sub_id, done.request.lease_token, ray_job_page(hook.dashboard_url, sub_id))
+
+    def _defer_on_job(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, sub_id: str,
+                      started: float) -> NoReturn:
+        """Give the task its "Ray job" link (RayJobLink, shown while deferred) and wait on the job in the triggerer."""
+        spec = run.spec
+        context["ti"].xcom_push(key=RAY_JOB_XCOM, value={"submission_id": sub_id,
+                                                         "url": ray_job_page(hook.dashboard_url, sub_id)})
         deadline = started + spec.ray.chunk_timeout_minutes * 60
         stall_after = stall_limit_s(run)
         self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step and after the last) is a "
@@ -338,40 +335,6 @@ class RayChunkOperator(ChunkTaskOperator):
             return {}
         dag_run = hashlib.sha256(context["dag_run"].run_id.encode()).hexdigest()[:8]
         return drill_env(drill, relay_dir(run.dir, "drills", f"{dag_run}-c{chunk.index:02d}.fired"))
-
-    def _healthy_earlier_job(self, context, hook, run: Run, chunk):
-        """A live job of this chunk that an earlier try submitted and that still trains well: it holds the
-        run's lease (a newer attempt fenced it out otherwise) and made a step within the stall limit (or is
-        still within its start-up allowance). (job, why) or None. A try that failed for a reason of
-        Airflow's own (a lost worker, a trigger timed out while the triggerer was down, a person clearing
-        the task) adopts it instead of stopping it and training its steps again."""
-        spec, run_dir = run.spec, run.dir
-        state_store = context.get("task_state_store")
-        remembered = state_store.get(JOB_STATE_KEY) if state_store is not None else None
-        # Airflow remembers the id once it was stored; a worker killed between the submission and that
-        # write leaves it unstored, and the job's metadata (run, chunk) finds it all the same.
-        candidates = sorted(hook.jobs.live_jobs_of_run(spec.name, run.name),
-                            key=lambda j: (j.submission_id != remembered, -(j.start_time or 0)))
-        lease = Lease(run_dir)
-        ours = [j for j in candidates if j.metadata.get("relay_chunk") == str(chunk.index) and lease.holds(j.submission_id)]
-        rows = MetricsLog(run_dir).rows() if ours else []
-        for job in ours:
-            steps = [r for r in rows if r.get("attempt") == job.submission_id]
-            limit = stall_limit_s(run)
-            if steps:
-                idle = time.time() - float(steps[-1].get("time") or 0)
-                why = f"it holds the run's lease and made step {steps[-1]['step']} {idle:.0f}s ago"
-                if steps[-1]["step"] >= chunk.end_step:  # saving: the same allowance as the trigger's
-                    limit += spec.alerts.startup_minutes * 60
-            else:
-                limit += spec.alerts.startup_minutes * 60
-                idle = time.time() - (job.start_time or 0)
-                why = f"it holds the run's lease and started {idle:.0f}s ago, within its start-up allowance"
-            if idle <= limit:
-                return job, why
-            self.log.warning("Ray job %s of an earlier try holds the lease but made no step for %.0fs (limit "
-                             "%.0fs): it is stopped, not adopted", job.submission_id, idle, limit)
-        return None
 
     def execute_complete(self, context, event: dict) -> dict:
         run, chunk = self._context(context)

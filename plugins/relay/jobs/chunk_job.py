@@ -1,12 +1,11 @@
 """A chunk as one Ray job, followed from a terminal: `relay train` of a trainer kind whose chunks only
 run as Ray jobs (verl_ppo: verl's trainer drives Ray workers of its own).
 
-The job is the one the DAG's train task submits (ray_jobs.RayJobs.submit: `python -m
-relay.trainers.job`, Relay's code in runtime_env, the request in its environment): the run's lease is
-taken here, at submission, for the job's submission id, and its fencing token travels in the request,
-as the operator does it. The job's log is printed as it comes (the Jobs API's log stream); the job's
-end is the command's. An interruption (Ctrl-C, or SIGTERM/SIGHUP turned into `Interrupted` by
-interrupts()) stops the job before it is passed on.
+The job is submitted as the DAG's train task submits one (relay.jobs.submission: `python -m
+relay.trainers.job`, Relay's code in runtime_env, the request in its environment, the run's lease taken
+at submission for the job's submission id, its fencing token in the request). The job's log is printed as
+it comes (the Jobs API's log stream); the job's end is the command's. An interruption (Ctrl-C, or
+SIGTERM/SIGHUP turned into `Interrupted` by interrupts()) stops the job before it is passed on.
 
 Imports nothing heavy at module level (ray only inside RayJobs).
 """
@@ -27,8 +26,8 @@ from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from relay.common.errors import RayJobError
+from relay.jobs import submission
 from relay.jobs.ray_jobs import TERMINAL, JobState, RayJobs
-from relay.runs.lease import Lease
 from relay.runs.run import Run
 from relay.spec.plan import ChunkPlan
 from relay.spec.run_spec import RunSpec
@@ -87,14 +86,6 @@ def chunk_index(spec: RunSpec, to_step: int) -> int | None:
     return plan.chunk_for_step(to_step).index if 1 <= to_step <= plan.total_steps else None
 
 
-def chunk_request(run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
-    """The job's request, with the run's lease taken for sub_id now (the token travels in the request: a
-    job that starts late finds a newer token and never writes)."""
-    token = Lease(run.dir, incarnation=run.incarnation).acquire(sub_id)
-    return ChunkRequest(run=run, to_step=to_step, chunk=chunk_index(run.spec, to_step), attempt=sub_id,
-                        lease_token=token, restore=restore)
-
-
 def metadata(req: ChunkRequest) -> dict[str, str]:
     """What the DAG's jobs carry (a train task stops a live job of its run: one writer per run), and who
     submitted it."""
@@ -106,10 +97,10 @@ def metadata(req: ChunkRequest) -> dict[str, str]:
 
 
 def submit_chunk(jobs: RayJobs, run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
-    """Submit the chunk's job, as the DAG's train task does (RayJobs.submit), the lease taken for sub_id."""
-    req = chunk_request(run, to_step, sub_id, restore)
-    jobs.submit(req, sub_id, metadata(req))  # (the trainer kind's job_env: verl's cpu platform for device cpu)
-    return req
+    """`relay train`'s job, submitted as the DAG's train task submits one (relay.jobs.submission), with this
+    command's metadata."""
+    return submission.submit_chunk(jobs, run, to_step, sub_id, chunk=chunk_index(run.spec, to_step),
+                                   metadata=metadata, restore=restore).request
 
 
 def follow(jobs: RayJobs, sub_id: str, out: TextIO | None = None, poll_s: float = 1.0) -> JobState:
