@@ -147,9 +147,9 @@ def gpu_stand_ins(monkeypatch):
         from omegaconf import OmegaConf
         from verl.trainer.ppo.v1 import get_trainer_cls
 
-        from relay.trainers.verl_ppo import chunk_trainer
+        from relay.trainers.verl_ppo import chunk_trainer, verl_chunk
 
-        chunk = chunk_trainer.detach(config)
+        chunk = verl_chunk.detach(config)
         chunk_trainer.install(chunk)
         OmegaConf.resolve(config)
         cls = get_trainer_cls(config.trainer.v1.trainer_mode)
@@ -325,21 +325,21 @@ def test_registration_lives_in_verls_registry_and_verl_refuses_a_second_class():
     from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer, trainer_base
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from relay.trainers.verl_ppo import chunk_trainer
+    from relay.trainers.verl_ppo import chunk_trainer, verl_chunk
 
-    cls = chunk_trainer.trainer_class()
+    cls = chunk_trainer.RelayChunkTrainer
     assert issubclass(cls, PPOTrainerSync) and cls.__mro__[1] is PPOTrainerSync
     with pytest.raises(ValueError, match="already registered"):  # why install() swaps the entry itself
         register_trainer("sync")(cls)
     try:
-        assert chunk_trainer.install(chunk_trainer.VerlChunk("{}", 0, 10, 30, "loop_bound")) is cls
+        assert chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound")) is cls
         assert get_trainer_cls("sync") is cls
-        assert chunk_trainer.install(chunk_trainer.VerlChunk("{}", 0, 10, 30, "loop_bound")) is cls  # idempotent
+        assert chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound")) is cls  # idempotent
         trainer_base.TRAINER_REGISTRY["sync"] = type("Other", (PPOTrainerSync,), {})
         from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
         with pytest.raises(VerlContractError, match="another plugin replaced it"):
-            chunk_trainer.install(chunk_trainer.VerlChunk("{}", 0, 10, 30, "loop_bound"))
+            chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound"))
     finally:
         trainer_base.TRAINER_REGISTRY["sync"] = PPOTrainerSync
 

@@ -191,16 +191,16 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
 
 
 def test_the_chunk_travels_to_the_task_runner_inside_verls_config(tmp_path):
-    from relay.trainers.verl_ppo import chunk_trainer, overrides
+    from relay.trainers.verl_ppo import overrides, verl_chunk
 
     cfg = overrides.compose(overrides_for(spec_of(tmp_path)))
-    c = chunk_trainer.VerlChunk(request=json.dumps({"x": "${oc.env:HOME}"}), resume_step=10, end_step=20,
+    c = verl_chunk.VerlChunk(request=json.dumps({"x": "${oc.env:HOME}"}), resume_step=10, end_step=20,
                                 total_steps=30, strategy="loop_bound", tracking_env={"WANDB_RUN_ID": "r-1"})
-    chunk_trainer.attach(cfg, c)
+    verl_chunk.attach(cfg, c)
     from omegaconf import OmegaConf
 
     OmegaConf.resolve(cfg)  # verl resolves the config in the actor: the payload must not be interpolated
-    assert chunk_trainer.detach(cfg) == c and chunk_trainer.PAYLOAD_KEY not in cfg
+    assert verl_chunk.detach(cfg) == c and verl_chunk.PAYLOAD_KEY not in cfg
     assert c.skip_validation_at(20) and not c.skip_validation_at(30) and not c.skip_validation_at(19)
 
 

@@ -164,7 +164,7 @@ def test_the_chunk_trainer_is_verls_own_loop():
     from relay.trainers.verl_ppo.runner import relay_task_runner
     from relay.trainers.verl_ppo.verl_contract import original_class
 
-    cls = chunk_trainer.trainer_class()
+    cls = chunk_trainer.RelayChunkTrainer
     assert issubclass(cls, PPOTrainerSync)
     for name in ("fit", "step", "_step_once", "_setup", "_compute_advantage", "_compute_ref_log_prob",
                  "_compute_old_log_prob", "_update_actor", "_compute_reward_colocate", "init"):
@@ -174,7 +174,7 @@ def test_the_chunk_trainer_is_verls_own_loop():
     # calls verl's method: on_step_end, for one, hands the weights to the rollout as verl's does, and saves through
     # verl's _save_checkpoint when asked to stop)
     assert cls.on_step_end is not PPOTrainerSync.on_step_end and cls._save_checkpoint.__qualname__.startswith(
-        "trainer_class.<locals>.RelayChunkTrainer")
+        "RelayChunkTrainer.")
     runner = relay_task_runner()
     assert issubclass(runner, original_class(TaskRunnerV1))
     assert runner.init_agent_loop_manager is original_class(TaskRunnerV1).init_agent_loop_manager

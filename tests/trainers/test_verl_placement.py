@@ -50,11 +50,11 @@ def test_the_chunk_trainer_checks_before_verl_creates_its_pools(monkeypatch):
 
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from relay.trainers.verl_ppo.chunk_trainer import trainer_class
+    from relay.trainers.verl_ppo.chunk_trainer import RelayChunkTrainer
 
     setup = inspect.getsource(PPOTrainerSync._setup)
     assert setup.index("self._init_resource_pool_mgr()") < setup.index("create_resource_pool()"), "verl's order"
-    cls = trainer_class()
+    cls = RelayChunkTrainer
 
     def verls_own(self):  # what verl's _init_resource_pool_mgr leaves behind, without a config to read
         self.resource_pool_manager = verl_pool_manager(1)

@@ -21,7 +21,7 @@ from relay.common.errors import CheckpointError, SpecError
 from relay.common.timestamps import utc_stamp
 from relay.runs import layout
 from relay.runs.metrics import record_event
-from relay.trainers.verl_ppo.chunk_trainer import ROLLOUT_STATE
+from relay.trainers.verl_ppo.verl_chunk import ROLLOUT_STATE
 
 ASIDE = "rollout_state"
 

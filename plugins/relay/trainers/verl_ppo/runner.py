@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from relay.common.errors import RelayError
-from relay.trainers.verl_ppo import chunk_trainer, tracking
+from relay.trainers.verl_ppo import tracking, verl_chunk
 from relay.trainers.verl_ppo.verl_contract import original_class
 
 _PLAIN = None
@@ -32,7 +32,9 @@ def relay_task_runner() -> type:
         """verl's TaskRunnerV1 for one Relay chunk: the trainer is installed here, in the actor."""
 
         def run(self, config):
-            chunk = chunk_trainer.detach(config)
+            from relay.trainers.verl_ppo import chunk_trainer  # imports verl's trainer: in the actor only
+
+            chunk = verl_chunk.detach(config)
             if chunk is None:
                 raise RelayError("verl's config carries no Relay chunk", "start main_ppo through Relay's entrypoint",
                                  retry_helps=False)

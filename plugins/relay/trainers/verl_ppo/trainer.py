@@ -40,7 +40,7 @@ from relay.trainers import stopping
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession, stop_of
 from relay.trainers.stopping import GracefulStop
-from relay.trainers.verl_ppo import chunk_trainer, horizon, hygiene, overrides, tracking, verl_contract
+from relay.trainers.verl_ppo import horizon, hygiene, overrides, tracking, verl_chunk, verl_contract
 from relay.trainers.verl_ppo.horizon import describe_schedule
 from relay.trainers.verl_ppo.runner import task_runner_class
 
@@ -126,7 +126,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
 
     auto_set_device(config)
     overrides.check_config(config)
-    chunk_trainer.attach(config, chunk_trainer.VerlChunk(
+    verl_chunk.attach(config, verl_chunk.VerlChunk(
         request=req.to_json(), resume_step=start, end_step=req.to_step, total_steps=spec.total_steps,
         strategy=strategy, validate_chunk_end=s.validate_every_chunk, test_freq=s.test_freq,
         tracking_env=tracking_env(req), run_dir=str(run_dir)))
