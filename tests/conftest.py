@@ -63,6 +63,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.services)
         elif SERVICE_FIXTURES & set(item.fixturenames) and item.get_closest_marker("services") is None:
             unmarked.append(f"{item.nodeid} (uses {', '.join(sorted(SERVICE_FIXTURES & set(item.fixturenames)))})")
+    for item in items:
+        # The session's S3 server before any other fixture of a marked test: a module's fixture that starts
+        # Airflow or a trainer reads S3's address from the environment the server's fixture sets.
+        names = getattr(item, "fixturenames", None)
+        if item.get_closest_marker("services") is not None and names is not None and "s3_server" not in names[:1]:
+            if "s3_server" in names:
+                names.remove("s3_server")
+            names.insert(0, "s3_server")
     if unmarked:
         raise pytest.UsageError("these tests use a service without the `services` mark; add @pytest.mark.services "
                                 "(the fast lane would start the service for them):\n  " + "\n  ".join(unmarked))
@@ -93,13 +101,6 @@ def data_check_cache(tmp_path_factory):
         os.environ.pop("RELAY_DATA_CHECK_CACHE", None)
     else:
         os.environ["RELAY_DATA_CHECK_CACHE"] = saved
-
-
-@pytest.fixture(autouse=True)
-def _services(request):
-    """The session's S3 server for a test marked `services` (its subprocesses reach S3 through the environment)."""
-    if request.node.get_closest_marker("services") is not None:
-        request.getfixturevalue("s3_server")
 
 
 @pytest.fixture(scope="session")
