@@ -51,8 +51,10 @@ def build(run: Path, hidden: int, layers: int, vocab: int) -> Path:
 
     step_dir = layout.step_dir(run, 1)
     if not (step_dir / "data.pt").exists():
-        print(f"writing a verl checkpoint (hidden {hidden}, {layers} layers, vocab {vocab}, FSDP2, world size 2)...",
-              flush=True)
+        print(
+            f"writing a verl checkpoint (hidden {hidden}, {layers} layers, vocab {vocab}, FSDP2, world size 2)...",
+            flush=True,
+        )
         verl_checkpoint.make(run, world_size=2, fsdp=2, hidden=hidden, layers=layers, vocab=vocab)
     return step_dir
 
@@ -117,15 +119,19 @@ def in_child(setup: str, body: str) -> tuple[float, int]:
 def validate_once(run: Path) -> tuple[float, int]:
     m = layout.step_dir(run, 1) / manifest.NAME
     m.unlink(missing_ok=True)  # validate from scratch each time, as the gate does on a new checkpoint
-    return in_child("from relay.checkpoints.validate import validate_checkpoint\nimport torch.distributed.tensor",
-                    f"r = validate_checkpoint(Path({str(run)!r}), 1)\nassert r.ok, r.summary()")
+    return in_child(
+        "from relay.checkpoints.validate import validate_checkpoint\nimport torch.distributed.tensor",
+        f"r = validate_checkpoint(Path({str(run)!r}), 1)\nassert r.ok, r.summary()",
+    )
 
 
 def relay_restore(uri: str, dest: Path) -> tuple[float, int]:
-    return in_child(f"from relay.s3.restore import restore\nfrom relay.s3.store import CheckpointStore, s3_client\n"
-                    f"import torch.distributed.tensor\n"
-                    f"store = CheckpointStore(s3_client(), {uri!r})",
-                    f"assert restore(store, 'bench', Path({str(dest)!r}), log=print) == (1, store.step_uri('bench', 1))")
+    return in_child(
+        f"from relay.s3.restore import restore\nfrom relay.s3.store import CheckpointStore, s3_client\n"
+        f"import torch.distributed.tensor\n"
+        f"store = CheckpointStore(s3_client(), {uri!r})",
+        f"assert restore(store, 'bench', Path({str(dest)!r}), log=print) == (1, store.step_uri('bench', 1))",
+    )
 
 
 def command(argv: list[str]) -> float:
@@ -157,14 +163,15 @@ def delete_prefix(uri: str) -> None:
     store = CheckpointStore(s3_client(), uri)
     keys, token = [], None
     while True:
-        r = store.client.list_objects_v2(Bucket=store.bucket, Prefix=store.prefix + "/",
-                                         **({"ContinuationToken": token} if token else {}))
+        r = store.client.list_objects_v2(
+            Bucket=store.bucket, Prefix=store.prefix + "/", **({"ContinuationToken": token} if token else {})
+        )
         keys += [o["Key"] for o in r.get("Contents", [])]
         if not r.get("IsTruncated"):
             break
         token = r["NextContinuationToken"]
     for i in range(0, len(keys), 1000):
-        store.client.delete_objects(Bucket=store.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+        store.client.delete_objects(Bucket=store.bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]})
 
 
 def checkpoint_options(doc: str | None) -> argparse.ArgumentParser:
@@ -216,16 +223,20 @@ def projection(up_bps: float, down_bps: float, part_size: int = 32 << 20, concur
 
     size = 384e9
     s3_conn = 5e9 / 8
-    print(f"projection, 384 GB checkpoint (part size {part_size >> 20} MiB: {size / part_size:,.0f} parts; one "
-          f"connection here: up {up_bps / 1e6:.0f} MB/s, down {down_bps / 1e6:.0f} MB/s; on S3 about 5 Gb/s):")
+    print(
+        f"projection, 384 GB checkpoint (part size {part_size >> 20} MiB: {size / part_size:,.0f} parts; one "
+        f"connection here: up {up_bps / 1e6:.0f} MB/s, down {down_bps / 1e6:.0f} MB/s; on S3 about 5 Gb/s):"
+    )
     for gbps in (10, 100):
         link = gbps * 1e9 / 8
         for what, conns, here in (("publish", concurrency, up_bps), ("restore", download_concurrency(), down_bps)):
             per = min(s3_conn, here)
             rate = min(link, conns * per)
             need = -(-link // per)
-            print(f"  {gbps:>3} Gb/s {what}: {conns} connections -> {rate * 8 / 1e9:.1f} Gb/s, "
-                  f"{size / rate / 60:.1f} min; {need:.0f} connections fill the link ({size / link / 60:.1f} min)")
+            print(
+                f"  {gbps:>3} Gb/s {what}: {conns} connections -> {rate * 8 / 1e9:.1f} Gb/s, "
+                f"{size / rate / 60:.1f} min; {need:.0f} connections fill the link ({size / link / 60:.1f} min)"
+            )
 
 
 def ratio(what: str, baseline: str, ours: float, theirs: float, target: str) -> None:
@@ -258,8 +269,10 @@ def validation(run: Path, files: list[Path], total: int, rounds: int) -> None:
         val.append(seconds)
         val_mem.append(peak)
     sha_t, val_t = statistics.median(sha), statistics.median(val)
-    print(f"validation: {total / val_t / 1e9:.2f} GB/s (median {val_t:.2f}s), peak anonymous memory "
-          f"{max(val_mem) / 2**20:.0f} MiB; hashlib sha256: {total / sha_t / 1e9:.2f} GB/s (median {sha_t:.2f}s)")
+    print(
+        f"validation: {total / val_t / 1e9:.2f} GB/s (median {val_t:.2f}s), peak anonymous memory "
+        f"{max(val_mem) / 2**20:.0f} MiB; hashlib sha256: {total / sha_t / 1e9:.2f} GB/s (median {sha_t:.2f}s)"
+    )
     ratio("validation", "hashlib.sha256", val_t, sha_t, ">= 3x; memory < 512 MiB")
     print(json.dumps({"bytes": total, "sha256_s": sha, "validate_s": val, "validate_peak_anon_bytes": val_mem}))
 
@@ -294,8 +307,11 @@ def transfers(args, run: Path, step_dir: Path, files: list[Path], total: int) ->
     up_bps, down_bps = per_connection(files, f"s3://relay/bench-one-{tag}")
     med = {k: {who: statistics.median(v) for who, v in d.items()} for k, d in (("publish", pub), ("restore", get))}
     for what, times in med.items():
-        print(f"{what}: " + "; ".join(f"{who} {total / t / 1e6:.0f} MB/s (median {t:.2f}s)" for who, t in times.items())
-              + (f"; relay's peak anonymous memory {max(get_mem) / 2**20:.0f} MiB" if what == "restore" else ""))
+        print(
+            f"{what}: "
+            + "; ".join(f"{who} {total / t / 1e6:.0f} MB/s (median {t:.2f}s)" for who, t in times.items())
+            + (f"; relay's peak anonymous memory {max(get_mem) / 2**20:.0f} MiB" if what == "restore" else "")
+        )
     ratio("publish", "aws-cli", med["publish"]["relay"], med["publish"]["aws"], ">= 1.0x")
     ratio("publish", "s5cmd", med["publish"]["relay"], med["publish"]["s5cmd"], ">= 1.0x")
     ratio("restore", "aws-cli", med["restore"]["relay"], med["restore"]["aws"], ">= 1.5x")

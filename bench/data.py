@@ -37,13 +37,15 @@ def make(path: Path, rows: int, prompt_bytes: int) -> Path:
     batch = 100_000
     for start in range(0, rows, batch):
         n = min(batch, rows - start)
-        table = pa.table({
-            "data_source": ["bench"] * n,
-            "prompt": [[{"role": "user", "content": os.urandom(prompt_bytes // 2).hex()}] for _ in range(n)],
-            "ability": ["math"] * n,
-            "reward_model": [{"style": "rule", "ground_truth": str(i % 97)} for i in range(start, start + n)],
-            "extra_info": [{"split": "train", "index": i} for i in range(start, start + n)],
-        })
+        table = pa.table(
+            {
+                "data_source": ["bench"] * n,
+                "prompt": [[{"role": "user", "content": os.urandom(prompt_bytes // 2).hex()}] for _ in range(n)],
+                "ability": ["math"] * n,
+                "reward_model": [{"style": "rule", "ground_truth": str(i % 97)} for i in range(start, start + n)],
+                "extra_info": [{"split": "train", "index": i} for i in range(start, start + n)],
+            }
+        )
         writer = writer or pq.ParquetWriter(path, table.schema)
         writer.write_table(table)
     writer.close()
@@ -78,8 +80,10 @@ def main() -> int:
 
     t_sha = timed(sha, args.rounds)
     t_fp = timed(lambda: fingerprint(big), args.rounds)
-    print(f"fingerprint: {size / t_fp / 1e9:.2f} GB/s (median {t_fp:.2f}s); hashlib.file_digest sha256: "
-          f"{size / t_sha / 1e9:.2f} GB/s (median {t_sha:.2f}s)")
+    print(
+        f"fingerprint: {size / t_fp / 1e9:.2f} GB/s (median {t_fp:.2f}s); hashlib.file_digest sha256: "
+        f"{size / t_sha / 1e9:.2f} GB/s (median {t_sha:.2f}s)"
+    )
     print(f"RATIO fingerprint / hashlib.sha256 throughput: {t_sha / t_fp:.2f}x  (target >= 0.9x)")
 
     rows = make(work / "rows_1m.parquet", 1_000_000, 64)

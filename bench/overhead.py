@@ -52,8 +52,7 @@ def measure(run_dir: Path) -> list[dict]:
     ledger = goodput.ledger(run_dir)
     if ledger is None:
         raise SystemExit(f"{run_dir}: no chunk attempt recorded")
-    return [{"chunk": c["chunk"], **{p: c["parts"][p] for p in PARTS}, "wall": c["seconds"]}
-            for c in ledger.chunks()]
+    return [{"chunk": c["chunk"], **{p: c["parts"][p] for p in PARTS}, "wall": c["seconds"]} for c in ledger.chunks()]
 
 
 def report(chunks: list[dict]) -> None:
@@ -64,15 +63,21 @@ def report(chunks: list[dict]) -> None:
     print(f"{'med':>5} " + " ".join(f"{med[p]:>10.2f}s" for p in PARTS) + f" {med['wall']:>10.2f}s")
     orchestration = sum(med[p] for p in AIRFLOW_RAY)
     boundary = med["wall"] - med["training"]
-    print(f"\nper chunk boundary (medians): Airflow + Ray add {orchestration:.1f}s "
-          f"({', '.join(f'{p} {med[p]:.1f}s' for p in AIRFLOW_RAY)}); the trainer's start-up "
-          f"{med['startup']:.1f}s, its save {med['save']:.1f}s and validation {med['validation']:.1f}s come on top")
-    print(f"ratio to the demo chunk's wall time ({med['wall']:.1f}s, baseline): Airflow + Ray "
-          f"{orchestration / med['wall']:.1%}; everything but the steps {boundary / med['wall']:.1%}")
+    print(
+        f"\nper chunk boundary (medians): Airflow + Ray add {orchestration:.1f}s "
+        f"({', '.join(f'{p} {med[p]:.1f}s' for p in AIRFLOW_RAY)}); the trainer's start-up "
+        f"{med['startup']:.1f}s, its save {med['save']:.1f}s and validation {med['validation']:.1f}s come on top"
+    )
+    print(
+        f"ratio to the demo chunk's wall time ({med['wall']:.1f}s, baseline): Airflow + Ray "
+        f"{orchestration / med['wall']:.1%}; everything but the steps {boundary / med['wall']:.1%}"
+    )
     for minutes in (60,):
-        print(f"projected for {minutes}-minute GPU chunks: Airflow + Ray {orchestration:.1f}s = "
-              f"{orchestration / (minutes * 60):.2%} of the chunk (goal < 1%); with this CPU trainer's start-up and "
-              f"validation too: {(orchestration + med['startup'] + med['validation']) / (minutes * 60):.2%}")
+        print(
+            f"projected for {minutes}-minute GPU chunks: Airflow + Ray {orchestration:.1f}s = "
+            f"{orchestration / (minutes * 60):.2%} of the chunk (goal < 1%); with this CPU trainer's start-up and "
+            f"validation too: {(orchestration + med['startup'] + med['validation']) / (minutes * 60):.2%}"
+        )
 
 
 def main() -> int:

@@ -32,9 +32,11 @@ from relay.runs import layout  # noqa: E402
 
 def reshard_once(run: Path, out: Path, world_size: int) -> tuple[float, int]:
     """(seconds, peak RssAnon in bytes above the child's once set up) of one reshard in a child process."""
-    return in_child("from relay.checkpoints.reshard import reshard\n"
-                    "import torch.distributed, torch.testing._internal.distributed.fake_pg",
-                    f"reshard(Path({str(run)!r}), {world_size}, out=Path({str(out)!r}))")
+    return in_child(
+        "from relay.checkpoints.reshard import reshard\n"
+        "import torch.distributed, torch.testing._internal.distributed.fake_pg",
+        f"reshard(Path({str(run)!r}), {world_size}, out=Path({str(out)!r}))",
+    )
 
 
 def copy_once(step_dir: Path, dest: Path) -> float:
@@ -72,13 +74,26 @@ def main() -> int:
             shutil.rmtree(Path(tmp) / f"out{i}")
     c, r = statistics.median(copy_t), statistics.median(reshard_t)
     largest = largest_tensor_bytes(step_dir)
-    print(f"reshard: {total / r / 1e6:.0f} MB/s (median {r:.2f}s); copytree + fsync: {total / c / 1e6:.0f} MB/s "
-          f"(median {c:.2f}s)")
+    print(
+        f"reshard: {total / r / 1e6:.0f} MB/s (median {r:.2f}s); copytree + fsync: {total / c / 1e6:.0f} MB/s "
+        f"(median {c:.2f}s)"
+    )
     print(f"RATIO reshard / copytree+fsync throughput: {c / r:.2f}x  (target >= 0.5x)")
-    print(f"peak anonymous memory of the reshard: {max(peaks) / 2**20:.0f} MiB above its interpreter's "
-          f"(the checkpoint: {total / 2**20:.0f} MiB; its largest tensor: {largest / 2**20:.0f} MiB)")
-    print(json.dumps({"bytes": total, "reshard_s": reshard_t, "copy_s": copy_t, "peak_anon_bytes": peaks,
-                      "largest_tensor_bytes": largest}))
+    print(
+        f"peak anonymous memory of the reshard: {max(peaks) / 2**20:.0f} MiB above its interpreter's "
+        f"(the checkpoint: {total / 2**20:.0f} MiB; its largest tensor: {largest / 2**20:.0f} MiB)"
+    )
+    print(
+        json.dumps(
+            {
+                "bytes": total,
+                "reshard_s": reshard_t,
+                "copy_s": copy_t,
+                "peak_anon_bytes": peaks,
+                "largest_tensor_bytes": largest,
+            }
+        )
+    )
     return 0
 
 

@@ -50,9 +50,25 @@ def ts(value: str) -> float:
 
 def run_chunks(address: str, run_dir: Path, ends=(2, 4, 6)) -> None:
     for end in ends:
-        r = subprocess.run([sys.executable, "-m", "relay", "train", str(SPEC), "--to-step", str(end),
-                            "--checkpoint-dir", str(run_dir), "--offline", "--ray-address", address],
-                           cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "relay",
+                "train",
+                str(SPEC),
+                "--to-step",
+                str(end),
+                "--checkpoint-dir",
+                str(run_dir),
+                "--offline",
+                "--ray-address",
+                address,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             raise SystemExit(f"relay train --to-step {end} failed:\n{(r.stdout + r.stderr)[-4000:]}")
 
@@ -71,12 +87,18 @@ def measure(address: str, run_dir: Path) -> list[dict]:
             raise SystemExit(f"job {attempt} recorded {len(marks)} of the {len(STARTUP)} start-up marks")
         times = [info.start_time / 1e3, *marks]
         last_step_done = max(r["time"] for r in steps)
-        out.append({
-            "chunk": start.get("chunk"), "resumed_from": start.get("resumed_from"), "steps_n": len(steps),
-            **{p: b - a for p, a, b in zip(PARTS, times, times[1:], strict=False)},
-            "steps": last_step_done - times[-1], "job end": info.end_time / 1e3 - last_step_done,
-            "start-up": times[-1] - times[0], "wall": info.end_time / 1e3 - times[0],
-        })
+        out.append(
+            {
+                "chunk": start.get("chunk"),
+                "resumed_from": start.get("resumed_from"),
+                "steps_n": len(steps),
+                **{p: b - a for p, a, b in zip(PARTS, times, times[1:], strict=False)},
+                "steps": last_step_done - times[-1],
+                "job end": info.end_time / 1e3 - last_step_done,
+                "start-up": times[-1] - times[0],
+                "wall": info.end_time / 1e3 - times[0],
+            }
+        )
     return out
 
 
@@ -89,11 +111,13 @@ def report(chunks: list[dict]) -> dict:
         print(f"{p:<{width}} " + " ".join(f"{v:>9.1f}s" for v in values) + f" {statistics.median(values):>9.1f}s")
     med = {p: statistics.median(c[p] for c in chunks) for p in (*PARTS, "start-up", "wall")}
     relay_part = med[PARTS[0]]
-    print(f"\nmedian start-up {med['start-up']:.1f}s against the same job's {chunks[0]['steps_n']} steps "
-          f"{med['steps']:.1f}s (baseline): {med['start-up'] / med['steps']:.1f}x the training it precedes; "
-          f"{(med['wall'] - med['steps']) / med['wall']:.0%} of a chunk is not training. Of the start-up, "
-          f"job start -> resume checked (the job's imports, Relay's lease and resume validation) is "
-          f"{relay_part:.1f}s ({relay_part / med['start-up']:.0%}); the rest is verl's.")
+    print(
+        f"\nmedian start-up {med['start-up']:.1f}s against the same job's {chunks[0]['steps_n']} steps "
+        f"{med['steps']:.1f}s (baseline): {med['start-up'] / med['steps']:.1f}x the training it precedes; "
+        f"{(med['wall'] - med['steps']) / med['wall']:.0%} of a chunk is not training. Of the start-up, "
+        f"job start -> resume checked (the job's imports, Relay's lease and resume validation) is "
+        f"{relay_part:.1f}s ({relay_part / med['start-up']:.0%}); the rest is verl's."
+    )
     return med
 
 

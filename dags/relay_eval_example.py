@@ -15,6 +15,12 @@ from relay.spec.run_spec import load_spec
 SPEC = project.root() / "include" / "runs" / "demo.yaml"
 spec = load_spec(SPEC, check_environment=False)
 
-with DAG(dag_id="relay_eval_demo", schedule=[checkpoint_alias(spec)], start_date=datetime(2025, 1, 1),
-         catchup=False, tags=["relay", "example"], doc_md=__doc__) as dag:
+with DAG(
+    dag_id="relay_eval_demo",
+    schedule=[checkpoint_alias(spec)],
+    start_date=datetime(2025, 1, 1),
+    catchup=False,
+    tags=["relay", "example"],
+    doc_md=__doc__,
+) as dag:
     PythonOperator(task_id="evaluate", python_callable=evaluate_published, op_kwargs={"spec_path": str(SPEC)})

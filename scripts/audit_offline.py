@@ -87,10 +87,19 @@ def audit(db: Path) -> list[dict]:
                 continue
             name = canonical(pkg.get("name", ""))
             if name in have and affects(entry, have[name]):
-                out.append({"package": name, "version": have[name], "id": doc.get("id"),
-                            "aliases": doc.get("aliases") or [], "fixed_in": fixed_in(entry),
-                            "summary": (doc.get("summary") or doc.get("details") or "").strip().splitlines()[0][:160]
-                            if (doc.get("summary") or doc.get("details")) else "", "file": str(path.relative_to(db))})
+                out.append(
+                    {
+                        "package": name,
+                        "version": have[name],
+                        "id": doc.get("id"),
+                        "aliases": doc.get("aliases") or [],
+                        "fixed_in": fixed_in(entry),
+                        "summary": (doc.get("summary") or doc.get("details") or "").strip().splitlines()[0][:160]
+                        if (doc.get("summary") or doc.get("details"))
+                        else "",
+                        "file": str(path.relative_to(db)),
+                    }
+                )
     return sorted(out, key=lambda f: (f["package"], f["id"] or ""))
 
 
@@ -108,8 +117,10 @@ def main(argv=None) -> int:
     else:
         print(f"{len(installed())} installed distributions audited against {args.db}: {len(findings)} findings")
         for f in findings:
-            print(f"  {f['package']} {f['version']}: {f['id']} {' '.join(f['aliases'])} fixed in "
-                  f"{', '.join(f['fixed_in']) or '?'}: {f['summary']}")
+            print(
+                f"  {f['package']} {f['version']}: {f['id']} {' '.join(f['aliases'])} fixed in "
+                f"{', '.join(f['fixed_in']) or '?'}: {f['summary']}"
+            )
     return 1 if findings else 0
 
 

@@ -38,8 +38,9 @@ def _type(annotation) -> str:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
     name = getattr(annotation, "__name__", str(annotation))
-    return {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "date": "date",
-            "Any": "any"}.get(name, name)
+    return {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "date": "date", "Any": "any"}.get(
+        name, name
+    )
 
 
 def _default(field) -> str:
@@ -94,13 +95,20 @@ def spec_page() -> str:
         out += [f"| `{k}` | {t} | {d} | {'yes' if c else ''} | {desc} |" for k, t, d, c, desc in rows]
         return out
 
-    lines = ["# Run spec reference", "",
-             "Generated from the spec's models by `python scripts/docs_reference.py`; do not edit by hand.", "",
-             "A run spec is a YAML file in `include/runs/`; one DAG per spec (`relay_<name>`). Unknown keys are "
-             "errors. A **resume-critical** key must not change between the chunks of one training run: changing it "
-             "turns the run into another experiment, so the DAG's `preflight.settings` refuses the change unless "
-             "the DAG run's `allow_drift` Param names the key or a person approves it in the UI. How to write one: "
-             "[Write a run spec](../guides/run-spec.md).", "", "## Top level and sections", ""]
+    lines = [
+        "# Run spec reference",
+        "",
+        "Generated from the spec's models by `python scripts/docs_reference.py`; do not edit by hand.",
+        "",
+        "A run spec is a YAML file in `include/runs/`; one DAG per spec (`relay_<name>`). Unknown keys are "
+        "errors. A **resume-critical** key must not change between the chunks of one training run: changing it "
+        "turns the run into another experiment, so the DAG's `preflight.settings` refuses the change unless "
+        "the DAG run's `allow_drift` Param names the key or a person approves it in the UI. How to write one: "
+        "[Write a run spec](../guides/run-spec.md).",
+        "",
+        "## Top level and sections",
+        "",
+    ]
     lines += table(spec_rows(RunSpec))
     for kind in KINDS.values():
         model = kind.settings_model()
@@ -128,14 +136,29 @@ def cli_page() -> str:
     os.environ["COLUMNS"] = "100"  # argparse wraps usage lines at the terminal's width: the page is the same everywhere
 
     parser = build_parser(prog="relay")
-    lines = ["# CLI reference", "",
-             "Generated from the CLI's parser by `python scripts/docs_reference.py`; do not edit by hand.", "",
-             "`.venv/bin/relay ...` (or `.venv/bin/python -m relay ...`). Standard AWS variables configure S3 "
-             "(`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...).", "", EXIT_CODES[0].upper() + EXIT_CODES[1:] + ".", ""]
+    lines = [
+        "# CLI reference",
+        "",
+        "Generated from the CLI's parser by `python scripts/docs_reference.py`; do not edit by hand.",
+        "",
+        "`.venv/bin/relay ...` (or `.venv/bin/python -m relay ...`). Standard AWS variables configure S3 "
+        "(`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...).",
+        "",
+        EXIT_CODES[0].upper() + EXIT_CODES[1:] + ".",
+        "",
+    ]
     for path, cmd in _commands(parser, []):
         name = "relay " + " ".join(path)
-        lines += [f"## `{name}`", "", (getattr(cmd, "_relay_help", None) or cmd.description or "").strip(), "",
-                  "```text", cmd.format_usage().replace("usage: ", "").strip(), "```", ""]
+        lines += [
+            f"## `{name}`",
+            "",
+            (getattr(cmd, "_relay_help", None) or cmd.description or "").strip(),
+            "",
+            "```text",
+            cmd.format_usage().replace("usage: ", "").strip(),
+            "```",
+            "",
+        ]
         rows = []
         for a in cmd._actions:
             if isinstance(a, argparse._HelpAction) or a.help == argparse.SUPPRESS:

@@ -59,10 +59,16 @@ def cases(paths: list[Path]) -> list[dict]:
             in_suite = classname.startswith("tests.faults.") or test.startswith("tests/faults/")
             if not rows and not (in_suite and outcome == "failed"):
                 continue  # not a fault case (or a helper test of the suite that passed)
-            for row in rows or [{"fault": name, "action": "the case recorded no row (it failed before the end)",
-                                 "cause": "?", "steps_lost": "?", "data_lost": "?"}]:
-                out.append({**row, "test": test, "outcome": outcome,
-                            "seconds": float(tc.get("time") or 0)})
+            for row in rows or [
+                {
+                    "fault": name,
+                    "action": "the case recorded no row (it failed before the end)",
+                    "cause": "?",
+                    "steps_lost": "?",
+                    "data_lost": "?",
+                }
+            ]:
+                out.append({**row, "test": test, "outcome": outcome, "seconds": float(tc.get("time") or 0)})
     return out
 
 
@@ -81,8 +87,12 @@ def render(rows: list[dict], sources: list[Path], wall: int | None = None, worke
         f"**{len(rows)} cases: {passed} passed, {len(rows) - passed} not passed. Data lost: "
         f"{'none' if not lost else f'{len(lost)} cases (see below)'}.**"
         + (f" Kill points drawn with RELAY_TEST_SEED={', '.join(seeds)}." if seeds else "")
-        + (f" The suite ran in {wall // 60} min {wall % 60:02d} s (install and services included) on {workers} "
-           "pytest workers." if wall is not None else ""),
+        + (
+            f" The suite ran in {wall // 60} min {wall % 60:02d} s (install and services included) on {workers} "
+            "pytest workers."
+            if wall is not None
+            else ""
+        ),
         "",
         "Each case asserts that the run finishes, that its final weights are bitwise those of an "
         "uninterrupted run with the same seed, and that the steps lost are at most the steps since the last "
@@ -96,9 +106,11 @@ def render(rows: list[dict], sources: list[Path], wall: int | None = None, worke
     ]
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     for r in rows:
-        lines.append(f"| {esc(r['fault'])} | {esc(r['action'])} | {esc(r.get('cause', '?'))} | "
-                     f"{esc(r['steps_lost'])} | {esc(r['data_lost'])} | {esc(r.get('layer', 'trainer'))} | "
-                     f"`{esc(r['test'])}` | {r['outcome']} |")
+        lines.append(
+            f"| {esc(r['fault'])} | {esc(r['action'])} | {esc(r.get('cause', '?'))} | "
+            f"{esc(r['steps_lost'])} | {esc(r['data_lost'])} | {esc(r.get('layer', 'trainer'))} | "
+            f"`{esc(r['test'])}` | {r['outcome']} |"
+        )
     missing = [f"- {what} (`{case}`)" for case, what in PLANNED.items() if case not in covered]
     if missing:
         lines += ["", "## Not covered by this suite yet", "", *missing]
@@ -117,8 +129,6 @@ def ordered(rows: list[dict]) -> list[dict]:
         return (order.index(r["case"]) if r.get("case") in order else len(order), point, r["test"])
 
     return sorted(rows, key=key)
-
-
 
 
 def main(argv=None) -> int:

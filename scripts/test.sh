@@ -10,9 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
-# Lint and import order first (ruff), then types (mypy over plugins/relay; settings of both in
-# pyproject.toml): seconds, not a test run.
+# Lint, import order and layout first (ruff check, ruff format), then types (mypy over plugins/relay; the core
+# layers strictly; settings of all in pyproject.toml): seconds, not a test run.
 .venv/bin/ruff check --quiet
+.venv/bin/ruff format --check --quiet || { echo "[test] run .venv/bin/ruff format to lay the code out" >&2; exit 1; }
 .venv/bin/mypy
 if [ "${1:-}" = "--fast" ]; then
   shift

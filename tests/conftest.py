@@ -19,16 +19,36 @@ from support.helpers import ROOT, model_state, relay_cli, session_shared, shared
 # first of all, its jobs busy the cores while the Airflow files wait on their schedulers. scripts/test.sh passes
 # --no-loadscope-reorder: xdist's default hands out the files with the most tests first, and this order would
 # then only break its ties (verl's 4-test file would start late and end long after the others).
-SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/test_retries.py",
-              "airflow/test_run_dag.py", "e2e/test_real_airflow.py", "e2e/test_celery.py", "e2e/test_ui.py",
-              "airflow/test_alerts_dag.py",
-              "airflow/test_data_dag.py", "s3/test_store.py", "faults/test_ray_head_orphan.py",
-              "trainers/test_verl_cpu_platform.py", "checkpoints/test_validate.py", "faults/test_kill_points.py",
-              "faults/test_disk_full.py", "checkpoints/test_reshard.py", "faults/test_data_change.py",
-              "trainers/test_verl_chunk.py", "faults/test_ray_head_restart.py", "faults/test_corruption.py",
-              "faults/test_s3_faults.py", "trainers/test_tiny_grpo.py", "faults/test_s3_outage.py",
-              "faults/test_corruption_stack.py", "jobs/test_local_head.py", "trainers/test_graceful_stop.py",
-              "insights/test_report.py", "airflow/test_dag_parse.py")
+SLOW_FIRST = (
+    "trainers/test_verl_cpu_fit.py",
+    "airflow/test_verl_dag.py",
+    "e2e/test_retries.py",
+    "airflow/test_run_dag.py",
+    "e2e/test_real_airflow.py",
+    "e2e/test_celery.py",
+    "e2e/test_ui.py",
+    "airflow/test_alerts_dag.py",
+    "airflow/test_data_dag.py",
+    "s3/test_store.py",
+    "faults/test_ray_head_orphan.py",
+    "trainers/test_verl_cpu_platform.py",
+    "checkpoints/test_validate.py",
+    "faults/test_kill_points.py",
+    "faults/test_disk_full.py",
+    "checkpoints/test_reshard.py",
+    "faults/test_data_change.py",
+    "trainers/test_verl_chunk.py",
+    "faults/test_ray_head_restart.py",
+    "faults/test_corruption.py",
+    "faults/test_s3_faults.py",
+    "trainers/test_tiny_grpo.py",
+    "faults/test_s3_outage.py",
+    "faults/test_corruption_stack.py",
+    "jobs/test_local_head.py",
+    "trainers/test_graceful_stop.py",
+    "insights/test_report.py",
+    "airflow/test_dag_parse.py",
+)
 
 
 # A test that needs a service (the S3 server, Ray or Airflow) is marked `services`: every test under tests/e2e
@@ -42,8 +62,18 @@ SLOW_FIRST = ("trainers/test_verl_cpu_fit.py", "airflow/test_verl_dag.py", "e2e/
 # (`./scripts/test.sh --verl`). CI runs tests/airflow/test_verl_dag.py instead: the spec's
 # DAG, three chunks, a kill and Airflow's retry, and one uninterrupted job to compare it with.
 VERL_E2E = os.environ.get("RELAY_VERL_E2E") == "1"
-SERVICE_FIXTURES = {"s3_server", "ray_address", "airflow_home", "uninterrupted_run", "uninterrupted", "baseline",
-                    "interrupted", "store", "s3", "airflow"}
+SERVICE_FIXTURES = {
+    "s3_server",
+    "ray_address",
+    "airflow_home",
+    "uninterrupted_run",
+    "uninterrupted",
+    "baseline",
+    "interrupted",
+    "store",
+    "s3",
+    "airflow",
+}
 SERVICE_FOLDERS = ("/tests/e2e/", "/tests/faults/")  # system tests: every one of them
 
 
@@ -72,8 +102,10 @@ def pytest_collection_modifyitems(config, items):
                 names.remove("s3_server")
             names.insert(0, "s3_server")
     if unmarked:
-        raise pytest.UsageError("these tests use a service without the `services` mark; add @pytest.mark.services "
-                                "(the fast lane would start the service for them):\n  " + "\n  ".join(unmarked))
+        raise pytest.UsageError(
+            "these tests use a service without the `services` mark; add @pytest.mark.services "
+            "(the fast lane would start the service for them):\n  " + "\n  ".join(unmarked)
+        )
     if not VERL_E2E:  # verl's trainer end to end on CPUs: its own lane (see VERL_E2E)
         verl = [item for item in items if item.get_closest_marker("verl_e2e")]
         if verl:
@@ -109,8 +141,13 @@ def s3_server(tmp_path_factory):
     Started unless one answers (scripts/test.sh starts it first), shared by the session's workers."""
     from relay.devstack import stack
 
-    with shared_service(tmp_path_factory, "s3", lambda: stack._http_ok(stack.s3_endpoint()), stack.s3_start,
-                        lambda: stack.stop_process("s3", timeout=2)) as endpoint:
+    with shared_service(
+        tmp_path_factory,
+        "s3",
+        lambda: stack._http_ok(stack.s3_endpoint()),
+        stack.s3_start,
+        lambda: stack.stop_process("s3", timeout=2),
+    ) as endpoint:
         saved = {k: os.environ.get(k) for k in stack.s3_env()}
         os.environ.update(stack.s3_env())
         yield endpoint
@@ -129,8 +166,13 @@ def ray_address(tmp_path_factory):
 
     # 2 logical CPUs, as many chunk jobs at once as the 2 cores take; verl's lane needs the stack's default
     # (stack.MIN_HEAD_CPUS: a verl chunk holds 4 and needs one more free).
-    with shared_service(tmp_path_factory, "ray", lambda: stack._http_ok(f"{stack.ray_address()}/api/version"),
-                        lambda: stack.ray_start(num_cpus=None if VERL_E2E else 2), stack.ray_stop) as address:
+    with shared_service(
+        tmp_path_factory,
+        "ray",
+        lambda: stack._http_ok(f"{stack.ray_address()}/api/version"),
+        lambda: stack.ray_start(num_cpus=None if VERL_E2E else 2),
+        stack.ray_stop,
+    ) as address:
         yield address
 
 
@@ -145,8 +187,9 @@ def airflow_home(tmp_path_factory, ray_address):
     env.update({"RELAY_RUNS_DIR": str(runs), "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False"})
     with session_shared(tmp_path_factory, "airflow-db") as shared:  # one migration for all workers
         if not (shared / "airflow.db").exists():
-            stack.airflow_cli({**env, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{shared / 'airflow.db'}"},
-                              "db", "migrate")
+            stack.airflow_cli(
+                {**env, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{shared / 'airflow.db'}"}, "db", "migrate"
+            )
     shutil.copyfile(shared / "airflow.db", home / "airflow.db")
     return {"env": env, "home": home, "runs": runs}
 
@@ -192,13 +235,24 @@ def interrupted(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("interrupted")
     source = Path(shutil.copy(ROOT / "include" / "data" / "arith_train.parquet", base / "source.parquet"))
-    overrides = {"checkpoint_dir": str(base / "ckpt"), "s3.uri": f"s3://relay/test-{uuid.uuid4().hex[:12]}",
-                 "data.train_files": [str(source)], "data.val_files": [], "trainer.settings.save_freq": 3}
+    overrides = {
+        "checkpoint_dir": str(base / "ckpt"),
+        "s3.uri": f"s3://relay/test-{uuid.uuid4().hex[:12]}",
+        "data.train_files": [str(source)],
+        "data.val_files": [],
+        "trainer.settings.save_freq": 3,
+    }
     spec_path = write_spec(base, **overrides)
     spec = load_spec(spec_path)
     prepare_run(spec, "r")
     prepare_data(Run.of(spec, "r"))
     trained = relay_cli("train", str(spec_path), "--to-step", "6", "--run", "r", "--offline")
     assert trained.returncode == 0, trained.stderr[-3000:]
-    return {"base": base, "spec_path": spec_path, "spec": spec, "run_dir": spec.run_dir("r"), "source": source,
-            "overrides": overrides}
+    return {
+        "base": base,
+        "spec_path": spec_path,
+        "spec": spec,
+        "run_dir": spec.run_dir("r"),
+        "source": source,
+        "overrides": overrides,
+    }

@@ -69,7 +69,7 @@ class Policy:
         self.sched = get_cosine_schedule_with_warmup(self.optim, 2, horizon, min_lr_ratio=0.1)
 
     def _logprobs(self, model, seq, plen):
-        logits = model(input_ids=seq).logits[:, plen - 1:-1].float()
+        logits = model(input_ids=seq).logits[:, plen - 1 : -1].float()
         return self.torch.log_softmax(logits, -1).gather(-1, seq[:, plen:].unsqueeze(-1)).squeeze(-1)
 
     def step(self, step: int) -> float:
@@ -92,8 +92,10 @@ class Policy:
         resp = seq[:, plen:]
         eos = (resp == task.VOCAB[task.EOS]).int()
         mask = ((eos.cumsum(1) - eos) == 0).float()
-        rewards = torch.tensor([task.reward(task.decode_response(r.tolist()), t)
-                                for r, t in zip(resp, truths, strict=False)], device=self.device)
+        rewards = torch.tensor(
+            [task.reward(task.decode_response(r.tolist()), t) for r, t in zip(resp, truths, strict=False)],
+            device=self.device,
+        )
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(rewards)), mask.sum(1).long() - 1] = rewards
         adv, _ = compute_grpo_outcome_advantage(token_rewards, mask, np.repeat(np.arange(len(pairs)), n))
@@ -171,9 +173,11 @@ def cuda_resume() -> tuple[bool, str]:
         control = fresh_process("--policy", str(SPLIT), str(STEPS), "--load", str(ckpt), "--no-cuda-rng")
     same = first["losses"] + resumed["losses"] == straight["losses"] and resumed["params_sha"] == straight["params_sha"]
     sensitive = control["params_sha"] != straight["params_sha"]
-    return same and sensitive, (f"12 steps straight vs 6 + resume + 6 in a new process: losses and parameters "
-                                f"{'bitwise equal' if same else 'DIFFER'}; without the CUDA RNG restore they "
-                                f"{'differ (as they must)' if sensitive else 'do NOT differ: the check cannot fail'}")
+    return same and sensitive, (
+        f"12 steps straight vs 6 + resume + 6 in a new process: losses and parameters "
+        f"{'bitwise equal' if same else 'DIFFER'}; without the CUDA RNG restore they "
+        f"{'differ (as they must)' if sensitive else 'do NOT differ: the check cannot fail'}"
+    )
 
 
 # ------------------------------------------------------------------ 2. verl's LR scheduler, chunked
@@ -190,8 +194,9 @@ def lr_chunks() -> tuple[bool, str]:
         torch.manual_seed(SEED)
         param = torch.nn.Parameter(torch.randn(64, device=DEVICE))
         opt = torch.optim.AdamW([param], lr=1e-3)
-        cfg = FSDPOptimizerConfig(lr=1e-3, lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1,
-                                  total_training_steps=horizon)
+        cfg = FSDPOptimizerConfig(
+            lr=1e-3, lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1, total_training_steps=horizon
+        )
         sched = FSDPEngine._build_lr_scheduler(types.SimpleNamespace(optimizer_config=cfg, rank=1), opt)
         return param, opt, sched
 
@@ -228,9 +233,11 @@ def lr_chunks() -> tuple[bool, str]:
     naive, _ = chunked(lambda end: end)  # total_training_steps = the chunk's end
     ok = lrs == straight and sha == straight_sha and naive != straight
     first_diff = next((i + 1 for i, (a, b) in enumerate(zip(naive, straight, strict=False)) if a != b), None)
-    return ok, (f"cosine, warmup ratio 0.1, 30 steps: 3 chunks {'==' if lrs == straight else '!='} unchunked at every "
-                f"step, parameters {'bitwise equal' if sha == straight_sha else 'DIFFER'}; horizon = chunk end "
-                f"differs from step {first_diff}")
+    return ok, (
+        f"cosine, warmup ratio 0.1, 30 steps: 3 chunks {'==' if lrs == straight else '!='} unchunked at every "
+        f"step, parameters {'bitwise equal' if sha == straight_sha else 'DIFFER'}; horizon = chunk end "
+        f"differs from step {first_diff}"
+    )
 
 
 # ------------------------------------------------------------------ 3. verl's engine, checkpoint manager and sampling
@@ -252,8 +259,9 @@ def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+    os.environ.update(
+        {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
     import verl  # noqa: F401  (on a CPU: imports the cpu platform, VERL_USE_EXTERNAL_MODULES)
@@ -266,12 +274,15 @@ def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str
     from relay.trainers.verl_ppo.hf_sampling import sample, seed_of
 
     engine = EngineRegistry.new(
-        model_type="language_model", backend="fsdp2",
-        model_config=HFModelConfig(path=model_dir, use_remove_padding=False,
-                                   override_config={"attn_implementation": "sdpa"}),
+        model_type="language_model",
+        backend="fsdp2",
+        model_config=HFModelConfig(
+            path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "sdpa"}
+        ),
         engine_config=FSDPEngineConfig(strategy="fsdp2"),
         optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=ENGINE_STEPS),
-        checkpoint_config=CheckpointConfig())
+        checkpoint_config=CheckpointConfig(),
+    )
     engine.initialize()
     if load:
         engine.load_checkpoint(load)
@@ -285,8 +296,9 @@ def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str
         engine.optimizer_zero_grad()
         loss = torch.zeros((), device=DEVICE)
         for i, (a, b) in enumerate(PROBLEMS):
-            prompt = tok.apply_chat_template([{"role": "user", "content": tiny_task.question(a, b)}],
-                                             add_generation_prompt=True, tokenize=True)
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": tiny_task.question(a, b)}], add_generation_prompt=True, tokenize=True
+            )
             prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])  # (a BatchEncoding in 5.x)
             group = []
             for j in range(GROUP):
@@ -295,8 +307,8 @@ def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str
             mean = sum(r for _, r in group) / GROUP
             for tokens, reward in group:
                 ids = torch.tensor([prompt + tokens], device=DEVICE)
-                logits = engine.module(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-                logp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).sum()
+                logits = engine.module(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+                logp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).sum()
                 loss = loss - (reward - mean) * logp / (GROUP * len(PROBLEMS))
                 rewards.append(reward)
         loss.backward()
@@ -304,8 +316,10 @@ def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str
         engine.lr_scheduler_step()
     if save:
         engine.save_checkpoint(save, global_step=end)
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().double().cpu()
-             for k, v in engine.module.state_dict().items()}
+    state = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().double().cpu()
+        for k, v in engine.module.state_dict().items()
+    }
     dist.destroy_process_group()
     return {"rewards": rewards, "params_sha": _sha(torch.cat([state[k].flatten() for k in sorted(state)]))}
 
@@ -330,7 +344,8 @@ def verl_engine() -> tuple[bool, str]:
         f"{'equal' if rewards else 'DIFFER'}, weights {'bitwise equal' if weights else 'DIFFER'}; rewards "
         f"{'uneven within groups' if moved else 'all equal (nothing to learn)'}; without the load the weights "
         f"{'differ (as they must)' if sensitive else 'do NOT differ: the check cannot fail'}; Ray, the TaskRunner, "
-        f"worker groups and TransferQueue did not run here")
+        f"worker groups and TransferQueue did not run here"
+    )
 
 
 def main() -> int:
@@ -347,8 +362,13 @@ def main() -> int:
         print(json.dumps(out))
         return 0
     if a.policy:  # a child process of cuda_resume
-        out = run_policy(a.policy[0], a.policy[1], Path(a.load) if a.load else None,
-                         Path(a.save) if a.save else None, cuda_rng=not a.no_cuda_rng)
+        out = run_policy(
+            a.policy[0],
+            a.policy[1],
+            Path(a.load) if a.load else None,
+            Path(a.save) if a.save else None,
+            cuda_rng=not a.no_cuda_rng,
+        )
         print(json.dumps(out))
         return 0
     import torch
@@ -357,8 +377,7 @@ def main() -> int:
         print("FAIL no CUDA device visible")
         return 1
     t0, results = time.time(), {}
-    print(f"device: {torch.cuda.get_device_name(0) if DEVICE == 'cuda' else DEVICE}; torch {torch.__version__}",
-          flush=True)
+    print(f"device: {torch.cuda.get_device_name(0) if DEVICE == 'cuda' else DEVICE}; torch {torch.__version__}", flush=True)
     for name, fn in (("cuda_resume", cuda_resume), ("lr_chunks", lr_chunks), ("verl_engine", verl_engine)):
         t = time.time()
         try:
@@ -367,8 +386,10 @@ def main() -> int:
             ok, detail = False, f"{type(e).__name__}: {e}"
         results[name] = {"ok": ok, "detail": detail, "seconds": round(time.time() - t, 1)}
         print(f"{'PASS' if ok else 'FAIL'} {name}: {detail} ({time.time() - t:.0f}s)", flush=True)
-    print(f"{sum(r['ok'] for r in results.values())} passed, {sum(not r['ok'] for r in results.values())} failed "
-          f"in {time.time() - t0:.0f}s")
+    print(
+        f"{sum(r['ok'] for r in results.values())} passed, {sum(not r['ok'] for r in results.values())} failed "
+        f"in {time.time() - t0:.0f}s"
+    )
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return 0 if all(r["ok"] for r in results.values()) else 1

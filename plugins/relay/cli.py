@@ -38,9 +38,11 @@ from relay.trainers.contract import ChunkRequest, run_chunk
 from relay.trainers.quiet import quiet_known_noise
 from relay.trainers.verl_ppo.tiny_model import make_tiny_model
 
-EXIT_CODES = ("exit codes: 0 success; 1 a finding (a checkpoint, tracker or parquet file that exists but is corrupt, "
-              "truncated, empty or unsafe; an audit that diverged; a resume that doctor finds unsafe; a command that "
-              "failed); 2 usage (bad arguments, or a path that does not exist or is not what the command takes)")
+EXIT_CODES = (
+    "exit codes: 0 success; 1 a finding (a checkpoint, tracker or parquet file that exists but is corrupt, "
+    "truncated, empty or unsafe; an audit that diverged; a resume that doctor finds unsafe; a command that "
+    "failed); 2 usage (bad arguments, or a path that does not exist or is not what the command takes)"
+)
 
 
 FIX = "\n  What to do: "  # how a RelayError prints what to do, in a usage error too
@@ -95,8 +97,10 @@ def _world_size(value: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{value}: a world size is a number of processes, at least 1{FIX}give "
-                                         "the number of GPUs (processes) the next chunk trains on")
+        raise argparse.ArgumentTypeError(
+            f"{value}: a world size is a number of processes, at least 1{FIX}give "
+            "the number of GPUs (processes) the next chunk trains on"
+        )
     return n
 
 
@@ -121,8 +125,10 @@ def cmd_plan(args) -> int:
 
 def cmd_spec_check(args) -> int:
     spec = _spec(args.spec)
-    print(f"spec {spec.source}: valid (DAG {spec.dag_id}, trainer {spec.trainer.kind}, "
-          f"{spec.total_steps} steps in chunks of {spec.chunk_steps})")
+    print(
+        f"spec {spec.source}: valid (DAG {spec.dag_id}, trainer {spec.trainer.kind}, "
+        f"{spec.total_steps} steps in chunks of {spec.chunk_steps})"
+    )
     print(f"resume-critical settings fingerprint: {spec.settings_fingerprint()}")
     if args.verbose:
         for k, v in sorted(spec.resume_critical().items()):
@@ -145,34 +151,49 @@ def cmd_train(args) -> int:
     store = store_for_spec(spec) if spec.s3 is not None and not args.offline else None
     try:
         # The DAG's preflight.run, by the same code: the run's incarnation, a confirmed fresh start.
-        state = prepare_run(spec, run_name, fresh_start=args.fresh_start, confirm=args.confirm or "",
-                            started_by=f"relay train (local:{socket.gethostname()}:{os.getpid()})", store=store,
-                            jobs=_ray_jobs_if_running(args) if args.fresh_start else None)
+        state = prepare_run(
+            spec,
+            run_name,
+            fresh_start=args.fresh_start,
+            confirm=args.confirm or "",
+            started_by=f"relay train (local:{socket.gethostname()}:{os.getpid()})",
+            store=store,
+            jobs=_ray_jobs_if_running(args) if args.fresh_start else None,
+        )
         for note in state.notes:
             print(f"warning: {note}", file=sys.stderr)
         if state.archived_to or state.archived_uri:
-            print(f"fresh start of run {state.run_name}: the old run was moved aside to "
-                  f"{' and '.join(x for x in (state.archived_to, state.archived_uri) if x)}")
+            print(
+                f"fresh start of run {state.run_name}: the old run was moved aside to "
+                f"{' and '.join(x for x in (state.archived_to, state.archived_uri) if x)}"
+            )
         run = state.run(spec)
         if chunk_job.runs_as_job(spec):
             return _train_as_ray_job(args, run)
-        result = run_chunk(ChunkRequest(run=run, to_step=args.to_step, chunk=chunk_job.chunk_index(spec, args.to_step),
-                                        restore=not args.offline))
+        result = run_chunk(
+            ChunkRequest(
+                run=run, to_step=args.to_step, chunk=chunk_job.chunk_index(spec, args.to_step), restore=not args.offline
+            )
+        )
     except StoreError as e:
         # The store's own fix speaks of publishing; here nothing was published or written yet.
-        raise StoreError(e.what, "start the S3 server, or point AWS_ENDPOINT_URL and the AWS credentials at it; or "
-                                 "train without S3 with --offline (nothing is restored from S3 and the published "
-                                 "run is not looked at); nothing was written") from None
-    print(f"run {result.run_name}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
-          f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}")
+        raise StoreError(
+            e.what,
+            "start the S3 server, or point AWS_ENDPOINT_URL and the AWS credentials at it; or "
+            "train without S3 with --offline (nothing is restored from S3 and the published "
+            "run is not looked at); nothing was written",
+        ) from None
+    print(
+        f"run {result.run_name}: trained {result.steps_trained} steps ({result.resumed_from} -> {result.end_step}) "
+        f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}"
+    )
     return 0
 
 
 def _ray_address(args) -> str | None:
     """The Ray cluster a run's jobs live on: --ray-address, else RAY_ADDRESS, else the local stack's head when it
     answers."""
-    return args.ray_address or os.environ.get("RAY_ADDRESS") or (stack.ray_address() if stack.ray_running()
-                                                                   else None)
+    return args.ray_address or os.environ.get("RAY_ADDRESS") or (stack.ray_address() if stack.ray_running() else None)
 
 
 def _ray_jobs_if_running(args) -> RayJobs | None:
@@ -194,28 +215,43 @@ def _train_as_ray_job(args, run: Run) -> int:
                 _say(f"run {run.name}: training to step {args.to_step} as a Ray job on {where.address}")
                 sub_id = chunk_job.local_submission_id(run)
                 state = chunk_job.run_attached(
-                    jobs, sub_id, lambda: chunk_job.submit_chunk(jobs, run, args.to_step, sub_id, not args.offline),
-                    watch=where.watch_job, stop_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S)
+                    jobs,
+                    sub_id,
+                    lambda: chunk_job.submit_chunk(jobs, run, args.to_step, sub_id, not args.offline),
+                    watch=where.watch_job,
+                    stop_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+                )
                 _record_job_times(jobs, run, state.submission_id, args.to_step)
     except KeyboardInterrupt as e:
-        print(f"relay: interrupted ({e if isinstance(e, chunk_job.Interrupted) else 'Ctrl-C'}): "
-              f"{'the private Ray head is stopped; ' if private else ''}the next `relay train` resumes run "
-              f"{run.name} from its latest checkpoint", file=sys.stderr)
+        print(
+            f"relay: interrupted ({e if isinstance(e, chunk_job.Interrupted) else 'Ctrl-C'}): "
+            f"{'the private Ray head is stopped; ' if private else ''}the next `relay train` resumes run "
+            f"{run.name} from its latest checkpoint",
+            file=sys.stderr,
+        )
         return chunk_job.exit_code(e)
     if state.status != "SUCCEEDED":
         what, code = chunk_job.failure(state)
         print(f"relay: Ray job {state.submission_id} of run {run.name} {what} (its log is above)", file=sys.stderr)
-        cause = failure_cause.classify(state.status, state.message, exit_code=state.exit_code,
-                                       step=failure_cause.step_of_failure(run.dir, state.submission_id),
-                                       oom_kills=failure_cause.oom_kills_since_start(run.dir, state.submission_id))
-        failure_cause.record_failure(run.dir, cause, chunk=chunk_job.chunk_index(run.spec, args.to_step),
-                                     attempt=state.submission_id)
+        cause = failure_cause.classify(
+            state.status,
+            state.message,
+            exit_code=state.exit_code,
+            step=failure_cause.step_of_failure(run.dir, state.submission_id),
+            oom_kills=failure_cause.oom_kills_since_start(run.dir, state.submission_id),
+        )
+        failure_cause.record_failure(
+            run.dir, cause, chunk=chunk_job.chunk_index(run.spec, args.to_step), attempt=state.submission_id
+        )
         print("relay: " + cause.report().replace("\n", "\nrelay: "), file=sys.stderr)
         return code
     latest = latest_valid_step(run.dir)
     if latest is None or latest < args.to_step:
-        print(f"relay: Ray job {state.submission_id} succeeded, but run {run.name}'s latest valid checkpoint is step "
-              f"{latest or 0}, not {args.to_step}", file=sys.stderr)
+        print(
+            f"relay: Ray job {state.submission_id} succeeded, but run {run.name}'s latest valid checkpoint is step "
+            f"{latest or 0}, not {args.to_step}",
+            file=sys.stderr,
+        )
         return 1
     print(f"run {run.name}: Ray job {state.submission_id} succeeded; checkpoint {layout.step_dir(run.dir, latest)}")
     return 0
@@ -245,15 +281,16 @@ def cmd_checkpoint_validate(args) -> int:
 
         source = args.spec or read_record(Path(args.dir)).get("spec_source")
         if not source:
-            print(f"--smoke needs the run's spec (its model): {args.dir} has no run record naming it; give --spec SPEC",
-                  file=sys.stderr)
+            print(
+                f"--smoke needs the run's spec (its model): {args.dir} has no run record naming it; give --spec SPEC",
+                file=sys.stderr,
+            )
             return 2
         spec = _spec(source, check_environment=False)
         smoke = smoke_check(spec.model_copy(update={"checkpoints": spec.checkpoints.model_copy(update={"smoke": True})}))
     # Every level but smoke by default: without the safe load and the numerics, a checkpoint with NaN weights,
     # or a pickle that would run code, would pass.
-    report = validate_checkpoint(Path(args.dir), args.step, upto="integrity" if args.quick else "numerics",
-                                 smoke=smoke)
+    report = validate_checkpoint(Path(args.dir), args.step, upto="integrity" if args.quick else "numerics", smoke=smoke)
     print(report.to_json() if args.json else report.summary())
     return 0 if report.ok else 1
 
@@ -284,9 +321,11 @@ def cmd_checkpoint_publish(args) -> int:
     store = _store(args.uri, args)
     result = store.publish(args.run or run_dir.name, run_dir, step)
     history.publish(store, args.run or run_dir.name, run_dir)
-    print(f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
-          f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "
-          f"{result.seconds:.1f}s; latest {'-> ' + str(step) if result.latest_moved else 'unchanged'}")
+    print(
+        f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
+        f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "
+        f"{result.seconds:.1f}s; latest {'-> ' + str(step) if result.latest_moved else 'unchanged'}"
+    )
     return 0
 
 
@@ -320,16 +359,26 @@ def cmd_checkpoint_ls(args) -> int:
         latest = (store.latest(run) or {}).get("step")
         for step in store.steps(run):
             m = store.manifest(run, step)
-            rows.append({"run": run, "step": step, "published": m is not None, "latest": step == latest,
-                         "bytes": m.total_bytes if m else None, "files": len(m.files) if m else None,
-                         "uri": store.step_uri(run, step)})
+            rows.append(
+                {
+                    "run": run,
+                    "step": step,
+                    "published": m is not None,
+                    "latest": step == latest,
+                    "bytes": m.total_bytes if m else None,
+                    "files": len(m.files) if m else None,
+                    "uri": store.step_uri(run, step),
+                }
+            )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
             state = "published" if r["published"] else "INCOMPLETE (no manifest)"
-            print(f"{r['run']:<24} step {r['step']:>7}  {state:<24} {r['bytes'] or '':>12} "
-                  f"{'latest' if r['latest'] else '':<6} {r['uri']}")
+            print(
+                f"{r['run']:<24} step {r['step']:>7}  {state:<24} {r['bytes'] or '':>12} "
+                f"{'latest' if r['latest'] else '':<6} {r['uri']}"
+            )
     return 0
 
 
@@ -364,8 +413,11 @@ def cmd_doctor(args) -> int:
         jobs = RayJobs(args.ray_address or os.environ.get("RAY_ADDRESS") or stack.ray_address())
     findings = doctor.diagnose(run, store=store, jobs=jobs)
     if args.json:
-        print(json.dumps({"run": run.name, "safe": all(f.ok for f in findings),
-                          "checks": [f.to_dict() for f in findings]}, indent=2))
+        print(
+            json.dumps(
+                {"run": run.name, "safe": all(f.ok for f in findings), "checks": [f.to_dict() for f in findings]}, indent=2
+            )
+        )
     else:
         print(doctor.report(findings, run))
     return 0 if all(f.ok for f in findings) else 1
@@ -414,8 +466,10 @@ def cmd_report(args) -> int:
 def cmd_audit(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / layout.METRICS).is_file():
-        raise UsageError(f"{run_dir} has no {layout.METRICS}: not a run folder, or nothing trained yet",
-                         "give the run's folder, <checkpoint_dir>/<run>")
+        raise UsageError(
+            f"{run_dir} has no {layout.METRICS}: not a run folder, or nothing trained yet",
+            "give the run's folder, <checkpoint_dir>/<run>",
+        )
     tolerance = _spec(args.spec).audit.tolerance if args.spec else None
     result = audit(run_dir, tolerance)
     print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else result.summary())
@@ -463,29 +517,43 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("-v", "--verbose", action="store_true", help="list the resume-critical settings")
     c.set_defaults(func=cmd_spec_check)
 
-    s = sub.add_parser("train", help="train a run to --to-step, resuming from the latest: in this process (no Airflow, "
-                                     "no Ray; tiny_grpo), or as one Ray job, the DAG's, its log here (verl_ppo)")
+    s = sub.add_parser(
+        "train",
+        help="train a run to --to-step, resuming from the latest: in this process (no Airflow, "
+        "no Ray; tiny_grpo), or as one Ray job, the DAG's, its log here (verl_ppo)",
+    )
     s.add_argument("spec")
     s.add_argument("--to-step", type=int, required=True)
     s.add_argument("--checkpoint-dir", help="the run's checkpoint folder (default: <spec checkpoint_dir>/<run>)")
     s.add_argument("--run", help="training run name (default: the spec's name)")
-    s.add_argument("--offline", action="store_true",
-                   help="never look at S3: no restore, no check of the published run; the local folder is the only "
-                        "source")
-    s.add_argument("--fresh-start", action="store_true",
-                   help="start the run again from step 0: the old run is moved aside (locally and in S3), never "
-                        "deleted; a run that has checkpoints also needs --confirm NAME; refused while a trainer or Ray "
-                        "job of the run still runs")
+    s.add_argument(
+        "--offline",
+        action="store_true",
+        help="never look at S3: no restore, no check of the published run; the local folder is the only source",
+    )
+    s.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="start the run again from step 0: the old run is moved aside (locally and in S3), never "
+        "deleted; a run that has checkpoints also needs --confirm NAME; refused while a trainer or Ray "
+        "job of the run still runs",
+    )
     s.add_argument("--confirm", metavar="NAME", help="the run's name, confirming --fresh-start")
-    s.add_argument("--ray-address", help="verl_ppo: the Ray dashboard to run the job on (default: RAY_ADDRESS, else the "
-                                         "local stack's head if it answers, else a private head of this command's "
-                                         "own that ends with it)")
+    s.add_argument(
+        "--ray-address",
+        help="verl_ppo: the Ray dashboard to run the job on (default: RAY_ADDRESS, else the "
+        "local stack's head if it answers, else a private head of this command's "
+        "own that ends with it)",
+    )
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("model", help="model commands")
     ms = s.add_subparsers(dest="model_command", required=True)
-    c = ms.add_parser("tiny", help="write a tiny verl-ready model (a 2-layer Qwen2 and a byte-level tokenizer with a "
-                                   "chat template) into a new folder, with no download: the same bytes every time")
+    c = ms.add_parser(
+        "tiny",
+        help="write a tiny verl-ready model (a 2-layer Qwen2 and a byte-level tokenizer with a "
+        "chat template) into a new folder, with no download: the same bytes every time",
+    )
     c.add_argument("dir", type=_new_folder)
     c.set_defaults(func=cmd_model_tiny)
 
@@ -494,17 +562,26 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c = cs.add_parser("validate", help="validate a run's checkpoint (default: the one the tracker names)")
     c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
     c.add_argument("--step", type=int)
-    c.add_argument("--quick", action="store_true",
-                   help="structure, consistency and integrity only (default: every level but smoke: also load every "
-                        ".pt safely and check numerics)")
-    c.add_argument("--smoke", action="store_true",
-                   help="also load the weights into the run's model and run one forward pass (the spec comes from the "
-                        "run record, or --spec)")
+    c.add_argument(
+        "--quick",
+        action="store_true",
+        help="structure, consistency and integrity only (default: every level but smoke: also load every "
+        ".pt safely and check numerics)",
+    )
+    c.add_argument(
+        "--smoke",
+        action="store_true",
+        help="also load the weights into the run's model and run one forward pass (the spec comes from the "
+        "run record, or --spec)",
+    )
     c.add_argument("--spec", help="the run's spec, for --smoke")
     c.add_argument("--deep", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
-    c.add_argument("--quarantine", action="store_true",
-                   help="act like the DAG's gate: every level; write the manifest if valid, else quarantine it and "
-                        "point the tracker at the newest valid checkpoint")
+    c.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="act like the DAG's gate: every level; write the manifest if valid, else quarantine it and "
+        "point the tracker at the newest valid checkpoint",
+    )
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_validate)
     c = cs.add_parser("publish", help="validate, then publish a checkpoint to s3://BUCKET/PREFIX/<run>/")
@@ -520,8 +597,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--step", type=int, help="newest at or below this step")
     c.add_argument("--run", help="run name (default: DIR's name)")
     c.set_defaults(func=cmd_checkpoint_restore)
-    c = cs.add_parser("reshard", help="write a valid checkpoint of verl's FSDP at another world size (number of GPUs): "
-                                      "in place, the original kept in .relay/resharded/, or into --out")
+    c = cs.add_parser(
+        "reshard",
+        help="write a valid checkpoint of verl's FSDP at another world size (number of GPUs): "
+        "in place, the original kept in .relay/resharded/, or into --out",
+    )
     c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
     c.add_argument("--world-size", type=_world_size, required=True, help="the number of processes (GPUs) to resume on")
     c.add_argument("--step", type=int, help="default: the tracker's")
@@ -534,10 +614,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_ls)
 
-    c = cs.add_parser("inspect", help="what a resume would load: step, epoch, dataloader position, LR, RNG, "
-                                      "parallelism, parameters, files and checksums (nothing is unpickled)")
-    c.add_argument("source", type=_s3_uri_or(_path("folder", "a run folder, a global_step_N folder or an s3:// URI")),
-                   help="a run folder, a global_step_N folder, or s3://BUCKET/PREFIX/RUN[/global_step_N]")
+    c = cs.add_parser(
+        "inspect",
+        help="what a resume would load: step, epoch, dataloader position, LR, RNG, "
+        "parallelism, parameters, files and checksums (nothing is unpickled)",
+    )
+    c.add_argument(
+        "source",
+        type=_s3_uri_or(_path("folder", "a run folder, a global_step_N folder or an s3:// URI")),
+        help="a run folder, a global_step_N folder, or s3://BUCKET/PREFIX/RUN[/global_step_N]",
+    )
     c.add_argument("--step", type=int, help="default: the tracker's (the published latest for S3)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_inspect)
@@ -569,17 +655,29 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_data_diff)
 
     s = sub.add_parser("report", help="a run's report: plots, chunk table, fingerprints (report.html + report.png)")
-    s.add_argument("source", type=_s3_uri_or(_path("folder", "a run folder or s3://BUCKET/PREFIX/RUN")),
-                   help="a run folder (<checkpoint_dir>/<run>) or s3://BUCKET/PREFIX/RUN")
+    s.add_argument(
+        "source",
+        type=_s3_uri_or(_path("folder", "a run folder or s3://BUCKET/PREFIX/RUN")),
+        help="a run folder (<checkpoint_dir>/<run>) or s3://BUCKET/PREFIX/RUN",
+    )
     s.add_argument("--out", help="output folder (default: <run>/.relay/report/; ./report-<run>/ for S3)")
-    s.add_argument("--json", action="store_true", help="the report as JSON on stdout and nothing else (goodput, "
-                                                       "chunks, audit, save interval); no files unless --out")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="the report as JSON on stdout and nothing else (goodput, chunks, audit, save interval); no files unless --out",
+    )
     s.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("audit", help="the replay audit: each step trained twice (after a resume) against its first "
-                                     "try; exit 0 consistent, 1 diverged")
-    s.add_argument("run_dir", type=_path("folder", "a run folder (<checkpoint_dir>/<run>)"),
-                   help="a run folder (<checkpoint_dir>/<run>)")
+    s = sub.add_parser(
+        "audit",
+        help="the replay audit: each step trained twice (after a resume) against its first "
+        "try; exit 0 consistent, 1 diverged",
+    )
+    s.add_argument(
+        "run_dir",
+        type=_path("folder", "a run folder (<checkpoint_dir>/<run>)"),
+        help="a run folder (<checkpoint_dir>/<run>)",
+    )
     s.add_argument("--spec", help="the run's spec: its audit.tolerance (default: every metric exact)")
     s.add_argument("--json", action="store_true", help="the audit as JSON on stdout, and nothing else")
     s.set_defaults(func=cmd_audit)
@@ -588,12 +686,21 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("action", choices=["up", "down", "status"])
     s.add_argument("--no-airflow", action="store_true", help="only the Ray head")
     s.add_argument("--db", help="Airflow metadata DB URL (default: SQLite in the stack's state folder)")
-    s.add_argument("--ray-cpus", type=int, metavar="N",
-                   help="up: logical CPUs the Ray head advertises (default: the cores, at least 8, as a verl chunk "
-                        "on CPUs needs); fewer runs fewer chunk jobs at once")
-    s.add_argument("--wait", type=float, default=0, metavar="SECONDS",
-                   help="down: wait this long for unfinished DAG runs to end first; those still unfinished are "
-                        "marked failed with a note saying the stack was stopped under them (default 0)")
+    s.add_argument(
+        "--ray-cpus",
+        type=int,
+        metavar="N",
+        help="up: logical CPUs the Ray head advertises (default: the cores, at least 8, as a verl chunk "
+        "on CPUs needs); fewer runs fewer chunk jobs at once",
+    )
+    s.add_argument(
+        "--wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="down: wait this long for unfinished DAG runs to end first; those still unfinished are "
+        "marked failed with a note saying the stack was stopped under them (default 0)",
+    )
     s.set_defaults(func=cmd_stack)
 
     s = sub.add_parser("demo", help="run the demo spec's DAG end to end on the local stack")

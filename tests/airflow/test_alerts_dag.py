@@ -20,8 +20,12 @@ from support.receivers import MailSink
 
 pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
 
-ALL_CHANNELS = {"alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",
-                "alerts.webhook_conn_id": "relay_webhook", "alerts.slack_conn_id": "relay_slack"}
+ALL_CHANNELS = {
+    "alerts.email": ["oncall@example.com"],
+    "alerts.smtp_conn_id": "relay_smtp",
+    "alerts.webhook_conn_id": "relay_webhook",
+    "alerts.slack_conn_id": "relay_slack",
+}
 
 
 @pytest.fixture
@@ -33,8 +37,11 @@ def sinks(receivers):
 
 def settled(sinks, emails: int) -> None:
     """Wait for the expected e-mails, then a moment more: an extra alert would arrive now."""
-    wait_for(lambda: len(sinks["mail"].messages) >= emails, 10,
-             lambda: f"{emails} e-mails; arrived: {[m['Subject'] for m in sinks['mail'].messages]}")
+    wait_for(
+        lambda: len(sinks["mail"].messages) >= emails,
+        10,
+        lambda: f"{emails} e-mails; arrived: {[m['Subject'] for m in sinks['mail'].messages]}",
+    )
     time.sleep(1)
 
 
@@ -49,9 +56,11 @@ def test_a_corrupted_checkpoint_sends_exactly_one_email_and_one_webhook_post(air
     spec = load_spec(spec_path, check_environment=False)
     rd = spec.run_dir("c")
     # Step 6 trained, validated and published; step 12 trained with no gate yet, then damaged on disk.
-    for args in (("train", str(spec_path), "--to-step", "6", "--run", "c", "--offline"),
-                 ("checkpoint", "publish", str(rd), spec.s3.uri, "--run", "c", "--step", "6"),
-                 ("train", str(spec_path), "--to-step", "12", "--run", "c", "--offline")):
+    for args in (
+        ("train", str(spec_path), "--to-step", "6", "--run", "c", "--offline"),
+        ("checkpoint", "publish", str(rd), spec.s3.uri, "--run", "c", "--step", "6"),
+        ("train", str(spec_path), "--to-step", "12", "--run", "c", "--offline"),
+    ):
         r = relay_cli(*args)
         assert r.returncode == 0, r.stderr[-3000:]
     flip_a_byte_in_the_middle(rd / "global_step_12" / "actor" / layout.shard_name("model", 1, 0))
@@ -88,8 +97,7 @@ def test_a_data_failure_alerts_with_the_failed_expectations(airflow_home, sinks,
     rows[3]["reward_model"]["ground_truth"] = None
     bad = tmp_path / "prompts.parquet"
     pq.write_table(table.from_pylist(rows, schema=table.schema), bad)
-    write_spec(airflow_home["runs"], name="adata", **{"data.train_files": [str(bad)], "data.val_files": [],
-                                                     **ALL_CHANNELS})
+    write_spec(airflow_home["runs"], name="adata", **{"data.train_files": [str(bad)], "data.val_files": [], **ALL_CHANNELS})
 
     r = dags_test(airflow_home, "relay_adata", {}, env=sinks["env"])
     assert r.returncode != 0
@@ -104,12 +112,19 @@ def test_a_data_failure_alerts_with_the_failed_expectations(airflow_home, sinks,
     assert "expect_column_values_to_not_be_null" in MailSink.html(sinks["mail"].messages[0])
 
 
-def test_a_stalled_chunk_alerts_and_is_retried_and_a_broken_webhook_does_not_fail_the_run(
-        airflow_home, sinks, ray_address):
-    spec_path = write_spec(airflow_home["runs"], name="astall", **{
-        "alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",
-        "alerts.webhook_conn_id": "relay_broken_webhook", "alerts.stall_minutes": 0.1, "alerts.startup_minutes": 3,
-        "alerts.on_finish": True})
+def test_a_stalled_chunk_alerts_and_is_retried_and_a_broken_webhook_does_not_fail_the_run(airflow_home, sinks, ray_address):
+    spec_path = write_spec(
+        airflow_home["runs"],
+        name="astall",
+        **{
+            "alerts.email": ["oncall@example.com"],
+            "alerts.smtp_conn_id": "relay_smtp",
+            "alerts.webhook_conn_id": "relay_broken_webhook",
+            "alerts.stall_minutes": 0.1,
+            "alerts.startup_minutes": 3,
+            "alerts.on_finish": True,
+        },
+    )
     rd = load_spec(spec_path, check_environment=False).run_dir("astall")
     dag_test = start_dags_test(airflow_home, "relay_astall", {}, env=sinks["env"])
     deadline = time.time() + 600
@@ -138,18 +153,29 @@ def test_a_stalled_chunk_alerts_and_is_retried_and_a_broken_webhook_does_not_fai
 
 
 def test_a_reward_function_that_raises_at_a_step_stops_after_two_tries_with_one_alert_naming_the_cause(
-        airflow_home, sinks, ray_address, tmp_path):
+    airflow_home, sinks, ray_address, tmp_path
+):
     """The same exception at the same step in two tries is deterministic: no third try, one alert that names
     the cause, the step, the evidence and what to do."""
     reward = tmp_path / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    if extra_info['global_step'] == 5:\n"
-                      "        raise ValueError(f'cannot score row {extra_info[\"index\"]}: {ground_truth!r}')\n"
-                      "    return float(solution_str == ground_truth)\n")
-    spec_path = write_spec(airflow_home["runs"], name="areward", **{
-        "alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "relay_smtp",
-        "alerts.webhook_conn_id": "relay_webhook", "airflow.retries": 2, "airflow.retry_delay_seconds": 1,
-        "trainer.settings.custom_reward_function": {"path": str(reward)}})
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if extra_info['global_step'] == 5:\n"
+        "        raise ValueError(f'cannot score row {extra_info[\"index\"]}: {ground_truth!r}')\n"
+        "    return float(solution_str == ground_truth)\n"
+    )
+    spec_path = write_spec(
+        airflow_home["runs"],
+        name="areward",
+        **{
+            "alerts.email": ["oncall@example.com"],
+            "alerts.smtp_conn_id": "relay_smtp",
+            "alerts.webhook_conn_id": "relay_webhook",
+            "airflow.retries": 2,
+            "airflow.retry_delay_seconds": 1,
+            "trainer.settings.custom_reward_function": {"path": str(reward)},
+        },
+    )
     rd = load_spec(spec_path, check_environment=False).run_dir("areward")
 
     r = dags_test(airflow_home, "relay_areward", {}, env=sinks["env"])
@@ -167,4 +193,6 @@ def test_a_reward_function_that_raises_at_a_step_stops_after_two_tries_with_one_
     assert sinks["mail"].messages[0]["Subject"] == "[relay ERROR] areward: chunk failed; no more retries (chunk 1, step 5)"
     failed = [e for e in read_events(rd) if e["event"] == "chunk_failed"]
     assert [(e["try_number"], e["cause"], e["step"], e["policy"]) for e in failed] == [
-        (1, "exception", 5, "retry"), (2, "exception", 5, "stop")], "two tries, the second stopped for good"
+        (1, "exception", 5, "retry"),
+        (2, "exception", 5, "stop"),
+    ], "two tries, the second stopped for good"

@@ -31,8 +31,13 @@ print(json.dumps({{"heavy": heavy, "dags": out}}))
 def parse(runs_dir) -> dict:
     """Import dags/relay_runs.py in a fresh interpreter, as the DAG processor does."""
     code = PARSE.format(plugins=str(ROOT / "plugins"), dags=str(ROOT / "dags"))
-    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, env={"RELAY_RUNS_DIR": str(runs_dir),
-                       "PATH": "/usr/bin:/bin", "AIRFLOW_HOME": str(runs_dir / "airflow")}, timeout=120)
+    r = subprocess.run(
+        [PY, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"RELAY_RUNS_DIR": str(runs_dir), "PATH": "/usr/bin:/bin", "AIRFLOW_HOME": str(runs_dir / "airflow")},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -45,34 +50,53 @@ def test_one_dag_per_spec_without_heavy_imports(tmp_path):
     assert sorted(out["dags"]) == ["relay_alpha", "relay_beta"]
     beta = out["dags"]["relay_beta"]
     assert beta["groups"] == ["chunk_01", "chunk_02", "chunk_03", "finish", "preflight"]
-    assert beta["tasks"] == ["chunk_01.publish", "chunk_01.train", "chunk_01.validate", "chunk_02.publish",
-                             "chunk_02.train", "chunk_02.validate", "chunk_03.publish", "chunk_03.train",
-                             "chunk_03.validate", "finish", "preflight.data", "preflight.run",
-                             "preflight.settings"]
+    assert beta["tasks"] == [
+        "chunk_01.publish",
+        "chunk_01.train",
+        "chunk_01.validate",
+        "chunk_02.publish",
+        "chunk_02.train",
+        "chunk_02.validate",
+        "chunk_03.publish",
+        "chunk_03.train",
+        "chunk_03.validate",
+        "finish",
+        "preflight.data",
+        "preflight.run",
+        "preflight.settings",
+    ]
     assert beta["downstream"]["preflight.run"] == ["preflight.settings"], "cheap checks first"
     assert beta["downstream"]["preflight.data"] == ["chunk_01.train"]
-    assert beta["downstream"]["chunk_01.validate"] == ["chunk_01.publish", "chunk_02.train"], \
+    assert beta["downstream"]["chunk_01.validate"] == ["chunk_01.publish", "chunk_02.train"], (
         "chunk 1 publishes while chunk 2 trains"
+    )
     assert beta["downstream"]["chunk_01.publish"] == ["chunk_02.publish"]
     assert beta["max_active_runs"] == 1 and beta["retries"] == 2
 
 
 def test_a_scheduled_spec_is_a_scheduled_dag_with_one_trainer_pool(tmp_path):
-    write_spec(tmp_path, name="weekly", **{"airflow.schedule": "@weekly", "airflow.start_date": "2025-01-06",
-                                           "data.train_files": ["/data/prompts-{{ ds_nodash }}.parquet"]})
+    write_spec(
+        tmp_path,
+        name="weekly",
+        **{
+            "airflow.schedule": "@weekly",
+            "airflow.start_date": "2025-01-06",
+            "data.train_files": ["/data/prompts-{{ ds_nodash }}.parquet"],
+        },
+    )
     write_spec(tmp_path, name="manual")
     dags = parse(tmp_path)["dags"]
     weekly, manual = dags["relay_weekly"], dags["relay_manual"]
-    assert (weekly["schedule"], weekly["catchup"], weekly["start_date"]) == ("@weekly", False,
-                                                                             "2025-01-06T00:00:00+00:00")
+    assert (weekly["schedule"], weekly["catchup"], weekly["start_date"]) == ("@weekly", False, "2025-01-06T00:00:00+00:00")
     assert weekly["max_active_runs"] == 1, "one GPU cluster is shared"
     assert manual["schedule"] == "None"
     assert weekly["pool"] == manual["pool"] == "relay_trainers"
 
 
 def test_an_unknown_date_template_makes_no_dag(tmp_path):
-    write_spec(tmp_path, name="typo", **{"airflow.schedule": "@daily",
-                                         "data.train_files": ["/data/prompts-{{ ts }}.parquet"]})
+    write_spec(
+        tmp_path, name="typo", **{"airflow.schedule": "@daily", "data.train_files": ["/data/prompts-{{ ts }}.parquet"]}
+    )
     dags = parse(tmp_path)["dags"]
     assert "relay_typo" not in dags and dags["relay_spec_errors"]
 
@@ -80,8 +104,7 @@ def test_an_unknown_date_template_makes_no_dag(tmp_path):
 def test_params_form_is_typed_described_and_every_field_optional(tmp_path):
     write_spec(tmp_path, name="alpha")
     params = parse(tmp_path)["dags"]["relay_alpha"]["params"]
-    assert set(params) == {"run", "fresh_start", "confirm_fresh_start", "allow_drift", "alert_emails",
-                           "alert_channels"}
+    assert set(params) == {"run", "fresh_start", "confirm_fresh_start", "allow_drift", "alert_emails", "alert_channels"}
     assert all(p.get("description") for p in params.values())
     # Airflow's UI marks a field required (and disables Trigger while it is empty) unless its type admits null.
     assert all("null" in p["type"] for p in params.values()), {k: p["type"] for k, p in params.items()}
@@ -109,10 +132,12 @@ def test_the_shipped_specs_all_load():
 
 
 def test_the_example_evaluation_dag_is_scheduled_on_the_checkpoint_alias():
-    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'plugins')!r}, {str(ROOT / 'dags')!r}]; "
-            "import relay_eval_example as m; "
-            "print(repr(m.dag.timetable)); "
-            "print(sorted(x for x in ('torch', 'verl', 'ray') if x in sys.modules))")
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT / 'plugins')!r}, {str(ROOT / 'dags')!r}]; "
+        "import relay_eval_example as m; "
+        "print(repr(m.dag.timetable)); "
+        "print(sorted(x for x in ('torch', 'verl', 'ray') if x in sys.modules))"
+    )
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "relay_demo_checkpoints" in r.stdout and "[]" in r.stdout.splitlines()[-1]

@@ -42,8 +42,7 @@ def append_a_row_after_chunk_1(dag_test, run_dir, source):
 
 def test_a_source_changed_between_chunks_stops_the_next_chunk_before_its_job(airflow_home, ray_address, tmp_path):
     source = shutil.copy(DATA, tmp_path / "prompts.parquet")
-    spec = write_spec(airflow_home["runs"], name="dchanged", **{"data.train_files": [str(source)],
-                                                               "data.val_files": []})
+    spec = write_spec(airflow_home["runs"], name="dchanged", **{"data.train_files": [str(source)], "data.val_files": []})
     run_dir = load_spec(spec, check_environment=False).run_dir("dchanged")
     t0 = time.time()
     rc, out = append_a_row_after_chunk_1(start_dags_test(airflow_home, "relay_dchanged", {}), run_dir, source)
@@ -60,9 +59,11 @@ def test_a_source_changed_between_chunks_stops_the_next_chunk_before_its_job(air
 def frozen_run(airflow_home, tmp_path_factory):
     """Run "dfrozen" (data.on_source_change: use_frozen), its source appended to after chunk 1."""
     source = shutil.copy(DATA, tmp_path_factory.mktemp("src") / "prompts.parquet")
-    spec = write_spec(airflow_home["runs"], name="dfrozen", **{"data.train_files": [str(source)],
-                                                              "data.val_files": [],
-                                                              "data.on_source_change": "use_frozen"})
+    spec = write_spec(
+        airflow_home["runs"],
+        name="dfrozen",
+        **{"data.train_files": [str(source)], "data.val_files": [], "data.on_source_change": "use_frozen"},
+    )
     run_dir = load_spec(spec, check_environment=False).run_dir("dfrozen")
     rc, out = append_a_row_after_chunk_1(start_dags_test(airflow_home, "relay_dfrozen", {}), run_dir, source)
     return {"spec": spec, "source": source, "run_dir": run_dir, "rc": rc, "out": out}
@@ -79,24 +80,37 @@ def test_use_frozen_finishes_on_the_frozen_bytes_and_resumes_exactly(frozen_run,
     assert [r["step"] for r in read_metrics(rd)] == list(range(1, STEPS + 1))
     files = read_record(rd)["data"]["files"]
     assert [f["rows"] for f in files] == [1000], "trained on the frozen 1000 rows, not the 1001 of the source"
-    fault_row(case="data-change", layer="full stack (Airflow, Ray, S3)",
-              fault="a row is appended to the source parquet between chunk 1 and chunk 2 of a run whose spec says "
-                    "data.on_source_change: use_frozen",
-              action="chunk 2's preflight found the change, alerted once (a warning) and went on: the trainer read "
-                     "the frozen copy, verified by sha256, so chunk 2 resumed from step 6 on the same 1000 rows",
-              steps_lost=0, run_dir=rd, store=store_for_spec(load_spec(frozen_run["spec"], check_environment=False)))
+    fault_row(
+        case="data-change",
+        layer="full stack (Airflow, Ray, S3)",
+        fault="a row is appended to the source parquet between chunk 1 and chunk 2 of a run whose spec says "
+        "data.on_source_change: use_frozen",
+        action="chunk 2's preflight found the change, alerted once (a warning) and went on: the trainer read "
+        "the frozen copy, verified by sha256, so chunk 2 resumed from step 6 on the same 1000 rows",
+        steps_lost=0,
+        run_dir=rd,
+        store=store_for_spec(load_spec(frozen_run["spec"], check_environment=False)),
+    )
 
 
 def test_settings_drift_is_refused_and_allow_drift_is_recorded(frozen_run, airflow_home):
     assert frozen_run["rc"] == 0
     same_target = load_spec(frozen_run["spec"], check_environment=False).s3.uri  # its asset stays the same
-    write_spec(airflow_home["runs"], name="dfrozen", **{"data.train_files": [str(frozen_run["source"])],
-                                                        "data.val_files": [], "data.on_source_change": "use_frozen",
-                                                        "s3.uri": same_target, "trainer.settings.rollout_n": 4,
-                                                        # refused unattended, as with approvals off (`airflow dags
-                                                        # test` has no API server to answer a question; the asked
-                                                        # path: tests/e2e/test_real_airflow.py)
-                                                        "airflow.approvals": False})
+    write_spec(
+        airflow_home["runs"],
+        name="dfrozen",
+        **{
+            "data.train_files": [str(frozen_run["source"])],
+            "data.val_files": [],
+            "data.on_source_change": "use_frozen",
+            "s3.uri": same_target,
+            "trainer.settings.rollout_n": 4,
+            # refused unattended, as with approvals off (`airflow dags
+            # test` has no API server to answer a question; the asked
+            # path: tests/e2e/test_real_airflow.py)
+            "airflow.approvals": False,
+        },
+    )
     refused = dags_test(airflow_home, "relay_dfrozen", {})
     assert refused.returncode != 0
     assert "trainer.settings.rollout_n: 8 -> 4" in refused.stdout and "allow_drift" in refused.stdout

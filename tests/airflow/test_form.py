@@ -47,6 +47,7 @@ def test_the_fresh_start_help_says_where_an_unconfirmed_one_waits(tmp_path):
     help_text = asking["fresh_start"]["description"]
     assert "Required Actions page" in help_text and "preflight.run" in help_text, help_text
     assert "also needs Confirm fresh start" not in help_text
-    refusing = form.fields(load_spec(write_spec(tmp_path, name="refuses", **{"airflow.approvals": False}),
-                                            check_environment=False))
+    refusing = form.fields(
+        load_spec(write_spec(tmp_path, name="refuses", **{"airflow.approvals": False}), check_environment=False)
+    )
     assert "refused" in refusing["fresh_start"]["description"]

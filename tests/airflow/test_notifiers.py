@@ -21,8 +21,9 @@ def conns(receivers, monkeypatch):
 
 def test_an_alert_reaches_email_slack_and_the_webhook(conns):
     alert = an_alert()
-    results = deliver(alert, Channels(("oncall@example.com", "ml@example.com"), "relay_smtp", "relay_slack",
-                                      "relay_webhook"))
+    results = deliver(
+        alert, Channels(("oncall@example.com", "ml@example.com"), "relay_smtp", "relay_slack", "relay_webhook")
+    )
     assert results == {"email:relay_smtp": "sent", "slack:relay_slack": "sent", "webhook:relay_webhook": "sent"}
     mail, http = conns["mail"], conns["http"]
     wait_for(lambda: len(mail.messages) == 1, 10, "the alert's e-mail")
@@ -67,9 +68,12 @@ def test_an_unconfigured_channel_is_one_warning_per_run_not_an_error_per_alert(t
     from relay.spec.run_spec import load_spec
     from support.helpers import write_spec
 
-    spec = load_spec(write_spec(tmp_path, name="quiet", **{"alerts.email": ["oncall@example.com"],
-                                                            "alerts.smtp_conn_id": "no_such_smtp"}),
-                     check_environment=False)
+    spec = load_spec(
+        write_spec(
+            tmp_path, name="quiet", **{"alerts.email": ["oncall@example.com"], "alerts.smtp_conn_id": "no_such_smtp"}
+        ),
+        check_environment=False,
+    )
     run = Run.of(spec, "quiet")
     run.dir.mkdir(parents=True)
     caplog.set_level(logging.INFO, logger="relay.airflow.notifiers")
@@ -94,15 +98,28 @@ def test_the_local_stacks_mail_sink_keeps_each_alert_as_a_file(tmp_path, monkeyp
     from support.ports import free_port
 
     port, folder = free_port(), tmp_path / "mail"
-    sink = subprocess.Popen([sys.executable, "-m", "relay.devstack.mailsink", "--port", str(port), "--dir",
-                             str(folder)], cwd=ROOT)
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "relay.devstack.mailsink", "--port", str(port), "--dir", str(folder)], cwd=ROOT
+    )
     try:
-        monkeypatch.setenv("AIRFLOW_CONN_LOCAL_MAIL", json.dumps({
-            "conn_type": "smtp", "host": "127.0.0.1", "port": port,
-            "extra": {"from_email": "relay@localhost", "disable_ssl": True, "disable_tls": True}}))
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_LOCAL_MAIL",
+            json.dumps(
+                {
+                    "conn_type": "smtp",
+                    "host": "127.0.0.1",
+                    "port": port,
+                    "extra": {"from_email": "relay@localhost", "disable_ssl": True, "disable_tls": True},
+                }
+            ),
+        )
         alert = an_alert()
-        wait_for(lambda: deliver(alert, Channels(("oncall@example.com",), "local_mail", None, None))
-                 == {"email:local_mail": "sent"}, 30, "the mail sink to accept the alert")
+        wait_for(
+            lambda: deliver(alert, Channels(("oncall@example.com",), "local_mail", None, None))
+            == {"email:local_mail": "sent"},
+            30,
+            "the mail sink to accept the alert",
+        )
         wait_for(lambda: list(folder.glob("*.eml")), 10, f"the alert's .eml in {folder}")
         [eml] = folder.glob("*.eml")
         msg = email.message_from_bytes(eml.read_bytes(), policy=email.policy.default)

@@ -72,8 +72,10 @@ def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, spec_path, 
     assert killed_run["returncode"] == 0, killed_run["out"][-5000:]
     assert "ended STOPPED" in killed_run["out"], "chunk 2's first try must fail because its job was stopped"
     assert "resume checklist (as `python -m relay doctor" in killed_run["out"]
-    assert "chunk 2/2 (steps 7..12) of run killed resumes from step 6: epoch 0, dataloader at 96 of 1000 samples " \
-           "(6 batches) into the epoch" in killed_run["out"], "each chunk's log starts with its resume preview"
+    assert (
+        "chunk 2/2 (steps 7..12) of run killed resumes from step 6: epoch 0, dataloader at 96 of 1000 samples "
+        "(6 batches) into the epoch" in killed_run["out"]
+    ), "each chunk's log starts with its resume preview"
     rd = killed_run["run_dir"]
     assert layout.read_tracker(rd) == STEPS
     assert_bitwise_equal(model_state(rd / f"global_step_{STEPS}"), uninterrupted)
@@ -85,13 +87,18 @@ def test_killed_chunk_job_is_retried_and_resumes_bitwise(killed_run, spec_path, 
     assert starts[2]["lease_token"] > starts[1]["lease_token"]
     retrained = [r["step"] for r in read_jsonl(rd / SUPERSEDED) if r["attempt"] == starts[1]["attempt"]]
     assert retrained and min(retrained) == 7, "steps after checkpoint 6 only"
-    fault_row(case="trainer-kill", layer="full stack (Airflow, Ray, S3)",
-              fault=f"chunk 2's Ray job is stopped after step {max(retrained)} (its trainer frozen, then Ray's stop: "
-                    "SIGTERM, SIGKILL), as a preemption or a lost node ends it",
-              action="the try failed (job STOPPED) with the job's log tail; Airflow's retry stopped any live job of "
-                     "the run, took a newer lease and resumed from checkpoint 6 (rows 7.. of the killed try kept in "
-                     "metrics.superseded.jsonl)", steps_lost=len(retrained), run_dir=rd,
-              store=store_for_spec(load_spec(spec_path, check_environment=False)))
+    fault_row(
+        case="trainer-kill",
+        layer="full stack (Airflow, Ray, S3)",
+        fault=f"chunk 2's Ray job is stopped after step {max(retrained)} (its trainer frozen, then Ray's stop: "
+        "SIGTERM, SIGKILL), as a preemption or a lost node ends it",
+        action="the try failed (job STOPPED) with the job's log tail; Airflow's retry stopped any live job of "
+        "the run, took a newer lease and resumed from checkpoint 6 (rows 7.. of the killed try kept in "
+        "metrics.superseded.jsonl)",
+        steps_lost=len(retrained),
+        run_dir=rd,
+        store=store_for_spec(load_spec(spec_path, check_environment=False)),
+    )
 
 
 def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_home, spec_path):
@@ -100,14 +107,16 @@ def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_h
     store = store_for_spec(spec)
     assert [m.step for m in store.published("killed")] == [6, 12]
     assert store.latest("killed")["step"] == STEPS
-    assert store.head(store.run_key("killed", "hf", "global_step_12", "model.safetensors")), \
+    assert store.head(store.run_key("killed", "hf", "global_step_12", "model.safetensors")), (
         "the final step has a Hugging Face model beside it"
+    )
     for step in (6, 12):
         assert (run_dir(spec_path, "killed") / f"global_step_{step}" / "relay_manifest.json").is_file()
     events = asset_events(airflow_home, "relay_t_checkpoints")
     assert [(e["asset"], e["run"], e["step"]) for e in events] == [
-        (f"{spec.s3.uri}/killed", "killed", 6), (f"{spec.s3.uri}/killed", "killed", 12)], \
-        "each event on the run's own asset, its S3 prefix, through the spec's alias"
+        (f"{spec.s3.uri}/killed", "killed", 6),
+        (f"{spec.s3.uri}/killed", "killed", 12),
+    ], "each event on the run's own asset, its S3 prefix, through the spec's alias"
     assert events[1]["uri"] == store.step_uri("killed", 12) and events[1]["hf_model"].endswith("/hf/global_step_12/")
 
     page = store.client.get_object(Bucket=store.bucket, Key=store.run_key("killed", "report", "report.html"))
@@ -129,8 +138,17 @@ def test_the_killed_runs_goodput_adds_up_from_airflows_and_rays_marks(killed_run
     assert abs(sum(g.parts.values()) - g.wall_s) < 1.0
     superseded = read_jsonl(rd / SUPERSEDED)
     assert g.steps_lost == len(superseded) > 0 and g.steps_kept == STEPS
-    for part in ("scheduling", "submission", "startup", "training", "trained_twice", "save", "validation",
-                 "teardown", "retry_wait"):
+    for part in (
+        "scheduling",
+        "submission",
+        "startup",
+        "training",
+        "trained_twice",
+        "save",
+        "validation",
+        "teardown",
+        "retry_wait",
+    ):
         assert g.parts[part] > 0, (part, g.parts)
     assert [(a.chunk, a.outcome) for a in g.attempts] == [(1, "finished"), (2, "failed"), (2, "finished")]
     assert all(a.dag_run and a.try_number for a in g.attempts), "each attempt is its train task's try"
@@ -138,8 +156,9 @@ def test_the_killed_runs_goodput_adds_up_from_airflows_and_rays_marks(killed_run
     assert failure.attempt.endswith("-c02-t1") and failure.cause == "preempted", failure
     assert failure.steps_lost == len(superseded) and failure.time_to_recover_s > 0
     assert [c["attempts"] for c in g.chunks()] == [1, 2]
-    assert "goodput " in killed_run["out"] and "where the wall time went:" in killed_run["out"], \
+    assert "goodput " in killed_run["out"] and "where the wall time went:" in killed_run["out"], (
         "the finish task logs the ledger"
+    )
 
 
 def asset_events(airflow_home, alias: str) -> list[dict]:
@@ -149,10 +168,12 @@ def asset_events(airflow_home, alias: str) -> list[dict]:
 
     db = airflow_home["env"]["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].removeprefix("sqlite:///")
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT e.extra, a.uri FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                           "JOIN asset_alias_asset_event x ON x.event_id = e.id "
-                           "JOIN asset_alias al ON al.id = x.alias_id WHERE al.name = ? ORDER BY e.id",
-                           (alias,)).fetchall()
+        rows = con.execute(
+            "SELECT e.extra, a.uri FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+            "JOIN asset_alias_asset_event x ON x.event_id = e.id "
+            "JOIN asset_alias al ON al.id = x.alias_id WHERE al.name = ? ORDER BY e.id",
+            (alias,),
+        ).fetchall()
     return [{**json.loads(extra), "asset": uri} for extra, uri in rows]
 
 
@@ -202,8 +223,7 @@ def test_bad_environment_is_refused_before_any_job(airflow_home, ray_address):
 
 
 def test_validation_can_run_where_the_checkpoint_lives_on_the_cluster(airflow_home, ray_address):
-    spec = write_spec(airflow_home["runs"], name="onray", total_steps=6, chunk_steps=6,
-                      **{"checkpoints.validate_on": "ray"})
+    spec = write_spec(airflow_home["runs"], name="onray", total_steps=6, chunk_steps=6, **{"checkpoints.validate_on": "ray"})
     t0 = time.time()
     r = dags_test(airflow_home, "relay_onray", {})
     assert r.returncode == 0, r.stdout[-4000:]

@@ -60,8 +60,9 @@ def dag_run(airflow_home, s3_server, tmp_path_factory):
     spec_path = verl_spec(airflow_home["runs"], "relay_verl_ray")
     run_dir = load_spec(spec_path, check_environment=False).run_dir(RUN)
     with stack.private_ray_head() as head:
-        dag = start_dags_test(airflow_home, "relay_verl_tiny_cpu", {"run": RUN},
-                              env={"AIRFLOW_CONN_RELAY_VERL_RAY": head.address})
+        dag = start_dags_test(
+            airflow_home, "relay_verl_tiny_cpu", {"run": RUN}, env={"AIRFLOW_CONN_RELAY_VERL_RAY": head.address}
+        )
         try:
             # Chunk 2's first try: its job's driver SIGKILLed after step 3's row, before step 4's checkpoint.
             wait_for_step(run_dir, 3, set())
@@ -81,8 +82,15 @@ def dag_run(airflow_home, s3_server, tmp_path_factory):
         base = tmp_path_factory.mktemp("verl_straight")
         straight, log = base / "run", base / "straight.log"
         straight_rc = relay_train(straight, 4, head.address, log).wait(timeout=JOB_TIMEOUT)
-    return {"run_dir": run_dir, "spec": spec_path, "returncode": returncode, "out": out,
-            "straight": straight, "straight_rc": straight_rc, "straight_out": log.read_text(errors="replace")}
+    return {
+        "run_dir": run_dir,
+        "spec": spec_path,
+        "returncode": returncode,
+        "out": out,
+        "straight": straight,
+        "straight_rc": straight_rc,
+        "straight_out": log.read_text(errors="replace"),
+    }
 
 
 def test_airflows_retry_resumes_the_killed_chunk_and_every_step_is_trained_once(dag_run):
@@ -93,8 +101,9 @@ def test_airflows_retry_resumes_the_killed_chunk_and_every_step_is_trained_once(
     assert [r["step"] for r in read_jsonl(run / SUPERSEDED)] == [3], "the killed try's step 3, trained again"
     starts = [e for e in read_events(run) if e["event"] == "chunk_start"]
     assert [(e["chunk"], e["resumed_from"]) for e in starts] == [(1, 0), (2, 2), (2, 2), (3, 4)]
-    assert starts[1]["attempt"].endswith("-c02-t1") and starts[2]["attempt"].endswith("-c02-t2"), \
+    assert starts[1]["attempt"].endswith("-c02-t1") and starts[2]["attempt"].endswith("-c02-t2"), (
         "the resume is Airflow's second try of chunk 2's train task"
+    )
     assert "verl resumed at step 2" in dag_run["out"] and "verl resumed at step 4" in dag_run["out"]
     assert all(r["lr"] is not None and r["sample_indices"] for r in read_metrics(run))
 

@@ -17,8 +17,17 @@ from support.helpers import write_spec
 
 def test_every_channel_says_the_same_facts():
     a = an_alert()
-    facts = ["r1", "manual__1", "chunk_02.validate", "step 6", "s3://relay/runs/r1/global_step_6",
-             "quarantine/global_step_12", "integrity", "the tracker names step 6", a.log_url]
+    facts = [
+        "r1",
+        "manual__1",
+        "chunk_02.validate",
+        "step 6",
+        "s3://relay/runs/r1/global_step_6",
+        "quarantine/global_step_12",
+        "integrity",
+        "the tracker names step 6",
+        a.log_url,
+    ]
     slack = json.dumps(a.slack())
     for rendered in (a.text(), a.html(), slack):
         missing = [f for f in facts if f not in rendered]
@@ -27,8 +36,13 @@ def test_every_channel_says_the_same_facts():
     body = a.payload()
     assert body["relay_alert_version"] == 1 and body["severity"] == "error"
     assert {k: body[k] for k in ("run", "dag_run", "chunk", "step", "last_valid_step", "last_valid_uri")} == {
-        "run": "r1", "dag_run": "manual__1", "chunk": 2, "step": 12, "last_valid_step": 6,
-        "last_valid_uri": "s3://relay/runs/r1/global_step_6"}
+        "run": "r1",
+        "dag_run": "manual__1",
+        "chunk": 2,
+        "step": 12,
+        "last_valid_step": 6,
+        "last_valid_uri": "s3://relay/runs/r1/global_step_6",
+    }
 
 
 def test_an_unknown_kind_is_a_programming_error():
@@ -40,15 +54,18 @@ def test_unpublished_last_checkpoint_is_said_not_hidden():
     assert "step 6 (not published to S3)" in an_alert(last_valid_uri=None).text()
 
 
-@pytest.mark.parametrize("error, kind", [
-    (DataQualityError("bad rows", "fix them", []), "data_quality"),
-    (SourceDriftError("changed", "restore"), "data_drift"),
-    (DriftError("rollout_n 8 -> 4", "allow_drift"), "settings_drift"),
-    (CheckpointError("torn", "resume"), "checkpoint_invalid"),
-    (StoreError("S3 down", "start it"), "publish_failed"),
-    (RelayError("other"), "chunk_failed"),
-    (RuntimeError("job failed"), "chunk_failed"),
-])
+@pytest.mark.parametrize(
+    "error, kind",
+    [
+        (DataQualityError("bad rows", "fix them", []), "data_quality"),
+        (SourceDriftError("changed", "restore"), "data_drift"),
+        (DriftError("rollout_n 8 -> 4", "allow_drift"), "settings_drift"),
+        (CheckpointError("torn", "resume"), "checkpoint_invalid"),
+        (StoreError("S3 down", "start it"), "publish_failed"),
+        (RelayError("other"), "chunk_failed"),
+        (RuntimeError("job failed"), "chunk_failed"),
+    ],
+)
 def test_errors_map_to_the_alert_a_person_needs(error, kind):
     assert kind_of(error, "chunk_failed") == kind
 
@@ -78,13 +95,15 @@ def test_a_torn_ledger_is_set_aside_not_fatal(tmp_path):
 
 
 def test_stall_limit_comes_from_the_spec_or_the_runs_median_step_time(tmp_path):
-    spec = load_spec(write_spec(tmp_path, "s", **{"alerts.stall_factor": 10, "alerts.stall_floor_minutes": 0.5}),
-                     check_environment=False)
+    spec = load_spec(
+        write_spec(tmp_path, "s", **{"alerts.stall_factor": 10, "alerts.stall_floor_minutes": 0.5}), check_environment=False
+    )
     run = Run.of(spec, "r")
     assert stall_limit_s(run) == 30, "no steps yet: the floor"
     run.dir.mkdir(parents=True)
-    (run.dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "seconds": s}) + "\n"
-                                                   for i, s in enumerate([2.0, 5.0, 6.0, 100.0], 1)))
+    (run.dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "seconds": s}) + "\n" for i, s in enumerate([2.0, 5.0, 6.0, 100.0], 1))
+    )
     assert stall_limit_s(run) == 55, "10 x the median 5.5 s: one slow step does not move it"
     fixed = load_spec(write_spec(tmp_path, "f", **{"alerts.stall_minutes": 2}), check_environment=False)
     assert stall_limit_s(Run.of(fixed, "r")) == 120
@@ -126,8 +145,11 @@ def test_each_kind_of_alert_reads_right_in_every_channel():
     and as Slack's own bold; news (a warning, a recovery) says what happened."""
     failure = an_alert()
     assert ("What failed", failure.what) in failure.fields()
-    decision = an_alert(kind="decision", what="Start run **demo** again from step 0?",
-                        details="- local: `/ckpt/demo` (steps 6) to `/ckpt/.archive/demo-<time>/`")
+    decision = an_alert(
+        kind="decision",
+        what="Start run **demo** again from step 0?",
+        details="- local: `/ckpt/demo` (steps 6) to `/ckpt/.archive/demo-<time>/`",
+    )
     assert ("The question", "Start run demo again from step 0?") in decision.fields()
     text = decision.text()
     assert "What failed" not in text and "**" not in text and "`" not in text, text

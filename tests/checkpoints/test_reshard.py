@@ -40,8 +40,11 @@ def written(tmp_path_factory):
     """{(fsdp, world size): run folder} of global_step_1 written by verl at world sizes 1 to 3 (each world size is
     as many processes importing torch and verl: 4 is left to the load tests below), and at 4 by a reshard of 2."""
     root = tmp_path_factory.mktemp("reshard")
-    runs = {(f, w): verl_checkpoint.make(root / f"fsdp{f}_ws{w}", world_size=w, fsdp=f, **SHAPE).parent
-            for f in (1, 2) for w in VERL_WROTE}
+    runs = {
+        (f, w): verl_checkpoint.make(root / f"fsdp{f}_ws{w}", world_size=w, fsdp=f, **SHAPE).parent
+        for f in (1, 2)
+        for w in VERL_WROTE
+    }
     for f in (1, 2):
         runs[(f, 4)] = reshard(runs[(f, 2)], 4, out=root / f"fsdp{f}_ws4").step_dir.parent
     return runs
@@ -117,12 +120,14 @@ def test_k_to_m_to_k_is_bitwise_and_cuts_like_verl(written, tmp_path, fsdp):
             assert_same_shards(back, written[(fsdp, k)])  # bit for bit, the optimizer's Adam moments included
             for r in range(k):  # the rule for RNG states: rank r takes rank r % K's (through M: r % M first)
                 source = layout.shard_name("extra_state", k, (r % m) % k)
-                assert (layout.step_dir(back, 1) / "actor" / layout.shard_name("extra_state", k, r)).read_bytes() == \
-                       (layout.step_dir(written[(fsdp, k)], 1) / "actor" / source).read_bytes()
+                assert (layout.step_dir(back, 1) / "actor" / layout.shard_name("extra_state", k, r)).read_bytes() == (
+                    layout.step_dir(written[(fsdp, k)], 1) / "actor" / source
+                ).read_bytes()
 
 
-@pytest.mark.parametrize("fsdp,k,m", [(1, 1, 4), (2, 2, 4), (2, 3, 1), (1, 3, 2)],
-                         ids=["FSDP1-1to4", "FSDP2-2to4", "FSDP2-3to1", "FSDP1-3to2"])
+@pytest.mark.parametrize(
+    "fsdp,k,m", [(1, 1, 4), (2, 2, 4), (2, 3, 1), (1, 3, 2)], ids=["FSDP1-1to4", "FSDP2-2to4", "FSDP2-3to1", "FSDP1-3to2"]
+)
 def test_verl_loads_the_output_at_the_new_world_size_and_saves_it_again(written, tmp_path, fsdp, k, m):
     out = tmp_path / "out"
     reshard(written[(fsdp, k)], m, out=out)
@@ -144,8 +149,7 @@ def test_in_place_keeps_the_original_and_the_gate_accepts_the_change_only_throug
     m = manifest.read(layout.step_dir(run, 1))
     assert m.version == 3 and m.world_size == 3
     assert m.resharded_from["world_size"] == 2
-    assert m.resharded_from["manifest_sha256"] == hashlib.sha256(
-        (result.original / manifest.NAME).read_bytes()).hexdigest()
+    assert m.resharded_from["manifest_sha256"] == hashlib.sha256((result.original / manifest.NAME).read_bytes()).hexdigest()
     assert original.world_size == 2
 
     # A later step at world size 3 after a world-size-2 one: refused without the record, accepted with it.
@@ -154,8 +158,9 @@ def test_in_place_keeps_the_original_and_the_gate_accepts_the_change_only_throug
     shutil.copytree(written[(2, 3)] / "global_step_1", later / "global_step_2")
     layout.write_tracker(later, 2)
     report = validate_checkpoint(later)
-    assert not report.ok and "world size 3, but the run's earlier checkpoint (step 1) has world size 2" in \
-        report.failed.detail
+    assert (
+        not report.ok and "world size 3, but the run's earlier checkpoint (step 1) has world size 2" in report.failed.detail
+    )
     shutil.copy(layout.step_dir(run, 1) / RECORD, later / "global_step_2" / RECORD)
     report = validate_checkpoint(later)
     assert report.ok and "resharded from world size 2" in report.summary()
@@ -191,6 +196,7 @@ def test_a_critic_without_its_shards_is_refused(written, tmp_path):
 
 
 # ------------------------------------------------------------------- the DAG's reshard (on_world_size_change)
+
 
 def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
     """The shipped verl spec (world size nnodes x n_gpus_per_node) with its runs under folder."""
@@ -233,6 +239,7 @@ def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_si
     changes = guard.check(run, by="test")  # accepted through the policy, without allow_drift, and recorded
     assert {c.key for c in changes} == {"trainer.settings.n_gpus_per_node", "resolved.world_size"}
     from relay.runs.record import read_record
+
     assert read_record(run.dir)["drift"][-1]["allowed"] == [guard.RESHARD_POLICY]
 
     result = to_spec_world_size(run)
@@ -245,10 +252,14 @@ def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_si
 
 # ------------------------------------------------------------------- a reshard in place, killed anywhere
 
+
 def tree(folder: Path) -> dict:
     """{relative path: sha256} of every file of a folder."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def originals(run: Path, want: dict) -> list[Path]:
@@ -256,10 +267,17 @@ def originals(run: Path, want: dict) -> list[Path]:
     return [p for p in layout.relay_dir(run).rglob("global_step_1*") if p.is_dir() and tree(p) == want]
 
 
-@pytest.mark.parametrize("point,refuse", [("reshard_staged", ""), ("swap_journaled", ""), ("swap_exchanged", ""),
-                                          ("swap_journaled", "rename_exchange"),
-                                          ("swap_original_aside", "rename_exchange")],
-                         ids=["staged", "journaled", "exchanged", "journaled-no-exchange", "between-two-renames"])
+@pytest.mark.parametrize(
+    "point,refuse",
+    [
+        ("reshard_staged", ""),
+        ("swap_journaled", ""),
+        ("swap_exchanged", ""),
+        ("swap_journaled", "rename_exchange"),
+        ("swap_original_aside", "rename_exchange"),
+    ],
+    ids=["staged", "journaled", "exchanged", "journaled-no-exchange", "between-two-renames"],
+)
 def test_a_reshard_killed_anywhere_leaves_a_whole_step_and_its_original(written, tmp_path, point, refuse):
     """`relay checkpoint reshard` SIGKILLed at each point of its swap, with renameat2's exchange and without it (two
     renames, as on NFS): the gate, `relay doctor` or the next reshard finishes or undoes the swap, the tracker names
@@ -271,8 +289,9 @@ def test_a_reshard_killed_anywhere_leaves_a_whole_step_and_its_original(written,
     shutil.copytree(written[(2, 2)], run)
     assert admit_dir(run).ok
     want = tree(layout.step_dir(run, 1))
-    killed = relay_cli("checkpoint", "reshard", str(run), "--world-size", "1",
-                       env={KILL_ENV: f"{point}@1", REFUSE_ENV: refuse})
+    killed = relay_cli(
+        "checkpoint", "reshard", str(run), "--world-size", "1", env={KILL_ENV: f"{point}@1", REFUSE_ENV: refuse}
+    )
     assert killed.returncode == -9 and f"killed at {point}" in killed.stdout, killed.stdout + killed.stderr
     assert layout.read_tracker(run) == 1
 
@@ -283,7 +302,7 @@ def test_a_reshard_killed_anywhere_leaves_a_whole_step_and_its_original(written,
     assert ws == (1 if point in ("swap_exchanged", "swap_original_aside") else 2), "finished once it had begun"
     assert tree(layout.step_dir(run, 1)) == want or originals(run, want), "the original is kept"
 
-    for m in ((2, 1) if ws == 1 else (1, 2, 1)):  # later reshards back and forth
+    for m in (2, 1) if ws == 1 else (1, 2, 1):  # later reshards back and forth
         r = relay_cli("checkpoint", "reshard", str(run), "--world-size", str(m))
         assert r.returncode == 0, r.stdout + r.stderr
     assert originals(run, want), "a later reshard deleted the only copy of the original"
@@ -339,8 +358,12 @@ def test_a_one_dimensional_mesh_without_names_is_resharded(written, tmp_path):
 
     unnamed = tmp_path / "unnamed"
     shutil.copytree(written[(2, 2)], unnamed)
-    subprocess.run([sys.executable, "-c", UNNAMED, str(layout.step_dir(unnamed, 1) / "actor"), "2"], cwd=ROOT,
-                   check=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "plugins")})
+    subprocess.run(
+        [sys.executable, "-c", UNNAMED, str(layout.step_dir(unnamed, 1) / "actor"), "2"],
+        cwd=ROOT,
+        check=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "plugins")},
+    )
     assert shards(unnamed, "model")[0]["model.embed_tokens.weight"].device_mesh.mesh_dim_names is None
     for m in (1, 3):
         out = reshard(unnamed, m, out=tmp_path / f"to{m}")

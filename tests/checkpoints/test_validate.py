@@ -39,8 +39,7 @@ def test_verl_checkpoints_validate_at_every_world_size(verl_checkpoints, tmp_pat
     run = copy_run(verl_checkpoints, tmp_path, fsdp, ws)
     admission = admit_dir(run)
     assert admission.ok, admission.explain()
-    assert [c.name for c in admission.report.checks] == ["structure", "consistency", "integrity", "loadability",
-                                                         "numerics"]
+    assert [c.name for c in admission.report.checks] == ["structure", "consistency", "integrity", "loadability", "numerics"]
     assert admission.report.world_size == ws and admission.report.fsdp_version == fsdp
     m = manifest.read(run / "global_step_1")
     assert m.world_size == ws and set(m.files) == set(manifest.checkpoint_files(run / "global_step_1"))

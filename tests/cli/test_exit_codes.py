@@ -11,19 +11,23 @@ from support.helpers import relay_cli
 MISSING = "/no/such/path"
 
 
-@pytest.mark.parametrize("argv", [
-    ("checkpoint", "validate", MISSING),
-    ("checkpoint", "validate", MISSING, "--quarantine"),
-    ("checkpoint", "publish", MISSING, "s3://relay/x"),
-    ("checkpoint", "reshard", MISSING, "--world-size", "2"),
-    ("checkpoint", "inspect", MISSING),
-    ("data", "check", MISSING + ".parquet"),
-    ("data", "diff", MISSING + ".parquet", MISSING + "-b.parquet"),
-    ("data", "freeze", MISSING + ".parquet", "s3://relay/x"),
-    ("report", MISSING),
-    ("audit", MISSING),
-    ("plan", MISSING + ".yaml"),
-], ids=lambda a: " ".join(a[:2]) + (" --quarantine" if "--quarantine" in a else ""))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("checkpoint", "validate", MISSING),
+        ("checkpoint", "validate", MISSING, "--quarantine"),
+        ("checkpoint", "publish", MISSING, "s3://relay/x"),
+        ("checkpoint", "reshard", MISSING, "--world-size", "2"),
+        ("checkpoint", "inspect", MISSING),
+        ("data", "check", MISSING + ".parquet"),
+        ("data", "diff", MISSING + ".parquet", MISSING + "-b.parquet"),
+        ("data", "freeze", MISSING + ".parquet", "s3://relay/x"),
+        ("report", MISSING),
+        ("audit", MISSING),
+        ("plan", MISSING + ".yaml"),
+    ],
+    ids=lambda a: " ".join(a[:2]) + (" --quarantine" if "--quarantine" in a else ""),
+)
 def test_a_path_that_does_not_exist_is_a_usage_error(argv):
     r = relay_cli(*argv)
     assert r.returncode == 2, f"{argv}: exit {r.returncode}\n{r.stdout[-1000:]}{r.stderr[-1000:]}"
@@ -32,14 +36,17 @@ def test_a_path_that_does_not_exist_is_a_usage_error(argv):
 
 def test_what_a_command_does_not_take_is_a_usage_error(tmp_path):
     (tmp_path / "file").write_text("x")
-    for argv, said in [(("audit", str(tmp_path)), "metrics.jsonl"),
-                       (("model", "tiny", str(tmp_path / "file")), "not a folder"),
-                       (("checkpoint", "ls", "notauri"), "not an S3 URI"),
-                       (("checkpoint", "restore", "notauri", str(tmp_path / "r")), "not an S3 URI"),
-                       (("checkpoint", "reshard", str(tmp_path), "--world-size", "0"), "at least 1")]:
+    for argv, said in [
+        (("audit", str(tmp_path)), "metrics.jsonl"),
+        (("model", "tiny", str(tmp_path / "file")), "not a folder"),
+        (("checkpoint", "ls", "notauri"), "not an S3 URI"),
+        (("checkpoint", "restore", "notauri", str(tmp_path / "r")), "not an S3 URI"),
+        (("checkpoint", "reshard", str(tmp_path), "--world-size", "0"), "at least 1"),
+    ]:
         r = relay_cli(*argv)
-        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, \
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, (
             f"{argv}: exit {r.returncode}\n{r.stderr[-1500:]}"
+        )
 
 
 def test_a_corrupt_truncated_or_empty_input_is_a_finding(tmp_path):
@@ -48,9 +55,12 @@ def test_a_corrupt_truncated_or_empty_input_is_a_finding(tmp_path):
     (run / "latest_checkpointed_iteration.txt").write_text("garbage")
     (tmp_path / "empty.parquet").write_bytes(b"")
     (tmp_path / "cut.parquet").write_bytes(b"PAR1\x00\x01")
-    for argv in [("checkpoint", "validate", str(run)), ("checkpoint", "inspect", str(run)),
-                 ("data", "check", str(tmp_path / "empty.parquet")),
-                 ("data", "diff", str(tmp_path / "cut.parquet"), str(tmp_path / "empty.parquet"))]:
+    for argv in [
+        ("checkpoint", "validate", str(run)),
+        ("checkpoint", "inspect", str(run)),
+        ("data", "check", str(tmp_path / "empty.parquet")),
+        ("data", "diff", str(tmp_path / "cut.parquet"), str(tmp_path / "empty.parquet")),
+    ]:
         r = relay_cli(*argv)
         assert r.returncode == 1 and "Traceback" not in r.stderr, f"{argv}: exit {r.returncode}\n{r.stderr[-1500:]}"
 

@@ -48,10 +48,16 @@ def test_valid_data_passes_the_suite_and_spec_expectations():
 
 
 BAD = {
-    "null ground_truth": (lambda r: r[3]["reward_model"].update(ground_truth=None),
-                          "expect_column_values_to_not_be_null on reward_model.ground_truth", "extra_info.index=3"),
-    "duplicated index": (lambda r: r[5]["extra_info"].update(index=4),
-                         "expect_column_values_to_be_unique on extra_info.index", "extra_info.index=4"),
+    "null ground_truth": (
+        lambda r: r[3]["reward_model"].update(ground_truth=None),
+        "expect_column_values_to_not_be_null on reward_model.ground_truth",
+        "extra_info.index=3",
+    ),
+    "duplicated index": (
+        lambda r: r[5]["extra_info"].update(index=4),
+        "expect_column_values_to_be_unique on extra_info.index",
+        "extra_info.index=4",
+    ),
     "empty prompt": (lambda r: r[7].update(prompt=[]), "on prompt.valid", "extra_info.index=7"),
     "null data_source": (lambda r: r[9].update(data_source=None), "not_be_null on data_source", "extra_info.index=9"),
 }
@@ -115,14 +121,20 @@ def frozen_run(tmp_path):
 
 
 MUTATIONS = {
-    "row appended": (lambda r: [*r, dict(r[0], extra_info={"split": "train", "index": 5000})],
-                     "1 row(s) added (extra_info.index: 5000)"),
+    "row appended": (
+        lambda r: [*r, dict(r[0], extra_info={"split": "train", "index": 5000})],
+        "1 row(s) added (extra_info.index: 5000)",
+    ),
     "row deleted": (lambda r: r[:10] + r[11:], "1 row(s) removed (extra_info.index: 10)"),
     "rows reordered": (lambda r: r[1:] + r[:1], "rows reordered"),
-    "null ground_truth": (lambda r: [dict(x, reward_model={"style": "rule", "ground_truth": None}) if i == 2 else x
-                                     for i, x in enumerate(r)], "1 row(s) changed (extra_info.index: 2)"),
-    "duplicated index": (lambda r: [dict(x, extra_info={"split": "train", "index": 1}) if i == 2 else x
-                                    for i, x in enumerate(r)], "1000 -> 1000"),
+    "null ground_truth": (
+        lambda r: [dict(x, reward_model={"style": "rule", "ground_truth": None}) if i == 2 else x for i, x in enumerate(r)],
+        "1 row(s) changed (extra_info.index: 2)",
+    ),
+    "duplicated index": (
+        lambda r: [dict(x, extra_info={"split": "train", "index": 1}) if i == 2 else x for i, x in enumerate(r)],
+        "1000 -> 1000",
+    ),
 }
 
 
@@ -192,10 +204,21 @@ def test_settings_drift_is_refused_with_a_diff_and_accepted_only_when_allowed(tm
 def test_the_recorded_snapshot_holds_model_parallelism_algorithm_schedule_data_and_seed(frozen_run):
     spec, _ = frozen_run
     values = read_record(spec.run_dir("r"))["settings"]["values"]
-    for key in ("trainer.settings.model.hidden_size", "trainer.settings.world_size", "trainer.settings.fsdp_version",
-                "trainer.settings.adv_estimator", "trainer.settings.rollout_n", "trainer.settings.kl_loss_coef",
-                "trainer.settings.train_batch_size", "trainer.settings.optim.schedule", "total_steps", "seed",
-                "data.fingerprint", "resolved.steps_per_epoch", "resolved.lr_horizon"):
+    for key in (
+        "trainer.settings.model.hidden_size",
+        "trainer.settings.world_size",
+        "trainer.settings.fsdp_version",
+        "trainer.settings.adv_estimator",
+        "trainer.settings.rollout_n",
+        "trainer.settings.kl_loss_coef",
+        "trainer.settings.train_batch_size",
+        "trainer.settings.optim.schedule",
+        "total_steps",
+        "seed",
+        "data.fingerprint",
+        "resolved.steps_per_epoch",
+        "resolved.lr_horizon",
+    ):
         assert key in values, key
 
 

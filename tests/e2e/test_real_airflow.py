@@ -41,9 +41,17 @@ def airflow(tmp_path_factory, ray_address):
     faults.mkdir()
     # Chunk 2's first job holds after step 8 until the test lets it go: it is surely mid-chunk while the
     # scheduler and triggerer are down, however fast or loaded the machine.
-    write_spec(runs, name="e2e", **{"ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@8",
-                                                     "RELAY_FAULT_ONCE": str(faults / "e2e"),
-                                                     "RELAY_FAULT_PAUSE_S": "1200"}})
+    write_spec(
+        runs,
+        name="e2e",
+        **{
+            "ray.env_vars": {
+                "RELAY_FAULT_PAUSE_AT": "after_step@8",
+                "RELAY_FAULT_ONCE": str(faults / "e2e"),
+                "RELAY_FAULT_PAUSE_S": "1200",
+            }
+        },
+    )
     for i, day in enumerate(MONDAYS):  # each week's prompts differ: its run freezes its own
         table = pq.read_table(DATA)
         pq.write_table(table.slice(i), data / f"prompts-{day}.parquet")
@@ -54,27 +62,59 @@ def airflow(tmp_path_factory, ray_address):
     # the task without running it (Airflow 3.3's AWAITING_INPUT sweep against a late executor event, under CI's load).
     write_spec(runs, name="hurry", total_steps=6, chunk_steps=6, **{"approvals.timeout_minutes": 0.35})
     # A fallback question; and a deadline already past (its ETA and Airflow's deadline alert both alert).
-    write_spec(runs, name="careful", total_steps=6, chunk_steps=6,
-               **{"approvals.max_steps_lost": 1, "trainer.settings.save_freq": 3,
-                  "alerts.deadline": "2026-01-01T00:00:00Z"})
+    write_spec(
+        runs,
+        name="careful",
+        total_steps=6,
+        chunk_steps=6,
+        **{"approvals.max_steps_lost": 1, "trainer.settings.save_freq": 3, "alerts.deadline": "2026-01-01T00:00:00Z"},
+    )
     # A chunk whose job holds after step 3 past its 0.5-minute timeout, while the triggerer is down.
-    write_spec(runs, name="outage", total_steps=6, chunk_steps=6, **{
-        "ray.chunk_timeout_minutes": 0.5, "alerts.stall_minutes": 10,
-        "ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@3", "RELAY_FAULT_ONCE": str(faults / "outage"),
-                         "RELAY_FAULT_PAUSE_S": "1200"}})
-    write_spec(runs, name="weekly", total_steps=6, chunk_steps=6, **{
-        "airflow.schedule": "0 0 * * 1", "airflow.start_date": "2025-01-06",
-        "data.train_files": [str(data / "prompts-{{ ds_nodash }}.parquet")], "data.val_files": []})
+    write_spec(
+        runs,
+        name="outage",
+        total_steps=6,
+        chunk_steps=6,
+        **{
+            "ray.chunk_timeout_minutes": 0.5,
+            "alerts.stall_minutes": 10,
+            "ray.env_vars": {
+                "RELAY_FAULT_PAUSE_AT": "after_step@3",
+                "RELAY_FAULT_ONCE": str(faults / "outage"),
+                "RELAY_FAULT_PAUSE_S": "1200",
+            },
+        },
+    )
+    write_spec(
+        runs,
+        name="weekly",
+        total_steps=6,
+        chunk_steps=6,
+        **{
+            "airflow.schedule": "0 0 * * 1",
+            "airflow.start_date": "2025-01-06",
+            "data.train_files": [str(data / "prompts-{{ ds_nodash }}.parquet")],
+            "data.val_files": [],
+        },
+    )
 
-    with postgres_database("relay_e2e") as db_url, airflow_processes(
-            base, runs, db_url, AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60",
-            AIRFLOW__SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL="2") as af:
+    with (
+        postgres_database("relay_e2e") as db_url,
+        airflow_processes(
+            base,
+            runs,
+            db_url,
+            AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60",
+            AIRFLOW__SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL="2",
+        ) as af,
+    ):
         yield {**af, "runs": runs, "data": data, "faults": faults}
 
 
 @pytest.mark.fault
-def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_chunk(airflow, ray_address, uninterrupted,
-                                                                                   fault_row):
+def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_chunk(
+    airflow, ray_address, uninterrupted, fault_row
+):
     api, held = airflow["api"], airflow["faults"] / "e2e"
     api.wait_for_dag("relay_e2e")
     t0 = time.time()
@@ -92,8 +132,9 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
             assert stack.kill_process(f"airflow-{comp}")
         time.sleep(3)
         for comp in ("scheduler", "triggerer"):
-            stack.start_process(f"airflow-{comp}", [str(stack.bin_dir() / "airflow"), comp], airflow["env"],
-                                cwd=airflow["home"])
+            stack.start_process(
+                f"airflow-{comp}", [str(stack.bin_dir() / "airflow"), comp], airflow["env"], cwd=airflow["home"]
+            )
     finally:
         Path(f"{held}.go").touch()  # the job goes on (a job held at its fault point would keep a Ray CPU)
 
@@ -109,18 +150,22 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
     run_dir = spec.run_dir("ui")
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13)), "each step once: nothing retrained"
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
-    fault_row(case="scheduler-kill", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
-              fault="the Airflow scheduler and triggerer are SIGKILLed while chunk 2's train task is deferred on its "
-                    "running Ray job (held after step 8), and started again 3 s later",
-              action="the new triggerer re-attached to the same Ray job (its submission id is deterministic per run, "
-                     "chunk and try): exactly one job ran for chunk 2, it trained on undisturbed, and the run "
-                     "succeeded with steps 6 and 12 published and announced as asset events", steps_lost=0,
-              run_dir=run_dir, store=store_for_spec(spec))
+    fault_row(
+        case="scheduler-kill",
+        layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+        fault="the Airflow scheduler and triggerer are SIGKILLed while chunk 2's train task is deferred on its "
+        "running Ray job (held after step 8), and started again 3 s later",
+        action="the new triggerer re-attached to the same Ray job (its submission id is deterministic per run, "
+        "chunk and try): exactly one job ran for chunk 2, it trained on undisturbed, and the run "
+        "succeeded with steps 6 and 12 published and announced as asset events",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store_for_spec(spec),
+    )
 
 
 @pytest.mark.fault
-def test_a_chunk_whose_triggerer_was_down_past_its_timeout_is_adopted_not_trained_again(airflow, ray_address,
-                                                                                      fault_row):
+def test_a_chunk_whose_triggerer_was_down_past_its_timeout_is_adopted_not_trained_again(airflow, ray_address, fault_row):
     """The triggerer is down while a chunk's job trains past the chunk's timeout: no trigger stops the job, Airflow's
     own defer timeout fails the task's try, and the next try adopts the job, which holds the run's lease and made
     a step within the stall limit, instead of stopping it and training its steps again."""
@@ -139,12 +184,16 @@ def test_a_chunk_whose_triggerer_was_down_past_its_timeout_is_adopted_not_traine
         wait_for(lambda: train(state="deferred"), 600, "chunk 1's train task to defer on its Ray job")
         assert stack.kill_process("airflow-triggerer")
         wait_for(held.exists, 600, "chunk 1's job to hold after step 3")
-        wait_for(lambda: train(state="deferred", try_number=2), 300,
-                 "Airflow's defer timeout to fail try 1 and try 2 to defer on the same job")
+        wait_for(
+            lambda: train(state="deferred", try_number=2),
+            300,
+            "Airflow's defer timeout to fail try 1 and try 2 to defer on the same job",
+        )
     finally:
         Path(f"{held}.go").touch()  # the job goes on
-        stack.start_process("airflow-triggerer", [str(stack.bin_dir() / "airflow"), "triggerer"], airflow["env"],
-                            cwd=airflow["home"])
+        stack.start_process(
+            "airflow-triggerer", [str(stack.bin_dir() / "airflow"), "triggerer"], airflow["env"], cwd=airflow["home"]
+        )
     assert api.wait_for_run("relay_outage", run_id, timeout=900)["state"] == "success"
     [job] = [j for j in jobs_of_run(ray_address, "down", t0) if (j.metadata or {}).get("relay_chunk") == "1"]
     assert str(job.status) == "SUCCEEDED", "one job trained the chunk: adopted, not stopped and submitted again"
@@ -153,12 +202,17 @@ def test_a_chunk_whose_triggerer_was_down_past_its_timeout_is_adopted_not_traine
     spec = load_spec(airflow["runs"] / "outage.yaml", check_environment=False)
     run_dir = spec.run_dir("down")
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7)), "each step once: nothing retrained"
-    fault_row(case="triggerer-down", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
-              fault="the triggerer is down while chunk 1's job trains past the chunk's timeout (held after step 3)",
-              action="Airflow's defer timeout failed the try; its retry found the job holding the run's lease with a "
-                     "recent step and adopted it (its timeout counted again from the adoption); the job trained on to "
-                     "step 6, and no step was trained twice", steps_lost=0, run_dir=run_dir,
-              store=store_for_spec(spec))
+    fault_row(
+        case="triggerer-down",
+        layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+        fault="the triggerer is down while chunk 1's job trains past the chunk's timeout (held after step 3)",
+        action="Airflow's defer timeout failed the try; its retry found the job holding the run's lease with a "
+        "recent step and adopted it (its timeout counted again from the adoption); the job trained on to "
+        "step 6, and no step was trained twice",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store_for_spec(spec),
+    )
 
 
 def test_the_api_server_listens_on_loopback_only(airflow):
@@ -184,8 +238,20 @@ def test_an_invalid_form_creates_no_run(airflow):
 def test_a_backfill_trains_each_week_in_order_in_its_own_namespace(airflow):
     api = airflow["api"]
     api.wait_for_dag("relay_weekly")
-    r = stack.airflow_cli(airflow["env"], "backfill", "create", "--dag-id", "relay_weekly", "--from-date",
-                          "2025-01-06", "--to-date", "2025-01-13", "--max-active-runs", "1", check=False)
+    r = stack.airflow_cli(
+        airflow["env"],
+        "backfill",
+        "create",
+        "--dag-id",
+        "relay_weekly",
+        "--from-date",
+        "2025-01-06",
+        "--to-date",
+        "2025-01-13",
+        "--max-active-runs",
+        "1",
+        check=False,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
     def ended():
@@ -208,8 +274,11 @@ def test_a_backfill_trains_each_week_in_order_in_its_own_namespace(airflow):
 
 def awaiting(api, dag_id: str, run_id: str, task_id: str) -> dict:
     """Wait until the task asks its question (awaiting_input); its human-in-the-loop request."""
-    wait_for(lambda: any(t["task_id"] == task_id and t["state"] == "awaiting_input"
-                         for t in api.task_instances(dag_id, run_id)), 300, f"{task_id} to wait for a decision")
+    wait_for(
+        lambda: any(t["task_id"] == task_id and t["state"] == "awaiting_input" for t in api.task_instances(dag_id, run_id)),
+        300,
+        f"{task_id} to wait for a decision",
+    )
     wait_until_parked(dag_id, run_id, task_id)  # Airflow 3.3.2 fails a task answered before this
     return api.decision(dag_id, run_id, task_id)
 
@@ -251,8 +320,9 @@ def test_a_cleared_dag_run_does_not_start_its_run_again(airflow):
     api, spec_path = airflow["api"], airflow["runs"] / "decide.yaml"
     api.wait_for_dag("relay_decide")
     rd = trained_offline(spec_path, "fc")
-    run_id = api.trigger("relay_decide", {"run": "fc", "fresh_start": True, "confirm_fresh_start": "fc",
-                                          "alert_channels": []})["dag_run_id"]
+    run_id = api.trigger(
+        "relay_decide", {"run": "fc", "fresh_start": True, "confirm_fresh_start": "fc", "alert_channels": []}
+    )["dag_run_id"]
     assert api.wait_for_run("relay_decide", run_id, timeout=900)["state"] == "success"
     after_first = read_record(rd)["incarnation"]
     rows = read_metrics(rd)
@@ -260,9 +330,12 @@ def test_a_cleared_dag_run_does_not_start_its_run_again(airflow):
 
     tasks = [t["task_id"] for t in api.task_instances("relay_decide", run_id)]
     api.clear_task_instances("relay_decide", run_id, tasks)
-    wait_for(lambda: api.dag_run("relay_decide", run_id)["state"] in ("success", "failed") and
-             any(t["try_number"] == 2 for t in api.task_instances("relay_decide", run_id)
-                 if t["task_id"] == "preflight.run"), 600, "the cleared DAG run to run again")
+    wait_for(
+        lambda: api.dag_run("relay_decide", run_id)["state"] in ("success", "failed")
+        and any(t["try_number"] == 2 for t in api.task_instances("relay_decide", run_id) if t["task_id"] == "preflight.run"),
+        600,
+        "the cleared DAG run to run again",
+    )
     assert api.wait_for_run("relay_decide", run_id, timeout=900)["state"] == "success"
     assert read_record(rd)["incarnation"] == after_first, "not started again"
     assert len(list((rd.parent / ".archive").glob("fc-*"))) == 1, "nothing archived a second time"

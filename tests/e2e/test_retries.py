@@ -38,23 +38,48 @@ def airflow(tmp_path_factory, ray_address, receivers):
     faults.mkdir()
 
     def paused_at_step_3(name: str) -> dict:  # the chunk's first job waits at step 3 until released
-        return {"ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@3", "RELAY_FAULT_ONCE": str(faults / name),
-                                 "RELAY_FAULT_PAUSE_S": "1200"}}
+        return {
+            "ray.env_vars": {
+                "RELAY_FAULT_PAUSE_AT": "after_step@3",
+                "RELAY_FAULT_ONCE": str(faults / name),
+                "RELAY_FAULT_PAUSE_S": "1200",
+            }
+        }
 
     write_spec(runs, name="cleared", **paused_at_step_3("cleared"))
     write_spec(runs, name="lost", **paused_at_step_3("lost"))
-    write_spec(runs, name="frozen", **{"ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@8",
-                                                        "RELAY_FAULT_ONCE": str(faults / "frozen")},
-                                       "alerts.stall_minutes": 0.1})
-    write_spec(runs, name="failing", **{"airflow.retries": 0, "alerts.webhook_conn_id": "relay_webhook",
-                                        "ray.env_vars": {"RELAY_FAULT_KILL_AT": "after_step@8"}})
+    write_spec(
+        runs,
+        name="frozen",
+        **{
+            "ray.env_vars": {"RELAY_FAULT_PAUSE_AT": "after_step@8", "RELAY_FAULT_ONCE": str(faults / "frozen")},
+            "alerts.stall_minutes": 0.1,
+        },
+    )
+    write_spec(
+        runs,
+        name="failing",
+        **{
+            "airflow.retries": 0,
+            "alerts.webhook_conn_id": "relay_webhook",
+            "ray.env_vars": {"RELAY_FAULT_KILL_AT": "after_step@8"},
+        },
+    )
     write_spec(runs, name="one", total_steps=6, chunk_steps=6, **{"airflow.retries": 0})  # a chunk each
     write_spec(runs, name="two", total_steps=6, chunk_steps=6, **{"airflow.retries": 0})
 
     # The worker that runs chunk 1 of the run named `lost` dies (SIGKILL) right after submitting its job.
-    with postgres_database("relay_retries") as db_url, airflow_processes(
-            base, runs, db_url, RELAY_FAULT_KILL_AT="after_submit:lost@1", RELAY_FAULT_ONCE=str(faults / "worker-kill"),
-            **receivers["env"]) as af:
+    with (
+        postgres_database("relay_retries") as db_url,
+        airflow_processes(
+            base,
+            runs,
+            db_url,
+            RELAY_FAULT_KILL_AT="after_submit:lost@1",
+            RELAY_FAULT_ONCE=str(faults / "worker-kill"),
+            **receivers["env"],
+        ) as af,
+    ):
         yield {**af, "runs": runs, "faults": faults}
 
 
@@ -81,8 +106,11 @@ def adopted(api, ray_address, dag_id: str, run_id: str, run: str, since: float, 
     check fails: a job held at its fault point would keep one of the session's Ray CPUs)."""
     try:
         wait_for(release.exists, 600, "the job to train (held at step 3)")  # on a busy head it may wait its turn
-        wait_for(lambda: (t := task(api, dag_id, run_id, "chunk_01.train"))["try_number"] >= 2
-                 and t["state"] == "deferred", 600, "chunk 1's next try to defer")
+        wait_for(
+            lambda: (t := task(api, dag_id, run_id, "chunk_01.train"))["try_number"] >= 2 and t["state"] == "deferred",
+            600,
+            "chunk 1's next try to defer",
+        )
         jobs = chunk_jobs(ray_address, run, since, 1)
         assert [str(j.status) for j in jobs] == ["RUNNING"], "the first try's job was adopted, not stopped or doubled"
     finally:
@@ -100,7 +128,8 @@ def publish_overlapped_the_next_chunk(api, dag_id: str, run_id: str) -> None:
     publish, train = tis["chunk_01.publish"], tis["chunk_02.train"]
     assert publish["start_date"] < train["end_date"] and train["start_date"] < publish["end_date"], (
         f"chunk 1 published {publish['start_date']}..{publish['end_date']}, "
-        f"chunk 2 trained {train['start_date']}..{train['end_date']}")
+        f"chunk 2 trained {train['start_date']}..{train['end_date']}"
+    )
 
 
 @pytest.mark.fault
@@ -110,22 +139,32 @@ def test_a_cleared_train_task_adopts_its_healthy_job(airflow, ray_address, unint
     api, dag_id, since = airflow["api"], "relay_cleared", time.time()
     api.wait_for_dag(dag_id)
     run_id = api.trigger(dag_id, {"run": "c"})["dag_run_id"]
-    wait_for(lambda: (airflow["faults"] / "cleared").exists()
-             and task(api, dag_id, run_id, "chunk_01.train")["state"] == "deferred", 600,
-             "chunk 1's job to train (held at step 3) with its task deferred")
+    wait_for(
+        lambda: (airflow["faults"] / "cleared").exists()
+        and task(api, dag_id, run_id, "chunk_01.train")["state"] == "deferred",
+        600,
+        "chunk 1's job to train (held at step 3) with its task deferred",
+    )
     api.clear_task_instances(dag_id, run_id, ["chunk_01.train"])
     adopted(api, ray_address, dag_id, run_id, "c", since, airflow["faults"] / "cleared")
     run_dir, store = trained_once_and_equal(airflow["runs"] / "cleared.yaml", "c", uninterrupted)
-    fault_row(case="task-cleared", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
-              fault="a person clears chunk 1's deferred train task while its Ray job trains (held at step 3)",
-              action="the trigger's on_kill saw a clear, not a mark, and left the job running; the task's next "
-                     "try found it holding the run's lease with a recent step and deferred on it: one job for "
-                     "the chunk, no step trained twice", steps_lost=0, run_dir=run_dir, store=store)
+    fault_row(
+        case="task-cleared",
+        layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+        fault="a person clears chunk 1's deferred train task while its Ray job trains (held at step 3)",
+        action="the trigger's on_kill saw a clear, not a mark, and left the job running; the task's next "
+        "try found it holding the run's lease with a recent step and deferred on it: one job for "
+        "the chunk, no step trained twice",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store,
+    )
 
 
 @pytest.mark.fault
-def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_same_job(airflow, ray_address,
-                                                                                     uninterrupted, fault_row):
+def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_same_job(
+    airflow, ray_address, uninterrupted, fault_row
+):
     """The worker running chunk 1's train task is SIGKILLed right after it submitted the job, before it
     deferred or stored the job's id: the retry finds the job by its metadata and lease, and adopts it."""
     api, dag_id, since = airflow["api"], "relay_lost", time.time()
@@ -134,12 +173,18 @@ def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_sam
     wait_for(lambda: (airflow["faults"] / "worker-kill").exists(), 600, "the worker to be killed after submitting")
     adopted(api, ray_address, dag_id, run_id, "lost", since, airflow["faults"] / "lost")
     run_dir, store = trained_once_and_equal(airflow["runs"] / "lost.yaml", "lost", uninterrupted)
-    fault_row(case="task-process-kill", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
-              fault="the process running chunk 1's train task is SIGKILLed right after submitting the Ray job, "
-                    "before it stored the job's id or deferred",
-              action="Airflow retried the task; the retry found the job by its metadata (run, chunk) holding the "
-                     "lease taken at its submission, with a recent step, and deferred on it: one job, no step "
-                     "trained twice", steps_lost=0, run_dir=run_dir, store=store)
+    fault_row(
+        case="task-process-kill",
+        layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+        fault="the process running chunk 1's train task is SIGKILLed right after submitting the Ray job, "
+        "before it stored the job's id or deferred",
+        action="Airflow retried the task; the retry found the job by its metadata (run, chunk) holding the "
+        "lease taken at its submission, with a recent step, and deferred on it: one job, no step "
+        "trained twice",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store,
+    )
 
 
 @pytest.mark.fault
@@ -160,11 +205,16 @@ def test_a_frozen_job_is_still_stopped_and_resumed(airflow, ray_address, uninter
     resumed = [e["resumed_from"] for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
     assert resumed == [6, 6]
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
-    fault_row(case="job-frozen", layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
-              fault="chunk 2's trainer is SIGSTOPped at step 8 (alive, no new step; stall limit 6 s)",
-              action="the trigger saw no new step within the stall limit and stopped the job; the retry found no "
-                     "healthy job to adopt and a new job resumed from step 6", steps_lost=2, run_dir=run_dir,
-              store=store_for_spec(load_spec(airflow["runs"] / "frozen.yaml", check_environment=False)))
+    fault_row(
+        case="job-frozen",
+        layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+        fault="chunk 2's trainer is SIGSTOPped at step 8 (alive, no new step; stall limit 6 s)",
+        action="the trigger saw no new step within the stall limit and stopped the job; the retry found no "
+        "healthy job to adopt and a new job resumed from step 6",
+        steps_lost=2,
+        run_dir=run_dir,
+        store=store_for_spec(load_spec(airflow["runs"] / "frozen.yaml", check_environment=False)),
+    )
 
 
 def test_every_failure_alerts_once_and_recovery_waits_for_the_failed_work(airflow, receivers):
@@ -181,8 +231,12 @@ def test_every_failure_alerts_once_and_recovery_waits_for_the_failed_work(airflo
     assert api.wait_for_run(dag_id, first, timeout=900)["state"] == "failed"
     wait_for(lambda: len(alerts()) == 1, 30, lambda: f"one alert; arrived: {alerts()}")
     api.clear_task_instances(dag_id, first, ["chunk_02.train"])
-    wait_for(lambda: api.dag_run(dag_id, first)["state"] == "failed"
-             and task(api, dag_id, first, "chunk_02.train")["try_number"] == 2, 600, "the cleared chunk to fail again")
+    wait_for(
+        lambda: api.dag_run(dag_id, first)["state"] == "failed"
+        and task(api, dag_id, first, "chunk_02.train")["try_number"] == 2,
+        600,
+        "the cleared chunk to fail again",
+    )
     wait_for(lambda: len(alerts()) == 2, 30, lambda: f"two alerts; arrived: {alerts()}")
     second = api.trigger(dag_id, {"run": "x"})["dag_run_id"]
     assert api.wait_for_run(dag_id, second, timeout=900)["state"] == "failed"
@@ -190,8 +244,10 @@ def test_every_failure_alerts_once_and_recovery_waits_for_the_failed_work(airflo
     time.sleep(2)
     got = alerts()
     assert [(a["dag_run"], a["task"], a["kind"]) for a in got] == [
-        (first, "chunk_02.train", got[0]["kind"]), (first, "chunk_02.train", got[0]["kind"]),
-        (second, "chunk_02.train", got[0]["kind"])], got
+        (first, "chunk_02.train", got[0]["kind"]),
+        (first, "chunk_02.train", got[0]["kind"]),
+        (second, "chunk_02.train", got[0]["kind"]),
+    ], got
     assert got[0]["kind"] != "recovered" and [a["try_number"] for a in got[:2]] == [1, 2]
 
 

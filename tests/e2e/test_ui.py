@@ -27,8 +27,15 @@ from support.helpers import ROOT, session_shared, write_spec
 SHOTS = ROOT / ".relay" / "test-results" / "screenshots"
 # As the machine notes start it: no background connections (this machine's network is closed), no sandbox (root).
 UI_TIMEOUT_MS = 120_000
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +196,9 @@ def test_the_train_task_links_to_its_ray_job_and_the_run_report(page, airflow, t
     page.wait_for_url(lambda url: unquote(url).startswith(back))  # the browser shows the run id percent-encoded
 
 
-def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_the_old_one(page, airflow, triggered,
-                                                                                          uninterrupted):
+def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_the_old_one(
+    page, airflow, triggered, uninterrupted
+):
     """The form's fresh start of the published run `demo`: a new incarnation trains from step 0 to the same
     weights as a first run with the same seed; the old run is moved aside, locally and in S3, untouched."""
     import json
@@ -204,8 +212,11 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     spec = load_spec(airflow["runs"] / "demo.yaml", check_environment=False)
     run_dir, store = spec.run_dir("demo"), store_for_spec(spec)
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
-    old = {"incarnation": read_record(run_dir)["incarnation"], "files": digests(run_dir / "global_step_12"),
-           "manifest": store.manifest("demo", 12)}
+    old = {
+        "incarnation": read_record(run_dir)["incarnation"],
+        "files": digests(run_dir / "global_step_12"),
+        "manifest": store.manifest("demo", 12),
+    }
 
     dialog = open_trigger_form(page, airflow)
     page.locator("label[id='switch:element_fresh_start']").click()
@@ -218,7 +229,8 @@ def test_a_confirmed_fresh_start_from_the_form_starts_the_run_again_and_keeps_th
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
     look_away(page)
     assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
-        "relay_demo", run_id)
+        "relay_demo", run_id
+    )
 
     assert read_record(run_dir)["incarnation"] != old["incarnation"]
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
@@ -283,8 +295,14 @@ def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(pa
     run_id = unquote(page.url.rsplit("/runs/", 1)[1].split("/")[0])
     runs_url = page.url.split("/runs/")[0]
     look_away(page)
-    wait_for(lambda: any(t["task_id"] == "preflight.settings" and t["state"] == "awaiting_input"
-                         for t in api.task_instances("relay_demo", run_id)), 300, "preflight.settings to ask")
+    wait_for(
+        lambda: any(
+            t["task_id"] == "preflight.settings" and t["state"] == "awaiting_input"
+            for t in api.task_instances("relay_demo", run_id)
+        ),
+        300,
+        "preflight.settings to ask",
+    )
     wait_until_parked("relay_demo", run_id, "preflight.settings")  # Airflow 3.3.2 fails a task answered before
     page.goto(f"{runs_url}/runs/{run_id}/tasks/preflight.settings/required_actions?map_index=-1")
     page.get_by_text("Accept a change of run demo's resume-critical settings?").first.wait_for()
@@ -293,11 +311,17 @@ def test_a_settings_change_waits_and_is_approved_on_the_required_actions_page(pa
     body = page.inner_text("body")
     assert "Awaiting Input" in body and "seed: 999 -> " in body, body[-2000:]
     page.get_by_role("button", name="Approve").click()
-    wait_for(lambda: any(t["task_id"] == "preflight.settings" and t["state"] != "awaiting_input"
-                         for t in api.task_instances("relay_demo", run_id)), 300, "the approval to reach Airflow")
+    wait_for(
+        lambda: any(
+            t["task_id"] == "preflight.settings" and t["state"] != "awaiting_input"
+            for t in api.task_instances("relay_demo", run_id)
+        ),
+        300,
+        "the approval to reach Airflow",
+    )
     look_away(page)
     assert api.wait_for_run("relay_demo", run_id, timeout=900)["state"] == "success", api.task_instances(
-        "relay_demo", run_id)
+        "relay_demo", run_id
+    )
     drift = read_record(run_dir)["drift"][-1]
     assert drift["by"].startswith("admin in the Airflow UI at ") and drift["allowed"] == ["seed"]
-

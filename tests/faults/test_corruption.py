@@ -33,14 +33,28 @@ STEPS, SAVE_FREQ, DAMAGED = 12, 3, 9
 
 # way -> (damage(run_dir), the check that refuses it, words its detail holds, the step the refusal names:
 # DAMAGED when global_step_9 is damaged; the tracker's missing step, or None, when the tracker is).
-WAYS = {name: (lambda run, b=breaks: b(layout.step_dir(run, DAMAGED)), check, words, DAMAGED)
-        for name, (breaks, check, words) in DEFECTS.items()}
-WAYS["changed world size"] = (lambda run: change_world_size(layout.step_dir(run, DAMAGED), 2), "consistency",
-                              "world size 2, but the run's earlier checkpoint (step 6) has world size 1", DAMAGED)
-WAYS["tracker names a missing step"] = (lambda run: layout.tracker_path(run).write_text("10"), "structure",
-                                        "does not exist", 10)
-WAYS["tracker holds garbage"] = (lambda run: layout.tracker_path(run).write_bytes(b"\x00garbage"), "structure",
-                                 "not a step number", None)
+WAYS = {
+    name: (lambda run, b=breaks: b(layout.step_dir(run, DAMAGED)), check, words, DAMAGED)
+    for name, (breaks, check, words) in DEFECTS.items()
+}
+WAYS["changed world size"] = (
+    lambda run: change_world_size(layout.step_dir(run, DAMAGED), 2),
+    "consistency",
+    "world size 2, but the run's earlier checkpoint (step 6) has world size 1",
+    DAMAGED,
+)
+WAYS["tracker names a missing step"] = (
+    lambda run: layout.tracker_path(run).write_text("10"),
+    "structure",
+    "does not exist",
+    10,
+)
+WAYS["tracker holds garbage"] = (
+    lambda run: layout.tracker_path(run).write_bytes(b"\x00garbage"),
+    "structure",
+    "not a step number",
+    None,
+)
 
 # The rows: what was done to the run, and why the checkpoint was refused (each asserted through WAYS' words).
 FAULT = {
@@ -52,11 +66,10 @@ FAULT = {
     "flipped byte": "checkpoint 9: one bit flipped in the middle of actor/optim_world_size_1_rank_0.pt",
     "NaN weights": "checkpoint 9: a NaN written into model.embed_tokens.weight (the file itself whole)",
     "pickle runs code": "checkpoint 9: actor/extra_state_world_size_1_rank_0.pt replaced by a pickle that would "
-                        "run code (write a file)",
+    "run code (write a file)",
     "changed world size": "checkpoint 9: resharded on disk, its shards renamed to world size 2 (ranks 0 and 1) "
-                          "and fsdp_config.json saying 2, in a run trained at world size 1",
-    "tracker names a missing step": "the tracker names step 10, whose folder does not exist (checkpoints 3, 6, 9 "
-                                    "whole)",
+    "and fsdp_config.json saying 2, in a run trained at world size 1",
+    "tracker names a missing step": "the tracker names step 10, whose folder does not exist (checkpoints 3, 6, 9 whole)",
     "tracker holds garbage": "the tracker holds garbage (b'\\x00garbage'; checkpoints 3, 6, 9 whole)",
 }
 WHY = {
@@ -74,16 +87,22 @@ WHY = {
 
 def action(way: str, check: str, resumed: int) -> str:
     if way == "tracker names a missing step":
-        return ("the resume's validation found no global_step_10 (structure check), re-pointed the tracker at the "
-                f"newest valid checkpoint, step {resumed}, and resumed there; the gate refuses the tracker at the "
-                "same check, moving nothing")
+        return (
+            "the resume's validation found no global_step_10 (structure check), re-pointed the tracker at the "
+            f"newest valid checkpoint, step {resumed}, and resumed there; the gate refuses the tracker at the "
+            "same check, moving nothing"
+        )
     if way == "tracker holds garbage":
-        return ("the resume's validation refused the tracker (structure check: not a step number), moved it to "
-                f".relay/quarantine, pointed a new one at the newest valid checkpoint, step {resumed}, and resumed "
-                "there; the gate refuses it at the same check, moving nothing")
-    return (f"the resume's validation refused it at the {check} check ({WHY[way]}), moved it whole to "
-            f".relay/quarantine with its check report, re-pointed the tracker at step {resumed} and resumed there; "
-            "the gate refuses it at the same check")
+        return (
+            "the resume's validation refused the tracker (structure check: not a step number), moved it to "
+            f".relay/quarantine, pointed a new one at the newest valid checkpoint, step {resumed}, and resumed "
+            "there; the gate refuses it at the same check, moving nothing"
+        )
+    return (
+        f"the resume's validation refused it at the {check} check ({WHY[way]}), moved it whole to "
+        f".relay/quarantine with its check report, re-pointed the tracker at step {resumed} and resumed there; "
+        "the gate refuses it at the same check"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +113,7 @@ def world(tmp_path_factory, uninterrupted):
     try:
         nine = folder / "nine"
         log = folder / "nine.log"
-        rc = server.run(["train", str(spec), "--to-step", str(DAMAGED), "--checkpoint-dir", str(nine), "--offline"],
-                        log)
+        rc = server.run(["train", str(spec), "--to-step", str(DAMAGED), "--checkpoint-dir", str(nine), "--offline"], log)
         assert rc == 0, log.read_text()[-3000:]
         assert sorted(layout.step_dirs(nine)) == [3, 6, 9] and layout.read_tracker(nine) == DAMAGED
         yield {"spec": spec, "folder": folder, "server": server, "nine": nine, "baseline": uninterrupted}
@@ -105,8 +123,11 @@ def world(tmp_path_factory, uninterrupted):
 
 def digest(folder: Path) -> dict[str, str]:
     """Every file under `folder`, by relative path, with its sha256: to show a folder moved whole."""
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("way", list(WAYS))
@@ -138,8 +159,9 @@ def test_a_corrupted_checkpoint_is_refused_quarantined_and_the_run_resumes_bitwi
 
     # The next chunk's trainer.
     log = case / "resumed.log"
-    rc = world["server"].run(["train", str(world["spec"]), "--to-step", str(STEPS), "--checkpoint-dir", str(run),
-                              "--offline"], log)
+    rc = world["server"].run(
+        ["train", str(world["spec"]), "--to-step", str(STEPS), "--checkpoint-dir", str(run), "--offline"], log
+    )
     out = log.read_text()
     assert rc == 0, out[-3000:]
     refused = re.search(r"\[relay\] (?:quarantined checkpoint step (\S+)|refused the tracker): (\w+) failed: (.*)", out)
@@ -169,8 +191,14 @@ def test_a_corrupted_checkpoint_is_refused_quarantined_and_the_run_resumes_bitwi
     for s in layout.step_dirs(run):
         report = validate_checkpoint(run, s)
         assert report.ok, report.summary()
-    fault_row(case="corruption", fault=FAULT[way], action=action(way, check, resumed), steps_lost=lost,
-              layer="trainer", run_dir=run)
+    fault_row(
+        case="corruption",
+        fault=FAULT[way],
+        action=action(way, check, resumed),
+        steps_lost=lost,
+        layer="trainer",
+        run_dir=run,
+    )
 
 
 def test_the_gates_fallback_never_moves_the_tracker_back_over_a_newer_commit(tmp_path):
@@ -189,8 +217,11 @@ def test_the_gates_fallback_never_moves_the_tracker_back_over_a_newer_commit(tmp
     server = ForkServer()
     try:
         log, once = tmp_path / "gate.log", tmp_path / "gate.once"
-        gate = server.start(["checkpoint", "validate", str(rd), "--step", "4", "--quarantine"], log,
-                            env={FAULT_ENV: "before_fallback@2", "RELAY_FAULT_ONCE": str(once)})
+        gate = server.start(
+            ["checkpoint", "validate", str(rd), "--step", "4", "--quarantine"],
+            log,
+            env={FAULT_ENV: "before_fallback@2", "RELAY_FAULT_ONCE": str(once)},
+        )
         wait_for_line(log, "[relay-fault] paused at before_fallback step 2", gate)
         # The live trainer falls back by itself, trains steps 3..6 and commits step 6.
         r = relay_cli("train", str(spec), "--to-step", "6", "--offline")

@@ -19,14 +19,15 @@ from support.helpers import relay_cli, start_dags_test, write_spec
 STEPS = 12
 
 
-def test_a_published_checkpoint_rotting_on_the_local_disk_is_never_loaded(airflow_home, tmp_path, fault_row,
-                                                                          uninterrupted):
+def test_a_published_checkpoint_rotting_on_the_local_disk_is_never_loaded(airflow_home, tmp_path, fault_row, uninterrupted):
     spec_path = write_spec(airflow_home["runs"], name="rot", **{"trainer.settings.save_freq": 3})
     spec = load_spec(spec_path, check_environment=False)
     run_dir = spec.run_dir("rot")
     # Chunk 1 done: trained to 6 (checkpoints 3 and 6), validated and published as its DAG tasks do.
-    for args in (("train", str(spec_path), "--to-step", "6", "--run", "rot", "--offline"),
-                 ("checkpoint", "publish", str(run_dir), spec.s3.uri, "--run", "rot", "--step", "6")):
+    for args in (
+        ("train", str(spec_path), "--to-step", "6", "--run", "rot", "--offline"),
+        ("checkpoint", "publish", str(run_dir), spec.s3.uri, "--run", "rot", "--step", "6"),
+    ):
         r = relay_cli(*args)
         assert r.returncode == 0, r.stderr[-3000:]
     flip(run_dir / "global_step_6" / "actor" / layout.shard_name("model", 1, 0))  # then the disk rots
@@ -37,15 +38,21 @@ def test_a_published_checkpoint_rotting_on_the_local_disk_is_never_loaded(airflo
     uri = store_for_spec(spec).step_uri("rot", 6)
     assert f"restored step 6 from {uri}" in out
     assert f"restored from its published copy {uri}" in out, "the fallback alert says what Relay did"
-    starts = [(e["chunk"], e["resumed_from"], e.get("restored_from")) for e in read_events(run_dir)
-              if e["event"] == "chunk_start"]
+    starts = [
+        (e["chunk"], e["resumed_from"], e.get("restored_from")) for e in read_events(run_dir) if e["event"] == "chunk_start"
+    ]
     assert starts[-1] == (2, 6, uri), starts  # (the first: the CLI's chunk 1)
     assert [q["step"] for q in quarantined(run_dir)] == [6], "moved aside, not deleted"
     assert_finished_as(run_dir, uninterrupted, STEPS, out)
-    fault_row(case="corruption", layer="full stack (Airflow, Ray, S3)",
-              fault="bit rot between chunks: one byte of checkpoint 6's model shard flips on the worker's disk "
-                    "after chunk 1 validated and published it",
-              action="chunk 2's resume check refused the local copy (integrity: CRC32 against the manifest), "
-                     "quarantined it and, instead of falling back to local step 3, restored the published step 6 "
-                     "(CRC64NVME-verified, validated) and resumed there; the fallback was alerted",
-              steps_lost=0, run_dir=run_dir, store=store_for_spec(spec))
+    fault_row(
+        case="corruption",
+        layer="full stack (Airflow, Ray, S3)",
+        fault="bit rot between chunks: one byte of checkpoint 6's model shard flips on the worker's disk "
+        "after chunk 1 validated and published it",
+        action="chunk 2's resume check refused the local copy (integrity: CRC32 against the manifest), "
+        "quarantined it and, instead of falling back to local step 3, restored the published step 6 "
+        "(CRC64NVME-verified, validated) and resumed there; the fallback was alerted",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store_for_spec(spec),
+    )

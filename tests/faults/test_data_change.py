@@ -57,19 +57,39 @@ def _rename_column(path) -> None:
 
 # way -> (change(source path), what before_chunk's refusal names, the user's fix)
 WAYS = {
-    "row appended": (lambda p: _rewrite(p, lambda r: [*r, {**r[0], "extra_info": {"split": "train", "index": 1000}}]),
-                     ["rows 1000 -> 1001", "1 row(s) added (extra_info.index: 1000)"], "use_frozen"),
-    "row deleted": (lambda p: _rewrite(p, lambda r: r[:10] + r[11:]),
-                    ["rows 1000 -> 999", "1 row(s) removed (extra_info.index: 10)"], "restore"),
-    "rows reordered": (lambda p: _rewrite(p, lambda r: r[1:] + r[:1]),
-                       ["rows reordered (same rows, another order): the dataloader offset would point at other "
-                        "samples"], "use_frozen"),
-    "null reward_model.ground_truth": (lambda p: _rewrite(p, _set(3, "reward_model", ground_truth=None)),
-                                       ["1 row(s) changed (extra_info.index: 3)"], "restore"),
-    "duplicated extra_info.index": (lambda p: _rewrite(p, _set(5, "extra_info", index=4)),
-                                    ["rows 1000 -> 1000", "1 row(s) changed (row: 5)"], "use_frozen"),
-    "column renamed": (_rename_column, ["schema: - reward_model: struct<style: string, ground_truth: string>",
-                                        "schema: + reward: struct<style: string, ground_truth: string>"], "restore"),
+    "row appended": (
+        lambda p: _rewrite(p, lambda r: [*r, {**r[0], "extra_info": {"split": "train", "index": 1000}}]),
+        ["rows 1000 -> 1001", "1 row(s) added (extra_info.index: 1000)"],
+        "use_frozen",
+    ),
+    "row deleted": (
+        lambda p: _rewrite(p, lambda r: r[:10] + r[11:]),
+        ["rows 1000 -> 999", "1 row(s) removed (extra_info.index: 10)"],
+        "restore",
+    ),
+    "rows reordered": (
+        lambda p: _rewrite(p, lambda r: r[1:] + r[:1]),
+        ["rows reordered (same rows, another order): the dataloader offset would point at other samples"],
+        "use_frozen",
+    ),
+    "null reward_model.ground_truth": (
+        lambda p: _rewrite(p, _set(3, "reward_model", ground_truth=None)),
+        ["1 row(s) changed (extra_info.index: 3)"],
+        "restore",
+    ),
+    "duplicated extra_info.index": (
+        lambda p: _rewrite(p, _set(5, "extra_info", index=4)),
+        ["rows 1000 -> 1000", "1 row(s) changed (row: 5)"],
+        "use_frozen",
+    ),
+    "column renamed": (
+        _rename_column,
+        [
+            "schema: - reward_model: struct<style: string, ground_truth: string>",
+            "schema: + reward: struct<style: string, ground_truth: string>",
+        ],
+        "restore",
+    ),
 }
 # A changed row that breaks the data-quality suite: the refusal says which expectation fails, too.
 QUALITY = {
@@ -86,9 +106,9 @@ FAULT = {
 }
 FIXED = {  # what the user did, and what followed
     "restore": "the user restored the source's bytes: the check passed and chunk 2 resumed from step {resumed} "
-               "on the frozen bytes",
+    "on the frozen bytes",
     "use_frozen": "the user set data.on_source_change: use_frozen: the check passed, returning the change as a "
-                  "warning, and chunk 2 resumed from step {resumed} on the frozen bytes, the source still changed",
+    "warning, and chunk 2 resumed from step {resumed} on the frozen bytes, the source still changed",
 }
 
 
@@ -120,8 +140,11 @@ def interrupted_run(world, name: str):
 
 
 def digest(folder) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("way", list(WAYS))
@@ -177,8 +200,13 @@ def test_a_source_changed_between_chunks_is_refused_and_the_run_ends_bitwise(wor
         report = validate_checkpoint(run_dir, s)
         assert report.ok, report.summary()
 
-    fault_row(case="data-change", fault=f"the source {FAULT[way]} between chunk 1 and chunk 2",
-              action=f"refused chunk 2 before its job with 'the training data changed under run r: … "
-                     f"{'; '.join(named + ([QUALITY[way].lstrip('✘ ')] if way in QUALITY else []))}' and what to "
-                     "do (on_source_change: fail), the run folder untouched; "
-                     + FIXED[fix].format(resumed=resumed), steps_lost=lost, layer="trainer + preflight", run_dir=run_dir)
+    fault_row(
+        case="data-change",
+        fault=f"the source {FAULT[way]} between chunk 1 and chunk 2",
+        action=f"refused chunk 2 before its job with 'the training data changed under run r: … "
+        f"{'; '.join(named + ([QUALITY[way].lstrip('✘ ')] if way in QUALITY else []))}' and what to "
+        "do (on_source_change: fail), the run folder untouched; " + FIXED[fix].format(resumed=resumed),
+        steps_lost=lost,
+        layer="trainer + preflight",
+        run_dir=run_dir,
+    )

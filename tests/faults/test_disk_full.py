@@ -34,8 +34,10 @@ def small_disk(tmp_path):
     disk.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.fail(f"this fault case mounts a 48 MiB tmpfs as the checkpoint disk and could not ({r.stderr.strip()}); "
-                    "run the tests as root or with CAP_SYS_ADMIN")
+        pytest.fail(
+            f"this fault case mounts a 48 MiB tmpfs as the checkpoint disk and could not ({r.stderr.strip()}); "
+            "run the tests as root or with CAP_SYS_ADMIN"
+        )
     yield disk
     subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
@@ -55,18 +57,29 @@ def fill(disk: Path) -> Path:
     return ballast
 
 
-def test_the_checkpoint_disk_fills_during_a_save(airflow_home, ray_address, small_disk, tmp_path, fault_row,
-                                                 uninterrupted):
+def test_the_checkpoint_disk_fills_during_a_save(airflow_home, ray_address, small_disk, tmp_path, fault_row, uninterrupted):
     marker = tmp_path / "paused"
-    spec_path = write_spec(airflow_home["runs"], name="diskfull", **{
-        "checkpoint_dir": str(small_disk), "trainer.settings.save_freq": 3,
-        "ray.env_vars": {"RELAY_FAULT_PAUSE_AT": f"mid_save@{STEPS}", "RELAY_FAULT_ONCE": str(marker),
-                         "RELAY_FAULT_PAUSE_S": "300"}})
+    spec_path = write_spec(
+        airflow_home["runs"],
+        name="diskfull",
+        **{
+            "checkpoint_dir": str(small_disk),
+            "trainer.settings.save_freq": 3,
+            "ray.env_vars": {
+                "RELAY_FAULT_PAUSE_AT": f"mid_save@{STEPS}",
+                "RELAY_FAULT_ONCE": str(marker),
+                "RELAY_FAULT_PAUSE_S": "300",
+            },
+        },
+    )
     run_dir = load_spec(spec_path, check_environment=False).run_dir("diskfull")
     t0 = time.time()
     dag = start_dags_test(airflow_home, "relay_diskfull", {})
-    trainer = int(wait_for(lambda: marker.exists() and marker.read_text(), 300, "the trainer held inside step 12's save",
-                           gave_up=dag.ended))
+    trainer = int(
+        wait_for(
+            lambda: marker.exists() and marker.read_text(), 300, "the trainer held inside step 12's save", gave_up=dag.ended
+        )
+    )
     ballast = fill(small_disk)
     Path(f"{marker}.go").touch()
     wait_for(lambda: not alive(trainer), 300, "the trainer's end", gave_up=dag.ended)
@@ -85,9 +98,14 @@ def test_the_checkpoint_disk_fills_during_a_save(airflow_home, ray_address, smal
     starts = [(e["chunk"], e["resumed_from"]) for e in read_events(run_dir) if e["event"] == "chunk_start"]
     assert starts == [(1, 0), (2, 6), (2, LAST_SAVED)], starts
     assert_finished_as(run_dir, uninterrupted, STEPS, out)
-    fault_row(case="disk-full", layer="full stack (Airflow, Ray, S3)",
-              fault=f"the checkpoint disk (a 48 MiB tmpfs) fills up in the middle of step {STEPS}'s save",
-              action="the trainer removed the partial checkpoint and failed the chunk with \"the checkpoint disk is "
-                     f"full: saving step {STEPS} ... the tracker still names step {LAST_SAVED}, which is intact\" and "
-                     "what to do; once space was freed, Airflow's retry resumed from step "
-                     f"{LAST_SAVED}", steps_lost=STEPS - LAST_SAVED, run_dir=run_dir)
+    fault_row(
+        case="disk-full",
+        layer="full stack (Airflow, Ray, S3)",
+        fault=f"the checkpoint disk (a 48 MiB tmpfs) fills up in the middle of step {STEPS}'s save",
+        action='the trainer removed the partial checkpoint and failed the chunk with "the checkpoint disk is '
+        f'full: saving step {STEPS} ... the tracker still names step {LAST_SAVED}, which is intact" and '
+        "what to do; once space was freed, Airflow's retry resumed from step "
+        f"{LAST_SAVED}",
+        steps_lost=STEPS - LAST_SAVED,
+        run_dir=run_dir,
+    )

@@ -9,20 +9,32 @@ from support.helpers import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import faults_report
 
-ROW = {"case": "trainer-kill", "fault": "trainer SIGKILLed | mid save", "action": "resumed", "cause": "preempted",
-       "steps_lost": 2, "data_lost": "no", "layer": "trainer", "test_seed": 7}
+ROW = {
+    "case": "trainer-kill",
+    "fault": "trainer SIGKILLed | mid save",
+    "action": "resumed",
+    "cause": "preempted",
+    "steps_lost": 2,
+    "data_lost": "no",
+    "layer": "trainer",
+    "test_seed": 7,
+}
 
 
 def _junit(tmp_path, failed_case: bool):
     prop = json.dumps(ROW).replace('"', "&quot;")
-    failing = ('<testcase classname="tests.faults.test_x" name="test_b" time="1.0"><failure message="boom"/>'
-               '</testcase>') if failed_case else ""
+    failing = (
+        ('<testcase classname="tests.faults.test_x" name="test_b" time="1.0"><failure message="boom"/></testcase>')
+        if failed_case
+        else ""
+    )
     (tmp_path / "j.xml").write_text(
         '<testsuites><testsuite name="pytest">'
         f'<testcase classname="tests.faults.test_x" name="test_a[mid_save@6]" time="2.5"><properties>'
         f'<property name="relay_fault" value="{prop}"/></properties></testcase>{failing}'
         '<testcase classname="tests.core.test_y" name="test_other" time="0.1"/>'
-        '</testsuite></testsuites>')
+        "</testsuite></testsuites>"
+    )
     return tmp_path / "j.xml"
 
 
@@ -30,8 +42,10 @@ def test_rows_come_from_the_results_with_their_outcome(tmp_path):
     out = tmp_path / "FAULTS.md"
     assert faults_report.main([str(_junit(tmp_path, failed_case=False)), "--out", str(out)]) == 0
     text = out.read_text()
-    assert "trainer SIGKILLed \\| mid save | resumed | preempted | 2 | no | trainer | " \
-           "`tests/faults/test_x.py::test_a[mid_save@6]` | passed |" in text
+    assert (
+        "trainer SIGKILLed \\| mid save | resumed | preempted | 2 | no | trainer | "
+        "`tests/faults/test_x.py::test_a[mid_save@6]` | passed |" in text
+    )
     assert "**1 cases: 1 passed, 0 not passed. Data lost: none.**" in text and "RELAY_TEST_SEED=7" in text
     assert "test_other" not in text and "## Not covered by this suite yet" in text
 

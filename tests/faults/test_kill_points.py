@@ -33,8 +33,9 @@ def seed() -> int:
     if os.environ.get("RELAY_TEST_SEED"):
         return int(os.environ["RELAY_TEST_SEED"])
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         return int(head[:8], 16)
     except (OSError, ValueError, subprocess.SubprocessError):
         return 0
@@ -70,14 +71,19 @@ def action(phase: str, step: int, resumed: int) -> str:
     if phase == "after_step":
         return f"{frm}; the steps after it were trained again, their first rows kept in metrics.superseded.jsonl"
     if phase in ("mid_save", "before_fsync", "before_rename"):
-        return (f"the half-written checkpoint {step} stayed in .relay/staging, never renamed nor named by the "
-                f"tracker; {frm}; the next attempt removed the stale staging")
+        return (
+            f"the half-written checkpoint {step} stayed in .relay/staging, never renamed nor named by the "
+            f"tracker; {frm}; the next attempt removed the stale staging"
+        )
     if phase == "after_rename" and resumed == step:
-        return (f"no tracker existed yet: global_step_{step}, whole (fsynced before its rename), passed "
-                f"validation and was {frm}")
+        return (
+            f"no tracker existed yet: global_step_{step}, whole (fsynced before its rename), passed validation and was {frm}"
+        )
     if phase == "after_rename":
-        return (f"global_step_{step} was never named by the tracker, so never resumed from; {frm}; "
-                f"the retrained step {step} set the old folder aside in .relay/superseded")
+        return (
+            f"global_step_{step} was never named by the tracker, so never resumed from; {frm}; "
+            f"the retrained step {step} set the old folder aside in .relay/superseded"
+        )
     return f"checkpoint {step} was committed: {frm}, nothing trained again"
 
 
@@ -128,6 +134,12 @@ def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fau
     for s in layout.step_dirs(run_dir):
         report = validate_checkpoint(run_dir, s, upto="integrity")
         assert report.ok, report.summary()
-    fault_row(case="trainer-kill", fault=f"trainer SIGKILLed {WHERE[phase].format(s=step)}",
-              action=action(phase, step, resumed), steps_lost=lost, test_seed=SEED, run_dir=run_dir,
-              driver=(-9, killed_log.read_text(errors="replace")))
+    fault_row(
+        case="trainer-kill",
+        fault=f"trainer SIGKILLed {WHERE[phase].format(s=step)}",
+        action=action(phase, step, resumed),
+        steps_lost=lost,
+        test_seed=SEED,
+        run_dir=run_dir,
+        driver=(-9, killed_log.read_text(errors="replace")),
+    )

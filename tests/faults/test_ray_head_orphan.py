@@ -20,8 +20,9 @@ from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupt
 TRAINER_NODE = {"relay_trainer_node": 1}
 
 
-def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(airflow_home, tmp_path, uninterrupted,
-                                                                              fault_row):
+def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(
+    airflow_home, tmp_path, uninterrupted, fault_row
+):
     cluster = PrivateRay(tmp_path / "ray")
     cluster.start_head()
     cluster.add_worker(TRAINER_NODE)
@@ -42,8 +43,9 @@ def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(
         Path(f"{marker}.go").touch()  # let the orphan go on
         wait_for(lambda: not alive(orphan), 120, "the orphan's end")
         rc, out = dag.wait()
-        orphan_log = "".join(p.read_text(errors="replace")
-                             for p in Path(worker_node).glob("session_*/logs/job-driver-*.log"))
+        orphan_log = "".join(
+            p.read_text(errors="replace") for p in Path(worker_node).glob("session_*/logs/job-driver-*.log")
+        )
     finally:
         cluster.stop()
     assert rc == 0, out[-5000:]
@@ -51,11 +53,15 @@ def test_an_orphaned_trainer_cannot_write_once_the_next_attempt_holds_the_lease(
     assert f"step {PAUSED_AFTER + 1}/" not in orphan_log, "the orphan logged no step after the takeover"
     starts = finished_as_uninterrupted(run_dir, uninterrupted, out)
     assert [s for s, _ in starts] == [0, RESUMED_FROM] and starts[1][1] > token, starts
-    fault_row(case="ray-orphan", layer="full stack (Airflow, Ray, S3)",
-              fault=f"the Ray head node is killed after step {PAUSED_AFTER} while the trainer runs on a worker "
-                    "node: the trainer lives on, an orphan; a replacement head takes the address",
-              action="the trigger saw the job lost; Airflow's retry took the run's lease (a newer fencing token) "
-                     f"and resumed from checkpoint {RESUMED_FROM} on the new head. The orphan, let go, checked the "
-                     "lease before its next step and exited (\"refusing to write\"): no metrics row, no checkpoint, "
-                     "no tracker write after the takeover",
-              steps_lost=PAUSED_AFTER - RESUMED_FROM, run_dir=run_dir)
+    fault_row(
+        case="ray-orphan",
+        layer="full stack (Airflow, Ray, S3)",
+        fault=f"the Ray head node is killed after step {PAUSED_AFTER} while the trainer runs on a worker "
+        "node: the trainer lives on, an orphan; a replacement head takes the address",
+        action="the trigger saw the job lost; Airflow's retry took the run's lease (a newer fencing token) "
+        f"and resumed from checkpoint {RESUMED_FROM} on the new head. The orphan, let go, checked the "
+        'lease before its next step and exited ("refusing to write"): no metrics row, no checkpoint, '
+        "no tracker write after the takeover",
+        steps_lost=PAUSED_AFTER - RESUMED_FROM,
+        run_dir=run_dir,
+    )

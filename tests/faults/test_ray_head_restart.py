@@ -35,10 +35,14 @@ def test_the_ray_head_dies_mid_chunk_and_comes_back(airflow_home, tmp_path, unin
     assert "unreachable" in out and "unknown to the cluster" in out, "the trigger waited for the head, then saw the job lost"
     starts = finished_as_uninterrupted(run_dir, uninterrupted, out)
     assert [s for s, _ in starts] == [0, RESUMED_FROM], starts
-    fault_row(case="ray-head-restart", layer="full stack (Airflow, Ray, S3)",
-              fault=f"the Ray head node is killed (SIGKILL, every process) with the trainer on it, after step "
-                    f"{PAUSED_AFTER} of a 12-step chunk; a new head starts at the same address",
-              action="the trigger kept polling through the outage (up to 5 min), then found the job unknown to "
-                     "the new head (LOST); the task failed and Airflow's retry resubmitted the chunk under a new "
-                     f"lease, which resumed from checkpoint {RESUMED_FROM}",
-              steps_lost=PAUSED_AFTER - RESUMED_FROM, run_dir=run_dir)
+    fault_row(
+        case="ray-head-restart",
+        layer="full stack (Airflow, Ray, S3)",
+        fault=f"the Ray head node is killed (SIGKILL, every process) with the trainer on it, after step "
+        f"{PAUSED_AFTER} of a 12-step chunk; a new head starts at the same address",
+        action="the trigger kept polling through the outage (up to 5 min), then found the job unknown to "
+        "the new head (LOST); the task failed and Airflow's retry resubmitted the chunk under a new "
+        f"lease, which resumed from checkpoint {RESUMED_FROM}",
+        steps_lost=PAUSED_AFTER - RESUMED_FROM,
+        run_dir=run_dir,
+    )

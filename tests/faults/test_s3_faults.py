@@ -24,8 +24,14 @@ def world(tmp_path_factory, s3_server, uninterrupted):
     spec_path = write_spec(folder, **{"trainer.settings.save_freq": 3})
     server = ForkServer()
     proxy = FaultyS3Proxy(s3_server)
-    w = {"folder": folder, "spec_path": spec_path, "spec": load_spec(spec_path, check_environment=False),
-         "server": server, "proxy": proxy, "baseline": uninterrupted}
+    w = {
+        "folder": folder,
+        "spec_path": spec_path,
+        "spec": load_spec(spec_path, check_environment=False),
+        "server": server,
+        "proxy": proxy,
+        "baseline": uninterrupted,
+    }
     yield w
     proxy.stop()
     server.close()
@@ -41,8 +47,11 @@ def _train(w, run_dir, to_step, *, offline=False, endpoint=None) -> int:
 
 def _publish(w, run_dir, step, endpoint=None) -> tuple[int, str]:
     log = run_dir.parent / f"{run_dir.name}.publish-{step}.log"
-    rc = w["server"].run(["checkpoint", "publish", str(run_dir), w["spec"].s3.uri, "--step", str(step)], log,
-                         {"AWS_ENDPOINT_URL": endpoint} if endpoint else {})
+    rc = w["server"].run(
+        ["checkpoint", "publish", str(run_dir), w["spec"].s3.uri, "--step", str(step)],
+        log,
+        {"AWS_ENDPOINT_URL": endpoint} if endpoint else {},
+    )
     return rc, log.read_text()
 
 
@@ -84,12 +93,18 @@ def test_s3_answering_500_and_503_for_a_while_costs_nothing(world, fault_row):
     store.verify("flaky", store.manifest("flaky", 6))
     assert_bitwise_equal(model_state(host_b / f"global_step_{STEPS}"), world["baseline"])
     assert data_lost(host_b, store) == "no", "the run's history came back with its checkpoint"
-    fault_row(case="s3-errors", layer="trainer + S3 (proxy)",
-              fault=f"S3 answers 500 InternalError and 503 SlowDown to every third request ({injected} errors) "
-                    "during a publish and a restore",
-              action="botocore's standard retries (5 attempts) carried every request through; the publish "
-                     "completed and verified against its manifest, latest moved to step 6 only after it; the "
-                     "restore verified each file's CRC64NVME", steps_lost=0, run_dir=host_b, store=store)
+    fault_row(
+        case="s3-errors",
+        layer="trainer + S3 (proxy)",
+        fault=f"S3 answers 500 InternalError and 503 SlowDown to every third request ({injected} errors) "
+        "during a publish and a restore",
+        action="botocore's standard retries (5 attempts) carried every request through; the publish "
+        "completed and verified against its manifest, latest moved to step 6 only after it; the "
+        "restore verified each file's CRC64NVME",
+        steps_lost=0,
+        run_dir=host_b,
+        store=store,
+    )
 
 
 def test_s3_down_during_a_publish_leaves_latest_alone_and_a_later_publish_completes(world, fault_row):
@@ -113,11 +128,17 @@ def test_s3_down_during_a_publish_leaves_latest_alone_and_a_later_publish_comple
     # The run goes on from its local checkpoint and ends as the uninterrupted run.
     assert _train(world, run_dir, STEPS, offline=True) == 0
     assert_bitwise_equal(model_state(run_dir / f"global_step_{STEPS}"), world["baseline"])
-    fault_row(case="s3-errors", layer="trainer + S3 (proxy)",
-              fault="S3 answers 503 SlowDown to every request during a publish, then recovers",
-              action="the publish failed after botocore's retries with an error naming the request and what to "
-                     "do; latest stayed on step 3 and step 6 had no manifest (not published); publishing "
-                     "again completed it and moved latest to 6", steps_lost=0, run_dir=run_dir, store=store)
+    fault_row(
+        case="s3-errors",
+        layer="trainer + S3 (proxy)",
+        fault="S3 answers 503 SlowDown to every request during a publish, then recovers",
+        action="the publish failed after botocore's retries with an error naming the request and what to "
+        "do; latest stayed on step 3 and step 6 had no manifest (not published); publishing "
+        "again completed it and moved latest to 6",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store,
+    )
 
 
 def test_a_new_worker_host_with_an_empty_checkpoint_dir_restores_from_s3(world, fault_row):
@@ -136,11 +157,17 @@ def test_a_new_worker_host_with_an_empty_checkpoint_dir_restores_from_s3(world, 
     assert [r["step"] for r in read_jsonl(host_b / SUPERSEDED)] == [7, 8, 9]
     starts = [e["resumed_from"] for e in read_events(host_b) if e["event"] == "chunk_start"]
     assert starts == [0, 6], "host A's chunk start, then host B's"
-    fault_row(case="new-worker-host", fault="the next chunk runs on a host whose checkpoint folder has no "
-                                            "checkpoint (host A, with unpublished step 9, is gone)",
-              action="no valid local checkpoint: restored the newest valid published one of the run's own "
-                     "incarnation (step 6) from S3, verified each file's CRC64NVME and validated it, then resumed "
-                     "from it", steps_lost=3, run_dir=host_b, store=_store(world))
+    fault_row(
+        case="new-worker-host",
+        fault="the next chunk runs on a host whose checkpoint folder has no "
+        "checkpoint (host A, with unpublished step 9, is gone)",
+        action="no valid local checkpoint: restored the newest valid published one of the run's own "
+        "incarnation (step 6) from S3, verified each file's CRC64NVME and validated it, then resumed "
+        "from it",
+        steps_lost=3,
+        run_dir=host_b,
+        store=_store(world),
+    )
 
 
 def test_a_restore_leaves_no_download_behind_and_refuses_a_volume_too_small(world, tmp_path):
@@ -160,8 +187,9 @@ def test_a_restore_leaves_no_download_behind_and_refuses_a_volume_too_small(worl
     store, uri = _store(world), world["spec"].s3.uri
     m6 = store.manifest("leak", 6)
     rel = max(m6.files, key=lambda r: m6.files[r]["size"])
-    store.client.put_object(Bucket=store.bucket, Key=store.step_key("leak", 6, rel),
-                            Body=b"\0" * m6.files[rel]["size"])  # same size, other bytes: its CRC64NVME differs
+    store.client.put_object(
+        Bucket=store.bucket, Key=store.step_key("leak", 6, rel), Body=b"\0" * m6.files[rel]["size"]
+    )  # same size, other bytes: its CRC64NVME differs
 
     def leftovers(run_dir):
         staging = layout.relay_dir(run_dir, "staging")
@@ -181,8 +209,9 @@ def test_a_restore_leaves_no_download_behind_and_refuses_a_volume_too_small(worl
     small = tmp_path / "small"
     small.mkdir()
     half = store.manifest("leak", 3).total_bytes // 2 // 1024  # KiB: room for half the checkpoint
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={half}k", "tmpfs", str(small)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={half}k", "tmpfs", str(small)], capture_output=True, text=True
+    )
     assert mounted.returncode == 0, f"this case mounts a tmpfs (root or CAP_SYS_ADMIN): {mounted.stderr}"
     try:
         r = relay_cli("checkpoint", "restore", uri, str(small / "leak"))

@@ -27,8 +27,7 @@ def test_s3_stopped_during_a_publish_and_restarted_later(airflow_home, tmp_path,
     s3.start()
     marker = tmp_path / "paused"
     # Retries 4 s apart: the server is back (a few seconds) before the publish's retries run out.
-    spec_path = write_spec(airflow_home["runs"], name="s3down", **{"airflow.retries": 5,
-                                                                    "airflow.retry_delay_seconds": 4})
+    spec_path = write_spec(airflow_home["runs"], name="s3down", **{"airflow.retries": 5, "airflow.retry_delay_seconds": 4})
     spec = load_spec(spec_path, check_environment=False)
     run_dir = spec.run_dir("s3down")
     with stack_env(s3.client_env()):
@@ -48,16 +47,28 @@ def test_s3_stopped_during_a_publish_and_restarted_later(airflow_home, tmp_path,
             seen.append(latest["step"])
 
     try:
-        dag = start_dags_test(airflow_home, "relay_s3down", {}, env={
-            **s3.client_env(), "RELAY_FAULT_PAUSE_AT": "publish_files@6", "RELAY_FAULT_ONCE": str(marker),
-            "RELAY_FAULT_PAUSE_S": "300"})
+        dag = start_dags_test(
+            airflow_home,
+            "relay_s3down",
+            {},
+            env={
+                **s3.client_env(),
+                "RELAY_FAULT_PAUSE_AT": "publish_files@6",
+                "RELAY_FAULT_ONCE": str(marker),
+                "RELAY_FAULT_PAUSE_S": "300",
+            },
+        )
         wait_for(marker.exists, 300, "the publish of step 6 held after its files", gave_up=dag.ended)
         latest_is_whole()
         assert seen == [] and store.manifest("s3down", 6) is None, "files uploaded, nothing published yet"
         s3.kill()
         Path(f"{marker}.go").touch()
-        wait_for(lambda: "unreachable during" in dag.log.read_text(errors="replace"), 300, "the publish's failure",
-                 gave_up=dag.ended)
+        wait_for(
+            lambda: "unreachable during" in dag.log.read_text(errors="replace"),
+            300,
+            "the publish's failure",
+            gave_up=dag.ended,
+        )
         s3.start()  # the same data folder: every object uploaded before the crash is there
         while dag.proc.poll() is None:
             latest_is_whole()
@@ -73,13 +84,18 @@ def test_s3_stopped_during_a_publish_and_restarted_later(airflow_home, tmp_path,
         assert len(retried) == 1 and retried[0]["uploaded"] == 0, "the retry re-uploaded nothing already there"
         # Training never waited for S3: chunk 2 ran through the outage, and the run is the uninterrupted one.
         assert_finished_as(run_dir, uninterrupted, STEPS)
-        fault_row(case="s3-stopped", layer="full stack (Airflow, Ray, S3)",
-                  fault="the S3 server (SeaweedFS) is SIGKILLed in the middle of checkpoint 6's publish (its files "
-                        "uploaded, its manifest and latest not yet) and started again later",
-                  action="the publish task failed with \"S3 ... unreachable during ...\" and a what-to-do; a reader "
-                         "polling latest never saw an incomplete checkpoint (no latest until step 6 was whole); "
-                         "Airflow's retry published step 6 after the restart, skipping the objects already there, "
-                         "then latest moved; chunk 2 trained through the outage",
-                  steps_lost=0, run_dir=run_dir, store=store)
+        fault_row(
+            case="s3-stopped",
+            layer="full stack (Airflow, Ray, S3)",
+            fault="the S3 server (SeaweedFS) is SIGKILLed in the middle of checkpoint 6's publish (its files "
+            "uploaded, its manifest and latest not yet) and started again later",
+            action='the publish task failed with "S3 ... unreachable during ..." and a what-to-do; a reader '
+            "polling latest never saw an incomplete checkpoint (no latest until step 6 was whole); "
+            "Airflow's retry published step 6 after the restart, skipping the objects already there, "
+            "then latest moved; chunk 2 trained through the outage",
+            steps_lost=0,
+            run_dir=run_dir,
+            store=store,
+        )
     finally:
         s3.kill()  # after the row: its "data lost" column reads what S3 holds

@@ -85,9 +85,12 @@ def test_a_modified_parquet(interrupted):
 def test_a_live_earlier_attempt(interrupted, ray_address):
     spec = interrupted["spec"]
     shutil.copytree(spec.run_dir("r"), spec.run_dir("live"))
-    proc = subprocess.Popen([PY, "-m", "relay", "train", str(interrupted["spec_path"]), "--to-step", "12",
-                             "--run", "live", "--offline"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-m", "relay", "train", str(interrupted["spec_path"]), "--to-step", "12", "--run", "live", "--offline"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while (Lease(spec.run_dir("live")).current() or {}).get("pid") != proc.pid and time.time() < deadline:

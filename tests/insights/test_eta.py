@@ -23,13 +23,23 @@ def test_the_eta_is_the_steps_left_at_the_median_pace_plus_the_chunk_boundaries_
     rows, events = [], []
     for c, start in ((1, 0.0), (2, 40.0)):
         attempt = f"a{c}"
-        events.append({"event": "chunk_start", "attempt": attempt, "chunk": c, "time": event_time(T0 + start),
-                       "resumed_from": (c - 1) * 10, "to_step": c * 10})
+        events.append(
+            {
+                "event": "chunk_start",
+                "attempt": attempt,
+                "chunk": c,
+                "time": event_time(T0 + start),
+                "resumed_from": (c - 1) * 10,
+                "to_step": c * 10,
+            }
+        )
         for k in range(10):
-            rows.append({"step": (c - 1) * 10 + k + 1, "attempt": attempt, "seconds": 2.0,
-                         "time": T0 + start + 10 + 2.0 * (k + 1)})
-        events.append({"event": "chunk_end", "attempt": attempt, "chunk": c, "end_step": c * 10,
-                       "time": event_time(T0 + start + 40)})
+            rows.append(
+                {"step": (c - 1) * 10 + k + 1, "attempt": attempt, "seconds": 2.0, "time": T0 + start + 10 + 2.0 * (k + 1)}
+            )
+        events.append(
+            {"event": "chunk_end", "attempt": attempt, "chunk": c, "end_step": c * 10, "time": event_time(T0 + start + 40)}
+        )
     (tmp_path / layout.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / layout.EVENTS).write_text("".join(json.dumps(e) + "\n" for e in events))
 
@@ -44,8 +54,9 @@ def test_the_eta_is_the_steps_left_at_the_median_pace_plus_the_chunk_boundaries_
 
 
 def test_a_deadline_must_be_one_instant(tmp_path):
-    assert load_spec(write_spec(tmp_path / "ok", **{"alerts.deadline": "2026-12-24T18:00:00+01:00"}),
-                     check_environment=False).alerts.deadline
+    assert load_spec(
+        write_spec(tmp_path / "ok", **{"alerts.deadline": "2026-12-24T18:00:00+01:00"}), check_environment=False
+    ).alerts.deadline
     for bad in ("next friday", "2026-12-24T18:00:00"):
         with pytest.raises(SpecError, match=r"alerts\.deadline"):
             load_spec(write_spec(tmp_path / "bad", **{"alerts.deadline": bad}), check_environment=False)

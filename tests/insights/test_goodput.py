@@ -76,25 +76,36 @@ def _events(*items) -> list[dict]:
 def test_gaps_are_told_apart_and_overlaps_counted_once():
     """Chunk 1 (DAG run d1) fails and is retried; chunk 2 publishes chunk 1's checkpoint while it trains; a later
     DAG run trains chunk 3 an hour on."""
+
     def attempt(t, name, chunk, dag_run, resumed, to, *, end="chunk_end"):
-        ev = [(t, "phase", {"phase": "task_started", "attempt": name, "chunk": chunk, "dag_run": dag_run}),
-              (t + 2, "phase", {"phase": "job_started", "attempt": name, "chunk": chunk}),
-              (t + 5, "chunk_start", {"attempt": name, "chunk": chunk, "resumed_from": resumed, "to_step": to})]
+        ev = [
+            (t, "phase", {"phase": "task_started", "attempt": name, "chunk": chunk, "dag_run": dag_run}),
+            (t + 2, "phase", {"phase": "job_started", "attempt": name, "chunk": chunk}),
+            (t + 5, "chunk_start", {"attempt": name, "chunk": chunk, "resumed_from": resumed, "to_step": to}),
+        ]
         if end == "chunk_end":
-            ev += [(t + 16, "checkpoint", {"attempt": name, "step": to, "seconds": 1.0}),
-                   (t + 16.5, "chunk_end", {"attempt": name, "chunk": chunk, "end_step": to}),
-                   (t + 18, "phase", {"phase": "job_ended", "attempt": name, "chunk": chunk})]
+            ev += [
+                (t + 16, "checkpoint", {"attempt": name, "step": to, "seconds": 1.0}),
+                (t + 16.5, "chunk_end", {"attempt": name, "chunk": chunk, "end_step": to}),
+                (t + 18, "phase", {"phase": "job_ended", "attempt": name, "chunk": chunk}),
+            ]
         else:
             ev += [(t + 18, "chunk_failed", {"attempt": name, "chunk": chunk, "cause": "exception", "step": 2})]
         return [*ev, (t + 20, "phase", {"phase": "task_done", "attempt": name, "chunk": chunk})]
 
-    events = _events(*attempt(0, "a1", 1, "d1", 0, 5, end="failed"), *attempt(50, "a2", 1, "d1", 0, 5),
-                     (76, "validation", {"step": 5, "seconds": 2.0}), *attempt(80, "a3", 2, "d1", 5, 10),
-                     (110, "publish", {"step": 5, "seconds": 40.0}),  # 70..110: overlaps a3 until its end at 100
-                     *attempt(3700, "a4", 3, "d2", 10, 15))
-    rows = [{"step": s, "attempt": a, "time": t0 + 10 + 1.0 * k, "seconds": 1.0}
-            for a, t0, steps in (("a2", 50, range(1, 6)), ("a3", 80, range(6, 11)), ("a4", 3700, range(11, 16)))
-            for k, s in enumerate(steps, 1)]
+    events = _events(
+        *attempt(0, "a1", 1, "d1", 0, 5, end="failed"),
+        *attempt(50, "a2", 1, "d1", 0, 5),
+        (76, "validation", {"step": 5, "seconds": 2.0}),
+        *attempt(80, "a3", 2, "d1", 5, 10),
+        (110, "publish", {"step": 5, "seconds": 40.0}),  # 70..110: overlaps a3 until its end at 100
+        *attempt(3700, "a4", 3, "d2", 10, 15),
+    )
+    rows = [
+        {"step": s, "attempt": a, "time": t0 + 10 + 1.0 * k, "seconds": 1.0}
+        for a, t0, steps in (("a2", 50, range(1, 6)), ("a3", 80, range(6, 11)), ("a4", 3700, range(11, 16)))
+        for k, s in enumerate(steps, 1)
+    ]
     lost = [{"step": s, "attempt": "a1", "time": 10 + 1.0 * k, "seconds": 1.0} for k, s in enumerate((1, 2), 1)]
     g = goodput.build(events, rows, lost)
     assert g is not None and g.wall_s == pytest.approx(3720)

@@ -27,8 +27,15 @@ from support.helpers import relay_cli, write_spec
 def resumed(tmp_path_factory):
     """A 12-step run (checkpoints every 3 steps) killed after step 8's row, resumed from 6 and finished."""
     base = tmp_path_factory.mktemp("audit")
-    spec = write_spec(base, **{"trainer.settings.save_freq": 3, "trainer.settings.train_batch_size": 4,
-                               "trainer.settings.rollout_n": 2, "trainer.settings.ppo_mini_batch_size": 2})
+    spec = write_spec(
+        base,
+        **{
+            "trainer.settings.save_freq": 3,
+            "trainer.settings.train_batch_size": 4,
+            "trainer.settings.rollout_n": 2,
+            "trainer.settings.ppo_mini_batch_size": 2,
+        },
+    )
     run_dir = base / "run"
     train = ("train", str(spec), "--checkpoint-dir", str(run_dir), "--offline", "--to-step")
     killed = relay_cli(*train, "12", env={KILL_ENV: "after_step@8"})
@@ -85,11 +92,15 @@ def test_a_divergence_alerts_once_with_its_steps_and_metrics(resumed, tmp_path):
     from relay.runs.run import Run
 
     spec = load_spec(resumed["spec"], check_environment=False).model_copy(
-        update={"checkpoint_dir": str(tmp_path), "s3": None})
+        update={"checkpoint_dir": str(tmp_path), "s3": None}
+    )
     run = Run.of(spec, "run")
     shutil.copytree(resumed["run_dir"], run.dir)
-    context = {"ti": SimpleNamespace(dag_id="relay_t", task_id="chunk_02.train", try_number=1, log_url=""),
-               "dag_run": SimpleNamespace(run_id="manual__1"), "params": {}}
+    context = {
+        "ti": SimpleNamespace(dag_id="relay_t", task_id="chunk_02.train", try_number=1, log_url=""),
+        "dag_run": SimpleNamespace(run_id="manual__1"),
+        "params": {},
+    }
     notify_divergence(context, run, audit(run.dir))
     assert AlertLedger(run.dir).entries() == [], "a consistent replay is not alerted"
 

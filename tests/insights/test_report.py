@@ -33,11 +33,16 @@ def resumed(interrupted):
     # A deliberate change recorded as the DAG's settings task records it (allow_drift); the report
     # marks it at the step the next attempt resumes from. (The trainer below still runs the old spec:
     # only the record matters here.)
-    changed = load_spec(write_spec(interrupted["base"] / "changed", **{**interrupted["overrides"],
-                                                                       "trainer.settings.kl_loss_coef": 0.002}))
+    changed = load_spec(
+        write_spec(interrupted["base"] / "changed", **{**interrupted["overrides"], "trainer.settings.kl_loss_coef": 0.002})
+    )
     guard.check(Run.of(changed, "r"), allow_drift=["trainer.settings.kl_loss_coef"], by="test")
-    proc = subprocess.Popen([PY, "-m", "relay", "train", str(spec_path), "--to-step", str(STEPS), "--run", "r",
-                             "--offline"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-m", "relay", "train", str(spec_path), "--to-step", str(STEPS), "--run", "r", "--offline"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and max((r["step"] for r in read_metrics(run_dir)), default=0) < 7:
         time.sleep(0.02)
@@ -57,8 +62,10 @@ def test_the_report_marks_the_resume_and_its_curve_has_no_jump(resumed, baseline
     rep = report.build(run_dir, plan=ChunkPlan.from_spec(resumed["spec"]))
 
     # Markers: chunk 2's first attempt resumed from step 6; its retry from the latest checkpoint.
-    by_kind = {kind: [(m.step, m.chunk, m.attempt) for m in rep.markers if m.kind == kind]
-               for kind in ("resume", "retry", "chunk", "drift")}
+    by_kind = {
+        kind: [(m.step, m.chunk, m.attempt) for m in rep.markers if m.kind == kind]
+        for kind in ("resume", "retry", "chunk", "drift")
+    }
     assert by_kind["resume"] == [(6, 2, 1)]
     assert by_kind["retry"] == [(k, 2, 2)]
     assert by_kind["chunk"] == [(6, 1, None), (12, 2, None)]
@@ -71,7 +78,7 @@ def test_the_report_marks_the_resume_and_its_curve_has_no_jump(resumed, baseline
     assert rep.superseded_rows >= 1
     _, straight = baseline
     assert comparable(rep.rows) == comparable(read_metrics(straight))
-    assert comparable(rep.rows[k - 1:k + 1]) == comparable(read_metrics(straight)[k - 1:k + 1])
+    assert comparable(rep.rows[k - 1 : k + 1]) == comparable(read_metrics(straight)[k - 1 : k + 1])
 
     # The chunk table.
     c1, c2 = rep.chunks
@@ -124,8 +131,7 @@ def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
     local = report.build(run_dir, store=store)
     remote = report.from_s3(base, tmp_path / "work")
     assert remote.rows == local.rows and remote.markers == local.markers
-    assert [(c.end_step, c.validation, c.s3_uri) for c in remote.chunks][-1] == \
-        (STEPS, "valid", store.step_uri("r", STEPS))
+    assert [(c.end_step, c.validation, c.s3_uri) for c in remote.chunks][-1] == (STEPS, "valid", store.step_uri("r", STEPS))
 
 
 @pytest.mark.services
@@ -139,8 +145,11 @@ def test_the_report_shows_the_incarnation_and_decisions_and_lists_only_incidents
     run_dir = resumed["run_dir"]
     before = read_record(run_dir)
     try:
-        update_record(run_dir, started_by="manual__1 (fresh start approved by admin in the Airflow UI at t)",
-                      previous={"archived_to": "/ckpt/.archive/r-t", "archived_uri": "s3://relay/runs/.archive/r-t/"})
+        update_record(
+            run_dir,
+            started_by="manual__1 (fresh start approved by admin in the Airflow UI at t)",
+            previous={"archived_to": "/ckpt/.archive/r-t", "archived_uri": "s3://relay/runs/.archive/r-t/"},
+        )
         rep = report.build(run_dir, plan=ChunkPlan.from_spec(resumed["spec"]))
         page = rep.html(b"png", back="http://127.0.0.1:8080/dags/relay_t/runs/manual__1")
     finally:
@@ -150,7 +159,7 @@ def test_the_report_shows_the_incarnation_and_decisions_and_lists_only_incidents
     assert "<code>/ckpt/.archive/r-t</code>" in page and "<code>s3://relay/runs/.archive/r-t/</code>" in page
     incidents = page.split('<ul id="markers">')[1].split("</ul>")[0]
     assert "retry" in incidents and "drift" in incidents
-    assert "class=\"marker resume\"" not in incidents, "a chunk's planned handoff is not an incident"
+    assert 'class="marker resume"' not in incidents, "a chunk's planned handoff is not an incident"
     decisions = page.split('<ul id="decisions">')[1].split("</ul>")[0]
     assert "settings change accepted by test: trainer.settings.kl_loss_coef" in decisions
     assert "started again from step 0" in decisions
@@ -187,9 +196,11 @@ def test_the_run_report_link_is_declared_on_the_operator(resumed, monkeypatch):
     assert restored.extra_links == ["Run report"]
     assert restored.operator_extra_link_dict["Run report"].xcom_key == RunReportLink().xcom_key
 
-    monkeypatch.setattr(XCom, "get_one", classmethod(lambda cls, **kw: {"run_name": "r"}
-                                                     if kw["task_id"] == "preflight.run" else None))
+    monkeypatch.setattr(
+        XCom, "get_one", classmethod(lambda cls, **kw: {"run_name": "r"} if kw["task_id"] == "preflight.run" else None)
+    )
     key = type("Key", (), {"dag_id": "relay_t", "run_id": "manual", "task_id": op.task_id, "map_index": -1})()
     url = RunReportLink().get_link(op, ti_key=key)
     assert url.endswith("/relay/dags/relay_t/runs/r/report?dag_run=manual"), (
-        "Relay's page in the API server (it never expires), with the DAG run to link back to")
+        "Relay's page in the API server (it never expires), with the DAG run to link back to"
+    )

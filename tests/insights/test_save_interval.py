@@ -34,8 +34,15 @@ def write_run(run_dir: Path, *, killed: bool = True, failed: bool = True) -> Non
     rows, events = [], []
     attempts = [("a1", 0.0, 20), ("a2", 600.0, 40), ("a3", 1200.0, 60), ("a4", 7200.0, 80)]
     for _i, (name, start, end) in enumerate(attempts):
-        events.append({"event": "chunk_start", "attempt": name, "time": iso(T0 + start), "resumed_from": end - 20,
-                       "process_started": T0 + start - 10.0})
+        events.append(
+            {
+                "event": "chunk_start",
+                "attempt": name,
+                "time": iso(T0 + start),
+                "resumed_from": end - 20,
+                "process_started": T0 + start - 10.0,
+            }
+        )
         for k, step in enumerate(range(end - 19, end + 1)):
             rows.append({"step": step, "attempt": name, "seconds": 0.5, "time": T0 + start + 0.5 * (k + 1)})
         events.append({"event": "checkpoint", "step": end, "seconds": 2.0, "time": iso(T0 + start + 12)})
@@ -79,8 +86,10 @@ def test_the_mtbf_observed_from_few_failures_is_flagged(tmp_path):
 
 
 def test_doctor_and_the_report_say_what_to_set(tmp_path):
-    spec = load_spec(write_spec(tmp_path, **{"checkpoints.mtbf_hours": 1.0, "chunk_steps": 20, "total_steps": 80}),
-                     check_environment=False)
+    spec = load_spec(
+        write_spec(tmp_path, **{"checkpoints.mtbf_hours": 1.0, "chunk_steps": 20, "total_steps": 80}),
+        check_environment=False,
+    )
     write_run(spec.run_dir("r"))
     finding = doctor.save_interval(Run.of(spec, "r"))
     assert finding is not None and finding.ok and finding.warning, finding

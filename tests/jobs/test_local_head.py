@@ -71,8 +71,12 @@ class Command:
     def __init__(self, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
         self.info_path, self.pid_path, self.log = folder / "head.json", folder / "driver.pid", folder / "command.log"
-        self.proc = subprocess.Popen([PY, "-c", COMMAND, str(self.info_path), str(self.pid_path)], cwd=ROOT,
-                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [PY, "-c", COMMAND, str(self.info_path), str(self.pid_path)],
+            cwd=ROOT,
+            stdout=open(self.log, "wb"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 180
         while not (self.info_path.exists() and self.pid_path.exists() and self.pid_path.read_text()):
             assert self.proc.poll() is None, f"the command ended: {self.output()}"
@@ -149,8 +153,9 @@ def test_the_cpu_trainer_runs_a_chunk_as_the_dags_job_on_it(command, tmp_path):
     out = io.StringIO()
     sub_id = chunk_job.local_submission_id(run)
     reqs = []
-    state = chunk_job.run_attached(jobs, sub_id, lambda: reqs.append(chunk_job.submit_chunk(jobs, run, 2, sub_id,
-                                                                                             restore=False)), out=out)
+    state = chunk_job.run_attached(
+        jobs, sub_id, lambda: reqs.append(chunk_job.submit_chunk(jobs, run, 2, sub_id, restore=False)), out=out
+    )
     assert state.status == "SUCCEEDED", f"{state.message} (exit {state.exit_code}):\n{out.getvalue()[-3000:]}"
     assert latest_valid_step(run.dir) == 2
     assert "done: steps 0 -> 2" in out.getvalue(), out.getvalue()[-3000:]
@@ -193,14 +198,32 @@ def test_a_sigkilled_command_leaves_no_head_and_no_job(tmp_path):
 
 # ------------------------------------------------------------------ `relay train`: which path (no service)
 
+
 def _verl_spec(tmp_path: Path, **settings):
     from relay.spec.run_spec import spec_from_dict
 
-    s = {"model_path": str(tmp_path / "model"), "nnodes": 1, "n_gpus_per_node": 1, "train_batch_size": 4,
-         "ppo_mini_batch_size": 2, "rollout_n": 2, **settings}
-    return spec_from_dict({"name": "v", "trainer": {"kind": "verl_ppo", "settings": s}, "total_steps": 4,
-                           "chunk_steps": 2, "seed": 1, "threads": 1, "checkpoint_dir": str(tmp_path / "ckpt"),
-                           "data": {"train_files": [str(tmp_path / "t.parquet")]}}, check_environment=False)
+    s = {
+        "model_path": str(tmp_path / "model"),
+        "nnodes": 1,
+        "n_gpus_per_node": 1,
+        "train_batch_size": 4,
+        "ppo_mini_batch_size": 2,
+        "rollout_n": 2,
+        **settings,
+    }
+    return spec_from_dict(
+        {
+            "name": "v",
+            "trainer": {"kind": "verl_ppo", "settings": s},
+            "total_steps": 4,
+            "chunk_steps": 2,
+            "seed": 1,
+            "threads": 1,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "data": {"train_files": [str(tmp_path / "t.parquet")]},
+        },
+        check_environment=False,
+    )
 
 
 def test_relay_train_runs_verl_ppo_as_a_ray_job_and_the_cpu_trainer_in_process(tmp_path, monkeypatch):
@@ -209,8 +232,12 @@ def test_relay_train_runs_verl_ppo_as_a_ray_job_and_the_cpu_trainer_in_process(t
 
     taken = []
     monkeypatch.setattr(cli, "_train_as_ray_job", lambda args, run: taken.append(("job", run)) or 0)
-    monkeypatch.setattr(cli, "run_chunk", lambda req: taken.append(("in-process", req.run)) or ChunkResult(
-        req.run.name, 0, req.to_step, req.to_step, 0.0, "x"))
+    monkeypatch.setattr(
+        cli,
+        "run_chunk",
+        lambda req: taken.append(("in-process", req.run))
+        or ChunkResult(req.run.name, 0, req.to_step, req.to_step, 0.0, "x"),
+    )
     for spec, path in ((_verl_spec(tmp_path), "job"), (load_spec(write_spec(tmp_path)), "in-process")):
         monkeypatch.setattr(cli, "_spec", lambda *_a, _s=spec, **_k: _s)
         assert cli.main(["train", "spec.yaml", "--to-step", "2", "--offline", "--run", f"r-{path}"]) == 0
@@ -238,8 +265,12 @@ def test_the_cpu_platform_reaches_the_job_when_the_spec_asks(tmp_path):
 def test_a_failed_jobs_exit_code_is_its_entrypoints():
     from relay.jobs.ray_jobs import JobState
 
-    lost = JobState("j", "FAILED", "Job entrypoint command failed with exit code 3, last available logs (truncated "
-                                   "to 20,000 chars):\nboom", {})
+    lost = JobState(
+        "j",
+        "FAILED",
+        "Job entrypoint command failed with exit code 3, last available logs (truncated to 20,000 chars):\nboom",
+        {},
+    )
     assert chunk_job.failure(lost) == ("ended FAILED: Job entrypoint command failed with exit code 3", 3)
     assert chunk_job.failure(JobState("j", "STOPPED", "Job was intentionally stopped.", {}))[1] == 1
 
@@ -250,12 +281,21 @@ def test_a_head_that_fails_to_start_is_tried_once_more_on_other_ports_its_watchd
     calls = []
 
     def watchdogs(folder) -> list:
-        return [p for p in psutil.process_iter(["cmdline"])
-                if "--watch" in (p.info["cmdline"] or ()) and str(folder) in (p.info["cmdline"] or ())]
+        return [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "--watch" in (p.info["cmdline"] or ()) and str(folder) in (p.info["cmdline"] or ())
+        ]
 
     def fails(cmd, env, cwd, log, sid_file=None, timeout=0):
-        calls.append({"ports": [a for a in cmd if a.startswith("--port=")], "watchdog": len(watchdogs(cwd)),
-                      "marker": env[local_head.MARKER] == cwd.name, "folder": cwd})
+        calls.append(
+            {
+                "ports": [a for a in cmd if a.startswith("--port=")],
+                "watchdog": len(watchdogs(cwd)),
+                "marker": env[local_head.MARKER] == cwd.name,
+                "folder": cwd,
+            }
+        )
         raise RuntimeError("port taken")
 
     monkeypatch.setattr(local_head, "run_ray_start", fails)

@@ -25,9 +25,11 @@ def wait(jobs: RayJobs, sub_id: str, timeout: float = 120) -> str:
 @pytest.mark.services
 def test_relay_reaches_a_job_only_through_runtime_env(ray_address):
     jobs = RayJobs(ray_address)
-    probe = ("python -c 'import relay, os, importlib.util as u; print(\"RELAY_AT\", relay.__file__); "
-             "print(\"CWD\", os.getcwd()); print(\"LOCAL_ONLY\", u.find_spec(\"relay.devstack\"), "
-             "u.find_spec(\"relay.airflow\")); import relay.preflight.admission, relay.trainers.job'")
+    probe = (
+        'python -c \'import relay, os, importlib.util as u; print("RELAY_AT", relay.__file__); '
+        'print("CWD", os.getcwd()); print("LOCAL_ONLY", u.find_spec("relay.devstack"), '
+        'u.find_spec("relay.airflow")); import relay.preflight.admission, relay.trainers.job\''
+    )
     with_env = jobs.client.submit_job(entrypoint=probe, runtime_env=shipped_code())
     without = jobs.client.submit_job(entrypoint=probe)
     assert wait(jobs, with_env) == "SUCCEEDED"
@@ -101,8 +103,9 @@ def test_progress_polling_reads_a_bounded_tail_of_a_50_mb_log(ray_address, monke
     monkeypatch.setattr(triggers, "AsyncRayJobs", Counted)
     jobs = RayJobs(ray_address)
     sub_id = jobs.client.submit_job(entrypoint=f"python -c '{VERBOSE_CHUNK}'")
-    trigger = triggers.RayJobTrigger(address=ray_address, submission_id=sub_id, deadline=time.time() + 300,
-                                     poll_seconds=0.5, stall_after_s=120)
+    trigger = triggers.RayJobTrigger(
+        address=ray_address, submission_id=sub_id, deadline=time.time() + 300, poll_seconds=0.5, stall_after_s=120
+    )
     shown: list[str] = []  # what reaches the task log (the triggerer routes the trigger's logger there)
 
     class TaskLog(logging.Handler):
@@ -145,8 +148,9 @@ def test_once_the_chunks_last_step_is_in_the_trigger_polls_for_the_jobs_end_clos
 
     jobs = RayJobs(ray_address)
     sub_id = jobs.client.submit_job(entrypoint=f"python -c '{ENDING_CHUNK}'")
-    trigger = triggers.RayJobTrigger(address=ray_address, submission_id=sub_id, deadline=time.time() + 300,
-                                     poll_seconds=0.5, end_step=2)
+    trigger = triggers.RayJobTrigger(
+        address=ray_address, submission_id=sub_id, deadline=time.time() + 300, poll_seconds=0.5, end_step=2
+    )
     naps: list[tuple[float, bool]] = []  # (interval asked, whether the last step was in the log then)
     real_sleep = asyncio.sleep
 
@@ -201,12 +205,20 @@ def test_a_job_that_prints_20_mb_between_steps_is_not_taken_for_stalled(ray_addr
     env = shipped_code()
     env["working_dir"] = str(tmp_path)
     sub_id = f"loud-{steps}-{time.time_ns()}"
-    jobs.client.submit_job(submission_id=sub_id, entrypoint=f"python loud_chunk.py {steps} {tmp_path / 'run'} {sub_id}",
-                           runtime_env=env)
+    jobs.client.submit_job(
+        submission_id=sub_id, entrypoint=f"python loud_chunk.py {steps} {tmp_path / 'run'} {sub_id}", runtime_env=env
+    )
     limit = 15.0  # steps come every ~9 s; the log's tail shows none of them
-    trigger = triggers.RayJobTrigger(address=ray_address, submission_id=sub_id, deadline=time.time() + 600,
-                                     poll_seconds=1, stall_after_s=limit, startup_s=5, end_step=5,
-                                     run_dir=str(tmp_path / "run"))
+    trigger = triggers.RayJobTrigger(
+        address=ray_address,
+        submission_id=sub_id,
+        deadline=time.time() + 600,
+        poll_seconds=1,
+        stall_after_s=limit,
+        startup_s=5,
+        end_step=5,
+        run_dir=str(tmp_path / "run"),
+    )
 
     async def follow():
         return [e async for e in trigger.run()]

@@ -2,7 +2,6 @@
 host nor the cluster image's RELAY_IMAGE_ATTENTION has it, gets a warning in `spec check` and `doctor`;
 the shipped GPU spec (sdpa) and the shipped Ray image agree. No service, no verl import."""
 
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -20,9 +19,19 @@ SETTING = "trainer.settings.attn_implementation"
 
 
 def verl_spec(checkpoint_dir="/nonexistent/relay-test", **settings):
-    return spec_from_dict({"name": "g", "trainer": {"kind": "verl_ppo", "settings": {"model_path": "/m", **settings}},
-                           "total_steps": 3, "chunk_steps": 1, "seed": 1, "threads": 1, "checkpoint_dir": checkpoint_dir,
-                           "data": {"train_files": ["/t.parquet"]}}, check_environment=False)
+    return spec_from_dict(
+        {
+            "name": "g",
+            "trainer": {"kind": "verl_ppo", "settings": {"model_path": "/m", **settings}},
+            "total_steps": 3,
+            "chunk_steps": 1,
+            "seed": 1,
+            "threads": 1,
+            "checkpoint_dir": checkpoint_dir,
+            "data": {"train_files": ["/t.parquet"]},
+        },
+        check_environment=False,
+    )
 
 
 NO_FLASH_IMAGE = attention.ImageAttention(frozenset({"sdpa", "eager"}), "the image Relay builds")
@@ -54,8 +63,9 @@ def test_what_provides_flash_attn_silences_the_warning_and_an_unknown_image_is_s
     unknown = attention.check(spec, flash_attn_importable=False, image=attention.ImageAttention(None, "nothing says"))
     assert not unknown.ok and "cannot be known here (nothing says)" in unknown.detail
     # a critic (gae): verl 0.9.1 loads its value model with flash_attention_2 whatever the setting says
-    gae = attention.check(verl_spec(attn_implementation="sdpa", adv_estimator="gae"), flash_attn_importable=False,
-                          image=NO_FLASH_IMAGE)
+    gae = attention.check(
+        verl_spec(attn_implementation="sdpa", adv_estimator="gae"), flash_attn_importable=False, image=NO_FLASH_IMAGE
+    )
     assert not gae.ok and "critic" in gae.detail and "grpo" in gae.fix
 
 

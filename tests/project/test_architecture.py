@@ -11,8 +11,21 @@ from pathlib import Path
 from relay.jobs.ray_jobs import NOT_SHIPPED
 
 PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "relay"
-LAYERS = ["common", "spec", "runs", "data", "checkpoints", "s3", "preflight", "insights", "trainers", "jobs",
-          "alerts", "devstack", "airflow"]
+LAYERS = [
+    "common",
+    "spec",
+    "runs",
+    "data",
+    "checkpoints",
+    "s3",
+    "preflight",
+    "insights",
+    "trainers",
+    "jobs",
+    "alerts",
+    "devstack",
+    "airflow",
+]
 TOP = {"__init__", "__main__", "cli"}
 
 
@@ -72,9 +85,13 @@ def test_no_import_runs_upward():
 def test_checkpoints_know_no_spec():
     """A checkpoint is checked against what the caller hands over (a smoke function, a fingerprint), never
     against a spec it reads itself: the spec, and the Run value that carries one, stay above."""
-    offenders = [f"{path.relative_to(PACKAGE)}:{line} imports {target}" for module, path in MODULES.items()
-                 if _folder(module) == "checkpoints" for line, target in _imports(path)
-                 if _folder(target) == "spec" or target == "relay.runs.run"]
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{line} imports {target}"
+        for module, path in MODULES.items()
+        if _folder(module) == "checkpoints"
+        for line, target in _imports(path)
+        if _folder(target) == "spec" or target == "relay.runs.run"
+    ]
     assert not offenders, offenders
 
 
@@ -91,7 +108,7 @@ def test_no_import_circles():
 
     def visit(m: str) -> None:
         if m in stack:
-            cycles.append(" -> ".join([*stack[stack.index(m):], m]))
+            cycles.append(" -> ".join([*stack[stack.index(m) :], m]))
             return
         if m in seen:
             return
@@ -112,8 +129,13 @@ def test_only_the_airflow_folder_imports_airflow():
         if _folder(module) == "airflow":
             continue
         for n in ast.walk(ast.parse(path.read_text())):
-            names = ([n.module or ""] if isinstance(n, ast.ImportFrom) and n.level == 0 else
-                     [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+            names = (
+                [n.module or ""]
+                if isinstance(n, ast.ImportFrom) and n.level == 0
+                else [a.name for a in n.names]
+                if isinstance(n, ast.Import)
+                else []
+            )
             offenders += [f"{module}:{n.lineno}" for name in names if name.split(".")[0] == "airflow"]
     assert not offenders, offenders
 
@@ -121,9 +143,13 @@ def test_only_the_airflow_folder_imports_airflow():
 def test_what_ships_to_ray_jobs_never_imports_what_stays_behind():
     behind = {f.strip("/") for f in NOT_SHIPPED}
     assert behind == {"devstack", "airflow"}
-    offenders = [f"{module} imports {target}" for module, path in MODULES.items()
-                 if _folder(module) not in behind and module not in {"relay.cli", "relay.__main__"}
-                 for _, target in _imports(path) if _folder(target) in behind]
+    offenders = [
+        f"{module} imports {target}"
+        for module, path in MODULES.items()
+        if _folder(module) not in behind and module not in {"relay.cli", "relay.__main__"}
+        for _, target in _imports(path)
+        if _folder(target) in behind
+    ]
     assert not offenders, offenders
 
 

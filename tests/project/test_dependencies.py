@@ -36,8 +36,11 @@ def test_every_tested_version_of_a_declared_dependency_is_inside_its_range():
     """The pin where requirements.txt has one; else (a package another one brings) the version installed here."""
     pinned = pins()
     tested = {name: pinned.get(name) or importlib.metadata.version(name) for name in DECLARED}
-    outside = [f"{name} {version} is outside {DECLARED[name]}" for name, version in tested.items()
-               if not DECLARED[name].specifier.contains(version.split("+")[0], prereleases=True)]
+    outside = [
+        f"{name} {version} is outside {DECLARED[name]}"
+        for name, version in tested.items()
+        if not DECLARED[name].specifier.contains(version.split("+")[0], prereleases=True)
+    ]
     assert not outside, outside
 
 
@@ -46,8 +49,13 @@ def test_every_package_relays_code_imports_is_declared():
     missing = set()
     for path in (ROOT / "plugins" / "relay").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
             for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"relay"}:
                 if top == "airflow":  # apache-airflow and its providers share the name
                     providers = {n.split(".")[2] for n in names if n.startswith("airflow.providers.")}

@@ -52,8 +52,12 @@ def test_the_repository_speaks_of_the_product_not_of_how_it_was_built():
     history = re.compile(r"\bstops? [0-9]+|rehearsal|(an earlier|a later|the previous) session", re.I)
     product = re.compile(r"a team's (own )?rehearsal of a crash", re.I)
     found = []
-    for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "plugins").rglob("*.py"),
-                 *(ROOT / "tests").rglob("*.py")]:
+    for path in [
+        ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "plugins").rglob("*.py"),
+        *(ROOT / "tests").rglob("*.py"),
+    ]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if history.search(product.sub("", line)) and path != Path(__file__).resolve():
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
@@ -62,7 +66,12 @@ def test_the_repository_speaks_of_the_product_not_of_how_it_was_built():
 
 def test_the_site_builds_strictly(tmp_path):
     """MkDocs in strict mode: every page in the navigation, every internal link and anchor resolves."""
-    r = subprocess.run([str(ROOT / ".venv" / "bin" / "mkdocs"), "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    r = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "mkdocs"), "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

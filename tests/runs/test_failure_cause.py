@@ -46,8 +46,10 @@ def test_an_exception_at_a_step_is_classified_with_its_signature_and_traceback()
     cause = fc.classify("FAILED", RAY_FAILED.format(code=1) + REWARD_TRACEBACK, "", 1, step=5)
     assert (cause.cause, cause.step) == (fc.EXCEPTION, 5)
     assert cause.signature == "ValueError: cannot score ground truth 'seven'"
-    assert cause.evidence == ['File "/work/rewards/arith.py", line 7, in compute_score',
-                              "ValueError: cannot score ground truth 'seven'"]
+    assert cause.evidence == [
+        'File "/work/rewards/arith.py", line 7, in compute_score',
+        "ValueError: cannot score ground truth 'seven'",
+    ]
     report = cause.report()
     assert report.startswith("cause: exception at step 5, an exception in the training code")
     assert "what to do: read the traceback" in report and "arith.py" in report
@@ -55,9 +57,11 @@ def test_an_exception_at_a_step_is_classified_with_its_signature_and_traceback()
 
 
 def test_an_exception_raised_in_a_ray_actor_keeps_its_own_type():
-    log = ("Traceback (most recent call last):\n  File \"/verl/trainer/ppo/ray_trainer.py\", line 1200, in fit\n"
-           "ray.exceptions.RayTaskError(KeyError): ray::WorkerDict.actor_rollout_compute_log_prob() "
-           "(pid=123, ip=10.0.0.2)\n")
+    log = (
+        'Traceback (most recent call last):\n  File "/verl/trainer/ppo/ray_trainer.py", line 1200, in fit\n'
+        "ray.exceptions.RayTaskError(KeyError): ray::WorkerDict.actor_rollout_compute_log_prob() "
+        "(pid=123, ip=10.0.0.2)\n"
+    )
     cause = fc.classify("FAILED", "", log, 1, step=3)
     assert cause.cause == fc.EXCEPTION and cause.signature.startswith("KeyError: ray::WorkerDict")
 
@@ -90,12 +94,12 @@ def test_the_triggers_own_verdicts_and_relays_refusals_have_their_causes():
     assert fc.classify("LOST", "job x is unknown to the cluster").cause == fc.PREEMPTED
     assert fc.classify("UNREACHABLE", "Ray Jobs API unreachable for 300s").cause == fc.INFRASTRUCTURE
     assert fc.classify("STOPPED", "Job was intentionally stopped.").cause == fc.PREEMPTED
-    refused = fc.classify("FAILED", "", "[relay] chunk 2 of run r failed: settings drifted\n"
-                                        "[relay] cause: refused (DriftError)", 1)
+    refused = fc.classify(
+        "FAILED", "", "[relay] chunk 2 of run r failed: settings drifted\n[relay] cause: refused (DriftError)", 1
+    )
     assert refused.cause == fc.REFUSED and fc.policy(refused) == fc.STOP
     assert refused.evidence[0].startswith("[relay] chunk 2 of run r failed")
-    s3 = fc.classify("FAILED", "", "[relay] chunk 2 of run r failed: S3 down\n[relay] cause: infrastructure "
-                                   "(StoreError)", 1)
+    s3 = fc.classify("FAILED", "", "[relay] chunk 2 of run r failed: S3 down\n[relay] cause: infrastructure (StoreError)", 1)
     assert s3.cause == fc.INFRASTRUCTURE
     assert fc.classify("FAILED", "", "something odd", 1).cause == fc.UNKNOWN
 
@@ -164,22 +168,34 @@ def test_every_relay_error_says_whether_a_retry_can_help():
             yield sub
             yield from subclasses(sub)
 
-    undecided = [c.__qualname__ for c in subclasses(RelayError) if c.__module__.startswith("relay.")
-                 and not isinstance(c.retry_helps, bool)]
+    undecided = [
+        c.__qualname__
+        for c in subclasses(RelayError)
+        if c.__module__.startswith("relay.") and not isinstance(c.retry_helps, bool)
+    ]
     assert not undecided, f"error classes that do not say whether a retry can help: {undecided}"
     bare = []
     for path in Path(relay.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RelayError"
-                    and not any(k.arg == "retry_helps" for k in node.keywords)):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "RelayError"
+                and not any(k.arg == "retry_helps" for k in node.keywords)
+            ):
                 bare.append(f"{path.name}:{node.lineno}")
     assert not bare, f"RelayError raised without saying whether a retry can help: {bare}"
 
-    ended = fc.classify("FAILED", "", "[relay] chunk 2 of run r failed: verl ended at step 3, before the chunk's end "
-                                      "step 4\n[relay] cause: unknown (ChunkEndedEarly; a retry can help)", 1)
+    ended = fc.classify(
+        "FAILED",
+        "",
+        "[relay] chunk 2 of run r failed: verl ended at step 3, before the chunk's end "
+        "step 4\n[relay] cause: unknown (ChunkEndedEarly; a retry can help)",
+        1,
+    )
     assert fc.policy(ended) != fc.STOP
-    refused = fc.classify("FAILED", "", "[relay] chunk 2 of run r failed: drifted\n"
-                                        "[relay] cause: refused (DriftError; a retry cannot help)", 1)
+    refused = fc.classify(
+        "FAILED", "", "[relay] chunk 2 of run r failed: drifted\n[relay] cause: refused (DriftError; a retry cannot help)", 1
+    )
     assert refused.cause == fc.REFUSED and fc.policy(refused) == fc.STOP
 
 
@@ -214,8 +230,11 @@ def test_the_oom_killers_count_is_read_from_the_cgroup_or_the_host(tmp_path):
 
 # ------------------------------------------------------------------------------ real processes
 
-SMALL = {"trainer.settings.train_batch_size": 4, "trainer.settings.rollout_n": 2,
-         "trainer.settings.ppo_mini_batch_size": 2}  # a step of seconds: these tests are about how it ends
+SMALL = {
+    "trainer.settings.train_batch_size": 4,
+    "trainer.settings.rollout_n": 2,
+    "trainer.settings.ppo_mini_batch_size": 2,
+}  # a step of seconds: these tests are about how it ends
 
 
 def failed_training(tmp_path, env: dict, to_step: int = 3, **overrides):
@@ -229,14 +248,15 @@ def failed_training(tmp_path, env: dict, to_step: int = 3, **overrides):
 
 def test_a_reward_function_that_raises_is_an_exception_at_its_step_and_repeats(tmp_path):
     reward = tmp_path / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    if extra_info['global_step'] == 2:\n"
-                      "        raise ValueError(f'cannot score row {extra_info[\"index\"]}')\n"
-                      "    return float(solution_str == ground_truth)\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if extra_info['global_step'] == 2:\n"
+        "        raise ValueError(f'cannot score row {extra_info[\"index\"]}')\n"
+        "    return float(solution_str == ground_truth)\n"
+    )
     overrides = {"trainer.settings.custom_reward_function": {"path": str(reward)}}
     r, run_dir, attempt = failed_training(tmp_path, {}, **overrides)
-    cause = fc.classify("FAILED", "", r.stdout + r.stderr, r.returncode,
-                        step=fc.step_of_failure(run_dir, attempt))
+    cause = fc.classify("FAILED", "", r.stdout + r.stderr, r.returncode, step=fc.step_of_failure(run_dir, attempt))
     assert (cause.cause, cause.step) == (fc.EXCEPTION, 2), cause.report()
     assert cause.signature.startswith("ValueError: cannot score row ")
     assert any("reward.py" in line for line in cause.evidence)

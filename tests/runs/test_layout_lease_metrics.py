@@ -76,8 +76,12 @@ def test_the_verl_drivers_progress_lines_read_only_what_was_appended(tmp_path, c
         return json.dumps({"step": step, "attempt": "a", "seconds": 1.0, "sample_indices": list(range(2000))}) + "\n"
 
     metrics.write_text("".join(row(s) for s in range(1, 201)))  # 200 earlier steps, about 2 MB
-    session = types.SimpleNamespace(run_dir=run_dir, req=types.SimpleNamespace(attempt="a", chunk=1),
-                                    spec=types.SimpleNamespace(total_steps=1000), say=print)
+    session = types.SimpleNamespace(
+        run_dir=run_dir,
+        req=types.SimpleNamespace(attempt="a", chunk=1),
+        spec=types.SimpleNamespace(total_steps=1000),
+        say=print,
+    )
     watcher = ProgressWatcher(session, start=200, end=210, poll_s=3600)
     try:
         assert watcher.poll() == []

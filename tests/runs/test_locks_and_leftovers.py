@@ -20,9 +20,11 @@ PLUGINS = os.path.join(os.path.dirname(__file__), "..", "..", "plugins")
 
 
 def _hold_in_another_process(lock, what: str) -> subprocess.Popen:
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
-            "from relay.common.filelock import file_lock\n"
-            "with file_lock(Path(sys.argv[2]), sys.argv[3]):\n print('held', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
+        "from relay.common.filelock import file_lock\n"
+        "with file_lock(Path(sys.argv[2]), sys.argv[3]):\n print('held', flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code, PLUGINS, str(lock), what], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
     return p
@@ -82,8 +84,10 @@ for k in range(int(sys.argv[3])):
 
 def _write_events_from_processes(run_dir, lock: str, writers: int = 4, each: int = 150) -> list[dict]:
     run_dir.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, PLUGINS, str(run_dir), str(each), lock, str(w)])
-             for w in range(writers)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, PLUGINS, str(run_dir), str(each), lock, str(w)])
+        for w in range(writers)
+    ]
     for p in procs:
         assert p.wait(60) == 0
     return read_events(run_dir)
@@ -128,11 +132,22 @@ def test_leftovers_go_once_s3_holds_their_step_and_never_the_only_copy(tmp_path)
     assert rollout_unpublished.exists() and hf_new.exists()  # step 30 is in no other place; the newest export stays
     assert (layout.relay_dir(run, "quarantine") / "global_step_20.1764550000.report.json").exists()
     assert [e for e in read_events(run) if e["event"] == "retention"][-1]["aside"] == [
-        ".relay/superseded/global_step_10", ".relay/quarantine/global_step_20.1764550000", "hf/global_step_10"]
+        ".relay/superseded/global_step_10",
+        ".relay/quarantine/global_step_20.1764550000",
+        "hf/global_step_10",
+    ]
 
 
-@pytest.mark.parametrize("drill", [{"kill_at": "after_step"}, {"kill_at": "nowhere@3"}, {"kill": "after_step@3"},
-                                   "after_step@3", {"kill_at": "after_step@3", "also": 1}])
+@pytest.mark.parametrize(
+    "drill",
+    [
+        {"kill_at": "after_step"},
+        {"kill_at": "nowhere@3"},
+        {"kill": "after_step@3"},
+        "after_step@3",
+        {"kill_at": "after_step@3", "also": 1},
+    ],
+)
 def test_a_drill_that_relay_does_not_run_is_refused_in_words(tmp_path, drill):
     with pytest.raises(RelayError, match="is not a drill Relay runs") as e:
         drill_env(drill, tmp_path / "once")

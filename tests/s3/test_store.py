@@ -58,10 +58,12 @@ def test_publish_is_verified_idempotent_and_moves_latest_last(big_run, store):
 @pytest.mark.services
 def test_a_killed_publish_leaves_latest_and_completes_on_rerun(big_run, store):
     store.publish("run", big_run, 1)
-    code = ("import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-            "from relay.s3.store import CheckpointStore, s3_client; "
-            f"CheckpointStore(s3_client(), {store.uri!r}, part_size=5 << 20, concurrency=1)"
-            f".publish('run', Path({str(big_run)!r}), 2)")
+    code = (
+        "import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
+        "from relay.s3.store import CheckpointStore, s3_client; "
+        f"CheckpointStore(s3_client(), {store.uri!r}, part_size=5 << 20, concurrency=1)"
+        f".publish('run', Path({str(big_run)!r}), 2)"
+    )
     proc = subprocess.Popen([PY, "-c", code], cwd=ROOT)
     deadline = time.time() + 60
     while time.time() < deadline and len(objects(store, "run", 2)) < 2:
@@ -105,8 +107,9 @@ def test_a_restore_fetches_each_file_in_ranges_in_place_and_refuses_a_changed_by
     store.publish("run", big_run, 1)
     m = store.manifest("run", 1)
     ranges = []
-    store.client.meta.events.register("before-call.s3.GetObject",
-                                      lambda params, **_: ranges.append(params.get("headers", {}).get("Range")))
+    store.client.meta.events.register(
+        "before-call.s3.GetObject", lambda params, **_: ranges.append(params.get("headers", {}).get("Range"))
+    )
     seen = []
     store.download("run", m, tmp_path / "a", on_file=lambda rel, path: seen.append((rel, path.stat().st_size)))
     source = layout.step_dir(big_run, 1)
@@ -129,8 +132,9 @@ def test_unreachable_s3_is_a_clear_error(big_run):
 
     from relay.common.errors import StoreError
 
-    client = boto3.client("s3", endpoint_url="http://127.0.0.1:9", config=Config(retries={"max_attempts": 1},
-                                                                              connect_timeout=1))
+    client = boto3.client(
+        "s3", endpoint_url="http://127.0.0.1:9", config=Config(retries={"max_attempts": 1}, connect_timeout=1)
+    )
     with pytest.raises(StoreError, match="unreachable"):
         CheckpointStore(client, "s3://relay/x").publish("run", big_run, 1)
 
@@ -182,8 +186,9 @@ def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_proces
 
     run.mkdir()
     trained([10, 20, 30, 40, 50])  # chunk 1
-    policy = CheckpointPolicy(keep_local=1, keep_published=1, delete_grace_minutes=0,
-                              keep_best=KeepBest(metric="reward_mean", mode="max", k=2))
+    policy = CheckpointPolicy(
+        keep_local=1, keep_published=1, delete_grace_minutes=0, keep_best=KeepBest(metric="reward_mean", mode="max", k=2)
+    )
     published = {m.step for m in store.published("run")}
     assert retention.apply_local(run, policy, 100, published) == [20, 40]
     assert sorted(layout.step_dirs(run)) == [10, 30, 50]
@@ -193,10 +198,12 @@ def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_proces
     assert retention.apply_published(store, "run", policy, 100, run_dir=run)["deleted"] == [20, 40]
 
     trained([60])  # chunk 2: its publish runs in a process of its own, from the run's files alone
-    code = ("import sys, json; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-            "from relay.checkpoints import retention; from relay.spec.run_spec import CheckpointPolicy; "
-            f"p = CheckpointPolicy.model_validate_json({policy.model_dump_json()!r}); "
-            f"print(json.dumps(retention.apply_local(Path({str(run)!r}), p, 100, {{10, 30, 50, 60}})))")
+    code = (
+        "import sys, json; sys.path.insert(0, 'plugins'); from pathlib import Path; "
+        "from relay.checkpoints import retention; from relay.spec.run_spec import CheckpointPolicy; "
+        f"p = CheckpointPolicy.model_validate_json({policy.model_dump_json()!r}); "
+        f"print(json.dumps(retention.apply_local(Path({str(run)!r}), p, 100, {{10, 30, 50, 60}})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [30, 50]  # 60 is the newest and the best; 10 next
@@ -218,11 +225,18 @@ def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, s
     shutil.rmtree(layout.step_dir(run, 2))
     verl_checkpoint.make(run, step=2, seed=1)  # trained again: other weights
     assert admit_dir(run, 2).ok
-    code = ("import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-            "from relay.s3.store import CheckpointStore, s3_client; "
-            f"CheckpointStore(s3_client(), {store.uri!r}).publish('run', Path({str(run)!r}), 2)")
-    killed = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "RELAY_FAULT_KILL_AT": "publish_files@2"})
+    code = (
+        "import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
+        "from relay.s3.store import CheckpointStore, s3_client; "
+        f"CheckpointStore(s3_client(), {store.uri!r}).publish('run', Path({str(run)!r}), 2)"
+    )
+    killed = subprocess.run(
+        [PY, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RELAY_FAULT_KILL_AT": "publish_files@2"},
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert store.manifest("run", 2) is None and store.latest("run")["step"] == 1
     assert [m.step for m in store.published("run")] == [1]

@@ -18,9 +18,13 @@ import audit_offline
 def _advisory(db, name: str, id_: str, events: list[dict], **extra) -> None:
     folder = db / "vulns" / name
     folder.mkdir(parents=True, exist_ok=True)
-    doc = {"id": id_, "summary": f"{id_} in {name}", "affected": [
-        {"package": {"name": name, "ecosystem": "PyPI"}, "ranges": [{"type": "ECOSYSTEM", "events": events}],
-         **extra}]}
+    doc = {
+        "id": id_,
+        "summary": f"{id_} in {name}",
+        "affected": [
+            {"package": {"name": name, "ecosystem": "PyPI"}, "ranges": [{"type": "ECOSYSTEM", "events": events}], **extra}
+        ],
+    }
     (folder / f"{id_}.yaml").write_text(yaml.safe_dump(doc))
 
 
@@ -32,8 +36,14 @@ def test_the_offline_auditor_matches_osv_ranges(tmp_path):
     _advisory(tmp_path, "pyyaml", "PYSEC-LAST", [{"introduced": "1.0"}, {"last_affected": have}])
     _advisory(tmp_path, "pyyaml", "PYSEC-LIST", [], versions=[have])
     _advisory(tmp_path, "not-installed-package", "PYSEC-OTHER", [{"introduced": "0"}])
-    (tmp_path / "vulns" / "pyyaml" / "GONE.yaml").write_text(yaml.safe_dump(
-        {"id": "GONE", "withdrawn": "2024-01-01", "affected": [{"package": {"name": "pyyaml", "ecosystem": "PyPI"},
-                                                                "versions": [have]}]}))
+    (tmp_path / "vulns" / "pyyaml" / "GONE.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "id": "GONE",
+                "withdrawn": "2024-01-01",
+                "affected": [{"package": {"name": "pyyaml", "ecosystem": "PyPI"}, "versions": [have]}],
+            }
+        )
+    )
     found = {f["id"] for f in audit_offline.audit(tmp_path)}
     assert found == {"PYSEC-HIT", "PYSEC-LAST", "PYSEC-LIST"}

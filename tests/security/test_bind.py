@@ -14,15 +14,27 @@ import pytest
 
 from relay.devstack import stack
 
-S3_PORTS = ("RELAY_S3_PORT", "RELAY_S3_GRPC_PORT", "RELAY_WEED_MASTER_PORT", "RELAY_WEED_MASTER_GRPC_PORT",
-            "RELAY_WEED_VOLUME_PORT", "RELAY_WEED_VOLUME_GRPC_PORT", "RELAY_WEED_FILER_PORT",
-            "RELAY_WEED_FILER_GRPC_PORT")
+S3_PORTS = (
+    "RELAY_S3_PORT",
+    "RELAY_S3_GRPC_PORT",
+    "RELAY_WEED_MASTER_PORT",
+    "RELAY_WEED_MASTER_GRPC_PORT",
+    "RELAY_WEED_VOLUME_PORT",
+    "RELAY_WEED_VOLUME_GRPC_PORT",
+    "RELAY_WEED_FILER_PORT",
+    "RELAY_WEED_FILER_GRPC_PORT",
+)
 
 
 def listening(port: int) -> list[str]:
     """The local addresses of every listening TCP socket on `port`."""
-    return sorted({c.laddr.ip for c in psutil.net_connections(kind="inet")
-                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
+    return sorted(
+        {
+            c.laddr.ip
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+        }
+    )
 
 
 def is_loopback(ip: str) -> bool:

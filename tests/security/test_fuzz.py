@@ -18,21 +18,79 @@ from relay.common.errors import CheckpointError, RelayError, SpecError
 from relay.runs import layout
 from support.helpers import spec_dict
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 
-SPEC_KEYS = ["name", "description", "trainer", "kind", "settings", "total_steps", "chunk_steps", "seed", "threads",
-             "checkpoint_dir", "data", "train_files", "val_files", "on_source_change", "expectations", "checkpoints",
-             "ray", "env_vars", "s3", "uri", "acl", "server_side_encryption", "kms_key_id", "alerts", "email",
-             "airflow", "retries", "schedule", "model", "optim", "lr", "save_freq", "rollout_n"]
-scalars = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40)
-           | st.sampled_from(["${HOME}", "${RELAY_UNSET_X}", "s3://relay/../x", "../..", "\x00", "{{ ds }}",
-                              "{{ nope }}", "@daily", "0 3 * * 1", "tiny_grpo", "AES256", "aws:kms", "1e309"]))
-json_like = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                         | st.dictionaries(st.sampled_from(SPEC_KEYS) | st.text(max_size=10), inner, max_size=5),
-                         max_leaves=25)
+SPEC_KEYS = [
+    "name",
+    "description",
+    "trainer",
+    "kind",
+    "settings",
+    "total_steps",
+    "chunk_steps",
+    "seed",
+    "threads",
+    "checkpoint_dir",
+    "data",
+    "train_files",
+    "val_files",
+    "on_source_change",
+    "expectations",
+    "checkpoints",
+    "ray",
+    "env_vars",
+    "s3",
+    "uri",
+    "acl",
+    "server_side_encryption",
+    "kms_key_id",
+    "alerts",
+    "email",
+    "airflow",
+    "retries",
+    "schedule",
+    "model",
+    "optim",
+    "lr",
+    "save_freq",
+    "rollout_n",
+]
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=40)
+    | st.sampled_from(
+        [
+            "${HOME}",
+            "${RELAY_UNSET_X}",
+            "s3://relay/../x",
+            "../..",
+            "\x00",
+            "{{ ds }}",
+            "{{ nope }}",
+            "@daily",
+            "0 3 * * 1",
+            "tiny_grpo",
+            "AES256",
+            "aws:kms",
+            "1e309",
+        ]
+    )
+)
+json_like = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.sampled_from(SPEC_KEYS) | st.text(max_size=10), inner, max_size=5),
+    max_leaves=25,
+)
 
 
 def _set(d: dict, dotted: str, value) -> dict:
@@ -110,11 +168,20 @@ def test_any_file_is_a_spec_or_a_spec_error(text, tmp_path_factory):
         assert str(e).startswith(f"run spec {path}")
 
 
-@pytest.mark.parametrize("text", [
-    "[" * 5000, "a: " + "[" * 5000, "{" * 3000, "- " * 4000 + "x",
-    "a: &a [1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c]",
-    "!!python/object/apply:os.system ['true']", "? [a, b]\n: c", "\ufeffname: x", "name: 2024-01-01",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 5000,
+        "a: " + "[" * 5000,
+        "{" * 3000,
+        "- " * 4000 + "x",
+        "a: &a [1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c]",
+        "!!python/object/apply:os.system ['true']",
+        "? [a, b]\n: c",
+        "\ufeffname: x",
+        "name: 2024-01-01",
+    ],
+)
 def test_hostile_yaml_is_a_spec_error(text, tmp_path):
     from relay.spec.run_spec import load_spec
 
@@ -154,9 +221,9 @@ def test_a_chunk_request_spec_blob_is_a_spec_or_a_spec_error(blob):
 
 # ------------------------------------------------------------------------------------ the tracker
 
+
 @FUZZ
-@given(content=st.binary(max_size=80) | st.text(alphabet=string.digits + " \n\t\r+-_.x²١٢", max_size=30)
-       .map(str.encode))
+@given(content=st.binary(max_size=80) | st.text(alphabet=string.digits + " \n\t\r+-_.x²١٢", max_size=30).map(str.encode))
 def test_any_tracker_is_a_step_or_a_checkpoint_error(content, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     (run_dir / layout.TRACKER).write_bytes(content)
@@ -170,10 +237,18 @@ def test_any_tracker_is_a_step_or_a_checkpoint_error(content, tmp_path_factory):
 
 # ------------------------------------------------------------------------------------ the manifest
 
+
 def _valid_manifest() -> dict:
-    return json.loads(manifest.Manifest(run="r", step=6, world_size=1, fsdp_version=2, params={"w": [2, 3, "f32"]},
-                                        files={"actor/model_world_size_1_rank_0.pt":
-                                               {"size": 10, "crc64nvme": "AAAAAAAAAAA="}}).to_json())
+    return json.loads(
+        manifest.Manifest(
+            run="r",
+            step=6,
+            world_size=1,
+            fsdp_version=2,
+            params={"w": [2, 3, "f32"]},
+            files={"actor/model_world_size_1_rank_0.pt": {"size": 10, "crc64nvme": "AAAAAAAAAAA="}},
+        ).to_json()
+    )
 
 
 MANIFEST_KEYS = sorted(_valid_manifest())
@@ -197,8 +272,11 @@ def test_any_text_is_a_manifest_or_a_checkpoint_error(text):
 
 
 @FUZZ
-@given(key=st.sampled_from([*MANIFEST_KEYS, "files.rel", "files.size", "files.crc", "extra"]), value=json_like,
-       rel=st.text(max_size=30))
+@given(
+    key=st.sampled_from([*MANIFEST_KEYS, "files.rel", "files.size", "files.crc", "extra"]),
+    value=json_like,
+    rel=st.text(max_size=30),
+)
 def test_a_manifest_with_one_field_broken_is_a_manifest_or_a_checkpoint_error(key, value, rel):
     d = _valid_manifest()
     if key == "files.rel":

@@ -17,8 +17,24 @@ from relay.runs import layout
 from relay.spec.run_spec import load_spec, spec_from_dict
 from support.helpers import DEMO_SPEC, relay_cli, write_spec
 
-BAD_RUN_NAMES = ["../escape", "..", ".", "a/b", "/abs", "a\\b", "run\n", "run\x00", "a..b", "", " run", ".hidden",
-                 "x" * 200, "%2e%2e", "run/../../x", "ü-run"]
+BAD_RUN_NAMES = [
+    "../escape",
+    "..",
+    ".",
+    "a/b",
+    "/abs",
+    "a\\b",
+    "run\n",
+    "run\x00",
+    "a..b",
+    "",
+    " run",
+    ".hidden",
+    "x" * 200,
+    "%2e%2e",
+    "run/../../x",
+    "ü-run",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +63,19 @@ def test_a_refused_run_name_creates_nothing(tmp_path):
     assert not (tmp_path / "outside").exists() and not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("args", [
-    ["train", "{spec}", "--to-step", "1", "--run", "../outside"],
-    ["plan", "{spec}", "--run", "a/b"],
-    ["checkpoint", "restore", "{uri}", "{tmp}/restore", "--run", "../other-run"],
-    ["checkpoint", "ls", "{uri}", "--run", "../../other-prefix"],
-    ["checkpoint", "inspect", "s3://relay/runs/../x/global_step_1"],
-    ["report", "s3://relay/runs/.."],
-    ["checkpoint", "restore", "s3://relay/a//b", "{tmp}/restore"],
-], ids=lambda a: " ".join(a[:2]) + " " + a[-1])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "{spec}", "--to-step", "1", "--run", "../outside"],
+        ["plan", "{spec}", "--run", "a/b"],
+        ["checkpoint", "restore", "{uri}", "{tmp}/restore", "--run", "../other-run"],
+        ["checkpoint", "ls", "{uri}", "--run", "../../other-prefix"],
+        ["checkpoint", "inspect", "s3://relay/runs/../x/global_step_1"],
+        ["report", "s3://relay/runs/.."],
+        ["checkpoint", "restore", "s3://relay/a//b", "{tmp}/restore"],
+    ],
+    ids=lambda a: " ".join(a[:2]) + " " + a[-1],
+)
 def test_the_cli_refuses_names_that_escape(tmp_path, args):
     spec_path = write_spec(tmp_path)
     uri = load_spec(spec_path, check_environment=False).s3.uri
@@ -67,8 +87,18 @@ def test_the_cli_refuses_names_that_escape(tmp_path, args):
     assert not (tmp_path / "outside").exists() and not (tmp_path.parent / "outside").exists()
 
 
-@pytest.mark.parametrize("uri", ["s3://relay/a/../b", "s3://relay/./a", "s3://relay/a//b", "s3://Relay/x",
-                                 "s3://relay/runs\n", "s3://relay/a/..", "http://relay/runs"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://relay/a/../b",
+        "s3://relay/./a",
+        "s3://relay/a//b",
+        "s3://Relay/x",
+        "s3://relay/runs\n",
+        "s3://relay/a/..",
+        "http://relay/runs",
+    ],
+)
 def test_a_spec_s3_uri_with_dot_segments_is_refused(uri):
     from support.helpers import spec_dict
 
@@ -82,8 +112,10 @@ def test_store_keys_never_leave_the_run_prefix():
     from relay.s3.store import CheckpointStore, parse_uri
 
     store = CheckpointStore(client=None, uri="s3://relay/runs")
-    assert store.step_key("r1", 6, "actor/model_world_size_1_rank_0.pt") == \
-        "runs/r1/global_step_6/actor/model_world_size_1_rank_0.pt"
+    assert (
+        store.step_key("r1", 6, "actor/model_world_size_1_rank_0.pt")
+        == "runs/r1/global_step_6/actor/model_world_size_1_rank_0.pt"
+    )
     for run in ("../r2", "r1/../r2", "", "r1\n"):
         with pytest.raises(SpecError):
             store.run_key(run)
@@ -103,8 +135,9 @@ def _manifest(files: dict) -> str:
     return manifest.Manifest(run="r", step=5, world_size=1, fsdp_version=2, files=files, params={}).to_json()
 
 
-@pytest.mark.parametrize("rel", ["../../etc/x", "/etc/passwd", "actor/../../../x", "a//b", "./a", "a\\..\\b",
-                                 "a/\x00b", "", "x" * 2000])
+@pytest.mark.parametrize(
+    "rel", ["../../etc/x", "/etc/passwd", "actor/../../../x", "a//b", "./a", "a\\..\\b", "a/\x00b", "", "x" * 2000]
+)
 def test_a_manifest_naming_a_path_outside_its_checkpoint_is_refused(rel):
     with pytest.raises(CheckpointError) as e:
         manifest.Manifest.from_json(_manifest({rel: {"size": 1, "crc64nvme": "AAAAAAAAAAA="}}), "m.json")
@@ -133,8 +166,17 @@ def test_a_published_manifest_listing_dot_dot_is_never_restored(s3_server, tmp_p
         store.manifest("r", 5)
 
 
-@pytest.mark.parametrize("latest", [b'{"step": "1/../../other/global_step_5"}', b'{"step": -3}', b"[1]",
-                                    b'{"step": true}', b"\xff\xfe garbage", b'{"uri": "s3://x"}'])
+@pytest.mark.parametrize(
+    "latest",
+    [
+        b'{"step": "1/../../other/global_step_5"}',
+        b'{"step": -3}',
+        b"[1]",
+        b'{"step": true}',
+        b"\xff\xfe garbage",
+        b'{"uri": "s3://x"}',
+    ],
+)
 @pytest.mark.services
 def test_a_malformed_latest_json_is_refused_by_name(s3_server, latest):
     from relay.common.errors import StoreError
@@ -147,8 +189,9 @@ def test_a_malformed_latest_json_is_refused_by_name(s3_server, latest):
     assert "latest.json" in e.value.what and e.value.fix
 
 
-@pytest.mark.parametrize("content", [b"../../etc/passwd", b"6/../9", b"\xc2\xb2", "١٢".encode(), b"9" * 5000,
-                                     b"-1", b"1e3", b"0x10", b""])
+@pytest.mark.parametrize(
+    "content", [b"../../etc/passwd", b"6/../9", b"\xc2\xb2", "١٢".encode(), b"9" * 5000, b"-1", b"1e3", b"0x10", b""]
+)
 def test_a_tracker_that_is_not_a_step_number_is_an_error(tmp_path, content):
     (tmp_path / layout.TRACKER).write_bytes(content)
     with pytest.raises(CheckpointError) as e:
@@ -168,20 +211,32 @@ def test_step_folders_match_exactly(tmp_path):
     assert list(layout.step_dirs(tmp_path)) == [6]
 
 
-@pytest.mark.parametrize("entry", [
-    {"frozen": "../../../outside.parquet"},
-    {"frozen": "/etc/passwd"},
-    {"frozen": "data/" + "a" * 64 + ".parquet", "sha256": "b" * 64},  # a copy named for other bytes
-    {"sha256": "../" + "a" * 61},
-    {"role": "../train"},
-])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"frozen": "../../../outside.parquet"},
+        {"frozen": "/etc/passwd"},
+        {"frozen": "data/" + "a" * 64 + ".parquet", "sha256": "b" * 64},  # a copy named for other bytes
+        {"sha256": "../" + "a" * 61},
+        {"role": "../train"},
+    ],
+)
 def test_a_run_record_naming_frozen_data_outside_the_run_is_refused(tmp_path, entry):
     from relay.data.fingerprint import DataError
     from relay.data.freeze import frozen_files, verify_frozen
 
     sha = "a" * 64
-    f = {"role": "train", "source": "/x.parquet", "sha256": sha, "size": 1, "rows": 1, "schema": "",
-         "frozen": f"data/{sha}.parquet", "uri": "s3://relay/runs/r/data/x.parquet", **entry}
+    f = {
+        "role": "train",
+        "source": "/x.parquet",
+        "sha256": sha,
+        "size": 1,
+        "rows": 1,
+        "schema": "",
+        "frozen": f"data/{sha}.parquet",
+        "uri": "s3://relay/runs/r/data/x.parquet",
+        **entry,
+    }
     layout.atomic_write_json(layout.relay_dir(tmp_path, "run.json"), {"data": {"files": [f]}})
     with pytest.raises(DataError) as e:
         verify_frozen(tmp_path, frozen_files(tmp_path))

@@ -30,11 +30,17 @@ def _client(endpoint: str, capture: list):
     import boto3
     from botocore.config import Config
 
-    c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="relay-local", aws_secret_access_key="relay-local",
-                     region_name="us-east-1",
-                     config=client_config().merge(Config(retries={"mode": "standard", "max_attempts": 1})))
-    c.meta.events.register("provide-client-params.s3.*",
-                           lambda params, model, **kw: capture.append((model.name, dict(params))))
+    c = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="relay-local",
+        aws_secret_access_key="relay-local",
+        region_name="us-east-1",
+        config=client_config().merge(Config(retries={"mode": "standard", "max_attempts": 1})),
+    )
+    c.meta.events.register(
+        "provide-client-params.s3.*", lambda params, model, **kw: capture.append((model.name, dict(params)))
+    )
     return c
 
 
@@ -70,13 +76,33 @@ def sse_s3(tmp_path_factory):
     ports = free_ports(8)
     weed = Path(sys.executable).parent / "weed"
     log = open(d / "weed.log", "wb")
-    proc = subprocess.Popen([
-        str(weed), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={d}", "-s3", f"-s3.port={ports[0]}",
-        f"-s3.port.grpc={ports[1]}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-metricsPort=0",
-        f"-master.port={ports[2]}", f"-master.port.grpc={ports[3]}", f"-volume.port={ports[4]}",
-        f"-volume.port.grpc={ports[5]}", f"-filer.port={ports[6]}", f"-filer.port.grpc={ports[7]}",
-        "-master.volumeSizeLimitMB=64", "-volume.max=4"], cwd=d, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(weed),
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={d}",
+            "-s3",
+            f"-s3.port={ports[0]}",
+            f"-s3.port.grpc={ports[1]}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-metricsPort=0",
+            f"-master.port={ports[2]}",
+            f"-master.port.grpc={ports[3]}",
+            f"-volume.port={ports[4]}",
+            f"-volume.port.grpc={ports[5]}",
+            f"-filer.port={ports[6]}",
+            f"-filer.port.grpc={ports[7]}",
+            "-master.volumeSizeLimitMB=64",
+            "-volume.max=4",
+        ],
+        cwd=d,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     endpoint = f"http://127.0.0.1:{ports[0]}"
     c = _client(endpoint, [])
     deadline = time.time() + 60
@@ -105,8 +131,15 @@ def test_every_upload_asks_for_encryption_and_the_acl_and_objects_are_encrypted(
 
     uploads = [(op, p) for op, p in calls if op in UPLOADS]
     keys = {p["Key"].removeprefix(store.prefix + "/") for _, p in uploads}
-    assert {"r/global_step_4/data.pt", "r/global_step_4/actor/big.bin", "r/global_step_4/relay_manifest.json",
-            "r/latest.json", "r/data/frozen.parquet", "r/report/report.html", "r/run.json"} <= keys, keys
+    assert {
+        "r/global_step_4/data.pt",
+        "r/global_step_4/actor/big.bin",
+        "r/global_step_4/relay_manifest.json",
+        "r/latest.json",
+        "r/data/frozen.parquet",
+        "r/report/report.html",
+        "r/run.json",
+    } <= keys, keys
     assert "CreateMultipartUpload" in {op for op, _ in uploads}, "the big file went multipart"
     missing = [(op, p["Key"]) for op, p in uploads if any(p.get(k) != v for k, v in extra.items())]
     assert not missing, f"uploads without SSE or ACL: {missing}"
@@ -119,8 +152,12 @@ def test_every_upload_asks_for_encryption_and_the_acl_and_objects_are_encrypted(
 def test_kms_settings_travel_with_every_upload(s3_server, tmp_path):
     """aws:kms with a key id: asked for on every upload (the local server has no KMS: refused, clearly)."""
     calls: list = []
-    store = CheckpointStore(_client(s3_server, calls), f"s3://relay/t-{uuid.uuid4().hex[:8]}", part_size=PART,
-                            extra_args={"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/relay"})
+    store = CheckpointStore(
+        _client(s3_server, calls),
+        f"s3://relay/t-{uuid.uuid4().hex[:8]}",
+        part_size=PART,
+        extra_args={"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/relay"},
+    )
     with pytest.raises(StoreError) as e:
         store.publish("r", _checkpoint(tmp_path), 4)
     assert "ServerSideEncryption=aws:kms" in e.value.fix and "SSEKMSKeyId=alias/relay" in e.value.fix
@@ -130,8 +167,12 @@ def test_kms_settings_travel_with_every_upload(s3_server, tmp_path):
 @pytest.mark.services
 def test_a_server_without_sse_refuses_and_the_error_says_what_to_do(s3_server, tmp_path):
     calls: list = []
-    store = CheckpointStore(_client(s3_server, calls), f"s3://relay/t-{uuid.uuid4().hex[:8]}", part_size=PART,
-                            extra_args={"ServerSideEncryption": "AES256"})
+    store = CheckpointStore(
+        _client(s3_server, calls),
+        f"s3://relay/t-{uuid.uuid4().hex[:8]}",
+        part_size=PART,
+        extra_args={"ServerSideEncryption": "AES256"},
+    )
     with pytest.raises(StoreError) as e:
         store.publish("r", _checkpoint(tmp_path), 4)
     assert "ServerSideEncryption=AES256" in e.value.fix and "security.toml" in e.value.fix
@@ -146,15 +187,24 @@ def test_the_spec_settings_reach_the_store_and_the_cli(tmp_path):
     from relay.spec.run_spec import spec_from_dict
     from support.helpers import spec_dict
 
-    spec = spec_from_dict(spec_dict(**{"s3.server_side_encryption": "aws:kms", "s3.kms_key_id": "alias/k",
-                                       "s3.acl": "bucket-owner-full-control"}), check_environment=False)
+    spec = spec_from_dict(
+        spec_dict(
+            **{"s3.server_side_encryption": "aws:kms", "s3.kms_key_id": "alias/k", "s3.acl": "bucket-owner-full-control"}
+        ),
+        check_environment=False,
+    )
     assert store_for_spec(spec, client=object()).extra_args == {
-        "ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/k", "ACL": "bucket-owner-full-control"}
-    args = build_parser().parse_args(["checkpoint", "publish", str(tmp_path), "s3://relay/x", "--sse", "AES256",
-                                      "--acl", "bucket-owner-full-control"])
+        "ServerSideEncryption": "aws:kms",
+        "SSEKMSKeyId": "alias/k",
+        "ACL": "bucket-owner-full-control",
+    }
+    args = build_parser().parse_args(
+        ["checkpoint", "publish", str(tmp_path), "s3://relay/x", "--sse", "AES256", "--acl", "bucket-owner-full-control"]
+    )
     assert _store(args.uri, args).extra_args == {"ServerSideEncryption": "AES256", "ACL": "bucket-owner-full-control"}
     from relay.common.errors import SpecError
 
     with pytest.raises(SpecError, match="kms_key_id is only used with server_side_encryption: aws:kms"):
-        spec_from_dict(spec_dict(**{"s3.server_side_encryption": "AES256", "s3.kms_key_id": "alias/k"}),
-                       check_environment=False)
+        spec_from_dict(
+            spec_dict(**{"s3.server_side_encryption": "AES256", "s3.kms_key_id": "alias/k"}), check_environment=False
+        )

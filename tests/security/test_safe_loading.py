@@ -22,13 +22,21 @@ SOURCES = sorted(p for p in [*PACKAGE.rglob("*.py"), *(ROOT / "dags").rglob("*.p
 # having validated the checkpoint, every level with weights_only, just before the job's trainer starts
 # (see docs/SECURITY.md: the window between that validation and verl's load).
 VERL_LOADER_SITES = {
-    ("publication.py", "export_hf"): ("recheck", "verl's model merger runs only on a checkpoint that passed the "
-                                                 "gate, re-checked against its manifest (unchanged_since_validation)"),
-    ("chunk_trainer.py", "_load_checkpoint"): ("recheck", "verl resumes only from the step Relay's resume validated, "
-                                                          "re-checked against its manifest just before verl's "
-                                                          "loader reads it; a different step is refused"),
-    ("overrides.py", "chunk_overrides"): ("validated", "resume_mode=auto: verl reads the tracker, which Relay's "
-                                                       "resume has just pointed at a validated checkpoint"),
+    ("publication.py", "export_hf"): (
+        "recheck",
+        "verl's model merger runs only on a checkpoint that passed the "
+        "gate, re-checked against its manifest (unchanged_since_validation)",
+    ),
+    ("chunk_trainer.py", "_load_checkpoint"): (
+        "recheck",
+        "verl resumes only from the step Relay's resume validated, "
+        "re-checked against its manifest just before verl's "
+        "loader reads it; a different step is refused",
+    ),
+    ("overrides.py", "chunk_overrides"): (
+        "validated",
+        "resume_mode=auto: verl reads the tracker, which Relay's resume has just pointed at a validated checkpoint",
+    ),
     ("overrides.py", "<module>"): ("text", "the module's docstring"),
     ("settings.py", "<module>"): ("text", "RELAY_OWNED_KEYS: names the keys so that a spec cannot set them"),
 }
@@ -80,28 +88,42 @@ def test_no_unsafe_loading(path):
             wo = kw.get("weights_only")
             if not (isinstance(wo, ast.Constant) and wo.value is True):
                 problems.append(f"{_where(path, call)}: {name}(...) without weights_only=True")
-        if name.split(".")[-1] in ("load", "loads", "Unpickler") and name.split(".")[0] in ("pickle", "dill",
-                                                                                             "cloudpickle", "joblib"):
+        if name.split(".")[-1] in ("load", "loads", "Unpickler") and name.split(".")[0] in (
+            "pickle",
+            "dill",
+            "cloudpickle",
+            "joblib",
+        ):
             problems.append(f"{_where(path, call)}: {name}(...) unpickles arbitrary objects")
         if name.endswith("load_checkpoint"):
             if (path.name, funcs.get(id(call), "<module>")) not in VERL_LOADER_SITES:
                 problems.append(f"{_where(path, call)}: {name}(...) is verl's loader (weights_only=False)")
-        if "trust_remote_code" in kw and not (isinstance(kw["trust_remote_code"], ast.Constant)
-                                              and kw["trust_remote_code"].value is False):
+        if "trust_remote_code" in kw and not (
+            isinstance(kw["trust_remote_code"], ast.Constant) and kw["trust_remote_code"].value is False
+        ):
             problems.append(f"{_where(path, call)}: trust_remote_code runs a model repository's code")
         if name.endswith("numpy.load") or name.endswith("np.load"):
             ap = kw.get("allow_pickle")
             if ap is not None and not (isinstance(ap, ast.Constant) and ap.value is False):
                 problems.append(f"{_where(path, call)}: numpy.load with allow_pickle")
     for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "weights_only" and isinstance(node.value, ast.Constant) \
-                and node.value.value is False:
+        if (
+            isinstance(node, ast.keyword)
+            and node.arg == "weights_only"
+            and isinstance(node.value, ast.Constant)
+            and node.value.value is False
+        ):
             problems.append(f"{_where(path, node.value)}: weights_only=False")
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                "verl.model_merger" in node.value or "resume_mode" in node.value or "resume_from_path" in node.value):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and ("verl.model_merger" in node.value or "resume_mode" in node.value or "resume_from_path" in node.value)
+        ):
             if (path.name, funcs.get(id(node), "<module>")) not in VERL_LOADER_SITES:
-                problems.append(f"{_where(path, node)}: {node.value!r} hands a checkpoint to verl's own loader; add "
-                                f"the site to VERL_LOADER_SITES with why the files are proven safe just before")
+                problems.append(
+                    f"{_where(path, node)}: {node.value!r} hands a checkpoint to verl's own loader; add "
+                    f"the site to VERL_LOADER_SITES with why the files are proven safe just before"
+                )
     assert not problems, "\n".join(problems)
 
 
@@ -154,9 +176,14 @@ def test_a_file_changed_after_validation_is_never_given_to_verls_merger(tmp_path
 
     torch.save({"w": torch.ones(3)}, shard)
     s = scan(shard)
-    manifest.Manifest(run="r", step=3, world_size=1, fsdp_version=2, params={},
-                      files={"actor/model_world_size_1_rank_0.pt": {"size": s.size, "crc64nvme": s.crc64nvme}}
-                      ).write(step)
+    manifest.Manifest(
+        run="r",
+        step=3,
+        world_size=1,
+        fsdp_version=2,
+        params={},
+        files={"actor/model_world_size_1_rank_0.pt": {"size": s.size, "crc64nvme": s.crc64nvme}},
+    ).write(step)
     unchanged_since_validation(step, "actor/")  # whole: passes
     torch.save({"w": torch.zeros(3)}, shard)  # swapped after validation
     with pytest.raises(CheckpointError, match="changed since validation"):

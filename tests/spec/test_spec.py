@@ -19,10 +19,21 @@ def refused(tmp_path: Path, **overrides) -> SpecError:
 def test_demo_spec_is_valid_and_marks_resume_critical_keys():
     spec = load_spec(DEMO_SPEC)
     crit = spec.resume_critical()
-    for key in ("total_steps", "seed", "threads", "checkpoint_dir", "data.train_files", "trainer.kind",
-                "trainer.settings.rollout_n", "trainer.settings.adv_estimator", "trainer.settings.kl_loss_coef",
-                "trainer.settings.train_batch_size", "trainer.settings.optim.lr", "trainer.settings.world_size",
-                "trainer.settings.fsdp_version"):
+    for key in (
+        "total_steps",
+        "seed",
+        "threads",
+        "checkpoint_dir",
+        "data.train_files",
+        "trainer.kind",
+        "trainer.settings.rollout_n",
+        "trainer.settings.adv_estimator",
+        "trainer.settings.kl_loss_coef",
+        "trainer.settings.train_batch_size",
+        "trainer.settings.optim.lr",
+        "trainer.settings.world_size",
+        "trainer.settings.fsdp_version",
+    ):
         assert key in crit, key
     # What may change between chunks is not resume-critical.
     for key in ("chunk_steps", "trainer.settings.save_freq", "ray.conn_id", "alerts.email", "airflow.retries"):

@@ -16,8 +16,7 @@ from support.ports import free_port
 
 
 @contextmanager
-def airflow_processes(base: Path, runs: Path, db_url: str | None = None, broker_url: str | None = None,
-                      **env_extra: str):
+def airflow_processes(base: Path, runs: Path, db_url: str | None = None, broker_url: str | None = None, **env_extra: str):
     """Start them under base/ (home, pids, logs) reading the specs in `runs`; stop them at the end.
     db_url: None for SQLite in base/home (a copy of a migrated DB placed there first is migrated no further).
     broker_url: the CeleryExecutor with this broker (its workers are the caller's to start)."""
@@ -31,8 +30,13 @@ def airflow_processes(base: Path, runs: Path, db_url: str | None = None, broker_
     try:
         stack.airflow_start(env)
         api = AirflowAPI(stack.airflow_url(), "admin", stack.airflow_password(base / "home"))
-        yield {"api": api, "env": env, "home": base / "home", "url": stack.airflow_url(),
-               "password": stack.airflow_password(base / "home")}
+        yield {
+            "api": api,
+            "env": env,
+            "home": base / "home",
+            "url": stack.airflow_url(),
+            "password": stack.airflow_password(base / "home"),
+        }
     finally:
         stack.stop_processes([f"airflow-{comp}" for comp in stack.AIRFLOW_COMPONENTS])
         for k, v in saved.items():
@@ -67,7 +71,6 @@ def wait_until_parked(dag_id: str, run_id: str, task_id: str, timeout: float = 3
     key = f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id},"
 
     def handled() -> bool:
-        return any(key in line and " state=awaiting_input," in line
-                   for line in log.read_text(errors="replace").splitlines())
+        return any(key in line and " state=awaiting_input," in line for line in log.read_text(errors="replace").splitlines())
 
     wait_for(handled, timeout, f"the scheduler to handle {task_id}'s park (in {log})")

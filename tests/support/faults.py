@@ -30,12 +30,34 @@ def fault_row(record_property):
     s3-errors, new-worker-host, ray-orphan...). Its "data lost" is measured: data_lost(run_dir, store).
     Call it last, once the case's assertions have passed."""
 
-    def record(case: str, fault: str, action: str, steps_lost: int | str, *, run_dir: Path, store=None,
-               layer: str = "trainer", driver: tuple[int, str] | None = None, **extra) -> None:
-        record_property(PROPERTY, json.dumps({"case": case, "fault": fault, "action": action,
-                                              "steps_lost": steps_lost, "data_lost": data_lost(run_dir, store),
-                                              "cause": classified(run_dir, driver), "layer": layer, **extra},
-                                             sort_keys=True))
+    def record(
+        case: str,
+        fault: str,
+        action: str,
+        steps_lost: int | str,
+        *,
+        run_dir: Path,
+        store=None,
+        layer: str = "trainer",
+        driver: tuple[int, str] | None = None,
+        **extra,
+    ) -> None:
+        record_property(
+            PROPERTY,
+            json.dumps(
+                {
+                    "case": case,
+                    "fault": fault,
+                    "action": action,
+                    "steps_lost": steps_lost,
+                    "data_lost": data_lost(run_dir, store),
+                    "cause": classified(run_dir, driver),
+                    "layer": layer,
+                    **extra,
+                },
+                sort_keys=True,
+            ),
+        )
 
     return record
 
@@ -86,13 +108,15 @@ def data_lost(run_dir: Path, store=None) -> str:
     committed = {e["step"] for e in events if e["event"] in ("checkpoint", "restore")}
     retired = {s for e in events if e["event"] == "retention" for s in e.get("deleted") or ()}
     published = {m.step for m in store.published(run)} if store is not None else set()
-    aside = {int(m.group(1)) for corner in ("quarantine", "superseded")
-             for p in (layout.relay_dir(run_dir, corner).iterdir() if layout.relay_dir(run_dir, corner).is_dir() else ())
-             if (m := re.match(r"global_step_(\d+)\.", p.name))}
+    aside = {
+        int(m.group(1))
+        for corner in ("quarantine", "superseded")
+        for p in (layout.relay_dir(run_dir, corner).iterdir() if layout.relay_dir(run_dir, corner).is_dir() else ())
+        if (m := re.match(r"global_step_(\d+)\.", p.name))
+    }
     covered = {s for s in committed if any(p > s for p in published)}
     for step in sorted(committed - retired - published - aside - covered):
-        if not (layout.step_dir(run_dir, step).is_dir()
-                and validate_checkpoint(run_dir, step, upto="integrity").ok):
+        if not (layout.step_dir(run_dir, step).is_dir() and validate_checkpoint(run_dir, step, upto="integrity").ok):
             missing.append(f"checkpoint step {step}")
     for f in (read_record(run_dir).get("data") or {}).get("files", []):
         here = (run_dir / "data" / f"{f['sha256']}.parquet").is_file()
@@ -106,9 +130,14 @@ class ForkServer:
     mode "airflow" and an Airflow home's environment `env`, `airflow ...` children)."""
 
     def __init__(self, mode: str = "relay", env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "forkserver.py"), mode],
-                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env if env is not None else {**os.environ, "PYTHONWARNINGS": "ignore"})
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "support" / "forkserver.py"), mode],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env if env is not None else {**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
 
     def _ask(self, req: dict) -> dict:
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -118,12 +147,25 @@ class ForkServer:
             raise RuntimeError(f"the fork server died (exit {self.proc.poll()})")
         return json.loads(line)
 
-    def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None, err: Path | None = None,
-              whole_env: bool = False, cwd: Path | None = None) -> int:
+    def start(
+        self,
+        argv: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        err: Path | None = None,
+        whole_env: bool = False,
+        cwd: Path | None = None,
+    ) -> int:
         """A child running `relay <argv>`: stdout (and stderr, unless `err`) to `log`; `env` added to the
         server's environment, or with whole_env the child's whole environment; in `cwd` (else the repo root)."""
-        req = {"argv": argv, "env": env or {}, "log": str(log), "whole_env": whole_env,
-               **({"err": str(err)} if err else {}), **({"cwd": str(cwd)} if cwd else {})}
+        req = {
+            "argv": argv,
+            "env": env or {},
+            "log": str(log),
+            "whole_env": whole_env,
+            **({"err": str(err)} if err else {}),
+            **({"cwd": str(cwd)} if cwd else {}),
+        }
         return self._ask(req)["pid"]
 
     def wait(self, pid: int) -> int:

@@ -71,8 +71,9 @@ else:
 FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
 
 
-def child(argv: list[str], env: dict[str, str], log: str, err: str | None = None, whole_env: bool = False,
-          cwd: str | None = None) -> None:
+def child(
+    argv: list[str], env: dict[str, str], log: str, err: str | None = None, whole_env: bool = False, cwd: str | None = None
+) -> None:
     """In the forked child: stdout to the log file (stderr too, or to `err`), stdin from /dev/null, the
     request's environment (added to the server's, or with whole_env the child's whole environment, as
     subprocess's env= gives it) and working directory, then the command."""
@@ -116,8 +117,7 @@ def main() -> None:
             continue
         pid = os.fork()
         if pid == 0:
-            child(req["argv"], req.get("env") or {}, req["log"], req.get("err"), bool(req.get("whole_env")),
-                  req.get("cwd"))
+            child(req["argv"], req.get("env") or {}, req["log"], req.get("err"), bool(req.get("whole_env")), req.get("cwd"))
         print(json.dumps({"pid": pid}), file=ANSWERS, flush=True)
 
 

@@ -56,8 +56,10 @@ def spec_dict(**overrides) -> dict:
 def write_spec(folder: Path, name: str = "t", **overrides) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     # Each spec publishes under its own S3 prefix, so runs of different tests never meet.
-    d = spec_dict(name=name, **{"checkpoint_dir": str(folder / "ckpt"),
-                                "s3.uri": f"s3://relay/test-{uuid.uuid4().hex[:12]}", **overrides})
+    d = spec_dict(
+        name=name,
+        **{"checkpoint_dir": str(folder / "ckpt"), "s3.uri": f"s3://relay/test-{uuid.uuid4().hex[:12]}", **overrides},
+    )
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
@@ -75,8 +77,9 @@ def relay_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subp
     verl_env = any(k.startswith("VERL_") and k != "VERL_LOGGING_LEVEL" for k in full_env)
     if args[:1] not in (("stack",), ("demo",)) and not verl_env:
         return _forked_cli(list(args), full_env, timeout)
-    return subprocess.run([PY, "-m", "relay", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=full_env)
+    return subprocess.run(
+        [PY, "-m", "relay", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
 
 
 _fork_server = None
@@ -101,10 +104,12 @@ def _forked_cli(argv: list[str], env: dict, timeout: float) -> subprocess.Comple
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise subprocess.TimeoutExpired(["relay", *argv], timeout, out.read_text(errors="replace"),
-                                            err.read_text(errors="replace")) from None
-        return subprocess.CompletedProcess(["relay", *argv], rc, out.read_text(errors="replace"),
-                                           err.read_text(errors="replace"))
+            raise subprocess.TimeoutExpired(
+                ["relay", *argv], timeout, out.read_text(errors="replace"), err.read_text(errors="replace")
+            ) from None
+        return subprocess.CompletedProcess(
+            ["relay", *argv], rc, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
 
 
 def train(spec, run_dir, to_step) -> subprocess.CompletedProcess:
@@ -130,8 +135,11 @@ def digests(folder: Path) -> dict[str, str]:
     """sha256 of every file under folder, by relative path: what "untouched" means for a checkpoint."""
     import hashlib
 
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -142,8 +150,9 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert not different, f"tensors differ: {different[:5]}"
 
 
-def dags_test(airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900,
-              env: dict | None = None) -> subprocess.CompletedProcess:
+def dags_test(
+    airflow_home: dict, dag_id: str, conf: dict, timeout: float = 900, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`airflow dags test DAG -c CONF`: real Airflow code, the trigger run in line; returns the process."""
     dag = BackgroundDagTest(airflow_home, dag_id, conf, env)
     try:
@@ -160,8 +169,11 @@ def jobs_of_run(ray_address: str, run: str, since: float) -> list:
     running keeps the jobs of earlier test sessions, whose runs had the same names."""
     from relay.jobs.ray_jobs import RayJobs
 
-    return [j for j in RayJobs(ray_address).client.list_jobs()
-            if (j.metadata or {}).get("relay_run") == run and (j.start_time or 0) / 1000 >= since - 1]
+    return [
+        j
+        for j in RayJobs(ray_address).client.list_jobs()
+        if (j.metadata or {}).get("relay_run") == run and (j.start_time or 0) / 1000 >= since - 1
+    ]
 
 
 class BackgroundDagTest:
@@ -177,16 +189,23 @@ class BackgroundDagTest:
         full_env = {**airflow_home["env"], **(env or {})}
         self.argv = ["dags", "test", dag_id, "-c", json.dumps(conf)]
         self.log = Path(airflow_home["home"]) / f"dags-test-{dag_id}-{uuid.uuid4().hex[:8]}.log"
-        if any(k.startswith(("AIRFLOW__", "VERL_", "PYTHON")) and full_env[k] != airflow_home["env"].get(k)
-               for k in env or {}):
+        if any(
+            k.startswith(("AIRFLOW__", "VERL_", "PYTHON")) and full_env[k] != airflow_home["env"].get(k) for k in env or {}
+        ):
             with open(self.log, "w") as out:
-                self.proc = subprocess.Popen([str(Path(PY).parent / "airflow"), *self.argv], env=full_env,
-                                             cwd=full_env["AIRFLOW_HOME"], stdout=out, stderr=subprocess.STDOUT,
-                                             text=True)
+                self.proc = subprocess.Popen(
+                    [str(Path(PY).parent / "airflow"), *self.argv],
+                    env=full_env,
+                    cwd=full_env["AIRFLOW_HOME"],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
         else:
             server = airflow_fork_server(airflow_home["env"])
-            self.proc = ForkedProcess(server, server.start(self.argv, self.log, full_env, whole_env=True,
-                                                           cwd=Path(full_env["AIRFLOW_HOME"])))
+            self.proc = ForkedProcess(
+                server, server.start(self.argv, self.log, full_env, whole_env=True, cwd=Path(full_env["AIRFLOW_HOME"]))
+            )
 
     def ended(self) -> str | None:
         """Its output once the DAG run has ended, else None: `gave_up` of a wait_for on something inside it."""
@@ -287,4 +306,3 @@ def shared_service(tmp_path_factory, name: str, is_up, start, stop):
             if left == 0 and ours.exists():
                 ours.unlink()
                 stop()
-

@@ -10,8 +10,13 @@ from typing import Any
 FIRST_INTERVAL_S, LAST_INTERVAL_S = 0.05, 0.5
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str | Callable[[], str] = "the condition",
-             *, gave_up: Callable[[], str | None] | None = None) -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    what: str | Callable[[], str] = "the condition",
+    *,
+    gave_up: Callable[[], str | None] | None = None,
+) -> Any:
     """Poll predicate() until it returns something truthy, and return that. The first polls come quickly (a mail
     lands in milliseconds), later ones every half second (an Airflow task's state is an API call). Fails naming
     `what` (text, or a function that says what was seen) after `timeout` seconds, or at once when `gave_up()`

@@ -38,9 +38,16 @@ def stack_env(overrides: dict[str, str]):
 class PrivateS3:
     """SeaweedFS started and killed through relay.devstack.stack, on ports and a data folder of its own."""
 
-    PORTS = ("RELAY_S3_PORT", "RELAY_S3_GRPC_PORT", "RELAY_WEED_MASTER_PORT", "RELAY_WEED_MASTER_GRPC_PORT",
-             "RELAY_WEED_VOLUME_PORT", "RELAY_WEED_VOLUME_GRPC_PORT", "RELAY_WEED_FILER_PORT",
-             "RELAY_WEED_FILER_GRPC_PORT")
+    PORTS = (
+        "RELAY_S3_PORT",
+        "RELAY_S3_GRPC_PORT",
+        "RELAY_WEED_MASTER_PORT",
+        "RELAY_WEED_MASTER_GRPC_PORT",
+        "RELAY_WEED_VOLUME_PORT",
+        "RELAY_WEED_VOLUME_GRPC_PORT",
+        "RELAY_WEED_FILER_PORT",
+        "RELAY_WEED_FILER_GRPC_PORT",
+    )
 
     def __init__(self, folder: Path):
         self.env = {"RELAY_STACK_DIR": str(folder), **{p: str(free_port()) for p in self.PORTS}}
@@ -60,10 +67,17 @@ class PrivateS3:
 
     def client_env(self) -> dict[str, str]:
         """What Airflow's hooks and the CLI read: the aws_default connection and AWS_ENDPOINT_URL."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({
-            "conn_type": "aws", "login": stack.LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
-            "password": stack.LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"],
-            "extra": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}})}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AIRFLOW_CONN_AWS_DEFAULT": json.dumps(
+                {
+                    "conn_type": "aws",
+                    "login": stack.LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+                    "password": stack.LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                    "extra": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+                }
+            ),
+        }
 
 
 class PrivateRay:
@@ -82,15 +96,25 @@ class PrivateRay:
     def _start(self, role: str, args: list[str], resources: dict | None) -> str:
         temp = f"/tmp/rf-{self.tag}-{role}{len(self.nodes)}"
         ports = 24000 + 500 * (len(self.nodes) % 2)  # worker ports outside the session head's 11000-11999
-        cmd = [*stack.ray_cli(), "start", *args, f"--num-cpus={self.num_cpus}", "--disable-usage-stats",
-               "--node-ip-address=127.0.0.1", f"--temp-dir={temp}", f"--min-worker-port={ports}",
-               f"--max-worker-port={ports + 499}", f"--dashboard-agent-listen-port={free_port()}",
-               *([f"--resources={json.dumps(resources)}"] if resources else [])]
+        cmd = [
+            *stack.ray_cli(),
+            "start",
+            *args,
+            f"--num-cpus={self.num_cpus}",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={temp}",
+            f"--min-worker-port={ports}",
+            f"--max-worker-port={ports + 499}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            *([f"--resources={json.dumps(resources)}"] if resources else []),
+        ]
         log = self.folder / f"ray-{role}{len(self.nodes)}.log"
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
-            rc = subprocess.call(cmd, cwd=self.folder, env=stack.ray_env(), stdout=out, stderr=subprocess.STDOUT,
-                                 timeout=180)
+            rc = subprocess.call(
+                cmd, cwd=self.folder, env=stack.ray_env(), stdout=out, stderr=subprocess.STDOUT, timeout=180
+            )
         if rc != 0:
             raise RuntimeError(f"`ray start` ({role}) failed (exit {rc}):\n{log.read_text()[-3000:]}")
         self.nodes.append(temp)
@@ -105,9 +129,18 @@ class PrivateRay:
         if self.nodes:  # a head that comes back: the killed one's sockets may still be closing
             wait_until_bindable(self.dashboard_port)
             wait_until_bindable(self.gcs_port)
-        self._start("h", ["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
-                          "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-                          f"--ray-client-server-port={free_port()}"], resources)
+        self._start(
+            "h",
+            [
+                "--head",
+                f"--port={self.gcs_port}",
+                f"--dashboard-port={self.dashboard_port}",
+                "--dashboard-host=127.0.0.1",
+                "--include-dashboard=true",
+                f"--ray-client-server-port={free_port()}",
+            ],
+            resources,
+        )
         stack._wait_http(f"{self.address}/api/version", 120, "private Ray head")
         self.head = self.nodes[-1]
 

@@ -15,10 +15,20 @@ STEPS, PAUSED_AFTER, RESUMED_FROM = 12, 8, 6
 
 def spec_for(folder: Path, name: str, marker: Path, **overrides) -> Path:
     """One chunk of 12 steps, saving every 3; its trainer pauses once after step 8 until marker.go exists."""
-    return write_spec(folder, name=name, chunk_steps=STEPS, **{
-        "trainer.settings.save_freq": 3,
-        "ray.env_vars": {"RELAY_FAULT_PAUSE_AT": f"after_step@{PAUSED_AFTER}", "RELAY_FAULT_ONCE": str(marker),
-                         "RELAY_FAULT_PAUSE_S": "300"}, **overrides})
+    return write_spec(
+        folder,
+        name=name,
+        chunk_steps=STEPS,
+        **{
+            "trainer.settings.save_freq": 3,
+            "ray.env_vars": {
+                "RELAY_FAULT_PAUSE_AT": f"after_step@{PAUSED_AFTER}",
+                "RELAY_FAULT_ONCE": str(marker),
+                "RELAY_FAULT_PAUSE_S": "300",
+            },
+            **overrides,
+        },
+    )
 
 
 def finished_as_uninterrupted(run_dir: Path, baseline: dict, out: str) -> list[tuple[int, int]]:

@@ -75,13 +75,23 @@ def connections(mail: MailSink, http: HttpSink) -> dict[str, str]:
     """Airflow connections (as environment variables) of the receivers, and of a webhook nobody answers."""
     closed = free_port()  # bound once, then released: nothing listens there
     return {
-        "AIRFLOW_CONN_RELAY_SMTP": json.dumps({"conn_type": "smtp", "host": "127.0.0.1", "port": mail.port,
-                                               "extra": {"disable_tls": True, "disable_ssl": True, "timeout": 5,
-                                                         "retry_limit": 0, "from_email": "relay@example.com"}}),
-        "AIRFLOW_CONN_RELAY_WEBHOOK": json.dumps({"conn_type": "http",
-                                                  "host": f"http://127.0.0.1:{http.port}/alerts"}),
-        "AIRFLOW_CONN_RELAY_SLACK": json.dumps({"conn_type": "slackwebhook",
-                                                "password": f"http://127.0.0.1:{http.port}/slack/T0/B0/s3cr3t"}),
-        "AIRFLOW_CONN_RELAY_BROKEN_WEBHOOK": json.dumps({"conn_type": "http",
-                                                         "host": f"http://127.0.0.1:{closed}/alerts"}),
+        "AIRFLOW_CONN_RELAY_SMTP": json.dumps(
+            {
+                "conn_type": "smtp",
+                "host": "127.0.0.1",
+                "port": mail.port,
+                "extra": {
+                    "disable_tls": True,
+                    "disable_ssl": True,
+                    "timeout": 5,
+                    "retry_limit": 0,
+                    "from_email": "relay@example.com",
+                },
+            }
+        ),
+        "AIRFLOW_CONN_RELAY_WEBHOOK": json.dumps({"conn_type": "http", "host": f"http://127.0.0.1:{http.port}/alerts"}),
+        "AIRFLOW_CONN_RELAY_SLACK": json.dumps(
+            {"conn_type": "slackwebhook", "password": f"http://127.0.0.1:{http.port}/slack/T0/B0/s3cr3t"}
+        ),
+        "AIRFLOW_CONN_RELAY_BROKEN_WEBHOOK": json.dumps({"conn_type": "http", "host": f"http://127.0.0.1:{closed}/alerts"}),
     }

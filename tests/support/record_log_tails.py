@@ -28,26 +28,32 @@ JOBS = {
     "ray_exception_mentions_preempted": (
         "def compute_score(answer):\n"
         "    raise RuntimeError('reward server unavailable: its spot node was preempted')\n"
-        "compute_score('7')\n"),
+        "compute_score('7')\n"
+    ),
     # user code that cannot reach a service it calls
     "ray_user_connection_refused": (
         "import socket\n"
         "def fetch_reference(host, port):\n"
         "    return socket.create_connection((host, port), timeout=5)\n"
-        "fetch_reference('127.0.0.1', 9)\n"),
+        "fetch_reference('127.0.0.1', 9)\n"
+    ),
 }
 
 MEMORY_JOBS = {
     # a Ray task that Ray's memory monitor kills: the node ran out of host memory (another node, for the driver)
-    "ray_memory_monitor_kill_task": (0.2, (
-        "import ray, time\n"
-        "ray.init()\n"
-        "@ray.remote(max_retries=0)\n"
-        "def rollout():\n"
-        "    hog = bytearray(b'\\x01') * (6 * 2**30)\n"
-        "    time.sleep(30)\n"
-        "    return len(hog)\n"
-        "ray.get(rollout.remote())\n")),
+    "ray_memory_monitor_kill_task": (
+        0.2,
+        (
+            "import ray, time\n"
+            "ray.init()\n"
+            "@ray.remote(max_retries=0)\n"
+            "def rollout():\n"
+            "    hog = bytearray(b'\\x01') * (6 * 2**30)\n"
+            "    time.sleep(30)\n"
+            "    return len(hog)\n"
+            "ray.get(rollout.remote())\n"
+        ),
+    ),
     # the threshold below what the node already uses: Ray kills the job's supervisor actor itself
     "ray_memory_monitor_kill_supervisor": (0.01, "print('never reached')\n"),
 }
@@ -79,11 +85,17 @@ def record_verl() -> None:
         spec["checkpoint_dir"] = str(Path(tmp, "ckpt"))
         spec["trainer"]["settings"]["overrides"] = [
             o if not o.startswith("reward.custom_reward_function.path=") else f"reward.custom_reward_function.path={reward}"
-            for o in spec["trainer"]["settings"]["overrides"]]
+            for o in spec["trainer"]["settings"]["overrides"]
+        ]
         path = Path(tmp, "spec.yaml")
         path.write_text(yaml.safe_dump(spec))
-        r = subprocess.run([sys.executable, "-m", "relay", "train", str(path), "--to-step", "1", "--offline"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=900)
+        r = subprocess.run(
+            [sys.executable, "-m", "relay", "train", str(path), "--to-step", "1", "--offline"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     code = next((ln.rpartition("exit code ")[2].strip(" )") for ln in r.stderr.splitlines() if "exit code" in ln), "1")
     tail = "\n".join(r.stdout.splitlines()[-200:])
     (OUT / "verl_reward_connection_refused.txt").write_text(f"exit_code: {code}\n{MESSAGE}\n\n{TAIL}\n{tail}\n")
@@ -94,11 +106,14 @@ def main() -> int:
     from ray.job_submission import JobSubmissionClient
 
     OUT.mkdir(parents=True, exist_ok=True)
-    runs = [({}, JOBS)] + [({"RAY_memory_usage_threshold": str(threshold), "RAY_memory_monitor_refresh_ms": "100"},
-                            {name: code}) for name, (threshold, code) in MEMORY_JOBS.items()]
+    runs = [({}, JOBS)] + [
+        ({"RAY_memory_usage_threshold": str(threshold), "RAY_memory_monitor_refresh_ms": "100"}, {name: code})
+        for name, (threshold, code) in MEMORY_JOBS.items()
+    ]
     for extra_env, jobs in runs:
-        with local_head.local_head(stack.ray_cli(), {**stack.ray_env(local_s3=False), **extra_env}, num_cpus=2,
-                                   num_gpus=0) as head:
+        with local_head.local_head(
+            stack.ray_cli(), {**stack.ray_env(local_s3=False), **extra_env}, num_cpus=2, num_gpus=0
+        ) as head:
             client = JobSubmissionClient(head.address)
             for name, code in jobs.items():
                 script = OUT / f".{name}.py"
@@ -108,8 +123,9 @@ def main() -> int:
                     time.sleep(0.5)
                 info = client.get_job_info(sub)
                 tail = "\n".join(client.get_job_logs(sub).splitlines()[-200:])
-                (OUT / f"{name}.txt").write_text(f"exit_code: {info.driver_exit_code}\n{MESSAGE}\n{info.message or ''}\n"
-                                                 f"{TAIL}\n{tail}\n")
+                (OUT / f"{name}.txt").write_text(
+                    f"exit_code: {info.driver_exit_code}\n{MESSAGE}\n{info.message or ''}\n{TAIL}\n{tail}\n"
+                )
                 script.unlink()
                 print(f"{name}: {info.status}, exit code {info.driver_exit_code}")
     record_verl()

@@ -13,10 +13,11 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
-       "content-length"}
-ERRORS = {503: ("SlowDown", "Please reduce your request rate."),
-          500: ("InternalError", "We encountered an internal error. Please try again.")}
+HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection", "content-length"}
+ERRORS = {
+    503: ("SlowDown", "Please reduce your request rate."),
+    500: ("InternalError", "We encountered an internal error. Please try again."),
+}
 
 
 class FaultyS3Proxy:
@@ -37,8 +38,9 @@ class FaultyS3Proxy:
                 code = proxy._decide()
                 if code:
                     err, msg = ERRORS[code]
-                    payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{err}</Code><Message>{msg}'
-                               f"</Message></Error>").encode()
+                    payload = (
+                        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{err}</Code><Message>{msg}</Message></Error>'
+                    ).encode()
                     self.send_response(code)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
@@ -48,8 +50,9 @@ class FaultyS3Proxy:
                     return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP and k.lower() != "expect"}
-                conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None,
-                             headers=headers)
+                conn.request(
+                    self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None, headers=headers
+                )
                 r = conn.getresponse()
                 data = r.read()
                 self.send_response(r.status)

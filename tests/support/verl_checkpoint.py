@@ -27,9 +27,16 @@ def _worker(rank: int, args) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world_size)
     torch.manual_seed(args.seed)
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                      architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        architectures=["Qwen2ForCausalLM"],
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(cfg)
     mesh = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("fsdp",))
     if args.fsdp == 2:
@@ -42,8 +49,13 @@ def _worker(rank: int, args) -> None:
 
         # As verl's FSDP1 engine wraps it: a unit per decoder layer (_no_split_modules), flat parameters
         # (fsdp_config.use_orig_params defaults to false), so the optimizer holds one state per unit.
-        model = FSDP(model, device_mesh=mesh, auto_wrap_policy=get_fsdp_wrap_policy(model), use_orig_params=False,
-                     device_id=torch.device("cpu"))
+        model = FSDP(
+            model,
+            device_mesh=mesh,
+            auto_wrap_policy=get_fsdp_wrap_policy(model),
+            use_orig_params=False,
+            device_id=torch.device("cpu"),
+        )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
@@ -70,15 +82,45 @@ def _worker(rank: int, args) -> None:
     dist.destroy_process_group()
 
 
-def make(run_dir: Path, step: int = 1, world_size: int = 1, fsdp: int = 2, hidden: int = 32, layers: int = 1,
-         vocab: int = 64, seed: int = 0, load_from: Path | None = None) -> Path:
+def make(
+    run_dir: Path,
+    step: int = 1,
+    world_size: int = 1,
+    fsdp: int = 2,
+    hidden: int = 32,
+    layers: int = 1,
+    vocab: int = 64,
+    seed: int = 0,
+    load_from: Path | None = None,
+) -> Path:
     """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes); another
     seed gives other weights of the same shapes (a step trained again). load_from: a run folder whose step
     verl loads at this world size (instead of training a step) before it saves."""
-    subprocess.run([sys.executable, __file__, str(run_dir), "--step", str(step), "--world-size", str(world_size),
-                    "--fsdp", str(fsdp), "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab),
-                    "--seed", str(seed), *(["--load-from", str(load_from)] if load_from else [])],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            str(run_dir),
+            "--step",
+            str(step),
+            "--world-size",
+            str(world_size),
+            "--fsdp",
+            str(fsdp),
+            "--hidden",
+            str(hidden),
+            "--layers",
+            str(layers),
+            "--vocab",
+            str(vocab),
+            "--seed",
+            str(seed),
+            *(["--load-from", str(load_from)] if load_from else []),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return Path(run_dir) / f"global_step_{step}"
 
 

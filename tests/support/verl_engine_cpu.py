@@ -6,6 +6,7 @@
 step) on a squared-logits loss, and saves through the engine's checkpoint manager; `load` builds a fresh
 engine, loads that checkpoint and compares the weights. Prints one line `RESULT {json}`. The job's
 environment (VERL_PLATFORM, VERL_USE_EXTERNAL_MODULES) comes from the caller."""
+
 import json
 import os
 import sys
@@ -13,8 +14,9 @@ import warnings
 
 warnings.filterwarnings("ignore")
 model_dir, ckpt, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": sys.argv[4]})
+os.environ.update(
+    {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[4]}
+)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -25,19 +27,23 @@ from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelCo
 from verl.workers.engine import EngineRegistry  # noqa: E402
 
 engine = EngineRegistry.new(
-    model_type="language_model", backend="fsdp2",
-    model_config=HFModelConfig(path=model_dir, use_remove_padding=False,
-                               override_config={"attn_implementation": "sdpa"}),  # verl's default: flash_attention_2
+    model_type="language_model",
+    backend="fsdp2",
+    model_config=HFModelConfig(
+        path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "sdpa"}
+    ),  # verl's default: flash_attention_2
     engine_config=FSDPEngineConfig(strategy="fsdp2"),
     optimizer_config=FSDPOptimizerConfig(lr=1e-2, total_training_steps=4),
-    checkpoint_config=CheckpointConfig())
+    checkpoint_config=CheckpointConfig(),
+)
 engine.initialize()
 
 
 def weights() -> dict:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in engine.module.state_dict().items()}
-
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in engine.module.state_dict().items()
+    }
 
 
 out = {"engine": type(engine).__name__, "device": str(next(engine.module.parameters()).device)}

@@ -21,9 +21,26 @@ JOB_TIMEOUT = 900
 
 def relay_train(run_dir: Path, to_step: int, ray_address: str, log: Path, spec: Path = SPEC) -> subprocess.Popen:
     """`relay train` of the verl spec into run_dir, as a user runs it, on the Ray head at ray_address."""
-    return subprocess.Popen([PY, "-m", "relay", "train", str(spec), "--to-step", str(to_step), "--checkpoint-dir",
-                             str(run_dir), "--offline", "--ray-address", ray_address], cwd=ROOT,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+    return subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "relay",
+            "train",
+            str(spec),
+            "--to-step",
+            str(to_step),
+            "--checkpoint-dir",
+            str(run_dir),
+            "--offline",
+            "--ray-address",
+            ray_address,
+        ],
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
+    )
 
 
 def with_job_env(path: Path, env: dict[str, str]) -> Path:

@@ -17,16 +17,20 @@ def test_a_confirmed_fresh_start_from_the_cli_starts_again_and_keeps_the_old_run
     train(spec_path, run_dir, 6)
     assert relay_cli("checkpoint", "publish", str(run_dir), spec.s3.uri).returncode == 0
     store = store_for_spec(spec)
-    old = {"incarnation": read_record(run_dir)["incarnation"], "files": digests(run_dir / "global_step_6"),
-           "manifest": store.manifest("again", 6)}
+    old = {
+        "incarnation": read_record(run_dir)["incarnation"],
+        "files": digests(run_dir / "global_step_6"),
+        "manifest": store.manifest("again", 6),
+    }
 
     refused = relay_cli("train", str(spec_path), "--to-step", "12", "--checkpoint-dir", str(run_dir), "--fresh-start")
     assert refused.returncode != 0 and "fresh start of run 'again' refused" in refused.stderr
     assert "--confirm" in refused.stderr and "published checkpoints under" in refused.stderr
     assert (run_dir / "global_step_6").is_dir() and store.manifest("again", 6) is not None, "nothing moved"
 
-    r = relay_cli("train", str(spec_path), "--to-step", "12", "--checkpoint-dir", str(run_dir), "--fresh-start",
-                  "--confirm", "again")
+    r = relay_cli(
+        "train", str(spec_path), "--to-step", "12", "--checkpoint-dir", str(run_dir), "--fresh-start", "--confirm", "again"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumes from scratch (step 0)" in r.stdout and "moved aside" in r.stdout
     assert read_record(run_dir)["incarnation"] != old["incarnation"], "a new incarnation"
@@ -51,12 +55,27 @@ def test_train_with_s3_unreachable_says_that_offline_exists(tmp_path):
     from support.ports import free_port
 
     spec_path = write_spec(tmp_path, name="away")
-    r = relay_cli("train", str(spec_path), "--to-step", "2", "--checkpoint-dir", str(tmp_path / "away"),
-                  env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"})
+    r = relay_cli(
+        "train",
+        str(spec_path),
+        "--to-step",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "away"),
+        env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"},
+    )
     assert r.returncode != 0 and "unreachable" in r.stderr and "--offline" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "away" / "global_step_2").exists()
-    offline = relay_cli("train", str(spec_path), "--to-step", "2", "--checkpoint-dir", str(tmp_path / "away"),
-                        "--offline", env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    offline = relay_cli(
+        "train",
+        str(spec_path),
+        "--to-step",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "away"),
+        "--offline",
+        env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+    )
     assert offline.returncode == 0, offline.stderr[-2000:]
     # step 2 is inside chunk 1 (chunks of 6): its lines name that chunk, not "chunk -"
     assert "chunk 1 resumes from scratch (step 0), trains to step 2 of 12" in offline.stdout, offline.stdout[-2000:]
@@ -83,8 +102,11 @@ def test_a_fresh_start_under_a_live_trainer_is_refused_and_an_unseen_old_writer_
     server = ForkServer()
     try:
         log, once = tmp_path / "old.log", tmp_path / "old.once"
-        old = server.start(["train", str(spec), "--to-step", "12", "--offline"], log,
-                           env={FAULT_ENV: "after_step@3", "RELAY_FAULT_ONCE": str(once)})
+        old = server.start(
+            ["train", str(spec), "--to-step", "12", "--offline"],
+            log,
+            env={FAULT_ENV: "after_step@3", "RELAY_FAULT_ONCE": str(once)},
+        )
         wait_for_line(log, "[relay-fault] paused", old)
         old_attempt = Lease(run_dir).current()["holder"]
 

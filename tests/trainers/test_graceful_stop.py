@@ -35,6 +35,7 @@ STEPS = 12
 
 # ------------------------------------------------------------------------------ what asks for a stop
 
+
 def test_save_before_is_a_time_with_its_zone_or_a_variable(tmp_path, monkeypatch):
     assert deadline_seconds("2026-12-03T18:00:00Z") == 1796320800.0
     assert deadline_seconds("1796320800") == 1796320800.0
@@ -62,27 +63,37 @@ def test_a_stop_file_and_a_near_deadline_ask_for_a_stop_and_a_far_one_does_not(t
     assert time_needed([1.0, 30.0, 2.0], 5.0) == pytest.approx(42.0)  # the slowest recent step, a save, 20% spare
     why = near.check([1.0, 30.0, 2.0], 5.0)
     assert why and why.startswith("save_before ") and "another step and a save need about 42s" in why
-    assert GracefulStop(tmp_path, "unmeasured", time.time() + 30, signals=False).check([], None), \
+    assert GracefulStop(tmp_path, "unmeasured", time.time() + 30, signals=False).check([], None), (
         "with no save measured yet, a save is taken to need a minute"
+    )
 
 
 # ------------------------------------------------------------------------------ real processes
 
+
 @pytest.mark.services
 @pytest.mark.fault
-def test_relay_train_sigtermed_mid_chunk_saves_its_step_and_the_resume_loses_none(baseline, uninterrupted, tmp_path,
-                                                                                 fault_row):
+def test_relay_train_sigtermed_mid_chunk_saves_its_step_and_the_resume_loses_none(
+    baseline, uninterrupted, tmp_path, fault_row
+):
     spec, _ = baseline
     run_dir = tmp_path / "run"
     server = ForkServer()
     try:
-        assert server.run(["train", str(spec), "--to-step", "6", "--checkpoint-dir", str(run_dir), "--offline"],
-                          tmp_path / "c1.log") == 0
+        assert (
+            server.run(
+                ["train", str(spec), "--to-step", "6", "--checkpoint-dir", str(run_dir), "--offline"], tmp_path / "c1.log"
+            )
+            == 0
+        )
         # Chunk 2 holds after step 8 until told to go on: the SIGTERM lands while it trains.
         marker = tmp_path / "held"
         log = tmp_path / "c2.log"
-        pid = server.start(["train", str(spec), "--to-step", str(STEPS), "--checkpoint-dir", str(run_dir),
-                            "--offline"], log, {FAULT_ENV: "after_step@8", "RELAY_FAULT_ONCE": str(marker)})
+        pid = server.start(
+            ["train", str(spec), "--to-step", str(STEPS), "--checkpoint-dir", str(run_dir), "--offline"],
+            log,
+            {FAULT_ENV: "after_step@8", "RELAY_FAULT_ONCE": str(marker)},
+        )
         wait_for_line(log, "[relay-fault] paused at after_step step 8", pid)
         os.kill(pid, signal.SIGTERM)
         wait_for_line(log, "[relay] SIGTERM: finishing this step", pid)
@@ -97,17 +108,27 @@ def test_relay_train_sigtermed_mid_chunk_saves_its_step_and_the_resume_loses_non
         assert not (run_dir / "metrics.superseded.jsonl").exists(), "nothing to train again"
 
         # The retry resumes from step 8: no step lost, and the run ends as the uninterrupted one.
-        assert server.run(["train", str(spec), "--to-step", str(STEPS), "--checkpoint-dir", str(run_dir),
-                           "--offline"], tmp_path / "c3.log") == 0
+        assert (
+            server.run(
+                ["train", str(spec), "--to-step", str(STEPS), "--checkpoint-dir", str(run_dir), "--offline"],
+                tmp_path / "c3.log",
+            )
+            == 0
+        )
         assert "resumes from step 8" in (tmp_path / "c3.log").read_text()
         assert_finished_as(run_dir, uninterrupted, STEPS)
         assert not (run_dir / "metrics.superseded.jsonl").exists(), "0 steps lost"
     finally:
         server.close()
-    fault_row(case="graceful-stop", fault="`relay train` gets SIGTERM while it trains step 8 of chunk 2",
-              action="the trainer finished step 8, committed global_step_8 under the lease, recorded chunk_stopped and "
-                     "exited 4 (cause preempted); the next `relay train` resumed from step 8 and the run ended bitwise "
-                     "equal to the uninterrupted one", steps_lost=0, run_dir=run_dir)
+    fault_row(
+        case="graceful-stop",
+        fault="`relay train` gets SIGTERM while it trains step 8 of chunk 2",
+        action="the trainer finished step 8, committed global_step_8 under the lease, recorded chunk_stopped and "
+        "exited 4 (cause preempted); the next `relay train` resumed from step 8 and the run ended bitwise "
+        "equal to the uninterrupted one",
+        steps_lost=0,
+        run_dir=run_dir,
+    )
 
 
 def test_a_save_before_too_close_for_a_step_ends_the_chunk_at_once_and_loses_nothing(tmp_path):
@@ -127,9 +148,9 @@ def test_a_save_before_too_close_for_a_step_ends_the_chunk_at_once_and_loses_not
 
 @pytest.mark.services
 @pytest.mark.fault
-def test_a_chunk_job_stopped_with_ray_job_stop_saves_its_step_and_is_classified_preempted(ray_address,
-                                                                                          uninterrupted, tmp_path,
-                                                                                          fault_row):
+def test_a_chunk_job_stopped_with_ray_job_stop_saves_its_step_and_is_classified_preempted(
+    ray_address, uninterrupted, tmp_path, fault_row
+):
     spec = load_spec(write_spec(tmp_path), check_environment=True)
     run = prepare_run(spec, "g", started_by="test").run(spec)
     jobs = RayJobs(ray_address)
@@ -153,8 +174,13 @@ def test_a_chunk_job_stopped_with_ray_job_stop_saves_its_step_and_is_classified_
     assert state.status == "STOPPED", log[-3000:]
     assert f"[relay] chunk {req.chunk} of run {req.run} stopped early: stopped after step 4 (SIGTERM)" in log, log[-3000:]
     assert layout.read_tracker(run.dir) == 4 and last_save_seconds(run.dir) is not None
-    cause = failure_cause.classify(state.status, state.message, jobs.log_tail(sub_id), state.exit_code,
-                                   step=failure_cause.step_of_failure(run.dir, sub_id))
+    cause = failure_cause.classify(
+        state.status,
+        state.message,
+        jobs.log_tail(sub_id),
+        state.exit_code,
+        step=failure_cause.step_of_failure(run.dir, sub_id),
+    )
     assert cause.cause == failure_cause.PREEMPTED and failure_cause.policy(cause) == failure_cause.RETRY, cause.report()
     assert any("stopped after step 4" in line for line in cause.evidence), cause.evidence
 
@@ -162,8 +188,14 @@ def test_a_chunk_job_stopped_with_ray_job_stop_saves_its_step_and_is_classified_
     assert r.returncode == 0 and "resumes from step 4" in r.stdout, r.stderr[-3000:]
     assert_finished_as(run.dir, uninterrupted, STEPS)
     assert not (run.dir / "metrics.superseded.jsonl").exists(), "0 steps lost"
-    fault_row(case="graceful-stop", layer="Ray job",
-              fault="`ray job stop` of a chunk's job in step 4 (Ray's SIGTERM, its SIGKILL after ray.stop_grace_seconds)",
-              action="the trainer finished step 4 and committed it within the grace; the job ended STOPPED, classified "
-                     "preempted from its log (retry); the resume from step 4 ended bitwise equal to the "
-                     "uninterrupted run", steps_lost=0, run_dir=run.dir, store=None)
+    fault_row(
+        case="graceful-stop",
+        layer="Ray job",
+        fault="`ray job stop` of a chunk's job in step 4 (Ray's SIGTERM, its SIGKILL after ray.stop_grace_seconds)",
+        action="the trainer finished step 4 and committed it within the grace; the job ended STOPPED, classified "
+        "preempted from its log (retry); the resume from step 4 ended bitwise equal to the "
+        "uninterrupted run",
+        steps_lost=0,
+        run_dir=run.dir,
+        store=None,
+    )

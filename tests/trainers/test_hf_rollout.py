@@ -18,8 +18,14 @@ def adapter(tmp_path_factory):
     from relay.trainers.verl_ppo.hf_rollout import HFServerAdapter
 
     path = make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-    model = OmegaConf.create({"_target_": "verl.workers.config.HFModelConfig", "path": str(path),
-                              "use_remove_padding": False, "override_config": {"attn_implementation": "sdpa"}})
+    model = OmegaConf.create(
+        {
+            "_target_": "verl.workers.config.HFModelConfig",
+            "path": str(path),
+            "use_remove_padding": False,
+            "override_config": {"attn_implementation": "sdpa"},
+        }
+    )
     return HFServerAdapter(RolloutConfig(name="hf", response_length=6, prompt_length=8, seed=3), model, None)
 
 

@@ -16,8 +16,13 @@ from support.helpers import PY, ROOT, read_metrics, write_spec
 def test_an_orphaned_trainer_stops_without_saving_once_the_lease_moves(tmp_path):
     spec = write_spec(tmp_path, total_steps=60, chunk_steps=60, **{"trainer.settings.save_freq": 2})
     run_dir = tmp_path / "ckpt" / "orphan"
-    orphan = subprocess.Popen([PY, "-m", "relay", "train", str(spec), "--to-step", "60", "--checkpoint-dir",
-                               str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    orphan = subprocess.Popen(
+        [PY, "-m", "relay", "train", str(spec), "--to-step", "60", "--checkpoint-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and (layout.read_tracker(run_dir) or 0) < 4:
         time.sleep(0.02)
@@ -67,8 +72,12 @@ def test_a_fresh_start_carries_the_token_counter_forward(tmp_path):
     prepare_run(spec, "again")
     run_dir = tmp_path / "ckpt" / "again"
     for _ in range(3):  # three attempts of the first life, each a process that has ended since
-        subprocess.run([PY, "-c", f"from relay.runs.lease import Lease; Lease({str(run_dir)!r}).acquire('attempt')"],
-                       cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "plugins")})
+        subprocess.run(
+            [PY, "-c", f"from relay.runs.lease import Lease; Lease({str(run_dir)!r}).acquire('attempt')"],
+            cwd=ROOT,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "plugins")},
+        )
     (run_dir / "global_step_2").mkdir()  # something for the fresh start to move aside
     prepare_run(spec, "again", fresh_start=True, confirm="again")
     assert Lease(run_dir).acquire("the new life's first attempt") > 3

@@ -22,8 +22,10 @@ def test_tracker_naming_a_missing_step_falls_back_instead_of_restarting(baseline
     train(spec, run_dir, 6)
     layout.write_tracker(run_dir, 99)  # verl would silently start again at step 0 here
     r = train(spec, run_dir, STEPS)
-    assert "refused the tracker: structure failed: the tracker names global_step_99, which does not exist" \
-        in r.stdout and "resumes from step 6" in r.stdout
+    assert (
+        "refused the tracker: structure failed: the tracker names global_step_99, which does not exist" in r.stdout
+        and "resumes from step 6" in r.stdout
+    )
     assert [x["step"] for x in read_metrics(run_dir)] == list(range(1, STEPS + 1))
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), model_state(straight / "global_step_12"))
 
@@ -93,8 +95,9 @@ def test_a_new_folder_of_a_published_run_is_refused_and_restore_takes_the_run_on
     assert_bitwise_equal(model_state(fresh / "global_step_12"), model_state(local / "global_step_12"))
     assert_bitwise_equal(model_state(fresh / "global_step_12"), model_state(straight / "global_step_12"))
     # --offline never looks at S3: a folder of its own, trained as a new run.
-    offline = relay_cli("train", str(spec), "--to-step", "3", "--checkpoint-dir", str(tmp_path / "host-c" / "run"),
-                        "--offline")
+    offline = relay_cli(
+        "train", str(spec), "--to-step", "3", "--checkpoint-dir", str(tmp_path / "host-c" / "run"), "--offline"
+    )
     assert offline.returncode == 0, offline.stderr[-2000:]
 
 
@@ -120,4 +123,3 @@ def test_a_new_host_restores_its_own_run_from_s3_by_its_incarnation(baseline, tm
     own = ChunkSession(ChunkRequest(run=Run.of(spec, "newhost", incarnation), to_step=7))
     assert own.resume_step == 6 and own.resume.restored_from == f"{uri}/newhost/global_step_6/"
     assert read_record(fresh)["incarnation"] == incarnation, "the published record came along"
-

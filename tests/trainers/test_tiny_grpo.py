@@ -38,8 +38,12 @@ def test_sigkill_mid_chunk_resumes_exactly(baseline, tmp_path):
     run_dir = tmp_path / "killed"
     train(spec, run_dir, 6)
     kill_at = random.Random(os.environ.get("RELAY_TEST_SEED")).randint(7, 11)
-    proc = subprocess.Popen([PY, "-m", "relay", "train", str(spec), "--to-step", str(STEPS), "--checkpoint-dir",
-                             str(run_dir)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-m", "relay", "train", str(spec), "--to-step", str(STEPS), "--checkpoint-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and max((r["step"] for r in read_metrics(run_dir)), default=0) < kill_at:
         time.sleep(0.02)
@@ -62,8 +66,9 @@ def test_resume_at_an_epoch_boundary(tmp_path):
     for k in (6, 12):
         train(spec, tmp_path / "chunked", k)
     train(spec, tmp_path / "straight", STEPS)
-    assert_bitwise_equal(model_state(tmp_path / "chunked" / "global_step_12"),
-                         model_state(tmp_path / "straight" / "global_step_12"))
+    assert_bitwise_equal(
+        model_state(tmp_path / "chunked" / "global_step_12"), model_state(tmp_path / "straight" / "global_step_12")
+    )
     assert [r["epoch"] for r in read_metrics(tmp_path / "chunked")] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
 
 
@@ -87,8 +92,13 @@ def test_a_chunks_log_carries_its_step_lines_and_no_known_noise(tmp_path):
     from support.helpers import ROOT, write_spec
 
     spec = write_spec(tmp_path, name="quiet")
-    r = subprocess.run([sys.executable, "-m", "relay", "train", str(spec), "--to-step", "2", "--offline"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "relay", "train", str(spec), "--to-step", "2", "--offline"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "[relay] step 2/12 chunk 1 eta " in out and "(run eta " in out, out[-3000:]
@@ -106,8 +116,10 @@ def test_airflows_task_processes_skip_the_pathspec_deprecation(tmp_path):
 
     from relay.devstack import stack
 
-    code = ("import airflow.configuration; from pathspec.patterns.gitwildmatch import GitWildMatchPattern; "
-            "GitWildMatchPattern('*.py')")
+    code = (
+        "import airflow.configuration; from pathspec.patterns.gitwildmatch import GitWildMatchPattern; "
+        "GitWildMatchPattern('*.py')"
+    )
     plain = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=plain)
     assert "GitWildMatchPattern" in shown.stdout + shown.stderr, "the warning this is about"

@@ -36,17 +36,33 @@ def make_spec(tmp_path: Path, *, chunk_steps=CHUNK, optim=None, **settings):
     if not (data / "train.parquet").exists():
         task.make_dataset(data / "train.parquet", 64, 1)
         task.make_dataset(data / "val.parquet", 8, 2, "test")
-    s = {"model_path": str(tmp_path / "model"), "nnodes": 1, "n_gpus_per_node": 1, "train_batch_size": 4,
-         "ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 2, "log_prob_micro_batch_size_per_gpu": 2,
-         "tensor_model_parallel_size": 1, "total_epochs": 2, "rollout_n": 2,
-         "optim": optim or {"lr": 1e-3, "lr_scheduler_type": "cosine", "lr_warmup_steps_ratio": 0.1,
-                            "min_lr_ratio": 0.1},
-         "overrides": ["data.dataloader_num_workers=0"], **settings}
-    d = {"name": "gsm", "trainer": {"kind": "verl_ppo", "settings": s}, "total_steps": TOTAL,
-         "chunk_steps": chunk_steps, "seed": 7, "threads": 1, "checkpoint_dir": str(tmp_path / "ckpt"),
-         # (the stand-in worker group writes no model verl's huggingface/ config could build)
-         "checkpoints": {"smoke": False},
-         "data": {"train_files": [str(data / "train.parquet")], "val_files": [str(data / "val.parquet")]}}
+    s = {
+        "model_path": str(tmp_path / "model"),
+        "nnodes": 1,
+        "n_gpus_per_node": 1,
+        "train_batch_size": 4,
+        "ppo_mini_batch_size": 2,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "log_prob_micro_batch_size_per_gpu": 2,
+        "tensor_model_parallel_size": 1,
+        "total_epochs": 2,
+        "rollout_n": 2,
+        "optim": optim or {"lr": 1e-3, "lr_scheduler_type": "cosine", "lr_warmup_steps_ratio": 0.1, "min_lr_ratio": 0.1},
+        "overrides": ["data.dataloader_num_workers=0"],
+        **settings,
+    }
+    d = {
+        "name": "gsm",
+        "trainer": {"kind": "verl_ppo", "settings": s},
+        "total_steps": TOTAL,
+        "chunk_steps": chunk_steps,
+        "seed": 7,
+        "threads": 1,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        # (the stand-in worker group writes no model verl's huggingface/ config could build)
+        "checkpoints": {"smoke": False},
+        "data": {"train_files": [str(data / "train.parquet")], "val_files": [str(data / "val.parquet")]},
+    }
     return spec_from_dict(d, check_environment=False)
 
 
@@ -82,8 +98,10 @@ class FakeWorkerGroup:
         (p / "huggingface").mkdir(parents=True, exist_ok=True)
         torch.save({"w": self.param.detach().clone()}, p / layout.shard_name("model", 1, 0))
         torch.save(self.opt.state_dict(), p / layout.shard_name("optim", 1, 0))
-        torch.save({"lr_scheduler": self.sched.state_dict(), "rng": {"cpu": torch.get_rng_state()}},
-                   p / layout.shard_name("extra_state", 1, 0))
+        torch.save(
+            {"lr_scheduler": self.sched.state_dict(), "rng": {"cpu": torch.get_rng_state()}},
+            p / layout.shard_name("extra_state", 1, 0),
+        )
         (p / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))
         (p / "huggingface" / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
         self.log["saved"].append(global_step)
@@ -94,8 +112,7 @@ class FakeWorkerGroup:
         p = Path(local_path)
         self.param.data.copy_(torch.load(p / layout.shard_name("model", 1, 0), weights_only=True)["w"])
         self.opt.load_state_dict(torch.load(p / layout.shard_name("optim", 1, 0), weights_only=True))
-        self.sched.load_state_dict(torch.load(p / layout.shard_name("extra_state", 1, 0),
-                                              weights_only=True)["lr_scheduler"])
+        self.sched.load_state_dict(torch.load(p / layout.shard_name("extra_state", 1, 0), weights_only=True)["lr_scheduler"])
 
 
 @pytest.fixture
@@ -118,8 +135,9 @@ def gpu_stand_ins(monkeypatch):
         self._init_dump_executor()
         self.actor_rollout_wg = FakeWorkerGroup(self.config.actor_rollout_ref.actor.optim, log)
         log["horizon"].append(self.actor_rollout_wg.horizon)
-        self.checkpoint_manager = types.SimpleNamespace(update_weights=lambda *a, **k: None,
-                                                        sleep_replicas=lambda *a, **k: None)
+        self.checkpoint_manager = types.SimpleNamespace(
+            update_weights=lambda *a, **k: None, sleep_replicas=lambda *a, **k: None
+        )
         self._load_checkpoint()
 
     def step(self, metrics, timing_raw):  # rollout + update: one optimizer step, one scheduler step
@@ -171,16 +189,23 @@ def gpu_stand_ins(monkeypatch):
 def run_chunks(spec, run: str, ends: list[int]) -> list:
     from relay.trainers.verl_ppo.trainer import train_chunk
 
-    return [train_chunk(ChunkRequest(run=Run.of(spec, run), to_step=end, chunk=i + 1, attempt=f"{run}-c{i + 1}"))
-            for i, end in enumerate(ends)]
+    return [
+        train_chunk(ChunkRequest(run=Run.of(spec, run), to_step=end, chunk=i + 1, attempt=f"{run}-c{i + 1}"))
+        for i, end in enumerate(ends)
+    ]
 
 
 def verl_lrs(spec, horizon: int, steps: int) -> list[float]:
     """LR at each step from verl's own scheduler builder with this spec's optimizer settings."""
     from relay.trainers.verl_ppo import overrides
 
-    cfg = overrides.compose(overrides.chunk_overrides(Run.of(spec, "x"), first_step_of_run=True, data={
-        "train": list(spec.data.train_files), "val": list(spec.data.val_files)}))
+    cfg = overrides.compose(
+        overrides.chunk_overrides(
+            Run.of(spec, "x"),
+            first_step_of_run=True,
+            data={"train": list(spec.data.train_files), "val": list(spec.data.val_files)},
+        )
+    )
     cfg.actor_rollout_ref.actor.optim.total_training_steps = horizon
     wg = FakeWorkerGroup(cfg.actor_rollout_ref.actor.optim, {"lr": {}, "saved": []})
     return [wg.train_step(s) for s in range(1, steps + 1)]
@@ -241,9 +266,9 @@ def test_a_killed_chunk_resumes_from_the_latest_checkpoint_and_matches(tmp_path,
     assert [log["lr"][s] for s in range(1, 21)] == verl_lrs(spec, TOTAL, 20)
 
 
-def test_a_stop_asked_after_a_step_saves_it_through_verls_save_and_the_next_chunk_resumes_there(tmp_path,
-                                                                                                 gpu_stand_ins,
-                                                                                                 monkeypatch):
+def test_a_stop_asked_after_a_step_saves_it_through_verls_save_and_the_next_chunk_resumes_there(
+    tmp_path, gpu_stand_ins, monkeypatch
+):
     """save_before closer than another step and a save: after step 11 RelayChunkTrainer.on_step_end saves step 11
     through verl's own _save_checkpoint (no save_freq falls on it), ends verl's loop, and the chunk ends with
     StoppedEarly; the next chunk resumes from 11 and the run has verl's LR and data at every step. A deadline
@@ -316,8 +341,11 @@ def test_verl_and_relay_must_agree_on_the_resume_step(tmp_path, gpu_stand_ins, m
     with pytest.raises(CheckpointError, match=r"verl would resume from .*global_step_10, but Relay validated no "):
         hygiene.check_tracker_agrees(run_dir, 0)
     layout.write_tracker(run_dir, 7)  # a tracker naming a missing folder: verl would silently start at 0
-    with pytest.raises(CheckpointError, match=r"verl would resume from scratch \(step 0\), but Relay validated "
-                                              r".*global_step_10"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"verl would resume from scratch \(step 0\), but Relay validated "
+        r".*global_step_10",
+    ):
         hygiene.check_tracker_agrees(run_dir, 10)
 
 
@@ -396,8 +424,7 @@ def test_a_horizon_dependent_schedule_is_refused_when_the_contract_breaks(tmp_pa
     assert horizon.chunk_strategy(cosine, []) == horizon.LOOP_BOUND
 
 
-def test_the_total_steps_fallback_is_exact_for_a_horizon_independent_schedule(tmp_path, gpu_stand_ins,
-                                                                             monkeypatch):
+def test_the_total_steps_fallback_is_exact_for_a_horizon_independent_schedule(tmp_path, gpu_stand_ins, monkeypatch):
     """With verl's loop-bound contract broken, a constant schedule with absolute warmup still chunks
     exactly: each chunk ends through verl's own total_training_steps."""
     from relay.trainers.verl_ppo import horizon

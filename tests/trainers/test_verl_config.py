@@ -17,12 +17,22 @@ MODEL = "/shared/models/Qwen2.5-3B-Instruct"
 
 
 def spec_of(tmp_path, *, mode="chunked", total=30, chunk=10, **settings):
-    s = {"mode": mode, "model_path": MODEL, "optim": {"lr": 1e-6, "lr_scheduler_type": "cosine",
-                                                      "lr_warmup_steps_ratio": 0.1}, **settings}
-    d = {"name": "gsm8k", "trainer": {"kind": "verl_ppo", "settings": s}, "total_steps": total,
-         "chunk_steps": chunk, "seed": 42, "threads": 4, "checkpoint_dir": str(tmp_path / "ckpt"),
-         "data": {"train_files": ["/shared/data/gsm8k/train.parquet"],
-                  "val_files": ["/shared/data/gsm8k/test.parquet"]}}
+    s = {
+        "mode": mode,
+        "model_path": MODEL,
+        "optim": {"lr": 1e-6, "lr_scheduler_type": "cosine", "lr_warmup_steps_ratio": 0.1},
+        **settings,
+    }
+    d = {
+        "name": "gsm8k",
+        "trainer": {"kind": "verl_ppo", "settings": s},
+        "total_steps": total,
+        "chunk_steps": chunk,
+        "seed": 42,
+        "threads": 4,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "data": {"train_files": ["/shared/data/gsm8k/train.parquet"], "val_files": ["/shared/data/gsm8k/test.parquet"]},
+    }
     return spec_from_dict(d, check_environment=False)
 
 
@@ -126,13 +136,16 @@ def test_supervised_mode_saves_every_chunk_and_runs_to_the_end(tmp_path):
         overrides_for(spec_of(tmp_path, mode="supervised", save_freq=4))
 
 
-@pytest.mark.parametrize("item, why", [
-    ("trainer.total_training_steps=10", "Relay sets from the spec"),
-    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.2", "Relay sets from the spec"),
-    ("trainer.default_local_dir=/tmp/x", "Relay sets from the spec"),
-    ("+trainer.stop_at=10", "no \\+, ~ or \\+\\+"),
-    ("~trainer.save_freq", "no \\+, ~ or \\+\\+"),
-])
+@pytest.mark.parametrize(
+    "item, why",
+    [
+        ("trainer.total_training_steps=10", "Relay sets from the spec"),
+        ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.2", "Relay sets from the spec"),
+        ("trainer.default_local_dir=/tmp/x", "Relay sets from the spec"),
+        ("+trainer.stop_at=10", "no \\+, ~ or \\+\\+"),
+        ("~trainer.save_freq", "no \\+, ~ or \\+\\+"),
+    ],
+)
 def test_spec_overrides_may_not_touch_what_relay_owns(tmp_path, item, why):
     with pytest.raises(SpecError, match=why):
         spec_of(tmp_path, overrides=[item])
@@ -141,9 +154,15 @@ def test_spec_overrides_may_not_touch_what_relay_owns(tmp_path, item, why):
 def test_settings_are_resume_critical_and_world_size_is_derived(tmp_path):
     spec = spec_of(tmp_path, nnodes=2, n_gpus_per_node=8)
     crit = spec.resume_critical()
-    for key in ("trainer.settings.rollout_n", "trainer.settings.adv_estimator", "trainer.settings.nnodes",
-                "trainer.settings.optim.lr_scheduler_type", "trainer.settings.fsdp_version",
-                "trainer.settings.model_path", "trainer.settings.overrides"):
+    for key in (
+        "trainer.settings.rollout_n",
+        "trainer.settings.adv_estimator",
+        "trainer.settings.nnodes",
+        "trainer.settings.optim.lr_scheduler_type",
+        "trainer.settings.fsdp_version",
+        "trainer.settings.model_path",
+        "trainer.settings.overrides",
+    ):
         assert key in crit
     for key in ("trainer.settings.save_freq", "trainer.settings.mode", "trainer.settings.gpu_memory_utilization"):
         assert key not in crit
@@ -168,11 +187,22 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
     env = ray_jobs.runtime_env(req)
     wandb_id = tracking.wandb_run_id(Run.of(spec, "r"))
     excludes = [*ray_jobs.NOT_SHIPPED, *ray_jobs.NOT_SHIPPED_FILES]
-    assert env == {"py_modules": [str(project.package_dir())], "excludes": excludes, "env_vars": {
-        "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1",
-        "WANDB_RUN_ID": wandb_id, "WANDB_RESUME": "allow",
-        ENV_VAR: req.to_json(), "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4",
-        "PYTHONUNBUFFERED": "1", "RAY_JOB_STOP_WAIT_TIME_S": "120"}}  # ray.stop_grace_seconds: Ray's SIGTERM grace
+    assert env == {
+        "py_modules": [str(project.package_dir())],
+        "excludes": excludes,
+        "env_vars": {
+            "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1",
+            "HYDRA_FULL_ERROR": "1",
+            "WANDB_RUN_ID": wandb_id,
+            "WANDB_RESUME": "allow",
+            ENV_VAR: req.to_json(),
+            "OMP_NUM_THREADS": "4",
+            "MKL_NUM_THREADS": "4",
+            "OPENBLAS_NUM_THREADS": "4",
+            "PYTHONUNBUFFERED": "1",
+            "RAY_JOB_STOP_WAIT_TIME_S": "120",
+        },
+    }  # ray.stop_grace_seconds: Ray's SIGTERM grace
     # The same id for every chunk of the run (it is derived from the run, not the chunk or the try)...
     req3 = ChunkRequest(run=Run.of(spec, "r"), to_step=30, chunk=3, attempt="relay-gsm8k-r-abc-c03-t2")
     assert ray_jobs.runtime_env(req3)["env_vars"]["WANDB_RUN_ID"] == wandb_id
@@ -194,8 +224,14 @@ def test_the_chunk_travels_to_the_task_runner_inside_verls_config(tmp_path):
     from relay.trainers.verl_ppo import overrides, verl_chunk
 
     cfg = overrides.compose(overrides_for(spec_of(tmp_path)))
-    c = verl_chunk.VerlChunk(request=json.dumps({"x": "${oc.env:HOME}"}), resume_step=10, end_step=20,
-                                total_steps=30, strategy="loop_bound", tracking_env={"WANDB_RUN_ID": "r-1"})
+    c = verl_chunk.VerlChunk(
+        request=json.dumps({"x": "${oc.env:HOME}"}),
+        resume_step=10,
+        end_step=20,
+        total_steps=30,
+        strategy="loop_bound",
+        tracking_env={"WANDB_RUN_ID": "r-1"},
+    )
     verl_chunk.attach(cfg, c)
     from omegaconf import OmegaConf
 
@@ -211,13 +247,15 @@ def test_the_dag_file_stays_light_with_a_verl_spec(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys; sys.path.insert(0, 'plugins'); from relay.spec.run_spec import spec_from_dict; "
-            "s = spec_from_dict({'name': 'g', 'trainer': {'kind': 'verl_ppo', 'settings': {'model_path': '/m'}}, "
-            "'total_steps': 3, 'chunk_steps': 1, 'seed': 1, 'threads': 1, 'checkpoint_dir': '/tmp/c', "
-            "'data': {'train_files': ['/t.parquet'], 'val_files': ['/v.parquet']}}, check_environment=False); "
-            "s.settings; s.resume_critical(); "
-            "from relay.trainers.verl_ppo import tracking; from relay.airflow import supervised; "
-            "print(sorted(m for m in ('verl', 'torch', 'ray', 'hydra', 'omegaconf', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; sys.path.insert(0, 'plugins'); from relay.spec.run_spec import spec_from_dict; "
+        "s = spec_from_dict({'name': 'g', 'trainer': {'kind': 'verl_ppo', 'settings': {'model_path': '/m'}}, "
+        "'total_steps': 3, 'chunk_steps': 1, 'seed': 1, 'threads': 1, 'checkpoint_dir': '/tmp/c', "
+        "'data': {'train_files': ['/t.parquet'], 'val_files': ['/v.parquet']}}, check_environment=False); "
+        "s.settings; s.resume_critical(); "
+        "from relay.trainers.verl_ppo import tracking; from relay.airflow import supervised; "
+        "print(sorted(m for m in ('verl', 'torch', 'ray', 'hydra', 'omegaconf', 'transformers') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
@@ -229,8 +267,7 @@ def test_the_shipped_gsm8k_example_composes_and_passes_verls_validation():
     from relay.spec.run_spec import load_spec
     from relay.trainers.verl_ppo import overrides
 
-    spec = load_spec(Path(__file__).resolve().parents[2] / "include" / "runs" / "gsm8k_grpo.yaml",
-                     check_environment=False)
+    spec = load_spec(Path(__file__).resolve().parents[2] / "include" / "runs" / "gsm8k_grpo.yaml", check_environment=False)
     s = spec.settings
     assert (s.rollout_n, s.fsdp_version, s.rollout_name, s.n_gpus_per_node, s.adv_estimator) == (5, 2, "vllm", 8, "grpo")
     assert s.steps_available(7473) >= spec.total_steps  # GSM8K's train split, as verl counts

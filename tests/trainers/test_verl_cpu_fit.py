@@ -66,8 +66,9 @@ def runs(tmp_path_factory, ray_address):
         assert held.exists(), (base / "c3.log").read_text(errors="replace")[-6000:]
         proc.send_signal(signal.SIGTERM)
         stop_requests = layout.relay_dir(chunked, stopping.STOP_DIR)  # the driver's request to its actor
-        while not (stop_requests.is_dir() and any(stop_requests.iterdir())) and proc.poll() is None \
-                and time.time() < deadline:
+        while (
+            not (stop_requests.is_dir() and any(stop_requests.iterdir())) and proc.poll() is None and time.time() < deadline
+        ):
             time.sleep(0.2)
     finally:
         Path(f"{held}.go").touch()
@@ -77,8 +78,13 @@ def runs(tmp_path_factory, ray_address):
 
     # And the rest: `relay train` again resumes from step 3, the graceful stop's checkpoint.
     retry = finish(relay_train(chunked, 4, ray_address, base / "c4.log"), base / "c4.log")
-    return {"straight": straight, "chunked": chunked, "killed_log": killed_log, "stopped_log": stopped_log,
-            "retry_log": retry}
+    return {
+        "straight": straight,
+        "chunked": chunked,
+        "killed_log": killed_log,
+        "stopped_log": stopped_log,
+        "retry_log": retry,
+    }
 
 
 @E2E
@@ -166,15 +172,26 @@ def test_the_chunk_trainer_is_verls_own_loop():
 
     cls = chunk_trainer.RelayChunkTrainer
     assert issubclass(cls, PPOTrainerSync)
-    for name in ("fit", "step", "_step_once", "_setup", "_compute_advantage", "_compute_ref_log_prob",
-                 "_compute_old_log_prob", "_update_actor", "_compute_reward_colocate", "init"):
+    for name in (
+        "fit",
+        "step",
+        "_step_once",
+        "_setup",
+        "_compute_advantage",
+        "_compute_ref_log_prob",
+        "_compute_old_log_prob",
+        "_update_actor",
+        "_compute_reward_colocate",
+        "init",
+    ):
         assert getattr(cls, name) is getattr(PPOTrainer, name), name
     assert cls.on_sample_end is PPOTrainerSync.on_sample_end
     # (Relay's own: the chunk's edges, the batch's order, the metrics row, the graceful stop after a step; each
     # calls verl's method: on_step_end, for one, hands the weights to the rollout as verl's does, and saves through
     # verl's _save_checkpoint when asked to stop)
     assert cls.on_step_end is not PPOTrainerSync.on_step_end and cls._save_checkpoint.__qualname__.startswith(
-        "RelayChunkTrainer.")
+        "RelayChunkTrainer."
+    )
     runner = relay_task_runner()
     assert issubclass(runner, original_class(TaskRunnerV1))
     assert runner.init_agent_loop_manager is original_class(TaskRunnerV1).init_agent_loop_manager

@@ -45,8 +45,13 @@ print(json.dumps(out))
 
 def probe(env: dict) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
-                       env={**clean, "VERL_LOGGING_LEVEL": "WARN", **env})
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**clean, "VERL_LOGGING_LEVEL": "WARN", **env},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -54,9 +59,15 @@ def probe(env: dict) -> dict:
 def test_a_job_environment_with_the_cpu_platform_runs_verl_on_the_cpu():
     assert importlib.util.find_spec(ENV["VERL_USE_EXTERNAL_MODULES"]) is not None, "the module the job names"
     got = probe(ENV)
-    assert got == {"platform": "PlatformCPU", "device": "cpu", "backend": "gloo", "ray_resource": "GPU",
-                   "memory": True, "engines": ["FSDPEngineWithLMHead", "FSDPEngineWithValueHead"],
-                   "trainer.device": "cpu"}
+    assert got == {
+        "platform": "PlatformCPU",
+        "device": "cpu",
+        "backend": "gloo",
+        "ray_resource": "GPU",
+        "memory": True,
+        "engines": ["FSDPEngineWithLMHead", "FSDPEngineWithValueHead"],
+        "trainer.device": "cpu",
+    }
 
 
 def test_the_cpu_platform_is_never_picked_without_being_asked_for():
@@ -65,8 +76,7 @@ def test_the_cpu_platform_is_never_picked_without_being_asked_for():
     assert got["platform"] != "PlatformCPU" and got["device"] != "cpu"
 
 
-def test_verls_checkpoint_manager_on_the_cpu_platform_writes_checkpoints_that_pass_every_level(tmp_path,
-                                                                                              monkeypatch):
+def test_verls_checkpoint_manager_on_the_cpu_platform_writes_checkpoints_that_pass_every_level(tmp_path, monkeypatch):
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)  # the writer's gloo processes inherit it
     step_dir = verl_checkpoint.make(tmp_path / "run", step=2, world_size=2, fsdp=2)
@@ -83,9 +93,20 @@ def test_verls_fsdp_engine_builds_steps_saves_and_loads_the_tiny_model_on_the_cp
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     results = []
     for mode in ("step", "load"):
-        r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "verl_engine_cpu.py"), str(model), str(ckpt),
-                            mode, str(free_port())], capture_output=True, text=True, timeout=300,
-                           env={**clean, "VERL_LOGGING_LEVEL": "WARN", **ENV})
+        r = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "support" / "verl_engine_cpu.py"),
+                str(model),
+                str(ckpt),
+                mode,
+                str(free_port()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**clean, "VERL_LOGGING_LEVEL": "WARN", **ENV},
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         results.append(json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:]))
     step, load = results

@@ -52,8 +52,9 @@ def runs(tmp_path_factory):
     two = spec_at(base / "two.yaml", base / "at2", 2)
     one = spec_at(base / "one.yaml", base / "at1", 1, policy="reshard")
     run2, run1 = base / "at2" / "verl_tiny_cpu", base / "at1" / "verl_tiny_cpu"
-    with local_head.local_head(stack.ray_cli(), stack.ray_env(local_s3=False), num_cpus=stack.head_cpus(),
-                               num_gpus=2, avoid=stack.stack_ray_ports()) as head:
+    with local_head.local_head(
+        stack.ray_cli(), stack.ray_env(local_s3=False), num_cpus=stack.head_cpus(), num_gpus=2, avoid=stack.stack_ray_ports()
+    ) as head:
         finish(relay_train(run2, 2, head.address, base / "c1.log", spec=two), base / "c1.log")
         shutil.copytree(run2, run1)
         finish(relay_train(run2, 4, head.address, base / "c2.log", spec=two), base / "c2.log")
@@ -80,4 +81,3 @@ def test_the_run_resharded_to_one_trains_on_like_the_run_that_stayed_at_two(runs
         assert b[step]["kl"] == pytest.approx(a[step]["kl"], rel=2e-2)
     wa, wb = full_model(layout.step_dir(runs["two"], 4), 2), full_model(layout.step_dir(runs["one"], 4), 1)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-2
-

@@ -8,10 +8,17 @@ from relay.spec.run_spec import spec_from_dict
 
 
 def supervised_spec(tmp_path, mode="supervised"):
-    d = {"name": "gsm", "trainer": {"kind": "verl_ppo", "settings": {"model_path": "/m", "mode": mode}},
-         "total_steps": 30, "chunk_steps": 10, "seed": 1, "threads": 1, "checkpoint_dir": str(tmp_path / "c"),
-         "data": {"train_files": ["/t.parquet"], "val_files": ["/v.parquet"]},
-         "s3": {"uri": "s3://relay/runs"}}
+    d = {
+        "name": "gsm",
+        "trainer": {"kind": "verl_ppo", "settings": {"model_path": "/m", "mode": mode}},
+        "total_steps": 30,
+        "chunk_steps": 10,
+        "seed": 1,
+        "threads": 1,
+        "checkpoint_dir": str(tmp_path / "c"),
+        "data": {"train_files": ["/t.parquet"], "val_files": ["/v.parquet"]},
+        "s3": {"uri": "s3://relay/runs"},
+    }
     return spec_from_dict(d, check_environment=False)
 
 

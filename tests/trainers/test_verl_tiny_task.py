@@ -42,14 +42,18 @@ def spec_config(*extra: str, check_environment: bool = False):
     from relay.trainers.verl_ppo import overrides
 
     spec = load_spec(SPEC, check_environment=check_environment)
-    lines = overrides.chunk_overrides(Run.of(spec, "verl_tiny_cpu"), first_step_of_run=True,
-                                      data={"train": spec.data.train_files, "val": spec.data.val_files})
+    lines = overrides.chunk_overrides(
+        Run.of(spec, "verl_tiny_cpu"),
+        first_step_of_run=True,
+        data={"train": spec.data.train_files, "val": spec.data.val_files},
+    )
     if not any("override_config.attn_implementation" in line for line in lines):
         lines.append(SDPA)
     return spec, overrides.compose(lines + list(extra))
 
 
 # ------------------------------------------------------------------------------------------- data
+
 
 def test_the_dataset_is_deterministic_in_verls_schema_and_holds_validation_out(tmp_path):
     a = tiny_task.make_dataset(tmp_path / "a", train_rows=64, val_rows=8, seed=3)
@@ -71,8 +75,7 @@ def test_the_dataset_is_deterministic_in_verls_schema_and_holds_validation_out(t
             assert message["role"] == "user" and message["content"].endswith("=")
             x, y = map(int, message["content"][:-1].split("+"))
             assert r["reward_model"] == {"style": "rule", "ground_truth": str(x + y)}
-            assert r["extra_info"] == {"split": split, "index": i, "question": message["content"],
-                                       "answer": str(x + y)}
+            assert r["extra_info"] == {"split": split, "index": i, "question": message["content"], "answer": str(x + y)}
     held_out = {r["prompt"][0]["content"] for r in val}
     assert not held_out & {r["prompt"][0]["content"] for r in train}, "validation problems never appear in train"
     assert not list(tmp_path.glob("*/.*.tmp*")), "nothing half-written is left behind"
@@ -85,7 +88,8 @@ def test_the_shipped_data_is_what_make_dataset_writes(tmp_path):
     for split in ("train", "val"):
         assert rows(SHIPPED / f"{split}.parquet") == rows(made[split][0]), (
             f"include/data/tiny_arith/{split}.parquet is stale: rewrite it with "
-            "tiny_task.make_dataset('include/data/tiny_arith')")
+            "tiny_task.make_dataset('include/data/tiny_arith')"
+        )
     spec = load_spec(SPEC, check_environment=False)
     assert spec.data.train_files == [str(SHIPPED / "train.parquet")]
     assert spec.data.val_files == [str(SHIPPED / "val.parquet")]
@@ -102,9 +106,11 @@ def test_every_prompt_fits_max_prompt_length_after_the_chat_template():
     """One token a byte: the chat template's framing plus "ab+cd=" is about 25 tokens, far below 64."""
     tok = byte_tokenizer()
     limit = load_spec(SPEC, check_environment=False).settings.max_prompt_length
-    lengths = [len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
-                                           return_dict=False))
-               for split in ("train", "val") for r in rows(SHIPPED / f"{split}.parquet")]
+    lengths = [
+        len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for split in ("train", "val")
+        for r in rows(SHIPPED / f"{split}.parquet")
+    ]
     assert max(lengths) <= 26 < limit // 2, max(lengths)
 
 
@@ -133,6 +139,7 @@ def test_verls_own_dataset_reads_it_with_the_tiny_tokenizer_and_keeps_every_row(
 
 
 # ----------------------------------------------------------------------------------------- reward
+
 
 def score(response: str, truth: str = "83") -> float:
     return tiny_task.compute_score(tiny_task.DATA_SOURCE, response, truth, extra_info={"index": 0})
@@ -172,11 +179,19 @@ def test_a_random_tiny_model_scores_unevenly_within_a_group(tiny_model):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         for r in rows(SHIPPED / "train.parquet")[:4]:
-            ids = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, return_tensors="pt",
-                                          return_dict=True)["input_ids"]
-            out = model.generate(ids.repeat(s.rollout_n, 1), do_sample=True, temperature=s.temperature, top_k=0,
-                                 top_p=1.0, max_new_tokens=s.max_response_length, pad_token_id=tok.pad_token_id)
-            answers = tok.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+            ids = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+                "input_ids"
+            ]
+            out = model.generate(
+                ids.repeat(s.rollout_n, 1),
+                do_sample=True,
+                temperature=s.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=s.max_response_length,
+                pad_token_id=tok.pad_token_id,
+            )
+            answers = tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
             group = {score(a, r["reward_model"]["ground_truth"]) for a in answers}
             uneven += len(group) > 1
     assert uneven >= 3, "most groups have a spread of scores"
@@ -216,17 +231,24 @@ def test_verls_reward_manager_calls_it_as_the_spec_configures_it():
         prompt = tok("12+71=", return_tensors="pt")["input_ids"]
         resp = tok(response, return_tensors="pt")["input_ids"]
         data = DataProto.from_dict(
-            tensors={"prompts": prompt, "responses": resp, "attention_mask": torch.ones(1, prompt.shape[1] + resp.shape[1],
-                                                                                         dtype=torch.long)},
-            non_tensors={"data_source": np.array([tiny_task.DATA_SOURCE], dtype=object),
-                         "reward_model": np.array([{"style": "rule", "ground_truth": truth}], dtype=object),
-                         "extra_info": np.array([{"index": 0}], dtype=object)})
+            tensors={
+                "prompts": prompt,
+                "responses": resp,
+                "attention_mask": torch.ones(1, prompt.shape[1] + resp.shape[1], dtype=torch.long),
+            },
+            non_tensors={
+                "data_source": np.array([tiny_task.DATA_SOURCE], dtype=object),
+                "reward_model": np.array([{"style": "rule", "ground_truth": truth}], dtype=object),
+                "extra_info": np.array([{"index": 0}], dtype=object),
+            },
+        )
         out = manager.loop.run_until_complete(manager.run_single(data))
         assert out["reward_score"] == score(response, truth)
     assert out["reward_score"] == 0.0 and score("83") == 1.0
 
 
 # ------------------------------------------------------------------------------------------- spec
+
 
 def test_the_spec_passes_relays_check_with_its_data(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAY_CHECKPOINT_ROOT", str(tmp_path / "ckpt"))  # the writability probe goes there

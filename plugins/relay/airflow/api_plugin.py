@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 
 TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?")
 NOTE_MAX = 1000  # Airflow's dag_run_note.content
-ANSWER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/(?P<run_id>[^/]+)/taskInstances/(?P<task_id>[^/]+)/"
-                         r"(?P<map_index>-?[0-9]+)/hitlDetails")
+ANSWER_PATH = re.compile(
+    r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/(?P<run_id>[^/]+)/taskInstances/(?P<task_id>[^/]+)/"
+    r"(?P<map_index>-?[0-9]+)/hitlDetails"
+)
 
 
 def run_name_of(spec, conf: dict, logical_date: str | None) -> str:
@@ -66,8 +68,11 @@ class TriggerFormMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "PATCH" and \
-                (answered := ANSWER_PATH.fullmatch(scope.get("path", ""))) is not None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "PATCH"
+            and (answered := ANSWER_PATH.fullmatch(scope.get("path", ""))) is not None
+        ):
             return await self.app(scope, receive, _note_rejections(send, answered))
         match = TRIGGER_PATH.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
         if match is None or scope["method"] != "POST":
@@ -83,8 +88,9 @@ class TriggerFormMiddleware:
         conf = payload.get("conf") if isinstance(payload, dict) else None
         if isinstance(payload, dict) and isinstance(conf or {}, dict) and not form.explain(spec, conf or {}):
             try:
-                body = json.dumps(_named(payload, run_name_of(spec, payload.get("conf") or {},
-                                                            payload.get("logical_date")))).encode()
+                body = json.dumps(
+                    _named(payload, run_name_of(spec, payload.get("conf") or {}, payload.get("logical_date")))
+                ).encode()
             except Exception as e:  # noqa: BLE001 - an unparsable date, say: Airflow refuses it itself
                 log.debug("trigger left as it came: %s", e)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
@@ -199,8 +205,11 @@ def _explained(body: bytes, spec, conf) -> bytes:
     problems = form.explain(spec, conf)
     if not problems:  # Airflow refused something Relay does not know: keep its first line only
         problems = [detail.splitlines()[0]]
-    text = f"Nothing was triggered. {' '.join(problems)}" if len(problems) == 1 else \
-        "Nothing was triggered:\n" + "\n".join(f"- {p}" for p in problems)
+    text = (
+        f"Nothing was triggered. {' '.join(problems)}"
+        if len(problems) == 1
+        else "Nothing was triggered:\n" + "\n".join(f"- {p}" for p in problems)
+    )
     return json.dumps({"detail": text}).encode()
 
 
@@ -218,8 +227,14 @@ def _note_rejections(send, answered: re.Match):
             if not message.get("more_body"):
                 try:
                     answer = json.loads(b"".join(chunks))
-                    await asyncio.to_thread(note_rejection, unquote(answered["dag_id"]), unquote(answered["run_id"]),
-                                            unquote(answered["task_id"]), int(answered["map_index"]), answer)
+                    await asyncio.to_thread(
+                        note_rejection,
+                        unquote(answered["dag_id"]),
+                        unquote(answered["run_id"]),
+                        unquote(answered["task_id"]),
+                        int(answered["map_index"]),
+                        answer,
+                    )
                 except Exception as e:  # noqa: BLE001 - a note is never worth the person's answer
                     log.warning("the DAG run's note was not written: %s", e)
         await send(message)
@@ -237,9 +252,14 @@ def note_rejection(dag_id: str, run_id: str, task_id: str, map_index: int, answe
     from relay.airflow.decisions import rejection_text
 
     with create_session() as session:
-        ti = session.scalar(select(TaskInstance).where(
-            TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id, TaskInstance.task_id == task_id,
-            TaskInstance.map_index == map_index))
+        ti = session.scalar(
+            select(TaskInstance).where(
+                TaskInstance.dag_id == dag_id,
+                TaskInstance.run_id == run_id,
+                TaskInstance.task_id == task_id,
+                TaskInstance.map_index == map_index,
+            )
+        )
         decision = _found(ti.next_kwargs if ti is not None else None, "decision")
         chosen = (answer.get("chosen_options") or [""])[0]
         if not isinstance(decision, dict) or chosen in (decision.get("proceed") or []):
@@ -317,8 +337,18 @@ def login_url(request: Request) -> str:
 class RelayPlugin(AirflowPlugin):
     # Airflow's plugin loader reads these class attributes; AirflowPlugin declares them as plain lists.
     name = "relay"
-    fastapi_root_middlewares = [{"middleware": TriggerFormMiddleware, "args": [], "kwargs": {},  # noqa: RUF012
-                                 "name": "Relay: the trigger form in plain words, the training run as a note"},
-                                {"middleware": UiScriptMiddleware, "args": [], "kwargs": {},
-                                 "name": "Relay: a refused trigger's reason in view in Airflow's UI"}]
-    fastapi_apps = [{"app": _pages(), "url_prefix": RELAY_APP_PREFIX, "name": "Relay pages"}]  # noqa: RUF012
+    fastapi_root_middlewares = [
+        {
+            "middleware": TriggerFormMiddleware,
+            "args": [],
+            "kwargs": {},
+            "name": "Relay: the trigger form in plain words, the training run as a note",
+        },
+        {
+            "middleware": UiScriptMiddleware,
+            "args": [],
+            "kwargs": {},
+            "name": "Relay: a refused trigger's reason in view in Airflow's UI",
+        },
+    ]
+    fastapi_apps = [{"app": _pages(), "url_prefix": RELAY_APP_PREFIX, "name": "Relay pages"}]

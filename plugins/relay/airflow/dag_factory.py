@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 
 def params_for(spec: RunSpec) -> dict[str, Param]:
     """The trigger form: every field may be left empty (relay.airflow.form)."""
-    return {name: Param(field["default"], **{k: v for k, v in field.items() if k != "default"})
-            for name, field in form.fields(spec).items()}
+    return {
+        name: Param(field["default"], **{k: v for k, v in field.items() if k != "default"})
+        for name, field in form.fields(spec).items()
+    }
 
 
 def build_dag(spec: RunSpec) -> DAG:
@@ -52,29 +54,40 @@ def build_dag(spec: RunSpec) -> DAG:
         catchup=a.catchup,
         max_active_runs=a.max_active_runs,
         params=params_for(spec),
-        default_args={"retries": a.retries, "retry_delay": timedelta(seconds=a.retry_delay_seconds),
-                      # one alert per failure event (the ledger de-duplicates); retries alert only on request
-                      "on_failure_callback": [RelayAlertNotifier(spec.source)],
-                      "on_retry_callback": [RelayAlertNotifier(spec.source, retry=True)] if spec.alerts.on_retry
-                      else []},
+        default_args={
+            "retries": a.retries,
+            "retry_delay": timedelta(seconds=a.retry_delay_seconds),
+            # one alert per failure event (the ledger de-duplicates); retries alert only on request
+            "on_failure_callback": [RelayAlertNotifier(spec.source)],
+            "on_retry_callback": [RelayAlertNotifier(spec.source, retry=True)] if spec.alerts.on_retry else [],
+        },
         tags=["relay", spec.trainer.kind, *a.tags],
         doc_md=f"**{spec.name}** ({spec.source}): {spec.total_steps} steps in {len(plan.chunks)} chunks of "
-               f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job"
-               + (f"; pool `{a.pool}` bounds the trainers on the cluster." if a.pool else ".")
-               + (f" Scheduled `{a.schedule}`: each DAG run trains run `{spec.name}-<logical date>`."
-                  if a.schedule else ""),
+        f"{spec.chunk_steps}, trainer `{spec.trainer.kind}`. Each chunk is one Ray job"
+        + (f"; pool `{a.pool}` bounds the trainers on the cluster." if a.pool else ".")
+        + (f" Scheduled `{a.schedule}`: each DAG run trains run `{spec.name}-<logical date>`." if a.schedule else ""),
     ) as dag:
         kw: dict[str, Any] = {"op_kwargs": {"spec_path": spec.source}, "retries": 0}
         with TaskGroup("preflight", tooltip="before any GPU time: the run, its settings, its data"):
             # Each may ask a person in the UI (relay.airflow.decisions): a fresh start, a settings change.
-            run = DecidingPythonOperator(task_id="run", python_callable=preflight,
-                                         doc_md="Spec, run, fresh-start guard (asks before a fresh start).", **kw)
-            settings = DecidingPythonOperator(task_id="settings", python_callable=settings_guard,
-                                              doc_md="Resume-critical settings against the run's recorded ones (asks "
-                                                     "before accepting a change).", **kw)
-            data = PythonOperator(task_id="data", python_callable=data_freeze,
-                                  doc_md="First chunk: data quality, then freeze. Later: the sources against "
-                                         "their frozen fingerprints.", **kw)
+            run = DecidingPythonOperator(
+                task_id="run",
+                python_callable=preflight,
+                doc_md="Spec, run, fresh-start guard (asks before a fresh start).",
+                **kw,
+            )
+            settings = DecidingPythonOperator(
+                task_id="settings",
+                python_callable=settings_guard,
+                doc_md="Resume-critical settings against the run's recorded ones (asks before accepting a change).",
+                **kw,
+            )
+            data = PythonOperator(
+                task_id="data",
+                python_callable=data_freeze,
+                doc_md="First chunk: data quality, then freeze. Later: the sources against their frozen fingerprints.",
+                **kw,
+            )
             run >> settings >> data
         upstream: BaseOperator = data
         publish_before = None
@@ -89,29 +102,44 @@ def build_dag(spec: RunSpec) -> DAG:
                     validate: BaseOperator = validate_task(spec, chunk)
                     upstream >> validate
                 else:
-                    train = RayChunkOperator(task_id="train", spec_path=spec.source, chunk_index=chunk.index, **pool,
-                                             doc_md=f"Train {chunk}: one Ray job that resumes from the latest "
-                                                    "checkpoint.")
+                    train = RayChunkOperator(
+                        task_id="train",
+                        spec_path=spec.source,
+                        chunk_index=chunk.index,
+                        **pool,
+                        doc_md=f"Train {chunk}: one Ray job that resumes from the latest checkpoint.",
+                    )
                     # An invalid checkpoint fails it without retries (AirflowFailException); a lost worker's
                     # try is retried, on any worker.
                     validate = ValidateCheckpointOperator(
-                        task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=train.task_id,
+                        task_id="validate",
+                        spec_path=spec.source,
+                        chunk_index=chunk.index,
+                        train_task=train.task_id,
                         doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine it if it is "
-                               "not whole.")
+                        "not whole.",
+                    )
                     if spec.checkpoints.on_world_size_change == "reshard":
                         # Its own task, so the UI shows it: a no-op unless the world size changed.
-                        reshard = PythonOperator(task_id="reshard", python_callable=reshard_to_spec, **kw,
-                                                 doc_md="Reshard the latest checkpoint to the spec's world size when "
-                                                        "they differ (the original is kept).")
+                        reshard = PythonOperator(
+                            task_id="reshard",
+                            python_callable=reshard_to_spec,
+                            **kw,
+                            doc_md="Reshard the latest checkpoint to the spec's world size when "
+                            "they differ (the original is kept).",
+                        )
                         upstream >> reshard
                         upstream = reshard
                     upstream >> train >> validate
                 if spec.s3 is not None:
                     # Chunk k publishes while chunk k+1 trains; publications stay in step order.
                     publish = PublishCheckpointOperator(
-                        task_id="publish", spec_path=spec.source, chunk_index=chunk.index,
+                        task_id="publish",
+                        spec_path=spec.source,
+                        chunk_index=chunk.index,
                         outlets=[checkpoint_alias(spec)],
-                        doc_md=f"Publish step {chunk.end_step} to {spec.s3.uri}: files, manifest, then latest.")
+                        doc_md=f"Publish step {chunk.end_step} to {spec.s3.uri}: files, manifest, then latest.",
+                    )
                     validate >> publish
                     if publish_before is not None:
                         publish_before >> publish
@@ -134,11 +162,12 @@ def _deadline_alert(spec: RunSpec):
     from airflow.sdk.definitions.callback import SyncCallback
     from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
 
-    at = datetime.fromtimestamp(deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline") or 0,
-                                UTC)
-    return DeadlineAlert(reference=DeadlineReference.FIXED_DATETIME(at), interval=timedelta(0),
-                         callback=SyncCallback("relay.airflow.notifiers.deadline_missed",
-                                               kwargs={"spec_path": spec.source}))
+    at = datetime.fromtimestamp(deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline") or 0, UTC)
+    return DeadlineAlert(
+        reference=DeadlineReference.FIXED_DATETIME(at),
+        interval=timedelta(0),
+        callback=SyncCallback("relay.airflow.notifiers.deadline_missed", kwargs={"spec_path": spec.source}),
+    )
 
 
 def build_dags(runs_dir: Path | None = None) -> dict[str, DAG]:
@@ -169,9 +198,15 @@ ERRORS_DAG_ID = "relay_spec_errors"
 
 def _errors_dag(errors: list[str]) -> DAG:
     text = "\n\n".join(errors)
-    with DAG(dag_id=ERRORS_DAG_ID, schedule=None, start_date=datetime(2025, 1, 1), catchup=False,
-             tags=["relay"], description=f"{len(errors)} run spec(s) in include/runs are invalid",
-             doc_md="These run specs made no DAG:\n\n" + "\n".join(f"- `{e.splitlines()[0]}`" for e in errors)) as dag:
+    with DAG(
+        dag_id=ERRORS_DAG_ID,
+        schedule=None,
+        start_date=datetime(2025, 1, 1),
+        catchup=False,
+        tags=["relay"],
+        description=f"{len(errors)} run spec(s) in include/runs are invalid",
+        doc_md="These run specs made no DAG:\n\n" + "\n".join(f"- `{e.splitlines()[0]}`" for e in errors),
+    ) as dag:
         PythonOperator(task_id="show_errors", python_callable=_raise, op_kwargs={"text": text}, retries=0)
     return dag
 

@@ -85,8 +85,10 @@ def required_actions_page(context) -> str:
 
     ti = context["ti"]
     base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
-    return (f"{base}/dags/{quote(ti.dag_id)}/runs/{quote(ti.run_id)}/tasks/{quote(ti.task_id)}/required_actions"
-            f"?map_index={getattr(ti, 'map_index', -1)}")
+    return (
+        f"{base}/dags/{quote(ti.dag_id)}/runs/{quote(ti.run_id)}/tasks/{quote(ti.task_id)}/required_actions"
+        f"?map_index={getattr(ti, 'map_index', -1)}"
+    )
 
 
 def ask(context, need: DecisionNeeded, method_name: str = "decided") -> NoReturn:
@@ -95,15 +97,30 @@ def ask(context, need: DecisionNeeded, method_name: str = "decided") -> NoReturn
     from airflow.sdk.execution_time.hitl import upsert_hitl_detail
 
     run, decision = need.run, need.decision
-    upsert_hitl_detail(ti_id=context["task_instance"].id, options=decision.options, subject=decision.subject,
-                       body=decision.body, defaults=None, multiple=False, params={})
+    upsert_hitl_detail(
+        ti_id=context["task_instance"].id,
+        options=decision.options,
+        subject=decision.subject,
+        body=decision.body,
+        defaults=None,
+        multiple=False,
+        params={},
+    )
     minutes = run.spec.approvals.timeout_minutes
     page = required_actions_page(context)
-    notify(context, run, "decision", decision.subject, details=decision.body, scope=decision.kind,
-           action=f"nothing changes until a person answers: {page} (Required Actions); with no answer in "
-                  f"{minutes:g} minutes this DAG run stops and nothing is lost")
-    raise TaskAwaitingInput(method_name=method_name, kwargs={"decision": decision.to_dict()},
-                            timeout=timedelta(minutes=minutes))
+    notify(
+        context,
+        run,
+        "decision",
+        decision.subject,
+        details=decision.body,
+        scope=decision.kind,
+        action=f"nothing changes until a person answers: {page} (Required Actions); with no answer in "
+        f"{minutes:g} minutes this DAG run stops and nothing is lost",
+    )
+    raise TaskAwaitingInput(
+        method_name=method_name, kwargs={"decision": decision.to_dict()}, timeout=timedelta(minutes=minutes)
+    )
 
 
 def answer(run: Run, decision: dict, event: dict) -> Answer:
@@ -112,9 +129,9 @@ def answer(run: Run, decision: dict, event: dict) -> Answer:
     if "error" in event:
         minutes = run.spec.approvals.timeout_minutes
         raise AirflowFailException(
-            f"run {run}: nobody answered \"{d.subject}\" within {minutes:g} minutes (approvals.timeout_minutes): "
-            f"this DAG run stops; nothing was changed. Trigger again to be asked again"
-            + _unattended(d.kind, run))
+            f'run {run}: nobody answered "{d.subject}" within {minutes:g} minutes (approvals.timeout_minutes): '
+            f"this DAG run stops; nothing was changed. Trigger again to be asked again" + _unattended(d.kind, run)
+        )
     chosen = (event.get("chosen_options") or [""])[0]
     who = event.get("responded_by_user") or {}
     at = event.get("responded_at")
@@ -131,8 +148,10 @@ class Rejected(Exception):
 
 def rejection_text(run: str, subject: str, chosen: str, who: str) -> str:
     """Who rejected what, and that nothing changed: the task's log and the DAG run's note say the same."""
-    return (f'"{subject}": {chosen!r} chosen by {who}. Nothing was changed: run {run} stays as it was, and the '
-            f"tasks after this one are skipped")
+    return (
+        f'"{subject}": {chosen!r} chosen by {who}. Nothing was changed: run {run} stays as it was, and the '
+        f"tasks after this one are skipped"
+    )
 
 
 def skip_rejected(log, rejected: Rejected) -> NoReturn:

@@ -55,7 +55,6 @@ def checkpoint_store(spec, *, probe: bool = False):
         return None
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-
     config = client_config()
     if probe:
         config = config.merge(Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "max_attempts": 1}))

@@ -48,8 +48,7 @@ def _run_of(operator, ti_key) -> str | None:
     """The training run this DAG run's preflight.run resolved (None before it succeeded)."""
     from airflow.sdk.execution_time.xcom import XCom
 
-    resolved = XCom.get_one(key="return_value", task_id=operator.run_from_task, dag_id=ti_key.dag_id,
-                            run_id=ti_key.run_id)
+    resolved = XCom.get_one(key="return_value", task_id=operator.run_from_task, dag_id=ti_key.dag_id, run_id=ti_key.run_id)
     return (resolved or {}).get("run_name")
 
 
@@ -72,8 +71,9 @@ class CheckpointLink(BaseOperatorLink):
         run = _run_of(operator, ti_key)
         if not run:
             return ""
-        step = ChunkPlan.from_spec(load_spec(operator.spec_path, check_environment=False)).chunk(
-            operator.chunk_index).end_step
+        step = (
+            ChunkPlan.from_spec(load_spec(operator.spec_path, check_environment=False)).chunk(operator.chunk_index).end_step
+        )
         return f"{report_page(ti_key.dag_id, run, ti_key.run_id)}#step-{step}"
 
 
@@ -85,6 +85,7 @@ class RayJobLink(BaseOperatorLink):
     def get_link(self, operator, *, ti_key) -> str:
         from airflow.sdk.execution_time.xcom import XCom
 
-        job = XCom.get_one(key=RAY_JOB_XCOM, task_id=ti_key.task_id, dag_id=ti_key.dag_id, run_id=ti_key.run_id,
-                           map_index=ti_key.map_index)
+        job = XCom.get_one(
+            key=RAY_JOB_XCOM, task_id=ti_key.task_id, dag_id=ti_key.dag_id, run_id=ti_key.run_id, map_index=ti_key.map_index
+        )
         return (job or {}).get("url", "")

@@ -60,8 +60,12 @@ class Channels:
         on = set(params.get("alert_channels", CHANNELS) or ())
         emails = tuple(e.strip() for e in params.get("alert_emails") or () if e and e.strip())
         a = spec.alerts
-        return cls((emails or tuple(a.email)) if "email" in on else (), a.smtp_conn_id,
-                   a.slack_conn_id if "slack" in on else None, a.webhook_conn_id if "webhook" in on else None)
+        return cls(
+            (emails or tuple(a.email)) if "email" in on else (),
+            a.smtp_conn_id,
+            a.slack_conn_id if "slack" in on else None,
+            a.webhook_conn_id if "webhook" in on else None,
+        )
 
     def senders(self) -> list[tuple[str, Callable[[Alert], None]]]:
         out: list[tuple[str, Callable[[Alert], None]]] = []
@@ -80,9 +84,13 @@ def send_email(alert: Alert, conn_id: str, to: tuple[str, ...]) -> None:
     from airflow.providers.smtp.hooks.smtp import SmtpHook
 
     with SmtpHook(smtp_conn_id=conn_id) as hook:
-        hook.send_email_smtp(to=list(to), subject=alert.subject(), html_content=alert.html(),
-                             from_email=hook.from_email or DEFAULT_FROM,
-                             custom_headers={"X-Relay-Alert": alert.kind, "X-Relay-Run": alert.run})
+        hook.send_email_smtp(
+            to=list(to),
+            subject=alert.subject(),
+            html_content=alert.html(),
+            from_email=hook.from_email or DEFAULT_FROM,
+            custom_headers={"X-Relay-Alert": alert.kind, "X-Relay-Run": alert.run},
+        )
 
 
 def send_slack(alert: Alert, conn_id: str) -> None:
@@ -96,8 +104,10 @@ def send_webhook(alert: Alert, conn_id: str) -> None:
     from airflow.providers.http.hooks.http import HttpHook
 
     HttpHook(method="POST", http_conn_id=conn_id).run(
-        json=alert.payload(), headers={"Content-Type": "application/json"},
-        extra_options={"timeout": SEND_TIMEOUT_S, "check_response": True})
+        json=alert.payload(),
+        headers={"Content-Type": "application/json"},
+        extra_options={"timeout": SEND_TIMEOUT_S, "check_response": True},
+    )
 
 
 def deliver(alert: Alert, channels: Channels) -> dict[str, str]:
@@ -121,8 +131,7 @@ def deliver(alert: Alert, channels: Channels) -> dict[str, str]:
             level = logging.INFO if results[name] == "sent" else logging.ERROR
             log.log(level, "alert %s via %s: %s", alert.kind, name, results[name])
     if not results:
-        log.warning("alert %s: no channel configured (spec alerts.email / slack_conn_id / webhook_conn_id)",
-                    alert.kind)
+        log.warning("alert %s: no channel configured (spec alerts.email / slack_conn_id / webhook_conn_id)", alert.kind)
     return results
 
 
@@ -135,9 +144,13 @@ def _warn_unconfigured(ledger: AlertLedger | None, results: dict[str, str]) -> N
     for name, result in results.items():
         if not result.startswith(NOT_CONFIGURED) or (ledger is not None and not ledger.first_unconfigured(name)):
             continue
-        log.warning("alert channel %s is not configured (%s): this run's alerts are not sent there. Add the "
-                    "connection (docs/guides/alerts.md says how), or remove the channel from the spec's alerts "
-                    "section; this is said once per run", name, result.partition(": ")[2])
+        log.warning(
+            "alert channel %s is not configured (%s): this run's alerts are not sent there. Add the "
+            "connection (docs/guides/alerts.md says how), or remove the channel from the spec's alerts "
+            "section; this is said once per run",
+            name,
+            result.partition(": ")[2],
+        )
 
 
 def _not_configured(error: Exception) -> bool:
@@ -182,9 +195,20 @@ def last_valid(run: Run) -> tuple[int | None, str | None]:
 def alert_for(context, run: Run, kind: str, what: str, **fields) -> Alert:
     ti = context["ti"]
     step, uri = last_valid(run)
-    return Alert(kind=kind, run=run.name, what=what, spec=run.spec.name, dag_id=ti.dag_id,
-                 dag_run=context["dag_run"].run_id, task=ti.task_id, try_number=ti.try_number,
-                 log_url=getattr(ti, "log_url", ""), last_valid_step=step, last_valid_uri=uri, **fields)
+    return Alert(
+        kind=kind,
+        run=run.name,
+        what=what,
+        spec=run.spec.name,
+        dag_id=ti.dag_id,
+        dag_run=context["dag_run"].run_id,
+        task=ti.task_id,
+        try_number=ti.try_number,
+        log_url=getattr(ti, "log_url", ""),
+        last_valid_step=step,
+        last_valid_uri=uri,
+        **fields,
+    )
 
 
 def send_once(context, run: Run, alert: Alert, key: str) -> bool:
@@ -227,20 +251,34 @@ def notify(context, run: Run, kind: str, what: str, *, scope: str = "", **fields
     return alert
 
 
-def notify_error(context, run: Run, error: RelayError, *, default_kind: str = "task_failed",
-                 action: str = "", **fields) -> Alert:
+def notify_error(
+    context, run: Run, error: RelayError, *, default_kind: str = "task_failed", action: str = "", **fields
+) -> Alert:
     """Alert on a Relay error: its first line is what failed, the rest the details, its fix what to do."""
     first, _, rest = error.what.partition("\n")
     todo = f"What to do: {error.fix}" if error.fix else ""
-    return notify(context, run, kind_of(error, default_kind), first, details=rest.strip(),
-                  action=" ".join(x for x in (action, todo) if x), **fields)
+    return notify(
+        context,
+        run,
+        kind_of(error, default_kind),
+        first,
+        details=rest.strip(),
+        action=" ".join(x for x in (action, todo) if x),
+        **fields,
+    )
 
 
 def notify_use_frozen(context, run: Run, change: str) -> None:
     """A source changed under a use_frozen run: once per distinct change, not once per chunk."""
     digest = hashlib.sha256(change.encode()).hexdigest()[:16]
-    alert = alert_for(context, run, "use_frozen", change.partition("\n")[0], details=change,
-                      action="training continues on the frozen copy (data.on_source_change: use_frozen)")
+    alert = alert_for(
+        context,
+        run,
+        "use_frozen",
+        change.partition("\n")[0],
+        details=change,
+        action="training continues on the frozen copy (data.on_source_change: use_frozen)",
+    )
     send_once(context, run, alert, f"use_frozen|{digest}")
 
 
@@ -250,28 +288,45 @@ def notify_divergence(context, run: Run, report: AuditReport) -> None:
         return
     steps = sorted({d.step for d in report.divergences})
     digest = hashlib.sha256(repr(steps).encode()).hexdigest()[:16]
-    alert = alert_for(context, run, "replay_divergence", report.summary().partition("\n")[0],
-                      step=steps[0], details=report.summary(),
-                      action="training goes on; compare the runs (relay audit RUN_DIR), and look for state the resume "
-                             "did not restore (an RNG, the dataloader's position, a setting that changed); for verl on "
-                             "GPUs, state the noise you accept per metric in the spec's audit.tolerance")
+    alert = alert_for(
+        context,
+        run,
+        "replay_divergence",
+        report.summary().partition("\n")[0],
+        step=steps[0],
+        details=report.summary(),
+        action="training goes on; compare the runs (relay audit RUN_DIR), and look for state the resume "
+        "did not restore (an RNG, the dataloader's position, a setting that changed); for verl on "
+        "GPUs, state the noise you accept per metric in the spec's audit.tolerance",
+    )
     send_once(context, run, alert, f"replay_divergence|{digest}")
 
 
 def notify_resharded(context, run: Run, result) -> None:
     """A checkpoint was resharded to the spec's world size (checkpoints.on_world_size_change: reshard): once per
     step and world size, however many tries of the chunk see it."""
-    alert = alert_for(context, run, "resharded", result.explain(), step=result.step,
-                      action=f"training goes on at world size {result.to_world_size}; the world-size-"
-                             f"{result.from_world_size} original is kept in {result.original}")
+    alert = alert_for(
+        context,
+        run,
+        "resharded",
+        result.explain(),
+        step=result.step,
+        action=f"training goes on at world size {result.to_world_size}; the world-size-"
+        f"{result.from_world_size} original is kept in {result.original}",
+    )
     send_once(context, run, alert, f"resharded|{result.step}|{result.to_world_size}")
 
 
 def notify_deadline(context, run: Run, eta) -> None:
     """The run's ETA (relay.insights.eta) is past alerts.deadline: once per deadline, however many chunks see it."""
-    alert = alert_for(context, run, "deadline", f"run {run} will miss its deadline: {eta.describe()}",
-                      action="training goes on; to make the deadline, give the run more GPUs or fewer steps, or move "
-                             "alerts.deadline (nothing changes automatically)")
+    alert = alert_for(
+        context,
+        run,
+        "deadline",
+        f"run {run} will miss its deadline: {eta.describe()}",
+        action="training goes on; to make the deadline, give the run more GPUs or fewer steps, or move "
+        "alerts.deadline (nothing changes automatically)",
+    )
     send_once(context, run, alert, f"deadline|{eta.deadline}")
 
 
@@ -288,11 +343,19 @@ def deadline_missed(spec_path: str, context: dict | None = None, **_) -> None:
         spec = dated(spec, logical)
     run = Run.of(spec, conf.get("run") or (dated_run_name(spec, logical) if logical is not None else spec.name))
     step, uri = last_valid(run)
-    alert = Alert(kind="deadline", run=run.name, spec=spec.name, dag_id=dag_run.get("dag_id", ""),
-                  dag_run=dag_run.get("dag_run_id", ""), step=step, last_valid_step=step, last_valid_uri=uri,
-                  what=f"DAG run {dag_run.get('dag_run_id', '?')} is still going at the run's deadline "
-                       f"{spec.alerts.deadline}, at step {step or 0} of {spec.total_steps}",
-                  action="training goes on; decide whether the run may run late (Airflow's deadline alert)")
+    alert = Alert(
+        kind="deadline",
+        run=run.name,
+        spec=spec.name,
+        dag_id=dag_run.get("dag_id", ""),
+        dag_run=dag_run.get("dag_run_id", ""),
+        step=step,
+        last_valid_step=step,
+        last_valid_uri=uri,
+        what=f"DAG run {dag_run.get('dag_run_id', '?')} is still going at the run's deadline "
+        f"{spec.alerts.deadline}, at step {step or 0} of {spec.total_steps}",
+        action="training goes on; decide whether the run may run late (Airflow's deadline alert)",
+    )
     send_once({"params": conf}, run, alert, f"deadline_missed|{dag_run.get('dag_run_id')}")
 
 
@@ -306,8 +369,7 @@ def notify_recovery(context, run: Run, what: str, *, whole_run: bool = False, **
     if not resolves:
         return
     ti = context["ti"]
-    alert = alert_for(context, run, "recovered", what, resolves=resolves,
-                      action="nothing to do; the run goes on", **fields)
+    alert = alert_for(context, run, "recovered", what, resolves=resolves, action="nothing to do; the run goes on", **fields)
     send_once(context, run, alert, f"recovered|{context['dag_run'].run_id}|{ti.task_id}|{ti.try_number}")
 
 
@@ -318,8 +380,16 @@ def notify_finished(context, run: Run, what: str, *, details: str, **fields) -> 
         notify_recovery(context, run, what, whole_run=True, details=details, **fields)
         return
     resolves = _close_failures(context, run, whole_run=True) if run.spec.alerts.recovery else []
-    alert = alert_for(context, run, "finished", what, details=details, resolves=resolves or [],
-                      action="nothing to do: the run is complete", **fields)
+    alert = alert_for(
+        context,
+        run,
+        "finished",
+        what,
+        details=details,
+        resolves=resolves or [],
+        action="nothing to do: the run is complete",
+        **fields,
+    )
     send_once(context, run, alert, f"finished|{context['dag_run'].run_id}")
 
 
@@ -334,8 +404,10 @@ def _close_failures(context, run: Run, whole_run: bool) -> list[str]:
         return []
     if open_failures:
         ledger.close([e["key"] for e in open_failures])
-    return [f"{e['kind']}" + (f" at step {e['step']}" if e.get("step") is not None else "") + f" ({e['at']})"
-            for e in open_failures]
+    return [
+        f"{e['kind']}" + (f" at step {e['step']}" if e.get("step") is not None else "") + f" ({e['at']})"
+        for e in open_failures
+    ]
 
 
 # ------------------------------------------------------------------------------------- the notifier
@@ -370,8 +442,10 @@ class RelayAlertNotifier(BaseNotifier):
         if self.retry:
             alert.action = f"Airflow retries the task (try {ti.try_number + 1} of {ti.max_tries + 1}); {resume}"
         else:
-            alert.action = (f"Airflow gave up after try {ti.try_number}; this DAG run stops here, nothing is lost. "
-                            f"Clear the task (or trigger with run={run}) and {resume}")
+            alert.action = (
+                f"Airflow gave up after try {ti.try_number}; this DAG run stops here, nothing is lost. "
+                f"Clear the task (or trigger with run={run}) and {resume}"
+            )
         if (cause := getattr(error, "cause", None)) is not None:  # a failed chunk's classified cause (operators)
             alert.cause, alert.step = cause.describe(), cause.step if cause.step is not None else alert.step
             alert.action += f". What to do: {cause.todo}"

@@ -91,8 +91,11 @@ def event_status(event, what: str, *keys: str) -> str:
     """The status of a trigger's event, which must also carry `keys`. An event without them (one a trigger
     of another Relay version fired, say) is an error that says so, not a KeyError."""
     if not isinstance(event, dict) or not isinstance(event.get("status"), str) or any(k not in event for k in keys):
-        raise AirflowException(f"{what}: the trigger's event {str(event)[:200]!r} has no status"
-                               + (f" or no {', '.join(keys)}" if keys else "") + "; clear the task to run it again")
+        raise AirflowException(
+            f"{what}: the trigger's event {str(event)[:200]!r} has no status"
+            + (f" or no {', '.join(keys)}" if keys else "")
+            + "; clear the task to run it again"
+        )
     return event["status"]
 
 
@@ -116,8 +119,9 @@ class ChunkTaskOperator(BaseOperator):
     if TYPE_CHECKING:
         # BaseOperator.defer, as the task SDK declares it (mypy takes airflow as Any): it raises TaskDeferred,
         # so an execute() that ends by deferring returns nothing.
-        def defer(self, *, trigger: Any, method_name: str, kwargs: dict[str, Any] | None = None,
-                  timeout: Any = None) -> NoReturn: ...
+        def defer(
+            self, *, trigger: Any, method_name: str, kwargs: dict[str, Any] | None = None, timeout: Any = None
+        ) -> NoReturn: ...
 
 
 class RayChunkOperator(ChunkTaskOperator):
@@ -143,10 +147,8 @@ class RayChunkOperator(ChunkTaskOperator):
         if replay.compared:
             self.log.info("%s", replay.summary())
         notify_divergence(context, run, replay)
-        notify_recovery(context, run, f"{chunk} of run {run} is done: step {latest}", chunk=chunk.index,
-                        step=latest)
-        return {"run_name": run.name, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest,
-                "how": how}
+        notify_recovery(context, run, f"{chunk} of run {run} is done: step {latest}", chunk=chunk.index, step=latest)
+        return {"run_name": run.name, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest, "how": how}
 
     def _check_deadline(self, context, run: Run, latest: int | None) -> None:
         """Alert once when the run's ETA is past alerts.deadline (relay.insights.eta); it never fails the task."""
@@ -155,8 +157,13 @@ class RayChunkOperator(ChunkTaskOperator):
             return
         try:
             deadline = deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline")
-            found = eta(run.dir, total_steps=spec.total_steps, chunk_steps=spec.chunk_steps, latest_step=latest or 0,
-                        deadline=deadline)
+            found = eta(
+                run.dir,
+                total_steps=spec.total_steps,
+                chunk_steps=spec.chunk_steps,
+                latest_step=latest or 0,
+                deadline=deadline,
+            )
         except RelayError as e:
             self.log.warning("run %s: no ETA against alerts.deadline: %s", run, e)
             return
@@ -169,11 +176,17 @@ class RayChunkOperator(ChunkTaskOperator):
     def _checks_before_chunk(self, context, run: Run, chunk) -> None:
         """Settings drift and changed sources are caught before the chunk's job starts, every chunk."""
         try:
-            checked = before_chunk(run, allow_drift=context["params"].get("allow_drift") or [],
-                                   dag_run=context["dag_run"].run_id)
+            checked = before_chunk(
+                run, allow_drift=context["params"].get("allow_drift") or [], dag_run=context["dag_run"].run_id
+            )
         except RelayError as e:
-            notify_error(context, run, e, chunk=chunk.index,
-                         action=f"{chunk} not started (no retries); the run's checkpoints are untouched.")
+            notify_error(
+                context,
+                run,
+                e,
+                chunk=chunk.index,
+                action=f"{chunk} not started (no retries); the run's checkpoints are untouched.",
+            )
             raise AirflowFailException(f"{chunk} of run {run} not started: {e}") from None
         for change in checked["source_changes"]:
             self.log.warning("training continues on the frozen copy (data.on_source_change: use_frozen):\n%s", change)
@@ -210,8 +223,9 @@ class RayChunkOperator(ChunkTaskOperator):
         run, chunk = self._context(context)
         latest, problem = latest_step_or_problem(run.dir)
         if problem:
-            self.log.warning("run %s: %s; the chunk's trainer quarantines it and falls back to the newest valid "
-                             "checkpoint", run, problem)
+            self.log.warning(
+                "run %s: %s; the chunk's trainer quarantines it and falls back to the newest valid checkpoint", run, problem
+            )
         if chunk.done_by(latest):
             return self._done(context, run, chunk, f"already reached step {latest}; nothing to train")
         self._log_resume_preview(run, chunk, latest)
@@ -227,67 +241,118 @@ class RayChunkOperator(ChunkTaskOperator):
             return self._done(context, run, chunk, f"job {job.submission_id} had already succeeded")
         if job.action == "ended":
             assert job.state is not None
-            raise AirflowException(f"Ray job {job.submission_id} of this try already ended {job.state.status}: "
-                                   f"{job.state.message}. The next try resumes from the latest checkpoint.")
+            raise AirflowException(
+                f"Ray job {job.submission_id} of this try already ended {job.state.status}: "
+                f"{job.state.message}. The next try resumes from the latest checkpoint."
+            )
         started = time.time()  # an adopted job's chunk timeout counts again from here
-        self._mark(run, "task_started", chunk, job.submission_id, at=began, dag_run=context["dag_run"].run_id,
-                   try_number=context["ti"].try_number)
+        self._mark(
+            run,
+            "task_started",
+            chunk,
+            job.submission_id,
+            at=began,
+            dag_run=context["dag_run"].run_id,
+            try_number=context["ti"].try_number,
+        )
         self._submission_id = job.submission_id
         if job.action == "submit":
             self._submit(context, hook, run, chunk, job.submission_id, latest)
         elif job.action == "adopt":
-            self.log.info("%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
-                          chunk, run, job.submission_id, job.why, ray_job_page(hook.dashboard_url, job.submission_id))
+            self.log.info(
+                "%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
+                chunk,
+                run,
+                job.submission_id,
+                job.why,
+                ray_job_page(hook.dashboard_url, job.submission_id),
+            )
         else:
-            self.log.info("re-attaching to Ray job %s (%s) instead of submitting a second one: %s", job.submission_id,
-                          job.state and job.state.status, ray_job_page(hook.dashboard_url, job.submission_id))
+            self.log.info(
+                "re-attaching to Ray job %s (%s) instead of submitting a second one: %s",
+                job.submission_id,
+                job.state and job.state.status,
+                ray_job_page(hook.dashboard_url, job.submission_id),
+            )
         self._defer_on_job(context, hook, run, chunk, job.submission_id, started)
 
     def _job_of_this_try(self, context, hook: RayJobsHook, run: Run, chunk: Chunk) -> submission.JobDecision:
-        sub_id = submission_id(run.spec.name, run.name, context["dag_run"].run_id, chunk.index,
-                               context["ti"].try_number)
+        sub_id = submission_id(run.spec.name, run.name, context["dag_run"].run_id, chunk.index, context["ti"].try_number)
         state_store = context.get("task_state_store")
-        return submission.decide(hook.jobs, run, chunk, sub_id, stall_limit_s=stall_limit_s(run), warn=self.log.warning,
-                                 remembered=state_store.get(JOB_STATE_KEY) if state_store is not None else None)
+        return submission.decide(
+            hook.jobs,
+            run,
+            chunk,
+            sub_id,
+            stall_limit_s=stall_limit_s(run),
+            warn=self.log.warning,
+            remembered=state_store.get(JOB_STATE_KEY) if state_store is not None else None,
+        )
 
     def _submit(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, sub_id: str, latest: int | None) -> None:
         """Stop the run's other jobs (one that still holds the lease gets its grace to save the step it is in:
         relay.trainers.stopping), then submit this try's under the run's lease."""
         ti, dag_run_id = context["ti"], context["dag_run"].run_id
         done = submission.submit_chunk(
-            hook.jobs, run, chunk.end_step, sub_id, chunk=chunk.index, env=self._drill_env(context, run, chunk),
+            hook.jobs,
+            run,
+            chunk.end_step,
+            sub_id,
+            chunk=chunk.index,
+            env=self._drill_env(context, run, chunk),
             metadata=lambda req: job_metadata(req, dag_run_id, ti.try_number),
-            stop_others_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S)
+            stop_others_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+        )
         if done.stopped:
             self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s", run, done.stopped)
         self._mark(run, "job_submitted", chunk, sub_id)
         fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
         if (state_store := context.get("task_state_store")) is not None:
             state_store.set(JOB_STATE_KEY, sub_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
-        self.log.info("%s of run %s: resumes from step %s; submitted Ray job %s (lease token %s): %s", chunk, run,
-                      latest or 0, sub_id, done.request.lease_token, ray_job_page(hook.dashboard_url, sub_id))
+        self.log.info(
+            "%s of run %s: resumes from step %s; submitted Ray job %s (lease token %s): %s",
+            chunk,
+            run,
+            latest or 0,
+            sub_id,
+            done.request.lease_token,
+            ray_job_page(hook.dashboard_url, sub_id),
+        )
 
-    def _defer_on_job(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, sub_id: str,
-                      started: float) -> NoReturn:
+    def _defer_on_job(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, sub_id: str, started: float) -> NoReturn:
         """Give the task its "Ray job" link (RayJobLink, shown while deferred) and wait on the job in the triggerer."""
         spec = run.spec
-        context["ti"].xcom_push(key=RAY_JOB_XCOM, value={"submission_id": sub_id,
-                                                         "url": ray_job_page(hook.dashboard_url, sub_id)})
+        context["ti"].xcom_push(
+            key=RAY_JOB_XCOM, value={"submission_id": sub_id, "url": ray_job_page(hook.dashboard_url, sub_id)}
+        )
         deadline = started + spec.ray.chunk_timeout_minutes * 60
         stall_after = stall_limit_s(run)
-        self.log.info("a step-less stretch of %.0fs (plus %.0fs before the first step and after the last) is a "
-                      "stall: alerted, job stopped, retried", stall_after, spec.alerts.startup_minutes * 60)
+        self.log.info(
+            "a step-less stretch of %.0fs (plus %.0fs before the first step and after the last) is a "
+            "stall: alerted, job stopped, retried",
+            stall_after,
+            spec.alerts.startup_minutes * 60,
+        )
         stop_grace = spec.ray.stop_grace_seconds + STOP_MARGIN_S
         self.defer(
-            trigger=RayJobTrigger(address=hook.address, submission_id=sub_id, deadline=deadline,
-                                  poll_seconds=spec.ray.poll_seconds, stall_after_s=stall_after,
-                                  startup_s=spec.alerts.startup_minutes * 60, end_step=chunk.end_step,
-                                  adoptable=True, stop_grace_s=stop_grace, run_dir=str(run.dir)),
+            trigger=RayJobTrigger(
+                address=hook.address,
+                submission_id=sub_id,
+                deadline=deadline,
+                poll_seconds=spec.ray.poll_seconds,
+                stall_after_s=stall_after,
+                startup_s=spec.alerts.startup_minutes * 60,
+                end_step=chunk.end_step,
+                adoptable=True,
+                stop_grace_s=stop_grace,
+                run_dir=str(run.dir),
+            ),
             method_name="execute_complete",
             # The trigger enforces the deadline itself (it stops the job); Airflow's own timeout, a little later,
             # only fires when no triggerer ran it: this try fails, the job trains on, and the next try adopts it.
-            timeout=timedelta(seconds=max(0.0, deadline - time.time()) + stop_grace + 2 * spec.ray.poll_seconds
-                              + TRIGGER_TIMEOUT_MARGIN_S),
+            timeout=timedelta(
+                seconds=max(0.0, deadline - time.time()) + stop_grace + 2 * spec.ray.poll_seconds + TRIGGER_TIMEOUT_MARGIN_S
+            ),
         )
 
     @staticmethod
@@ -301,17 +366,27 @@ class RayChunkOperator(ChunkTaskOperator):
         if not spec.airflow.approvals or not newer or newer[-1] - k <= allowed:
             return
         n = newer[-1]
-        if any(e.get("event") == FALLBACK_APPROVED and e.get("quarantined") == n and e.get("resume_from") == k
-               for e in read_events(run.dir)):
+        if any(
+            e.get("event") == FALLBACK_APPROVED and e.get("quarantined") == n and e.get("resume_from") == k
+            for e in read_events(run.dir)
+        ):
             return
         resume = f"Resume from step {k}"
-        raise DecisionNeeded(run, Decision(
-            "fallback", f"Resume run {run.name} from step {k}, {n - k} steps back?",
-            f"Checkpoint(s) at step(s) {', '.join(map(str, newer))} failed validation and were quarantined (their "
-            f"reports: `{relay_dir(run.dir, QUARANTINE)}`). The newest valid checkpoint is step {k}: resuming there "
-            f"trains steps {k + 1}..{n} again, {n - k} steps, more than approvals.max_steps_lost ({allowed}).\n\n"
-            f"**{resume}** to go on. **Stop the run** to look first: nothing is changed, and the next trigger asks "
-            "again.", [resume, "Stop the run"], [resume], {"run": run.name, "quarantined": n, "resume_from": k}))
+        raise DecisionNeeded(
+            run,
+            Decision(
+                "fallback",
+                f"Resume run {run.name} from step {k}, {n - k} steps back?",
+                f"Checkpoint(s) at step(s) {', '.join(map(str, newer))} failed validation and were quarantined (their "
+                f"reports: `{relay_dir(run.dir, QUARANTINE)}`). The newest valid checkpoint is step {k}: resuming there "
+                f"trains steps {k + 1}..{n} again, {n - k} steps, more than approvals.max_steps_lost ({allowed}).\n\n"
+                f"**{resume}** to go on. **Stop the run** to look first: nothing is changed, and the next trigger asks "
+                "again.",
+                [resume, "Stop the run"],
+                [resume],
+                {"run": run.name, "quarantined": n, "resume_from": k},
+            ),
+        )
 
     def fallback_decided(self, context, event: dict | None = None, decision: dict | None = None) -> dict:
         """A person answered the fallback question: record the approval (events.jsonl), then run the chunk."""
@@ -320,10 +395,23 @@ class RayChunkOperator(ChunkTaskOperator):
             got = answer(run, decision or {}, event or {})
         except Rejected as rejected:
             skip_rejected(self.log, rejected)
-        record_event(run.dir, FALLBACK_APPROVED, chunk=chunk.index, quarantined=got.data["quarantined"],
-                     resume_from=got.data["resume_from"], by=got.by, at=got.at)
-        self.log.warning("%s of run %s: %s approved resuming from step %s (quarantined step %s)", chunk, run,
-                         got.by, got.data["resume_from"], got.data["quarantined"])
+        record_event(
+            run.dir,
+            FALLBACK_APPROVED,
+            chunk=chunk.index,
+            quarantined=got.data["quarantined"],
+            resume_from=got.data["resume_from"],
+            by=got.by,
+            at=got.at,
+        )
+        self.log.warning(
+            "%s of run %s: %s approved resuming from step %s (quarantined step %s)",
+            chunk,
+            run,
+            got.by,
+            got.data["resume_from"],
+            got.data["quarantined"],
+        )
         return self.execute(context)
 
     @staticmethod
@@ -351,12 +439,21 @@ class RayChunkOperator(ChunkTaskOperator):
         if status == "STALLED":
             ti = context["ti"]
             latest = latest_valid_step(run.dir)
-            then = (f"Airflow's retry (try {ti.try_number + 1} of {ti.max_tries + 1}) resumes from step {latest or 0}"
-                    if ti.try_number <= ti.max_tries else "no retries left: this DAG run stops; clear the task to "
-                                                          f"resume from step {latest or 0}")
-            notify(context, run, "stall", f"{chunk}: {event.get('message', '')}", chunk=chunk.index,
-                   step=event.get("step"), details=job_log_tail(spec, event),
-                   action=f"stopped Ray job {event['submission_id']}; {then}")
+            then = (
+                f"Airflow's retry (try {ti.try_number + 1} of {ti.max_tries + 1}) resumes from step {latest or 0}"
+                if ti.try_number <= ti.max_tries
+                else f"no retries left: this DAG run stops; clear the task to resume from step {latest or 0}"
+            )
+            notify(
+                context,
+                run,
+                "stall",
+                f"{chunk}: {event.get('message', '')}",
+                chunk=chunk.index,
+                step=event.get("step"),
+                details=job_log_tail(spec, event),
+                action=f"stopped Ray job {event['submission_id']}; {then}",
+            )
         if status != "SUCCEEDED":
             self._failed(context, run, chunk, event, status)
         return self._done(context, run, chunk, f"job {event['submission_id']} succeeded")
@@ -367,17 +464,29 @@ class RayChunkOperator(ChunkTaskOperator):
         spec, sub_id, ti = run.spec, event["submission_id"], context["ti"]
         tail = job_log_tail(spec, event)
         step = failure_cause.step_of_failure(run.dir, sub_id) or event.get("step")
-        cause = failure_cause.classify(status, event.get("message", ""), tail, event.get("exit_code"), step=step,
-                                       oom_kills=failure_cause.oom_kills_since_start(run.dir, sub_id))
+        cause = failure_cause.classify(
+            status,
+            event.get("message", ""),
+            tail,
+            event.get("exit_code"),
+            step=step,
+            oom_kills=failure_cause.oom_kills_since_start(run.dir, sub_id),
+        )
         dag_run = context["dag_run"].run_id
         repeated = failure_cause.repeats(cause, failure_cause.earlier_failures(run.dir, chunk.index, dag_run))
         policy = failure_cause.STOP if repeated else failure_cause.policy(cause, spec.airflow.retry_on)
-        failure_cause.record_failure(run.dir, cause, chunk=chunk.index, attempt=sub_id, dag_run=dag_run,
-                                     try_number=ti.try_number, policy=policy)
-        why = ("the same exception at the same step as an earlier try: it is deterministic, so Airflow does not "
-               "retry it" if repeated else f"policy for {cause.cause}: {policy} (spec airflow.retry_on)")
-        message = (f"{chunk} of run {run}: Ray job {sub_id} ended {status}; {cause.describe()}\n{cause.report()}\n"
-                   f"{why}\n--- last lines of the job's log ---\n{tail}")
+        failure_cause.record_failure(
+            run.dir, cause, chunk=chunk.index, attempt=sub_id, dag_run=dag_run, try_number=ti.try_number, policy=policy
+        )
+        why = (
+            "the same exception at the same step as an earlier try: it is deterministic, so Airflow does not retry it"
+            if repeated
+            else f"policy for {cause.cause}: {policy} (spec airflow.retry_on)"
+        )
+        message = (
+            f"{chunk} of run {run}: Ray job {sub_id} ended {status}; {cause.describe()}\n{cause.report()}\n"
+            f"{why}\n--- last lines of the job's log ---\n{tail}"
+        )
         self.log.error("%s", message)
         if policy == failure_cause.STOP:
             raise ChunkFailedForGood(message, cause)
@@ -386,10 +495,15 @@ class RayChunkOperator(ChunkTaskOperator):
 
             from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
 
-            self.log.warning("waiting %.0fs before failing this try, so that its retry starts later (backoff)",
-                             spec.airflow.retry_backoff_seconds)
-            self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=spec.airflow.retry_backoff_seconds)),
-                       method_name="backoff_complete", kwargs={"message": message, "cause": cause.to_event()})
+            self.log.warning(
+                "waiting %.0fs before failing this try, so that its retry starts later (backoff)",
+                spec.airflow.retry_backoff_seconds,
+            )
+            self.defer(
+                trigger=TimeDeltaTrigger(timedelta(seconds=spec.airflow.retry_backoff_seconds)),
+                method_name="backoff_complete",
+                kwargs={"message": message, "cause": cause.to_event()},
+            )
         raise ChunkFailed(message, cause)
 
     def backoff_complete(self, context, event: Any = None, message: str = "", cause: dict | None = None) -> NoReturn:
@@ -404,17 +518,27 @@ class RayChunkOperator(ChunkTaskOperator):
             step, bad = e["resumed_from"], e.get("quarantined")
             if bad:
                 what = f"checkpoint(s) at step {', '.join(map(str, bad))} failed validation"
-                action = (f"quarantined them (never loaded, never published) and resumed from step {step}"
-                          + (f", restored from its published copy {e['restored_from']}" if e.get("restored_from")
-                             else "; the steps after it were trained again"))
+                action = f"quarantined them (never loaded, never published) and resumed from step {step}" + (
+                    f", restored from its published copy {e['restored_from']}"
+                    if e.get("restored_from")
+                    else "; the steps after it were trained again"
+                )
             elif e.get("tracker_refused"):
                 what = f"the tracker was refused ({'; '.join(e['tracker_refused'])})"
                 action = f"set the tracker aside and resumed from the newest valid checkpoint, step {step}"
             else:
                 continue
-            notify(context, run, "fallback", f"{chunk}: {what} at resume; resumed from step {step}",
-                   chunk=chunk.index, step=step, quarantined_to=str(relay_dir(run.dir, QUARANTINE)),
-                   action=action, scope=attempt)
+            notify(
+                context,
+                run,
+                "fallback",
+                f"{chunk}: {what} at resume; resumed from step {step}",
+                chunk=chunk.index,
+                step=step,
+                quarantined_to=str(relay_dir(run.dir, QUARANTINE)),
+                action=action,
+                scope=attempt,
+            )
 
     def on_kill(self) -> None:
         """The task was killed while in execute(): stop its job (a deferred task is the trigger's on_kill)."""
@@ -457,9 +581,12 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
             return {"ok": True, "step": chunk.end_step, "already": True}
         if checkpoint_reached(run.dir, chunk.end_step):
             return self._validate(context, run, chunk)
-        self.defer(trigger=CheckpointTrigger(str(run.dir), chunk.end_step,
-                                             deadline=time.time() + spec.ray.chunk_timeout_minutes * 60),
-                   method_name="execute_complete")
+        self.defer(
+            trigger=CheckpointTrigger(
+                str(run.dir), chunk.end_step, deadline=time.time() + spec.ray.chunk_timeout_minutes * 60
+            ),
+            method_name="execute_complete",
+        )
 
     def execute_complete(self, context, event: dict) -> dict:
         run, chunk = self._context(context)
@@ -473,15 +600,18 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
         spec = run.spec
         status = event_status(event, f"{chunk} of run {run}", "submission_id")
         if status != "SUCCEEDED":
-            raise AirflowException(f"{chunk} of run {run}: validation job {event['submission_id']} ended "
-                                   f"{status}: {event.get('message', '')}\n{job_log_tail(spec, event)}")
+            raise AirflowException(
+                f"{chunk} of run {run}: validation job {event['submission_id']} ended "
+                f"{status}: {event.get('message', '')}\n{job_log_tail(spec, event)}"
+            )
         return self._admitted(context, run, chunk, self._ray_admission(spec, event))
 
     def _validate(self, context, run: Run, chunk) -> dict:
         if run.spec.checkpoints.validate_on == "ray":
             return self._validate_on_ray(context, run, chunk)
-        return self._admitted(context, run, chunk,
-                              admit(run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict())
+        return self._admitted(
+            context, run, chunk, admit(run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict()
+        )
 
     def _validate_on_ray(self, context, run: Run, chunk) -> NoReturn:
         spec = run.spec
@@ -490,36 +620,59 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
         sub_id = submission_id(spec.name, run.name, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
         if hook.jobs.get(sub_id) is None:
             request = admission.request_json(run, chunk.end_step, self._expected_step(chunk))
-            hook.jobs.submit_module(spec, "relay.preflight.admission", {admission.ENV_VAR: request}, sub_id,
-                                    {"relay_spec": spec.name, "relay_run": run.name, "relay_role": "validate"})
-        self.defer(trigger=RayJobTrigger(address=hook.address, submission_id=sub_id,
-                                         deadline=time.time() + spec.ray.chunk_timeout_minutes * 60,
-                                         poll_seconds=spec.ray.poll_seconds),
-                   method_name="ray_validation_complete")
+            hook.jobs.submit_module(
+                spec,
+                "relay.preflight.admission",
+                {admission.ENV_VAR: request},
+                sub_id,
+                {"relay_spec": spec.name, "relay_run": run.name, "relay_role": "validate"},
+            )
+        self.defer(
+            trigger=RayJobTrigger(
+                address=hook.address,
+                submission_id=sub_id,
+                deadline=time.time() + spec.ray.chunk_timeout_minutes * 60,
+                poll_seconds=spec.ray.poll_seconds,
+            ),
+            method_name="ray_validation_complete",
+        )
 
     def _ray_admission(self, spec, event: dict) -> dict:
         logs = RayJobsHook(spec.ray.conn_id).jobs.logs(event["submission_id"])
         admission = parse_job_output(logs)
         if admission is None:
-            raise AirflowException(f"validation job {event['submission_id']} printed no result:\n"
-                                   + "\n".join(logs.splitlines()[-LOG_TAIL_LINES:]))
+            raise AirflowException(
+                f"validation job {event['submission_id']} printed no result:\n"
+                + "\n".join(logs.splitlines()[-LOG_TAIL_LINES:])
+            )
         return admission
 
     def _admitted(self, context, run: Run, chunk, admission: dict) -> dict:
         report = "\n".join(f"  {'✔' if c['ok'] else '✘'} {c['name']}: {c['detail']}" for c in admission["checks"])
         if admission["ok"]:
             self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run, report)
-            notify_recovery(context, run, f"{chunk} of run {run}: checkpoint step {chunk.end_step} is valid",
-                            chunk=chunk.index, step=chunk.end_step)
+            notify_recovery(
+                context,
+                run,
+                f"{chunk} of run {run}: checkpoint step {chunk.end_step} is valid",
+                chunk=chunk.index,
+                step=chunk.end_step,
+            )
             return admission
         failed = next(c for c in admission["checks"] if not c["ok"])
-        notify(context, run, "checkpoint_invalid",
-               f"checkpoint step {chunk.end_step} failed the {failed['name']} check: {failed['detail']}",
-               chunk=chunk.index, step=chunk.end_step, details=f"check report of step {chunk.end_step}:\n{report}",
-               quarantined_to=admission["quarantined_to"],
-               action=f"quarantined it (never published) and pointed the tracker at step "
-                      f"{admission['fell_back_to'] or 'none'}; this DAG run stops. Clear {chunk.task_group_id}.train "
-                      "to train the chunk again from there.")
+        notify(
+            context,
+            run,
+            "checkpoint_invalid",
+            f"checkpoint step {chunk.end_step} failed the {failed['name']} check: {failed['detail']}",
+            chunk=chunk.index,
+            step=chunk.end_step,
+            details=f"check report of step {chunk.end_step}:\n{report}",
+            quarantined_to=admission["quarantined_to"],
+            action=f"quarantined it (never published) and pointed the tracker at step "
+            f"{admission['fell_back_to'] or 'none'}; this DAG run stops. Clear {chunk.task_group_id}.train "
+            "to train the chunk again from there.",
+        )
         raise AirflowFailException(
             f"{chunk} of run {run}: checkpoint step {chunk.end_step} INVALID: {failed['name']}: {failed['detail']}; "
             f"quarantined to {admission['quarantined_to']} (never published); the tracker now names step "
@@ -546,24 +699,47 @@ class PublishCheckpointOperator(ChunkTaskOperator):
         if not layout.step_dir(run.dir, chunk.end_step).is_dir():
             # Trained past this chunk's end without saving there (with `relay train`, say): its
             # later chunk's checkpoint is the one to publish.
-            self.log.warning("%s of run %s: no checkpoint at step %s and none published; nothing to publish",
-                             chunk, run, chunk.end_step)
+            self.log.warning(
+                "%s of run %s: no checkpoint at step %s and none published; nothing to publish", chunk, run, chunk.end_step
+            )
             self._announce(context, run, {"run": run.name, "step": chunk.end_step, "skipped": True})
             publish_report(run, store, context)
             return {"step": chunk.end_step, "skipped": True}
         pub = publish_checkpoint(run, chunk.end_step, store)
-        self.log.info("%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
-                      chunk, run, pub.uri, pub.uploaded, pub.skipped, pub.bytes_uploaded, pub.seconds,
-                      f"; Hugging Face model at {pub.hf_uri}" if pub.hf_uri else "")
+        self.log.info(
+            "%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
+            chunk,
+            run,
+            pub.uri,
+            pub.uploaded,
+            pub.skipped,
+            pub.bytes_uploaded,
+            pub.seconds,
+            f"; Hugging Face model at {pub.hf_uri}" if pub.hf_uri else "",
+        )
         if pub.deleted_local or pub.published_retention.get("deleted"):
-            self.log.info("retention: deleted local steps %s, published steps %s", pub.deleted_local,
-                          pub.published_retention.get("deleted"))
-        self._announce(context, run, {
-            "run": run.name, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri,
-            "hf_model": pub.hf_uri, "spec": spec.name, "dag_run": context["dag_run"].run_id})
+            self.log.info(
+                "retention: deleted local steps %s, published steps %s",
+                pub.deleted_local,
+                pub.published_retention.get("deleted"),
+            )
+        self._announce(
+            context,
+            run,
+            {
+                "run": run.name,
+                "step": chunk.end_step,
+                "uri": pub.uri,
+                "manifest": pub.manifest_uri,
+                "hf_model": pub.hf_uri,
+                "spec": spec.name,
+                "dag_run": context["dag_run"].run_id,
+            },
+        )
         publish_report(run, store, context)
-        notify_recovery(context, run, f"{chunk} of run {run}: step {chunk.end_step} is published",
-                        chunk=chunk.index, step=chunk.end_step)
+        notify_recovery(
+            context, run, f"{chunk} of run {run}: step {chunk.end_step} is published", chunk=chunk.index, step=chunk.end_step
+        )
         return pub.to_dict()
 
     def _announce(self, context, run: Run, extra: dict) -> None:

@@ -56,6 +56,8 @@ def preload_task_modules(argv: list[str] | None = None) -> list[str]:
             done.append(name)
         except Exception as e:  # noqa: BLE001 - a missing library must not stop the scheduler
             print(f"[relay] preload: {name} not imported ({type(e).__name__}: {e})", file=sys.stderr)
-    print(f"[relay] the scheduler imported {len(done)} modules for its task processes in "
-          f"{time.process_time() - t0:.1f} CPU-s", file=sys.stderr)
+    print(
+        f"[relay] the scheduler imported {len(done)} modules for its task processes in {time.process_time() - t0:.1f} CPU-s",
+        file=sys.stderr,
+    )
     return done

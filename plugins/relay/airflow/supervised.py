@@ -38,11 +38,13 @@ def whole_run_view(spec):
     settings["save_freq"] = overrides.save_freq(spec)  # checked against the real chunk_steps here
     if settings.get("validate_every_chunk"):
         settings["test_freq"] = overrides.test_freq(spec)
-    view = spec.model_copy(update={
-        "chunk_steps": spec.total_steps,
-        "trainer": spec.trainer.model_copy(update={"settings": settings}),
-        "ray": spec.ray.model_copy(update={"chunk_timeout_minutes": spec.ray.chunk_timeout_minutes * chunks}),
-    })
+    view = spec.model_copy(
+        update={
+            "chunk_steps": spec.total_steps,
+            "trainer": spec.trainer.model_copy(update={"settings": settings}),
+            "ray": spec.ray.model_copy(update={"chunk_timeout_minutes": spec.ray.chunk_timeout_minutes * chunks}),
+        }
+    )
     view._source = spec.source
     return view
 
@@ -69,15 +71,23 @@ class SupervisedValidateOperator(ValidateCheckpointOperator):
 
 def supervise_task(spec, **kwargs) -> SupervisedRunOperator:
     """The one long job's task (create it inside the DAG's context)."""
-    return SupervisedRunOperator(task_id=SUPERVISE_TASK, spec_path=spec.source,
-                                 doc_md=f"Train all {spec.total_steps} steps as one Ray job (verl saves every "
-                                        f"{spec.chunk_steps}); a retry resubmits it, resuming from the latest "
-                                        "valid checkpoint.", **kwargs)
+    return SupervisedRunOperator(
+        task_id=SUPERVISE_TASK,
+        spec_path=spec.source,
+        doc_md=f"Train all {spec.total_steps} steps as one Ray job (verl saves every "
+        f"{spec.chunk_steps}); a retry resubmits it, resuming from the latest "
+        "valid checkpoint.",
+        **kwargs,
+    )
 
 
 def validate_task(spec, chunk) -> SupervisedValidateOperator:
     """chunk_k.validate of a supervised run (create it inside the chunk's task group)."""
     return SupervisedValidateOperator(
-        task_id="validate", spec_path=spec.source, chunk_index=chunk.index, train_task=None,
+        task_id="validate",
+        spec_path=spec.source,
+        chunk_index=chunk.index,
+        train_task=None,
         doc_md=f"Wait for step {chunk.end_step}'s checkpoint of the supervised job; validate it; quarantine it if "
-               "it is not whole.")
+        "it is not whole.",
+    )

@@ -68,12 +68,19 @@ def settings_guard(spec_path: str, answer: dict | None = None, **context) -> lis
         allowed = check_settings(run, allow_drift=allow, by=by, dag_run=context["dag_run"].run_id)
     except DriftError as e:
         if run.spec.airflow.approvals and not answer:
-            raise DecisionNeeded(run, Decision(
-                "drift", f"Accept a change of run {run.name}'s resume-critical settings?",
-                f"These settings differ from the ones run **{run.name}** recorded:\n\n```\n{e.table}\n```\n\n"
-                "Approve to train on with them: the change is recorded (who, when, what), as `allow_drift` records "
-                f"it. Reject to stop: restore the settings in the spec, or start a new run.",
-                ["Approve", "Reject"], ["Approve"], {"run": run.name, "keys": e.keys})) from None
+            raise DecisionNeeded(
+                run,
+                Decision(
+                    "drift",
+                    f"Accept a change of run {run.name}'s resume-critical settings?",
+                    f"These settings differ from the ones run **{run.name}** recorded:\n\n```\n{e.table}\n```\n\n"
+                    "Approve to train on with them: the change is recorded (who, when, what), as `allow_drift` records "
+                    f"it. Reject to stop: restore the settings in the spec, or start a new run.",
+                    ["Approve", "Reject"],
+                    ["Approve"],
+                    {"run": run.name, "keys": e.keys},
+                ),
+            ) from None
         notify_error(context, run, e, action="no chunk started; the run's checkpoints are untouched.")
         raise AirflowFailException(str(e)) from None
     except RelayError as e:
@@ -101,8 +108,11 @@ def data_freeze(spec_path: str, **context) -> dict:
     for change in state.source_changes:
         log.warning("data.on_source_change is use_frozen: training continues on the frozen copy.\n%s", change)
         notify_use_frozen(context, run, change)
-    log.info("run %s trains on frozen data: %s", run,
-             ", ".join(f"{f['role']} {f['sha256'][:12]} ({f['rows']} rows, from {f['source']})" for f in state.frozen))
+    log.info(
+        "run %s trains on frozen data: %s",
+        run,
+        ", ".join(f"{f['role']} {f['sha256'][:12]} ({f['rows']} rows, from {f['source']})" for f in state.frozen),
+    )
     notify_recovery(context, run, f"run {run}: its data passes its checks again")
     return {"froze_now": state.froze_now, "frozen": state.frozen, "source_changes": state.source_changes}
 
@@ -150,17 +160,35 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
         asked_by = f"DAG run {context['dag_run'].dag_id}/{context['dag_run'].run_id}"
         if answer:  # a person approved the fresh start in the UI
             confirm, started_by = run.name, f"{started_by} (fresh start approved by {Answer(**answer).who()})"
-        elif (params.get("fresh_start") and confirm.strip() != run.name and spec.airflow.approvals
-              and not fresh_start_done(run.dir, asked_by)):
+        elif (
+            params.get("fresh_start")
+            and confirm.strip() != run.name
+            and spec.airflow.approvals
+            and not fresh_start_done(run.dir, asked_by)
+        ):
             plan = fresh_start_plan(run, store)
             if plan.needed:
-                raise DecisionNeeded(run, Decision(
-                    "fresh_start", f"Start run {run.name} again from step 0?",
-                    plan.markdown(spec.checkpoint_dir, store.uri if store is not None else None),
-                    ["Approve", "Reject"], ["Approve"], {"run": run.name}))
-        state = prepare_run(spec, run.name, fresh_start=bool(params.get("fresh_start")), confirm=confirm,
-                            started_by=started_by, store=store, asked_by=asked_by,
-                            jobs=_ray_jobs(spec) if params.get("fresh_start") else None)
+                raise DecisionNeeded(
+                    run,
+                    Decision(
+                        "fresh_start",
+                        f"Start run {run.name} again from step 0?",
+                        plan.markdown(spec.checkpoint_dir, store.uri if store is not None else None),
+                        ["Approve", "Reject"],
+                        ["Approve"],
+                        {"run": run.name},
+                    ),
+                )
+        state = prepare_run(
+            spec,
+            run.name,
+            fresh_start=bool(params.get("fresh_start")),
+            confirm=confirm,
+            started_by=started_by,
+            store=store,
+            asked_by=asked_by,
+            jobs=_ray_jobs(spec) if params.get("fresh_start") else None,
+        )
     except DecisionNeeded:
         raise
     except RelayError as e:
@@ -168,21 +196,39 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
     for note in state.notes:
         log.warning("%s", note)
     if state.problem:
-        log.warning("run %s: %s; the next chunk's trainer quarantines it and resumes from the newest valid checkpoint",
-                    state.run_name, state.problem)
+        log.warning(
+            "run %s: %s; the next chunk's trainer quarantines it and resumes from the newest valid checkpoint",
+            state.run_name,
+            state.problem,
+        )
     if state.archived_to or state.archived_uri:
-        log.warning("fresh start of run %s (new incarnation %s): the old run was moved aside to %s, never deleted",
-                    state.run_name, state.incarnation,
-                    " and ".join(x for x in (state.archived_to, state.archived_uri) if x))
+        log.warning(
+            "fresh start of run %s (new incarnation %s): the old run was moved aside to %s, never deleted",
+            state.run_name,
+            state.incarnation,
+            " and ".join(x for x in (state.archived_to, state.archived_uri) if x),
+        )
     channels = Channels.of(spec, params)
-    log.info("run %s (%s, incarnation %s): latest valid checkpoint step %s of %s; alerts go to %s", state.run_name,
-             state.run_dir, state.incarnation, state.latest_step, spec.total_steps,
-             ", ".join(f"{name} {', '.join(channels.emails)}" if name.startswith("email") else name
-                       for name, _ in channels.senders()) or "nobody (no alert channel configured)")
+    log.info(
+        "run %s (%s, incarnation %s): latest valid checkpoint step %s of %s; alerts go to %s",
+        state.run_name,
+        state.run_dir,
+        state.incarnation,
+        state.latest_step,
+        spec.total_steps,
+        ", ".join(
+            f"{name} {', '.join(channels.emails)}" if name.startswith("email") else name for name, _ in channels.senders()
+        )
+        or "nobody (no alert channel configured)",
+    )
     log.info("chunk plan:\n%s", ChunkPlan.from_spec(spec).describe(state.latest_step))
     _log_checklist(state.run(spec))
-    return {**state.to_dict(), "alert_emails": list(channels.emails), "logical_date": when.isoformat(),
-            "data_files": list(spec.data.train_files)}
+    return {
+        **state.to_dict(),
+        "alert_emails": list(channels.emails),
+        "logical_date": when.isoformat(),
+        "data_files": list(spec.data.train_files),
+    }
 
 
 def _ray_jobs(spec):
@@ -200,13 +246,16 @@ def _log_checklist(run: Run) -> None:
     Informational here: a check that cannot run is logged, never fails the task."""
     spec = run.spec
     try:
-        findings = doctor.diagnose(run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs,
-                                   deep=False)
+        findings = doctor.diagnose(run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs, deep=False)
     except Exception as e:  # noqa: BLE001 - a missing connection, say: the chunk's own submit says so, with what to do
         log.warning("resume checklist not run: %s", e)
         return
-    log.info("resume checklist (as `python -m relay doctor %s --run %s`):\n%s", spec.source, run,
-             "\n".join(f.line() for f in findings))
+    log.info(
+        "resume checklist (as `python -m relay doctor %s --run %s`):\n%s",
+        spec.source,
+        run,
+        "\n".join(f.line() for f in findings),
+    )
 
 
 def finish(spec_path: str, **context) -> dict:
@@ -215,13 +264,25 @@ def finish(spec_path: str, **context) -> dict:
     spec = run.spec
     state = run_state(run)
     resumes = [e for e in read_events(run.dir) if e["event"] == "chunk_start" and e["resumed_from"]]
-    log.info("run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
-             run, state.latest_step, spec.total_steps, state.run_dir, state.run_dir, len(resumes))
+    log.info(
+        "run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
+        run,
+        state.latest_step,
+        spec.total_steps,
+        state.run_dir,
+        state.run_dir,
+        len(resumes),
+    )
     spent = goodput.ledger(run.dir)
     summary = spent.describe() if spent is not None else "goodput: no chunk attempt recorded"
     log.info("run %s %s", run, summary)
-    notify_finished(context, run, f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
-                    details=summary, step=state.latest_step)
+    notify_finished(
+        context,
+        run,
+        f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
+        details=summary,
+        step=state.latest_step,
+    )
     publish_report(run, checkpoint_store(spec), context)
     return state.to_dict()
 
@@ -236,8 +297,12 @@ def publish_report(run: Run, store, context) -> None:
     except Exception as e:  # noqa: BLE001
         log.warning("run report of %s not written: %s", run, e)
         return
-    log.info("run report: %s (kept at %s)\n%s", report_page(context["dag_run"].dag_id, run.name),
-             out.get("html_uri", out["html"]), out["summary"])
+    log.info(
+        "run report: %s (kept at %s)\n%s",
+        report_page(context["dag_run"].dag_id, run.name),
+        out.get("html_uri", out["html"]),
+        out["summary"],
+    )
 
 
 def evaluate_published(spec_path: str, **context) -> list[dict]:
@@ -246,8 +311,12 @@ def evaluate_published(spec_path: str, **context) -> list[dict]:
 
     spec = load_spec(spec_path, check_environment=False)
     store = checkpoint_store(spec)
-    events = [e.extra for events in (context.get("triggering_asset_events") or {}).values() for e in events
-              if e.extra.get("manifest")]  # a chunk with nothing to publish announces no checkpoint
+    events = [
+        e.extra
+        for events in (context.get("triggering_asset_events") or {}).values()
+        for e in events
+        if e.extra.get("manifest")
+    ]  # a chunk with nothing to publish announces no checkpoint
     if conf_manifest := (context["dag_run"].conf or {}).get("manifest"):
         events.append({"manifest": conf_manifest})
     results = []
@@ -256,12 +325,12 @@ def evaluate_published(spec_path: str, **context) -> list[dict]:
         shard = layout.shard_name("model", m.world_size, 0)
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / shard
-            store.download_object(f"{extra['manifest'].rsplit('/', 1)[0]}/actor/{shard}", local,
-                                  m.files[f"actor/{shard}"])
+            store.download_object(f"{extra['manifest'].rsplit('/', 1)[0]}/actor/{shard}", local, m.files[f"actor/{shard}"])
             state = safeload.load(local, mmap=False)
         params = sum(int(v.numel()) for v in state.values() if hasattr(v, "numel"))
-        log.info("evaluated run %s step %s: model shard 0 holds %d parameters (%d tensors)", m.run, m.step, params,
-                 len(state))
+        log.info(
+            "evaluated run %s step %s: model shard 0 holds %d parameters (%d tensors)", m.run, m.step, params, len(state)
+        )
         results.append({"run": m.run, "step": m.step, "parameters_in_shard_0": params})
     if not results:
         log.warning("no checkpoint to evaluate: no triggering asset event and no conf manifest")

@@ -37,10 +37,20 @@ FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  #
 
 
 class RayJobTrigger(BaseTrigger):
-    def __init__(self, address: str, submission_id: str, deadline: float, poll_seconds: float = 2.0,
-                 unreachable_grace_s: float = 300.0, stall_after_s: float | None = None,
-                 startup_s: float = 0.0, end_step: int | None = None, adoptable: bool = False,
-                 stop_grace_s: float = 0.0, run_dir: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        submission_id: str,
+        deadline: float,
+        poll_seconds: float = 2.0,
+        unreachable_grace_s: float = 300.0,
+        stall_after_s: float | None = None,
+        startup_s: float = 0.0,
+        end_step: int | None = None,
+        adoptable: bool = False,
+        stop_grace_s: float = 0.0,
+        run_dir: str | None = None,
+    ):
         super().__init__()
         self.address = address
         self.submission_id = submission_id
@@ -93,14 +103,18 @@ class RayJobTrigger(BaseTrigger):
                 unreachable_since = unreachable_since or now
                 self.log.warning("Ray Jobs API at %s unreachable (%s); retrying", self.address, e)
                 if now - unreachable_since > self.unreachable_grace_s or now > self.deadline:
-                    yield self._event("UNREACHABLE", f"Ray Jobs API at {self.address} unreachable for "
-                                                     f"{now - unreachable_since:.0f}s: {e}")
+                    yield self._event(
+                        "UNREACHABLE", f"Ray Jobs API at {self.address} unreachable for {now - unreachable_since:.0f}s: {e}"
+                    )
                     return
                 await asyncio.sleep(self.poll_seconds)
                 continue
             if state is None:
-                yield self._event("LOST", f"job {self.submission_id} is unknown to the cluster at {self.address} "
-                                          "(the Ray head lost it, e.g. after a restart)")
+                yield self._event(
+                    "LOST",
+                    f"job {self.submission_id} is unknown to the cluster at {self.address} "
+                    "(the Ray head lost it, e.g. after a restart)",
+                )
                 return
             new, gap = new_lines(seen, tail)
             if gap and seen:
@@ -108,11 +122,11 @@ class RayJobTrigger(BaseTrigger):
             for line in new:
                 self.log.info("%s", line)
             seen = tail or seen
-            beat = await asyncio.to_thread(heartbeat.last_step, self.run_dir, self.submission_id) \
-                if self.run_dir else None
+            beat = await asyncio.to_thread(heartbeat.last_step, self.run_dir, self.submission_id) if self.run_dir else None
             if self.end_step is not None and not ending:
-                ending = any(int(step) >= self.end_step for step in STEP_LINE.findall("\n".join(new))) or \
-                    (beat is not None and beat >= self.end_step)
+                ending = any(int(step) >= self.end_step for step in STEP_LINE.findall("\n".join(new))) or (
+                    beat is not None and beat >= self.end_step
+                )
             if state.status in TERMINAL:
                 yield self._event(state.status, state.message, exit_code=state.exit_code)
                 return
@@ -122,13 +136,15 @@ class RayJobTrigger(BaseTrigger):
                 watch.saw_step(beat, time.time())
                 if stalled := watch.stalled(time.time()):
                     ended = await self._stop_and_wait(jobs)
-                    yield self._event("STALLED", f"{stalled}; job {self.submission_id} stopped ({ended})",
-                                      step=watch.last_step)
+                    yield self._event(
+                        "STALLED", f"{stalled}; job {self.submission_id} stopped ({ended})", step=watch.last_step
+                    )
                     return
             if time.time() > self.deadline:
                 ended = await self._stop_and_wait(jobs)
-                yield self._event("TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was "
-                                             f"stopped ({ended})")
+                yield self._event(
+                    "TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was stopped ({ended})"
+                )
                 return
             await asyncio.sleep(min(self.poll_seconds, ENDING_POLL_S) if ending else self.poll_seconds)
 
@@ -156,8 +172,11 @@ class RayJobTrigger(BaseTrigger):
         last checkpoint."""
         state = await self._task_state()
         if self.adoptable and state not in (*FINAL_STATES, "unknown"):
-            self.log.info("Task cleared (now %s): Ray job %s is left running for the task's next try to adopt",
-                          state, self.submission_id)
+            self.log.info(
+                "Task cleared (now %s): Ray job %s is left running for the task's next try to adopt",
+                state,
+                self.submission_id,
+            )
             return
         self.log.info("Task marked %s by a person: stopping Ray job %s", state, self.submission_id)
         await AsyncRayJobs(self.address).stop(self.submission_id)
@@ -171,7 +190,8 @@ class RayJobTrigger(BaseTrigger):
             ti = self.task_instance
             assert ti is not None  # the triggerer sets it before it runs (or kills) a trigger
             states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
-                dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id])
+                dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id]
+            )
             return str((states.get(ti.run_id) or {}).get(ti.task_id) or "none")
         except Exception as e:  # noqa: BLE001 - when in doubt, stop the job as before
             self.log.warning("the task's state could not be read (%s)", e)
@@ -205,8 +225,12 @@ class CheckpointTrigger(BaseTrigger):
                 yield TriggerEvent({"status": "present", "step": self.step, "message": ""})
                 return
             if time.time() > self.deadline:
-                yield TriggerEvent({"status": "timeout", "step": self.step,
-                                    "message": f"no checkpoint for step {self.step} in {self.run_dir} before the "
-                                               "deadline"})
+                yield TriggerEvent(
+                    {
+                        "status": "timeout",
+                        "step": self.step,
+                        "message": f"no checkpoint for step {self.step} in {self.run_dir} before the deadline",
+                    }
+                )
                 return
             await asyncio.sleep(self.poll_seconds)

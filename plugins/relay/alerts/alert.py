@@ -51,9 +51,14 @@ KINDS: dict[str, tuple[str, str]] = {
 def kind_of(error: BaseException, default: str = "task_failed") -> str:
     """The alert kind of an error; `default` for any other (imports local: these modules are heavier)."""
 
-    for cls, kind in ((DataQualityError, "data_quality"), (SourceDriftError, "data_drift"),
-                      (DriftError, "settings_drift"), (CheckpointError, "checkpoint_invalid"),
-                      (DataError, "data_quality"), (StoreError, "publish_failed")):
+    for cls, kind in (
+        (DataQualityError, "data_quality"),
+        (SourceDriftError, "data_drift"),
+        (DriftError, "settings_drift"),
+        (CheckpointError, "checkpoint_invalid"),
+        (DataError, "data_quality"),
+        (StoreError, "publish_failed"),
+    ):
         if isinstance(error, cls):
             return kind
     return default
@@ -97,13 +102,22 @@ class Alert:
         """This alert with every known secret (relay.common.redaction: Airflow's masked connections, ray.env_vars
         expanded from the environment) replaced by ***: what every channel, the ledger and the log get."""
 
-        return replace(self, **{f.name: redact(getattr(self, f.name)) for f in dc_fields(self)
-                                if isinstance(getattr(self, f.name), (str, list)) and f.name != "kind"})
+        return replace(
+            self,
+            **{
+                f.name: redact(getattr(self, f.name))
+                for f in dc_fields(self)
+                if isinstance(getattr(self, f.name), (str, list)) and f.name != "kind"
+            },
+        )
 
     # ------------------------------------------------------------------------------ rendering
     def subject(self) -> str:
-        where = ", ".join(x for x in (f"chunk {self.chunk}" if self.chunk else "",
-                                      f"step {self.step}" if self.step is not None else "") if x)
+        where = ", ".join(
+            x
+            for x in (f"chunk {self.chunk}" if self.chunk else "", f"step {self.step}" if self.step is not None else "")
+            if x
+        )
         return f"[relay {self.severity.upper()}] {self.run}: {self.headline}" + (f" ({where})" if where else "")
 
     @property
@@ -115,14 +129,17 @@ class Alert:
 
     def fields(self) -> list[tuple[str, str]]:
         """The facts, in reading order; a fact Relay could not know says so instead of being dropped."""
-        last = ("none" if self.last_valid_step is None else f"step {self.last_valid_step}")
+        last = "none" if self.last_valid_step is None else f"step {self.last_valid_step}"
         last += f" ({self.last_valid_uri})" if self.last_valid_uri else " (not published to S3)"
         rows = [
-            ("Run", self.run), (self.label, _plain(self.what)), *([("Cause", self.cause)] if self.cause else []),
+            ("Run", self.run),
+            (self.label, _plain(self.what)),
+            *([("Cause", self.cause)] if self.cause else []),
             ("What Relay did", self.action or "-"),
             ("Chunk", str(self.chunk) if self.chunk else "-"),
             ("Global step", "-" if self.step is None else str(self.step)),
-            ("Last valid checkpoint", last), ("DAG run", f"{self.dag_id} / {self.dag_run}" if self.dag_run else "-"),
+            ("Last valid checkpoint", last),
+            ("DAG run", f"{self.dag_id} / {self.dag_run}" if self.dag_run else "-"),
             ("Task", f"{self.task} (try {self.try_number})" if self.task else "-"),
             ("Task log", self.log_url or "-"),
         ]
@@ -144,20 +161,23 @@ class Alert:
 
     def payload(self) -> dict:
         """The JSON body of a webhook post: every field, plus severity, headline and subject."""
-        return {"relay_alert_version": PAYLOAD_VERSION, **asdict(self), "severity": self.severity,
-                "headline": self.headline, "subject": self.subject()}
+        return {
+            "relay_alert_version": PAYLOAD_VERSION,
+            **asdict(self),
+            "severity": self.severity,
+            "headline": self.headline,
+            "subject": self.subject(),
+        }
 
     def slack(self) -> dict:
         """An incoming-webhook body: `text` (notifications, fallback) and Block Kit blocks."""
         facts = [{"type": "mrkdwn", "text": f"*{k}*\n{_mrkdwn(v)}"} for k, v in self.fields()]
         blocks: list[dict[str, Any]] = [{"type": "header", "text": {"type": "plain_text", "text": self.subject()[:150]}}]
-        blocks += [{"type": "section", "fields": facts[i:i + 10]} for i in range(0, len(facts), 10)]
+        blocks += [{"type": "section", "fields": facts[i : i + 10]} for i in range(0, len(facts), 10)]
         if self.details and self.kind == "decision":  # Markdown facts: Slack's own bold and code
-            blocks.append({"type": "section", "text": {"type": "mrkdwn",
-                                                       "text": BOLD.sub(r"*\1*", self.details)[:2900]}})
+            blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": BOLD.sub(r"*\1*", self.details)[:2900]}})
         elif self.details:
-            blocks.append({"type": "section", "text": {"type": "mrkdwn",
-                                                       "text": f"```{self.details[:2900]}```"}})
+            blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": f"```{self.details[:2900]}```"}})
         return {"text": self.subject(), "blocks": blocks}
 
     def to_json(self) -> str:

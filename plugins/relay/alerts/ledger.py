@@ -52,10 +52,22 @@ class AlertLedger:
         with self._locked() as record:
             if any(e["key"] == key for e in record["alerts"]):
                 return False
-            record["alerts"].append({"key": key, "kind": alert.kind, "severity": alert.severity, "at": alert.at,
-                                     "dag_run": alert.dag_run, "task": alert.task, "try": alert.try_number,
-                                     "chunk": alert.chunk, "step": alert.step, "what": alert.what[:300],
-                                     "open": alert.severity == "error", "delivered": {}})
+            record["alerts"].append(
+                {
+                    "key": key,
+                    "kind": alert.kind,
+                    "severity": alert.severity,
+                    "at": alert.at,
+                    "dag_run": alert.dag_run,
+                    "task": alert.task,
+                    "try": alert.try_number,
+                    "chunk": alert.chunk,
+                    "step": alert.step,
+                    "what": alert.what[:300],
+                    "open": alert.severity == "error",
+                    "delivered": {},
+                }
+            )
             return True
 
     def delivered(self, key: str, results: dict[str, str]) -> None:
@@ -77,8 +89,10 @@ class AlertLedger:
     def alerted_in_try(self, dag_run: str, task: str, try_number: int | None) -> bool:
         """Whether this try of the task already sent a failure alert of its own (a warning it sent, a fallback or a
         decision, does not count: its failure is still to be told)."""
-        return any(e["dag_run"] == dag_run and e["task"] == task and e["try"] == try_number
-                   and e.get("severity") == "error" for e in self.entries())
+        return any(
+            e["dag_run"] == dag_run and e["task"] == task and e["try"] == try_number and e.get("severity") == "error"
+            for e in self.entries()
+        )
 
     def open_failures(self) -> list[dict]:
         return [e for e in self.entries() if e["open"]]

@@ -34,28 +34,40 @@ class Admission:
         return self.report.ok
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.report.to_dict(), "quarantined_to": self.quarantined_to, "fell_back_to": self.fell_back_to,
-                "manifest": self.manifest and f"{self.report.path}/{manifest.NAME}"}
+        return {
+            **self.report.to_dict(),
+            "quarantined_to": self.quarantined_to,
+            "fell_back_to": self.fell_back_to,
+            "manifest": self.manifest and f"{self.report.path}/{manifest.NAME}",
+        }
 
     def explain(self) -> str:
         if self.ok:
             return self.report.summary()
-        fb = (f"the tracker now names step {self.fell_back_to}, the next resume starts there"
-              if self.fell_back_to else "no valid checkpoint is left locally")
-        return (f"{self.report.summary()}\nquarantined to {self.quarantined_to} (never deleted, never published); "
-                f"{fb}")
+        fb = (
+            f"the tracker now names step {self.fell_back_to}, the next resume starts there"
+            if self.fell_back_to
+            else "no valid checkpoint is left locally"
+        )
+        return f"{self.report.summary()}\nquarantined to {self.quarantined_to} (never deleted, never published); {fb}"
 
 
-def admit_dir(run_dir: Path, step: int | None = None, *, expected_step: int | None = None,
-              smoke: Callable[[Path], str] | None = None, run: str | None = None, fingerprint: str | None = None,
-              expect_critic: bool | None = None) -> Admission:
+def admit_dir(
+    run_dir: Path,
+    step: int | None = None,
+    *,
+    expected_step: int | None = None,
+    smoke: Callable[[Path], str] | None = None,
+    run: str | None = None,
+    fingerprint: str | None = None,
+    expect_critic: bool | None = None,
+) -> Admission:
     """Validate a checkpoint (default: the tracker's); write its manifest, or quarantine it and fall back."""
     run_dir = Path(run_dir)
     t0 = time.time()
     if run_dir.is_dir() and (done := swap.recover(run_dir)):  # a reshard killed mid-swap
         print(f"[relay] {done}", flush=True)
-    report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke,
-                                 expect_critic=expect_critic)
+    report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke, expect_critic=expect_critic)
     if report.step is not None and run_dir.is_dir():  # what the gate costs a chunk (relay.insights.save_interval)
         record_event(run_dir, "validation", step=report.step, ok=report.ok, seconds=round(time.time() - t0, 3))
     if report.ok:

@@ -70,8 +70,9 @@ def zip_entries(path: Path) -> list[tuple[str, int, int, int]]:
     return entries
 
 
-def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = None,
-         finite: dict[int, str] | None = None) -> FileScan:
+def scan(
+    path: Path, *, zip_crc: bool | None = None, pool: Executor | None = None, finite: dict[int, str] | None = None
+) -> FileScan:
     """Read `path` once: size and CRC64NVME always; per-entry CRC32 for .pt files (or when zip_crc); with
     `finite` (a zip entry's data offset -> the name of the torch dtype of its values, e.g. "bfloat16"), whether
     those entries' values are all finite.
@@ -104,8 +105,7 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
             try:
                 spans = [(lo, min(lo + SEGMENT, size)) for lo in range(0, size, SEGMENT)]
                 ends = [off + length for _, off, length, _ in entries]  # sorted, as the entries are
-                parts = list((pool.map if pool else map)(lambda span: _segment(view, span, entries, ends, dtypes),
-                                                         spans))
+                parts = list((pool.map if pool else map)(lambda span: _segment(view, span, entries, ends, dtypes), spans))
             finally:
                 view.release()
     crc64 = 0
@@ -126,8 +126,13 @@ def scan(path: Path, *, zip_crc: bool | None = None, pool: Executor | None = Non
     return FileScan(size, crc64nvme_b64(crc64), problem, [entries[i][0] for i in sorted(nonfinite)])
 
 
-def _segment(view: memoryview, span: tuple[int, int], entries: list[tuple[str, int, int, int]], ends: list[int],
-             dtypes: list[str | None]) -> tuple[int, list[tuple[int, int, int]], set[int]]:
+def _segment(
+    view: memoryview,
+    span: tuple[int, int],
+    entries: list[tuple[str, int, int, int]],
+    ends: list[int],
+    dtypes: list[str | None],
+) -> tuple[int, list[tuple[int, int, int]], set[int]]:
     """(CRC64NVME of view[lo:hi], [(entry index, CRC32 of the entry's bytes in the segment, their length)],
     {index of an entry with a dtype whose values in the segment are not all finite}), block by block."""
     lo, hi = span
@@ -146,7 +151,7 @@ def _segment(view: memoryview, span: tuple[int, int], entries: list[tuple[str, i
                     a, b = max(off, b_lo), min(off + length, b_hi)
                     if a >= b:
                         continue
-                    part = block[a - b_lo:b - b_lo]
+                    part = block[a - b_lo : b - b_lo]
                     try:
                         crc32[i] = _crc32(part, crc32.get(i, 0))
                         if (dtype := dtypes[i]) is not None and i not in nonfinite and not _all_finite(part, dtype):
@@ -183,7 +188,7 @@ def _all_finite(part: memoryview, dtype: str) -> bool:
     out = getattr(_scratch, "buf", None)  # a buffer per thread: a fresh one per block would fault in its pages
     if out is None or out.nbytes < BLOCK:
         out = _scratch.buf = np.empty(BLOCK, np.uint8)
-    masked = out[:ints.nbytes].view(kind[0])
+    masked = out[: ints.nbytes].view(kind[0])
     np.bitwise_and(ints, kind[1], out=masked)
     return int(masked.max()) != kind[1]
 

@@ -66,8 +66,7 @@ class Manifest:
             raise CheckpointError(f"{where} is not valid JSON ({str(e)[:200]})", fix) from None
         if not isinstance(d, dict) or d.get("version") not in READS or isinstance(d.get("version"), bool):
             got = _short(d.get("version")) if isinstance(d, dict) else f"? (a JSON {type(d).__name__}, not an object)"
-            raise CheckpointError(f"{where} has version {got}, this Relay reads versions "
-                                  f"{', '.join(map(str, READS))}", fix)
+            raise CheckpointError(f"{where} has version {got}, this Relay reads versions {', '.join(map(str, READS))}", fix)
         try:
             m = cls(**d)
         except TypeError as e:
@@ -103,8 +102,9 @@ def _problem(m: Manifest) -> str | None:
         return f"fsdp_version is {_short(m.fsdp_version)}"
     if not is_incarnation(m.incarnation):
         return f"incarnation is {_short(m.incarnation)}, not an incarnation id"
-    if m.resharded_from is not None and not (isinstance(m.resharded_from, dict)
-                                             and _is_int(m.resharded_from.get("world_size"), 1)):
+    if m.resharded_from is not None and not (
+        isinstance(m.resharded_from, dict) and _is_int(m.resharded_from.get("world_size"), 1)
+    ):
         return f"resharded_from is {_short(m.resharded_from)}, not {{world_size, manifest_sha256}}"
     if not isinstance(m.files, dict) or not isinstance(m.params, dict) or not isinstance(m.checks, list):
         return "files, params or checks has the wrong type"
@@ -149,9 +149,10 @@ def unchanged_since_validation(step_dir: Path, under: str = "") -> None:
     CRC64NVME, zip CRCs), read just before a loader that unpickles (verl's) gets them; else CheckpointError."""
     m = read(step_dir)
     if m is None:
-        raise CheckpointError(f"{step_dir} has no {NAME}: it never passed validation, so verl's loader "
-                              "must not read it", f"run `python -m relay checkpoint validate {step_dir.parent} "
-                                                  f"--quarantine` first")
+        raise CheckpointError(
+            f"{step_dir} has no {NAME}: it never passed validation, so verl's loader must not read it",
+            f"run `python -m relay checkpoint validate {step_dir.parent} --quarantine` first",
+        )
     recorded = {rel for rel in m.files if rel.startswith(under)}
     present = {rel for rel in checkpoint_files(step_dir) if rel.startswith(under)}
     changed = sorted(recorded ^ present)
@@ -160,7 +161,8 @@ def unchanged_since_validation(step_dir: Path, under: str = "") -> None:
         if scan.problem or scan.size != m.files[rel]["size"] or scan.crc64nvme != m.files[rel]["crc64nvme"]:
             changed.append(rel)
     if changed:
-        raise CheckpointError(f"{step_dir}: {', '.join(changed[:5])} changed since validation; verl's loader "
-                              "(which unpickles) is not run on it", "validate the checkpoint again "
-                                                                     "(`python -m relay checkpoint validate RUN_DIR "
-                                                                     "--quarantine`)")
+        raise CheckpointError(
+            f"{step_dir}: {', '.join(changed[:5])} changed since validation; verl's loader "
+            "(which unpickles) is not run on it",
+            "validate the checkpoint again (`python -m relay checkpoint validate RUN_DIR --quarantine`)",
+        )

@@ -68,8 +68,10 @@ class ResumePreview:
         if self.batches_in_epoch is None:
             return "dataloader position unknown (no data.pt)"
         of = f" of {self.samples_per_epoch}" if self.samples_per_epoch else ""
-        return (f"epoch {self.epoch if self.epoch is not None else '?'}, dataloader at {self.samples_in_epoch}"
-                f"{of} samples ({self.batches_in_epoch} batches) into the epoch")
+        return (
+            f"epoch {self.epoch if self.epoch is not None else '?'}, dataloader at {self.samples_in_epoch}"
+            f"{of} samples ({self.batches_in_epoch} batches) into the epoch"
+        )
 
     def one_line(self) -> str:
         lr = f", lr next {self.lr_next:.4g}" if self.lr_next is not None else ""
@@ -101,6 +103,7 @@ class ResumePreview:
 
 
 # ------------------------------------------------------------------------------------ reading
+
 
 def _read_state(preview: ResumePreview, step_dir: Path, world_size: int | None) -> None:
     """Dataloader, scheduler, RNG and optimizer state of a checkpoint folder (safe loader only)."""
@@ -187,11 +190,12 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
         raise CheckpointError(f"{run_dir} is not a folder", "give a run folder, a global_step_N folder or an s3:// URI")
     report = validate_checkpoint(run_dir, step, upto="integrity" if verify else "consistency")
     if report.step is None or (report.failed and report.failed.name in ("structure", "consistency")):
-        raise CheckpointError(f"nothing to inspect in {run_dir}: {report.failed.detail if report.failed else ''}",
-                              f"run `python -m relay checkpoint validate {run_dir}` for the whole report")
+        raise CheckpointError(
+            f"nothing to inspect in {run_dir}: {report.failed.detail if report.failed else ''}",
+            f"run `python -m relay checkpoint validate {run_dir}` for the whole report",
+        )
     step_dir = layout.step_dir(run_dir, report.step)
-    preview = ResumePreview(str(step_dir), report.step, world_size=report.world_size,
-                            fsdp_version=report.fsdp_version)
+    preview = ResumePreview(str(step_dir), report.step, world_size=report.world_size, fsdp_version=report.fsdp_version)
     m = manifest.read(step_dir)
     if verify:
         preview.files = {rel: f["size"] for rel, f in report.files.items()}
@@ -219,15 +223,24 @@ def inspect_uri(store: PublishedStore, run: str, step: int | None = None) -> Res
     if step is None:
         latest = store.latest(run)
         if latest is None:
-            raise StoreError(f"no published checkpoint of run {run} under {store.uri}",
-                             "check the URI; `python -m relay checkpoint ls` lists runs and steps")
+            raise StoreError(
+                f"no published checkpoint of run {run} under {store.uri}",
+                "check the URI; `python -m relay checkpoint ls` lists runs and steps",
+            )
         step = latest["step"]
     m = store.manifest(run, step)
     if m is None:
-        raise StoreError(f"{store.step_uri(run, step)} has no manifest: it is not a published checkpoint",
-                         "`python -m relay checkpoint ls` lists the published steps")
-    preview = ResumePreview(store.step_uri(run, step), step, world_size=m.world_size, fsdp_version=m.fsdp_version,
-                            files={rel: f["size"] for rel, f in m.files.items()})
+        raise StoreError(
+            f"{store.step_uri(run, step)} has no manifest: it is not a published checkpoint",
+            "`python -m relay checkpoint ls` lists the published steps",
+        )
+    preview = ResumePreview(
+        store.step_uri(run, step),
+        step,
+        world_size=m.world_size,
+        fsdp_version=m.fsdp_version,
+        files={rel: f["size"] for rel, f in m.files.items()},
+    )
     try:
         store.verify(run, m)
         preview.checksums, preview.checksums_ok = f"{len(m.files)} objects match the manifest's sizes and CRC64NVME", True
@@ -238,8 +251,9 @@ def inspect_uri(store: PublishedStore, run: str, step: int | None = None) -> Res
     if m.files.get(optim, {}).get("size", 0) <= MAX_OPTIM_DOWNLOAD:
         wanted.append(optim)
     else:
-        preview.notes.append(f"optimizer steps not read: {optim} is {m.files[optim]['size']} bytes; inspect a "
-                             "restored copy for them")
+        preview.notes.append(
+            f"optimizer steps not read: {optim} is {m.files[optim]['size']} bytes; inspect a restored copy for them"
+        )
     with tempfile.TemporaryDirectory(prefix="relay-inspect-") as tmp:
         for rel in (r for r in wanted if r in m.files):
             store.download_object(store.step_key(run, step, rel), Path(tmp) / rel, m.files[rel])

@@ -71,16 +71,28 @@ class ReshardResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_dir": str(self.run_dir), "step": self.step, "from_world_size": self.from_world_size,
-                "to_world_size": self.to_world_size, "fsdp_version": self.fsdp_version,
-                "step_dir": str(self.step_dir), "original": str(self.original) if self.original else None,
-                "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3)}
+        return {
+            "run_dir": str(self.run_dir),
+            "step": self.step,
+            "from_world_size": self.from_world_size,
+            "to_world_size": self.to_world_size,
+            "fsdp_version": self.fsdp_version,
+            "step_dir": str(self.step_dir),
+            "original": str(self.original) if self.original else None,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+        }
 
     def explain(self) -> str:
-        where = (f"in place; the world-size-{self.from_world_size} original is kept in {self.original}"
-                 if self.original else f"into {self.step_dir}; the source is untouched")
-        return (f"resharded step {self.step} (FSDP{self.fsdp_version}) from world size {self.from_world_size} to "
-                f"{self.to_world_size} {where}: {self.bytes_written / 2**20:.1f} MiB in {self.seconds:.1f}s")
+        where = (
+            f"in place; the world-size-{self.from_world_size} original is kept in {self.original}"
+            if self.original
+            else f"into {self.step_dir}; the source is untouched"
+        )
+        return (
+            f"resharded step {self.step} (FSDP{self.fsdp_version}) from world size {self.from_world_size} to "
+            f"{self.to_world_size} {where}: {self.bytes_written / 2**20:.1f} MiB in {self.seconds:.1f}s"
+        )
 
 
 def bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -97,17 +109,21 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
     t0 = time.time()
     run_dir = Path(run_dir)
     if not isinstance(world_size, int) or world_size < 1:
-        raise CheckpointError(f"--world-size {world_size}: a world size is a number of processes, at least 1",
-                              "give the number of GPUs (processes) the next chunk trains on")
+        raise CheckpointError(
+            f"--world-size {world_size}: a world size is a number of processes, at least 1",
+            "give the number of GPUs (processes) the next chunk trains on",
+        )
     if out is None and (done := swap.recover(run_dir)):
         print(f"[relay] {done}", flush=True)
     report = validate_checkpoint(run_dir, step)
     if not report.ok:
         failed = report.failed
-        raise CheckpointError(f"{report.path} is not a valid checkpoint, so it is not resharded: "
-                              f"{failed.name if failed else '?'}: {failed.detail if failed else ''}",
-                              f"run `python -m relay checkpoint validate {run_dir} --quarantine` to fall back to the "
-                              f"newest valid step, then reshard that one (--step)")
+        raise CheckpointError(
+            f"{report.path} is not a valid checkpoint, so it is not resharded: "
+            f"{failed.name if failed else '?'}: {failed.detail if failed else ''}",
+            f"run `python -m relay checkpoint validate {run_dir} --quarantine` to fall back to the "
+            f"newest valid step, then reshard that one (--step)",
+        )
     assert report.step is not None and report.world_size is not None
     step = report.step
     src = layout.step_dir(run_dir, step)
@@ -116,9 +132,11 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
         raise UsageError(f"{src} is already at world size {k}", "nothing to do")
     fsdp_version = int(report.fsdp_version or 0)
     if fsdp_version not in (1, 2):
-        raise CheckpointError(f"{src}/actor/fsdp_config.json records FSDP version {report.fsdp_version!r}; "
-                              "Relay reshards verl's FSDP1 and FSDP2 checkpoints only", "resume at world size "
-                              f"{k}")
+        raise CheckpointError(
+            f"{src}/actor/fsdp_config.json records FSDP version {report.fsdp_version!r}; "
+            "Relay reshards verl's FSDP1 and FSDP2 checkpoints only",
+            f"resume at world size {k}",
+        )
     original_manifest = manifest.path_of(src)
     sha = hashlib.sha256(original_manifest.read_bytes()).hexdigest() if original_manifest.is_file() else None
 
@@ -137,9 +155,17 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
     staged.mkdir(parents=True)
     try:
         written = _write_step(src, staged, k, world_size, fsdp_version)
-        layout.atomic_write_json(staged / RECORD, {
-            "world_size": k, "fsdp_version": fsdp_version, "manifest_sha256": sha, "to_world_size": world_size,
-            "step": step, "resharded_at": utc_now()})
+        layout.atomic_write_json(
+            staged / RECORD,
+            {
+                "world_size": k,
+                "fsdp_version": fsdp_version,
+                "manifest_sha256": sha,
+                "to_world_size": world_size,
+                "step": step,
+                "resharded_at": utc_now(),
+            },
+        )
         layout.fsync_tree(staged)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
@@ -175,6 +201,7 @@ def _aside(run_dir: Path, step: int, k: int) -> Path:
 
 # ------------------------------------------------------------------------------------ the step
 
+
 def _write_step(src: Path, dst: Path, k: int, m: int, fsdp_version: int) -> int:
     written = 0
     for entry in sorted(src.iterdir()):
@@ -205,8 +232,10 @@ def _write_role(src: Path, dst: Path, k: int, m: int, fsdp_version: int) -> int:
     optims = [load(src / layout.shard_name("optim", k, r)) for r in range(k)]
     for r, sd in enumerate(models):
         if not isinstance(sd, dict) or not isinstance(optims[r], dict):
-            raise CheckpointError(f"{src}: the model or optimizer shard of rank {r} is not a state dict",
-                                  "resume at the world size it was written at")
+            raise CheckpointError(
+                f"{src}: the model or optimizer shard of rank {r} is not a state dict",
+                "resume at the world size it was written at",
+            )
     # FSDP1 at world size 1 saves plain tensors (nothing is sharded), and verl's FSDP1 at 1 reads them so.
     plain_in, plain_out = fsdp_version == 1 and k == 1, fsdp_version == 1 and m == 1
     model_layout = _model_layout(src, models, plain_is_full=plain_in)
@@ -216,9 +245,13 @@ def _write_role(src: Path, dst: Path, k: int, m: int, fsdp_version: int) -> int:
         with _mesh(model_layout.mesh_dim_names, m, rank) as mesh:
             builders: dict[str, Callable[..., dict[str, Any]]] = {
                 "model": lambda out, rank=rank, mesh=mesh: {
-                    name: _cut(src, name, [sd[name] for sd in models], k, m, rank, mesh, out, plain_in=plain_in,
-                               plain_out=plain_out) for name in models[0]},
-                "optim": lambda out, rank=rank, mesh=mesh: _optim(src, optims, k, m, rank, mesh, flat_units, out)}
+                    name: _cut(
+                        src, name, [sd[name] for sd in models], k, m, rank, mesh, out, plain_in=plain_in, plain_out=plain_out
+                    )
+                    for name in models[0]
+                },
+                "optim": lambda out, rank=rank, mesh=mesh: _optim(src, optims, k, m, rank, mesh, flat_units, out),
+            }
             for kind, build in builders.items():
                 measured = _Out()
                 build(measured)  # the first pass only adds up the sizes
@@ -241,6 +274,7 @@ def _save(obj: Any, path: Path) -> int:
 
 # ------------------------------------------------------------------------------ the tensors
 
+
 @dataclass
 class _ModelLayout:
     shapes: dict[str, tuple[int, ...]]  # parameter -> global shape, in the state dict's order
@@ -250,22 +284,28 @@ class _ModelLayout:
 def _placement(src: Path, name: str, value: Any) -> int | None:
     """The dimension a DTensor is sharded on (None: replicated, or a plain tensor), or a clear refusal."""
     if is_sharded_record(value):
-        raise CheckpointError(f"{src}: {name} is an FSDP1 ShardedTensor (FSDP1 without a device mesh); Relay "
-                              "reshards DTensor shards only (verl passes a device mesh to FSDP)",
-                              "resume at the world size the checkpoint was written at")
+        raise CheckpointError(
+            f"{src}: {name} is an FSDP1 ShardedTensor (FSDP1 without a device mesh); Relay "
+            "reshards DTensor shards only (verl passes a device mesh to FSDP)",
+            "resume at the world size the checkpoint was written at",
+        )
     spec = getattr(value, "_spec", None)
     if spec is None:
         return None
     if spec.mesh.ndim != 1:
-        raise CheckpointError(f"{src}: {name} is sharded over a {spec.mesh.ndim}-D device mesh "
-                              f"({spec.mesh.mesh_dim_names}: HSDP or sequence parallel); Relay reshards 1-D FSDP meshes",
-                              "resume at the world size and mesh the checkpoint was written with")
+        raise CheckpointError(
+            f"{src}: {name} is sharded over a {spec.mesh.ndim}-D device mesh "
+            f"({spec.mesh.mesh_dim_names}: HSDP or sequence parallel); Relay reshards 1-D FSDP meshes",
+            "resume at the world size and mesh the checkpoint was written with",
+        )
     placement = spec.placements[0]
     if placement.is_replicate():
         return None
     if not placement.is_shard() or getattr(placement, "dim", None) is None:
-        raise CheckpointError(f"{src}: {name} has the placement {placement}, which Relay does not reshard",
-                              "resume at the world size the checkpoint was written at")
+        raise CheckpointError(
+            f"{src}: {name} has the placement {placement}, which Relay does not reshard",
+            "resume at the world size the checkpoint was written at",
+        )
     dim: int = placement.dim
     return dim
 
@@ -274,8 +314,10 @@ def _model_layout(src: Path, models: list[dict[str, Any]], plain_is_full: bool =
     names = list(models[0])
     for r, sd in enumerate(models[1:], 1):
         if list(sd) != names:
-            raise CheckpointError(f"{src}: the model shards of ranks 0 and {r} hold different parameters",
-                                  "the checkpoint is inconsistent; resume from an earlier step")
+            raise CheckpointError(
+                f"{src}: the model shards of ranks 0 and {r} hold different parameters",
+                "the checkpoint is inconsistent; resume from an earlier step",
+            )
     meshes = []
     shapes = {}
     for name in names:
@@ -290,9 +332,12 @@ def _model_layout(src: Path, models: list[dict[str, Any]], plain_is_full: bool =
     if plain_is_full:
         return _ModelLayout(shapes, ("fsdp",))  # the mesh verl gives FSDP (verl.utils.device_mesh: "fsdp")
     # plain tensors only (buffers alone may be plain): not FSDP's sharded state dict
-    raise CheckpointError(f"{src}: the model shards hold plain tensors, not FSDP's DTensors, so how they are "
-                          "sharded is unknown (an unknown placement); Relay reshards checkpoints of verl's "
-                          "FSDPCheckpointManager", "resume at the world size the checkpoint was written at")
+    raise CheckpointError(
+        f"{src}: the model shards hold plain tensors, not FSDP's DTensors, so how they are "
+        "sharded is unknown (an unknown placement); Relay reshards checkpoints of verl's "
+        "FSDPCheckpointManager",
+        "resume at the world size the checkpoint was written at",
+    )
 
 
 def _pieces(locals_: list[Any], dim: int, n: int, k: int, start: int, end: int) -> list[Any]:
@@ -343,8 +388,19 @@ class _Out:
         return torch.from_numpy(raw).view(dtype).view(shape)
 
 
-def _cut(src: Path, name: str, values: list[Any], k: int, m: int, rank: int, mesh: Any, out: _Out, *,
-         plain_in: bool = False, plain_out: bool = False) -> Any:
+def _cut(
+    src: Path,
+    name: str,
+    values: list[Any],
+    k: int,
+    m: int,
+    rank: int,
+    mesh: Any,
+    out: _Out,
+    *,
+    plain_in: bool = False,
+    plain_out: bool = False,
+) -> Any:
     """Rank `rank` of M's value of one state entry, from the K ranks' values. plain_in: a plain tensor is the
     whole of a sharded one (FSDP1 at world size 1); plain_out: write the whole as a plain tensor (FSDP1 at 1)."""
     import torch
@@ -362,9 +418,11 @@ def _cut(src: Path, name: str, values: list[Any], k: int, m: int, rank: int, mes
     for r, (v, local) in enumerate(zip(values, locals_, strict=False)):
         a, b = bounds(shape[dim], k, r)
         if tuple(v.shape) != shape or local.shape[dim] != b - a:
-            raise CheckpointError(f"{src}: {name} of rank {r} holds rows {local.shape[dim]} of {shape} where torch "
-                                  f"would hold {b - a} (an unknown placement)",
-                                  "resume at the world size the checkpoint was written at")
+            raise CheckpointError(
+                f"{src}: {name} of rank {r} holds rows {local.shape[dim]} of {shape} where torch "
+                f"would hold {b - a} (an unknown placement)",
+                "resume at the world size the checkpoint was written at",
+            )
     start, end = bounds(shape[dim], m, rank)
     local = out.tensor(tuple(end - start if d == dim else s for d, s in enumerate(shape)), locals_[0].dtype)
     if local is None:
@@ -375,8 +433,14 @@ def _cut(src: Path, name: str, values: list[Any], k: int, m: int, rank: int, mes
         at += part.shape[dim]
     if plain_out:
         return local
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(
+        local,
+        mesh,
+        [Shard(dim)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
 
 
 def _flat_units(src: Path, model: _ModelLayout, optims: list[dict[str, Any]], k: int) -> list[int]:
@@ -393,20 +457,28 @@ def _flat_units(src: Path, model: _ModelLayout, optims: list[dict[str, Any]], k:
     lengths = list(units.values())
     states = [o.get("state", {}) for o in optims]
     n_states = max((len(s) for s in states), default=0)
-    refuse = ("resume at the world size it was written at (Relay reshards FSDP1 checkpoints written by verl's "
-              "wrap policy with fsdp_config.use_orig_params false)")
+    refuse = (
+        "resume at the world size it was written at (Relay reshards FSDP1 checkpoints written by verl's "
+        "wrap policy with fsdp_config.use_orig_params false)"
+    )
     if n_states and n_states != len(lengths):
-        raise CheckpointError(f"{src}: the FSDP1 optimizer holds {n_states} states, but verl's wrap policy would make "
-                              f"{len(lengths)} flat parameters of these {len(model.shapes)} parameters (an unknown "
-                              "placement)", refuse)
+        raise CheckpointError(
+            f"{src}: the FSDP1 optimizer holds {n_states} states, but verl's wrap policy would make "
+            f"{len(lengths)} flat parameters of these {len(model.shapes)} parameters (an unknown "
+            "placement)",
+            refuse,
+        )
     for r, state in enumerate(states):
         for idx, entry in state.items():
             n = lengths[int(idx)]
             for key, t in entry.items():
                 if getattr(t, "dim", lambda: 0)() == 1 and t.numel() != math.ceil(n / k):
-                    raise CheckpointError(f"{src}: rank {r}'s optimizer state {idx}.{key} holds {t.numel()} values "
-                                          f"where a flat parameter of {n} at world size {k} holds {math.ceil(n / k)} "
-                                          "(an unknown placement)", refuse)
+                    raise CheckpointError(
+                        f"{src}: rank {r}'s optimizer state {idx}.{key} holds {t.numel()} values "
+                        f"where a flat parameter of {n} at world size {k} holds {math.ceil(n / k)} "
+                        "(an unknown placement)",
+                        refuse,
+                    )
     return lengths
 
 
@@ -417,8 +489,9 @@ def _tied_embeddings(src: Path) -> bool:
         return False
 
 
-def _optim(src: Path, optims: list[dict[str, Any]], k: int, m: int, rank: int, mesh: Any, flat_units: list[int] | None,
-           out: _Out) -> dict[str, Any]:
+def _optim(
+    src: Path, optims: list[dict[str, Any]], k: int, m: int, rank: int, mesh: Any, flat_units: list[int] | None, out: _Out
+) -> dict[str, Any]:
     import torch
 
     base = optims[rank % k]
@@ -462,8 +535,10 @@ def _mesh(dim_names: tuple[str, ...] | None, world_size: int, rank: int) -> Iter
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise CheckpointError("this process already belongs to a process group; a reshard needs a process of its own",
-                              "run `python -m relay checkpoint reshard` from the CLI or an Airflow task, not a trainer")
+        raise CheckpointError(
+            "this process already belongs to a process group; a reshard needs a process of its own",
+            "run `python -m relay checkpoint reshard` from the CLI or an Airflow task, not a trainer",
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,), mesh_dim_names=dim_names)

@@ -20,9 +20,13 @@ def record_of(step_dir: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{Path(step_dir) / RECORD} cannot be read ({e})",
-                              "reshard the step again from its original in .relay/resharded/") from None
+        raise CheckpointError(
+            f"{Path(step_dir) / RECORD} cannot be read ({e})",
+            "reshard the step again from its original in .relay/resharded/",
+        ) from None
     if not isinstance(d, dict) or not isinstance(d.get("world_size"), int) or d["world_size"] < 1:
-        raise CheckpointError(f"{Path(step_dir) / RECORD} is malformed: {str(d)[:120]}",
-                              "reshard the step again from its original in .relay/resharded/")
+        raise CheckpointError(
+            f"{Path(step_dir) / RECORD} is malformed: {str(d)[:120]}",
+            "reshard the step again from its original in .relay/resharded/",
+        )
     return d

@@ -74,9 +74,12 @@ def quarantined(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def find_resume_point(run_dir: Path, *,
-                      restore: Callable[..., tuple[int, str] | None] | None = None,
-                      smoke: Callable[[Path], str] | None = None) -> ResumePoint:
+def find_resume_point(
+    run_dir: Path,
+    *,
+    restore: Callable[..., tuple[int, str] | None] | None = None,
+    smoke: Callable[[Path], str] | None = None,
+) -> ResumePoint:
     """Validate candidates newest first (the tracker's, then older step folders); quarantine the
     invalid ones; point the tracker at the first valid one. `restore(run_dir, above=N)` (from the store)
     is asked first for a published checkpoint newer than that one when a newer local one was refused
@@ -95,11 +98,18 @@ def find_resume_point(run_dir: Path, *,
         point.quarantined.append({"step": None, "check": "structure", "detail": e.what, "path": None})
         _set_aside_tracker(run_dir, seen)
         seen = None
-    candidates = sorted((s for s, p in layout.step_dirs(run_dir).items() if not layout.is_rotation_leftover(p)),
-                        reverse=True)
+    candidates = sorted(
+        (s for s, p in layout.step_dirs(run_dir).items() if not layout.is_rotation_leftover(p)), reverse=True
+    )
     if tracker is not None and tracker not in candidates:
-        point.quarantined.append({"step": tracker, "check": "structure", "path": None,
-                                  "detail": f"the tracker names global_step_{tracker}, which does not exist"})
+        point.quarantined.append(
+            {
+                "step": tracker,
+                "check": "structure",
+                "path": None,
+                "detail": f"the tracker names global_step_{tracker}, which does not exist",
+            }
+        )
     for step in candidates:
         if tracker is not None and step > tracker:
             continue  # written after the tracker last moved: never committed (e.g. killed mid-publish)
@@ -115,8 +125,11 @@ def find_resume_point(run_dir: Path, *,
                     if now == seen:
                         layout.write_tracker(run_dir, step)
                 if now != seen:  # a commit (a live job's) moved it while the candidates were validated
-                    print(f"[relay] the tracker moved to step {_shown(now)} while step {step} was validated to fall "
-                          "back to: it is left as it is, and resuming is looked at again from there", flush=True)
+                    print(
+                        f"[relay] the tracker moved to step {_shown(now)} while step {step} was validated to fall "
+                        "back to: it is left as it is, and resuming is looked at again from there",
+                        flush=True,
+                    )
                     again = find_resume_point(run_dir, restore=restore, smoke=smoke)
                     again.quarantined[:0] = point.quarantined
                     return again
@@ -126,8 +139,7 @@ def find_resume_point(run_dir: Path, *,
         dest = quarantine(run_dir, report)
         failed = report.failed
         assert failed is not None  # the report is not ok: one of its checks failed
-        point.quarantined.append({"step": step, "check": failed.name, "detail": failed.detail,
-                                  "path": str(dest)})
+        point.quarantined.append({"step": step, "check": failed.name, "detail": failed.detail, "path": str(dest)})
     if restore is not None:
         restored = restore(run_dir)
         if restored is not None:
@@ -152,15 +164,14 @@ def _restore_newer(restore: Callable[..., tuple[int, str] | None], run_dir: Path
     try:
         return restore(run_dir, above=step)
     except RelayError as e:
-        print(f"[relay] no newer published checkpoint looked at ({e.what}); resuming from local step {step}",
-              flush=True)
+        print(f"[relay] no newer published checkpoint looked at ({e.what}); resuming from local step {step}", flush=True)
         return None
 
 
 def _tracker_bytes(run_dir: Path) -> bytes | None:
     """The tracker as it is now, whatever it holds (None: no tracker)."""
     try:
-        return layout.tracker_path(run_dir).read_bytes()[:layout.TRACKER_MAX_BYTES + 1]
+        return layout.tracker_path(run_dir).read_bytes()[: layout.TRACKER_MAX_BYTES + 1]
     except (FileNotFoundError, IsADirectoryError):
         return None
 

@@ -92,20 +92,29 @@ def apply_local(run_dir: Path, policy: RetentionPolicy, total_steps: int, publis
         aside = leftovers(run_dir, published)
         if not (delete or rotation or aside):
             return []
-        layout.atomic_write_json(layout.relay_dir(run_dir, STATE), {
-            "version": VERSION, "decided_at": _now(), "keep_local": policy.keep_local, "kept": sorted(keep),
-            "why": {str(s): r for s, r in sorted(why.items())}, "deleting": delete, "leftovers": rotation,
-            "aside": [str(p.relative_to(run_dir)) for p in aside]})
+        layout.atomic_write_json(
+            layout.relay_dir(run_dir, STATE),
+            {
+                "version": VERSION,
+                "decided_at": _now(),
+                "keep_local": policy.keep_local,
+                "kept": sorted(keep),
+                "why": {str(s): r for s, r in sorted(why.items())},
+                "deleting": delete,
+                "leftovers": rotation,
+                "aside": [str(p.relative_to(run_dir)) for p in aside],
+            },
+        )
         for path in [dirs[s] for s in delete + rotation] + aside:
             shutil.rmtree(path, ignore_errors=True)
     if delete or aside:
-        record_event(run_dir, "retention", where="local", deleted=delete,
-                     aside=[str(p.relative_to(run_dir)) for p in aside])
+        record_event(run_dir, "retention", where="local", deleted=delete, aside=[str(p.relative_to(run_dir)) for p in aside])
     return delete
 
 
-def reasons(run_dir: Path | None, policy: RetentionPolicy, total_steps: int, steps: list[int], *, newest: int,
-            latest: int | None) -> dict[int, list[str]]:
+def reasons(
+    run_dir: Path | None, policy: RetentionPolicy, total_steps: int, steps: list[int], *, newest: int, latest: int | None
+) -> dict[int, list[str]]:
     """{step: why it is kept} among `steps` (ascending): the newest `newest`, the latest, milestones, and the
     keep_best k best by their step's metric in the run's metrics.jsonl (none without the run's folder)."""
     why: dict[int, list[str]] = {}
@@ -128,11 +137,19 @@ def best_steps(run_dir: Path | None, keep_best: BestPolicy | None, steps: list[i
         return {}
     rows = {r["step"]: r for r in read_jsonl(Path(run_dir) / layout.METRICS) if isinstance(r.get("step"), int)}
     m = keep_best.metric
-    scored = [(float(rows[s][m]), s) for s in steps if s in rows and isinstance(rows[s].get(m), (int, float))
-              and not isinstance(rows[s].get(m), bool) and math.isfinite(rows[s][m])]
+    scored = [
+        (float(rows[s][m]), s)
+        for s in steps
+        if s in rows
+        and isinstance(rows[s].get(m), (int, float))
+        and not isinstance(rows[s].get(m), bool)
+        and math.isfinite(rows[s][m])
+    ]
     ranked = sorted(scored, key=lambda vs: (-vs[0] if keep_best.mode == "max" else vs[0], -vs[1]))
-    return {s: f"best {m} ({keep_best.mode}): #{i + 1} of {keep_best.k}, {v:.6g}"
-            for i, (v, s) in enumerate(ranked[:keep_best.k])}
+    return {
+        s: f"best {m} ({keep_best.mode}): #{i + 1} of {keep_best.k}, {v:.6g}"
+        for i, (v, s) in enumerate(ranked[: keep_best.k])
+    }
 
 
 ASIDE_STEP = re.compile(r"global_step_([0-9]{1,18})(\.|\Z)")
@@ -151,14 +168,23 @@ def leftovers(run_dir: Path, published: set[int]) -> list[Path]:
             m = ASIDE_STEP.match(p.name)
             if p.is_dir() and m and int(m.group(1)) in published:
                 out.append(p)
-    hf = {int(m.group(1)): p for p in sorted((Path(run_dir) / layout.HF_DIR).glob("global_step_*"))
-          if (m := ASIDE_STEP.match(p.name)) and p.is_dir()}
+    hf = {
+        int(m.group(1)): p
+        for p in sorted((Path(run_dir) / layout.HF_DIR).glob("global_step_*"))
+        if (m := ASIDE_STEP.match(p.name)) and p.is_dir()
+    }
     out += [p for s, p in hf.items() if s in published and s < max(hf)]
     return out
 
 
-def apply_published(store: RetentionStore, run: str, policy: RetentionPolicy, total_steps: int, now: float | None = None,
-                    run_dir: Path | None = None) -> dict[str, Any]:
+def apply_published(
+    store: RetentionStore,
+    run: str,
+    policy: RetentionPolicy,
+    total_steps: int,
+    now: float | None = None,
+    run_dir: Path | None = None,
+) -> dict[str, Any]:
     """Mark published checkpoints beyond keep_published for deletion; delete those past their grace. run_dir:
     the run's folder, whose metrics.jsonl ranks the steps for keep_best."""
     now = time.time() if now is None else now
@@ -173,9 +199,15 @@ def apply_published(store: RetentionStore, run: str, policy: RetentionPolicy, to
         if s not in keep:
             pending.setdefault(str(s), now)
     due = sorted(int(k) for k, t in pending.items() if now - t >= policy.delete_grace_minutes * 60)
-    state = {"version": VERSION, "decided_at": _now(), "keep_published": policy.keep_published,
-             "kept": sorted(keep), "why": {str(s): r for s, r in sorted(why.items())}, "pending": pending,
-             "deleting": due}
+    state = {
+        "version": VERSION,
+        "decided_at": _now(),
+        "keep_published": policy.keep_published,
+        "kept": sorted(keep),
+        "why": {str(s): r for s, r in sorted(why.items())},
+        "pending": pending,
+        "deleting": due,
+    }
     store.put_json(key, state)  # the decision is recorded before anything is deleted
     for s in due:
         store.delete_checkpoint(run, s)

@@ -41,8 +41,9 @@ def _stand_ins() -> tuple[type[Any], type[object]]:
             self.local_shards, self.metadata = state[0], state[1]
 
         @classmethod
-        def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
-                               kwargs: dict[str, Any] | None = None) -> NoReturn:
+        def __torch_dispatch__(
+            cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> NoReturn:
             raise RuntimeError("a ShardedTensorRecord is for inspection only; load the shard in its process group")
 
         @property
@@ -93,9 +94,20 @@ def allowed_globals() -> list[object]:
             raise pickle.UnpicklingError(f"Unsupported global: GLOBAL getattr({obj!r}, {name!r})")
 
         _ALLOWED = [
-            _reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType,
-            Shard, ShardMetadata, ShardedTensorMetadata, TensorProperties, MEM_FORMAT_ENCODING, ChunkShardingSpec,
-            _remote_device, pg_state, (record, _SHARDED_TENSOR), (restricted_getattr, "builtins.getattr"),
+            _reconstruct,
+            np.ndarray,
+            np.dtype,
+            np.dtypes.UInt32DType,
+            Shard,
+            ShardMetadata,
+            ShardedTensorMetadata,
+            TensorProperties,
+            MEM_FORMAT_ENCODING,
+            ChunkShardingSpec,
+            _remote_device,
+            pg_state,
+            (record, _SHARDED_TENSOR),
+            (restricted_getattr, "builtins.getattr"),
         ]
     return _ALLOWED
 
@@ -139,5 +151,6 @@ def load(path: str | Path, *, mmap: bool = True) -> Any:
             "do not load this file; if you wrote it yourself, save plain tensors and containers only",
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be loaded ({str(e).splitlines()[0]})",
-                              "the file is damaged; resume from an older checkpoint") from None
+        raise CheckpointError(
+            f"{path} cannot be loaded ({str(e).splitlines()[0]})", "the file is damaged; resume from an older checkpoint"
+        ) from None

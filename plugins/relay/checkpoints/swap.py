@@ -32,8 +32,9 @@ def replace_step(run_dir: Path, step: int, staged: Path, aside: Path) -> None:
     run's lease lock (and token)."""
     final = layout.step_dir(run_dir, step)
     journal = layout.relay_dir(run_dir, JOURNAL)
-    layout.atomic_write_json(journal, {"step": step, "staged": str(staged), "aside": str(aside),
-                                       "staged_inode": staged.stat().st_ino})
+    layout.atomic_write_json(
+        journal, {"step": step, "staged": str(staged), "aside": str(aside), "staged_inode": staged.stat().st_ino}
+    )
     fault_point("swap_journaled", step)
     aside.parent.mkdir(parents=True, exist_ok=True)
     if _exchange(staged, final):
@@ -61,14 +62,15 @@ def recover(run_dir: Path) -> str | None:
             j = json.loads(journal.read_text())
             step, staged, aside, inode = int(j["step"]), Path(j["staged"]), Path(j["aside"]), int(j["staged_inode"])
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{journal} cannot be read ({e}): a swap of a step folder was interrupted",
-                                  f"look at {layout.relay_dir(run_dir)} (staging, resharded) and make sure "
-                                  "global_step_N holds a whole checkpoint, then remove the journal") from None
+            raise CheckpointError(
+                f"{journal} cannot be read ({e}): a swap of a step folder was interrupted",
+                f"look at {layout.relay_dir(run_dir)} (staging, resharded) and make sure "
+                "global_step_N holds a whole checkpoint, then remove the journal",
+            ) from None
         relay = layout.relay_dir(run_dir).resolve()
         for p in (staged, aside):  # the journal names folders of this run's .relay/ only
             if relay not in p.resolve().parents:
-                raise CheckpointError(f"{journal} names {p}, outside {relay}", "remove the journal: Relay did not "
-                                                                                 "write it")
+                raise CheckpointError(f"{journal} names {p}, outside {relay}", "remove the journal: Relay did not write it")
         final = layout.step_dir(run_dir, step)
         if final.exists() and final.stat().st_ino == inode:  # swapped: the original still to be set aside
             if staged.exists():
@@ -84,9 +86,10 @@ def recover(run_dir: Path) -> str | None:
             aside.rename(final)
             done = f"undid the interrupted swap of step {step}: its original is back in place"
         else:
-            raise CheckpointError(f"an interrupted swap of step {step} left neither {final}, {staged} nor {aside}",
-                                  "restore the step from S3 (`relay checkpoint restore`) or resume from an "
-                                  "earlier one")
+            raise CheckpointError(
+                f"an interrupted swap of step {step} left neither {final}, {staged} nor {aside}",
+                "restore the step from S3 (`relay checkpoint restore`) or resume from an earlier one",
+            )
         for folder in {run_dir, aside.parent, staged.parent}:
             if folder.is_dir():
                 layout.fsync_dir(folder)

@@ -86,10 +86,16 @@ class CheckReport:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def validate_checkpoint(run_dir: Path, step: int | None = None, *, expected_step: int | None = None,
-                        upto: str = "numerics", expect_critic: bool | None = None,
-                        smoke: Callable[[Path], str] | None = None,
-                        checked: dict[str, FileResult] | None = None) -> CheckReport:
+def validate_checkpoint(
+    run_dir: Path,
+    step: int | None = None,
+    *,
+    expected_step: int | None = None,
+    upto: str = "numerics",
+    expect_critic: bool | None = None,
+    smoke: Callable[[Path], str] | None = None,
+    checked: dict[str, FileResult] | None = None,
+) -> CheckReport:
     """Validate global_step_<step> of a run (default: the step the tracker names), level by level up
     to `upto` (then smoke, if given). upto="consistency" reads no file: cheap enough for a
     scheduler-side "is this chunk done?" question; "integrity" reads every byte but unpickles nothing.
@@ -133,6 +139,7 @@ def validate_checkpoint(run_dir: Path, step: int | None = None, *, expected_step
 
 # --------------------------------------------------------------------------------- structure
 
+
 def _structure(report: CheckReport, ckpt: Path, expect_critic: bool | None) -> bool:
     if not ckpt.is_dir():
         return report.add("structure", False, f"{ckpt.name} does not exist")
@@ -157,8 +164,9 @@ def _structure(report: CheckReport, ckpt: Path, expect_critic: bool | None) -> b
             report.world_size, report.fsdp_version = ws, cfg.get("FSDP_version")
         named = {int(m.group(2)) for p in role_dir.iterdir() if (m := layout.SHARD.match(p.name))}
         if named - {ws}:
-            return report.add("structure", False,
-                              f"{role}/ shards name world size {sorted(named)}, fsdp_config.json records {ws}")
+            return report.add(
+                "structure", False, f"{role}/ shards name world size {sorted(named)}, fsdp_config.json records {ws}"
+            )
         for rank in range(ws):
             for kind in layout.SHARD_KINDS:
                 f = role_dir / layout.shard_name(kind, ws, rank)
@@ -177,6 +185,7 @@ def _structure(report: CheckReport, ckpt: Path, expect_critic: bool | None) -> b
 
 # ------------------------------------------------------------------------------- consistency
 
+
 def earlier_world_size(run_dir: Path, step: int) -> tuple[int, int] | None:
     """(step, world size) of the run's newest earlier checkpoint, from its manifest or fsdp_config.json."""
     for s, path in sorted(layout.step_dirs(run_dir).items(), reverse=True):
@@ -194,13 +203,13 @@ def earlier_world_size(run_dir: Path, step: int) -> tuple[int, int] | None:
     return None
 
 
-def _consistency(report: CheckReport, run_dir: Path, step: int, tracker: int | None,
-                 expected_step: int | None) -> bool:
+def _consistency(report: CheckReport, run_dir: Path, step: int, tracker: int | None, expected_step: int | None) -> bool:
     if expected_step is not None and step != expected_step:
         return report.add("consistency", False, f"checkpoint step {step}, but the chunk ends at step {expected_step}")
     if expected_step is not None and tracker != expected_step:
-        return report.add("consistency", False,
-                          f"the tracker names step {tracker}, but the chunk's checkpoint is step {expected_step}")
+        return report.add(
+            "consistency", False, f"the tracker names step {tracker}, but the chunk's checkpoint is step {expected_step}"
+        )
     earlier = earlier_world_size(run_dir, step)
     agree = f"tracker {tracker}, folder global_step_{step}" + (f", chunk end {expected_step}" if expected_step else "")
     if earlier and earlier[1] != report.world_size:
@@ -210,14 +219,18 @@ def _consistency(report: CheckReport, run_dir: Path, step: int, tracker: int | N
         except CheckpointError as e:
             return report.add("consistency", False, e.what)
         if record is None or record["world_size"] != earlier[1]:
-            return report.add("consistency", False,
-                              f"world size {report.world_size}, but the run's earlier checkpoint (step {earlier[0]}) "
-                              f"has world size {earlier[1]}: resuming would silently re-shard or fail")
+            return report.add(
+                "consistency",
+                False,
+                f"world size {report.world_size}, but the run's earlier checkpoint (step {earlier[0]}) "
+                f"has world size {earlier[1]}: resuming would silently re-shard or fail",
+            )
         return report.add("consistency", True, f"{agree}; resharded from world size {earlier[1]} (step {earlier[0]}'s)")
     return report.add("consistency", True, agree + (f"; world size as at step {earlier[0]}" if earlier else ""))
 
 
 # ------------------------------------------------------- integrity, loadability and numerics
+
 
 @dataclass
 class FileResult:
@@ -232,7 +245,6 @@ class FileResult:
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(name, local tensor) pairs of a loaded object: DTensors' local parts, ShardedTensor shards."""
     import torch
-
 
     if is_sharded_record(obj):
         for i, shard in enumerate(obj.local_shards):
@@ -285,8 +297,12 @@ def check_file(ckpt: Path, rel: str, load: bool = True, pool: Executor | None = 
         for name, t in _tensors(obj):
             # A sum is NaN/Inf when any element is (one fast reduction, no mask); a sum that overflows
             # on finite values is told apart by the exact elementwise check.
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.sum())) \
-                    and not bool(torch.isfinite(t).all()):
+            if (
+                t.is_floating_point()
+                and t.numel()
+                and not bool(torch.isfinite(t.sum()))
+                and not bool(torch.isfinite(t).all())
+            ):
                 res.nonfinite = f"{rel}: {name} holds NaN or Inf"
                 break
     if path.name.startswith("model_world_size_") and path.name.endswith("_rank_0.pt") and isinstance(obj, dict):
@@ -329,8 +345,14 @@ def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool, checked:
     # Two files at a time (their loading and numerics: torch, which releases the GIL), the checksums of every
     # file's segments on every core: a checkpoint is mostly one or two large files per rank.
     with ThreadPoolExecutor(os.cpu_count() or 2) as segments, ThreadPoolExecutor(2) as files:
-        results = list(files.map(lambda r: checked[r] if r in checked and (checked[r].loaded or not load)
-                                 else check_file(ckpt, r, load, segments), rels))
+        results = list(
+            files.map(
+                lambda r: checked[r]
+                if r in checked and (checked[r].loaded or not load)
+                else check_file(ckpt, r, load, segments),
+                rels,
+            )
+        )
     report.files = {r.rel: {"size": r.scan.size, "crc64nvme": r.scan.crc64nvme} for r in results}
     bad = next((r for r in results if r.scan.problem), None)
     if bad:
@@ -341,12 +363,17 @@ def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool, checked:
             return report.add("integrity", False, f"files differ from the manifest: {', '.join(diff)}")
         changed = [rel for rel, f in report.files.items() if recorded.files[rel] != f]
         if changed:
-            return report.add("integrity", False,
-                              f"changed since validation (size or CRC64NVME differs from the manifest): "
-                              f"{', '.join(changed)}")
+            return report.add(
+                "integrity",
+                False,
+                f"changed since validation (size or CRC64NVME differs from the manifest): {', '.join(changed)}",
+            )
     total = sum(f["size"] for f in report.files.values())
-    report.add("integrity", True, f"{len(results)} files, {total} bytes: zip CRCs pass"
-               + ("; checksums match the manifest" if recorded else ""))
+    report.add(
+        "integrity",
+        True,
+        f"{len(results)} files, {total} bytes: zip CRCs pass" + ("; checksums match the manifest" if recorded else ""),
+    )
     if not load:
         return True
     load_error = next((r.load_error for r in results if r.load_error), None)
@@ -391,12 +418,19 @@ def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | No
         raise CheckpointError(f"refusing to write a manifest for an invalid checkpoint: {failed.detail}")
     # a valid report reached past structure: it has its step and the actor's world size
     assert report.step is not None and report.world_size is not None
-    m = manifest.Manifest(run=run, step=report.step, world_size=report.world_size,
-                          fsdp_version=report.fsdp_version, files=report.files, params=report.params,
-                          settings_fingerprint=settings_fingerprint, verl_version=manifest.verl_version(),
-                          checks=[c.name for c in report.checks],
-                          resharded_from=_resharded_from(layout.step_dir(Path(report.run_dir), report.step)),
-                          incarnation=folder_incarnation(Path(report.run_dir)) or LEGACY_INCARNATION)
+    m = manifest.Manifest(
+        run=run,
+        step=report.step,
+        world_size=report.world_size,
+        fsdp_version=report.fsdp_version,
+        files=report.files,
+        params=report.params,
+        settings_fingerprint=settings_fingerprint,
+        verl_version=manifest.verl_version(),
+        checks=[c.name for c in report.checks],
+        resharded_from=_resharded_from(layout.step_dir(Path(report.run_dir), report.step)),
+        incarnation=folder_incarnation(Path(report.run_dir)) or LEGACY_INCARNATION,
+    )
     m.write(layout.step_dir(Path(report.run_dir), report.step))
     return m
 
@@ -404,8 +438,7 @@ def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | No
 def _resharded_from(step_dir: Path) -> dict[str, Any] | None:
     """The manifest's record of a reshard: the world size the step was written at, and the sha256 of its manifest."""
     record = record_of(step_dir)
-    return None if record is None else {"world_size": record["world_size"],
-                                        "manifest_sha256": record.get("manifest_sha256")}
+    return None if record is None else {"world_size": record["world_size"], "manifest_sha256": record.get("manifest_sha256")}
 
 
 def latest_valid_step(run_dir: Path) -> int | None:

@@ -62,8 +62,14 @@ def exhaust_memory(headroom_mb: int) -> None:
     until Python raises MemoryError (the cap keeps the rest of the machine out of it)."""
     import resource
 
-    mapped = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
-                      if line.startswith("VmSize:"))) * 1024
+    mapped = (
+        int(
+            next(
+                line.split()[1] for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmSize:")
+            )
+        )
+        * 1024
+    )
     resource.setrlimit(resource.RLIMIT_AS, (mapped + headroom_mb * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
     hog = []
     while True:
@@ -97,8 +103,11 @@ def drill_env(drill: Any, once_file: Path) -> dict[str, str]:
     kill_at = drill.get("kill_at") if isinstance(drill, dict) else None
     phase, _, step = str(kill_at).partition("@")
     if set(drill or {}) != {"kill_at"} or phase not in FAULT_PHASES or not step.isdigit():
-        raise RelayError(f"conf relay_fault {str(drill)[:80]!r} is not a drill Relay runs",
-                         f"give {{\"kill_at\": \"<phase>@<step>\"}} with a phase among {', '.join(FAULT_PHASES)}, "
-                         "e.g. {\"kill_at\": \"after_step@34\"}", retry_helps=False)
+        raise RelayError(
+            f"conf relay_fault {str(drill)[:80]!r} is not a drill Relay runs",
+            f'give {{"kill_at": "<phase>@<step>"}} with a phase among {", ".join(FAULT_PHASES)}, '
+            'e.g. {"kill_at": "after_step@34"}',
+            retry_helps=False,
+        )
     once_file.parent.mkdir(parents=True, exist_ok=True)
     return {KILL_ENV: f"{phase}@{int(step)}", "RELAY_FAULT_ONCE": str(once_file)}

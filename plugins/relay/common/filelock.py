@@ -59,11 +59,13 @@ def file_lock(path: Path, what: str, timeout: float = DEFAULT_TIMEOUT_S) -> Iter
                         f"{path} was held for more than {timeout:g} s by {_holder(fd)}; {what} did not wait longer",
                         "if that process is gone (a killed host), nothing holds the lock any more and a retry "
                         "goes through; if it is alive, let it finish, or stop it (its Ray job, its `relay` "
-                        "command) and retry") from None
+                        "command) and retry",
+                    ) from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "for": what,
-                                  "since": utc_now()}).encode(), 0)
+        os.pwrite(
+            fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "for": what, "since": utc_now()}).encode(), 0
+        )
         held[key] = 1
         try:
             yield

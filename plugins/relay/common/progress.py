@@ -16,14 +16,17 @@ STEP_LINE = re.compile(r"^\[relay\] step (\d+)/\d+", re.MULTILINE)
 SHOWN = ("reward_mean", "loss", "kl", "lr")  # the rest stays in metrics.jsonl
 
 
-def step_line(step: int, total: int, chunk: int | None, chunk_end: int, recent_seconds: list[float],
-              values: dict[str, Any]) -> str:
+def step_line(
+    step: int, total: int, chunk: int | None, chunk_end: int, recent_seconds: list[float], values: dict[str, Any]
+) -> str:
     """The line for `step` (without the "[relay] " prefix): the time left in the chunk (eta) and in the whole run
     (run eta) first, from the mean of the recent steps' seconds."""
     per = sum(recent_seconds) / len(recent_seconds) if recent_seconds else 0.0
     shown = " ".join(f"{k}={values[k]:.3g}" for k in SHOWN if isinstance(values.get(k), (int, float)))
-    return (f"step {step}/{total} chunk {chunk or '-'} eta {duration(per * (chunk_end - step))} "
-            f"(run eta {duration(per * (total - step))}) {per:.3g} s/step {shown}").rstrip()
+    return (
+        f"step {step}/{total} chunk {chunk or '-'} eta {duration(per * (chunk_end - step))} "
+        f"(run eta {duration(per * (total - step))}) {per:.3g} s/step {shown}"
+    ).rstrip()
 
 
 def duration(seconds: float) -> str:

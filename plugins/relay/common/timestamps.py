@@ -46,8 +46,9 @@ def process_started() -> float | None:
     /proc/stat); None where that cannot be read."""
     try:
         after_boot = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
         return round(boot + after_boot / os.sysconf("SC_CLK_TCK"), 2)
     except (OSError, ValueError, IndexError, StopIteration):
         return None

@@ -39,11 +39,12 @@ class DataDiff:
         out += [f"  schema: {c}" for c in self.schema_changes]
         for what, keys in (("added", self.added), ("removed", self.removed), ("changed", self.changed)):
             if keys:
-                out.append(f"  {len(keys)} row(s) {what} ({self.key}: {', '.join(map(str, keys[:EXAMPLES]))}"
-                           f"{', ...' if len(keys) > EXAMPLES else ''})")
+                out.append(
+                    f"  {len(keys)} row(s) {what} ({self.key}: {', '.join(map(str, keys[:EXAMPLES]))}"
+                    f"{', ...' if len(keys) > EXAMPLES else ''})"
+                )
         if self.reordered:
-            out.append("  rows reordered (same rows, another order): the dataloader offset would point at other "
-                       "samples")
+            out.append("  rows reordered (same rows, another order): the dataloader offset would point at other samples")
         if len(out) == 1 + len(self.schema_changes):
             out.append("  bytes differ (same rows and schema: metadata or encoding changed)")
         return "\n".join(out)

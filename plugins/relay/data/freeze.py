@@ -64,15 +64,23 @@ def frozen_files(run_dir: Path) -> list[FrozenFile] | None:
     try:
         files = [FrozenFile(**f) for f in data["files"]]
     except (TypeError, KeyError) as e:
-        raise DataError(f"the frozen data in {where} is malformed ({e})",
-                        "restore the run folder's .relay/run.json, or start the run again with fresh_start") from None
+        raise DataError(
+            f"the frozen data in {where} is malformed ({e})",
+            "restore the run folder's .relay/run.json, or start the run again with fresh_start",
+        ) from None
     for f in files:
-        if not (isinstance(f.sha256, str) and re.fullmatch(r"[0-9a-f]{64}", f.sha256)
-                and f.frozen == f"{FROZEN_DIR}/{f.sha256}.parquet" and f.role in ("train", "val")):
-            raise DataError(f"{where} names the frozen copy {str(f.frozen)[:80]!r} (sha256 {str(f.sha256)[:80]!r}, "
-                            f"role {str(f.role)[:20]!r}); Relay only reads {FROZEN_DIR}/<sha256>.parquet in the run "
-                            "folder", "the run record was altered: restore it, or start the run again with "
-                                      "fresh_start")
+        if not (
+            isinstance(f.sha256, str)
+            and re.fullmatch(r"[0-9a-f]{64}", f.sha256)
+            and f.frozen == f"{FROZEN_DIR}/{f.sha256}.parquet"
+            and f.role in ("train", "val")
+        ):
+            raise DataError(
+                f"{where} names the frozen copy {str(f.frozen)[:80]!r} (sha256 {str(f.sha256)[:80]!r}, "
+                f"role {str(f.role)[:20]!r}); Relay only reads {FROZEN_DIR}/<sha256>.parquet in the run "
+                "folder",
+                "the run record was altered: restore it, or start the run again with fresh_start",
+            )
     return files
 
 
@@ -89,8 +97,7 @@ def freeze(run: Run, store: ObjectStore | None = None, quality: dict[str, Any] |
                 _copy_verified(Path(src), dest, fp.sha256)
             uri = store.put_file(store.run_key(run.name, rel), dest) if store is not None else None
             out.append(FrozenFile(role, str(src), fp.sha256, fp.size, fp.rows, fp.schema, rel, uri))
-    update_record(run_dir, data={"frozen_at": utc_now(),
-                                 "files": [f.to_dict() for f in out], "quality": quality or {}})
+    update_record(run_dir, data={"frozen_at": utc_now(), "files": [f.to_dict() for f in out], "quality": quality or {}})
     return out
 
 
@@ -115,12 +122,16 @@ def verify_frozen(run_dir: Path, files: list[FrozenFile], store: ObjectStore | N
         if not path.is_file() and store is not None and f.uri:
             store.download_object(f.uri, path)
         if not path.is_file():
-            raise DataError(f"frozen copy {path} of {f.source} is missing" + (f" (and {f.uri})" if f.uri else ""),
-                            "restore the run folder, or start the run again with fresh_start")
+            raise DataError(
+                f"frozen copy {path} of {f.source} is missing" + (f" (and {f.uri})" if f.uri else ""),
+                "restore the run folder, or start the run again with fresh_start",
+            )
         got = sha256_file(path)[0]
         if got != f.sha256:
-            raise DataError(f"frozen copy {path} does not match its sha256 {f.sha256[:12]} (now {got[:12]})",
-                            "the frozen data was altered; restore it from " + (f.uri or "a backup"))
+            raise DataError(
+                f"frozen copy {path} does not match its sha256 {f.sha256[:12]} (now {got[:12]})",
+                "the frozen data was altered; restore it from " + (f.uri or "a backup"),
+            )
         out[f.role].append(str(path))
     return out
 

@@ -80,19 +80,30 @@ class QualityReport:
         return not self.failures
 
     def summary(self) -> str:
-        head = f"data quality of {self.file} ({self.rows} rows, {len(self.suite)} expectations): " + (
-            "PASS" if self.ok else f"FAIL ({len(self.failures)} failed)") + (
-            f" (remembered: these bytes passed this suite at {self.remembered})" if self.remembered else "")
+        head = (
+            f"data quality of {self.file} ({self.rows} rows, {len(self.suite)} expectations): "
+            + ("PASS" if self.ok else f"FAIL ({len(self.failures)} failed)")
+            + (f" (remembered: these bytes passed this suite at {self.remembered})" if self.remembered else "")
+        )
         lines = [head]
         for f in self.failures:
             where = f" on {f.column}" if f.column else ""
             # An aggregate expectation (distinct values, a mean...) may give a count without a percent.
             pct = f" ({f.unexpected_percent:.2f}%)" if f.unexpected_percent is not None else ""
-            count = (f": {f.unexpected_count} rows{pct}" if f.unexpected_count is not None and pct
-                     else f": observed {f.observed!r}" if f.observed is not None
-                     else f": {f.unexpected_count} rows" if f.unexpected_count is not None else "")
-            lines.append(f"  ✘ {f.expectation}{where}{count}" + (f"; e.g. {f.examples}" if f.examples else "")
-                         + (f" ({f.note})" if f.note else ""))
+            count = (
+                f": {f.unexpected_count} rows{pct}"
+                if f.unexpected_count is not None and pct
+                else f": observed {f.observed!r}"
+                if f.observed is not None
+                else f": {f.unexpected_count} rows"
+                if f.unexpected_count is not None
+                else ""
+            )
+            lines.append(
+                f"  ✘ {f.expectation}{where}{count}"
+                + (f"; e.g. {f.examples}" if f.examples else "")
+                + (f" ({f.note})" if f.note else "")
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,8 +134,14 @@ def _prompt_ok(p: Any) -> bool:
         msgs = list(p)
     except TypeError:
         return False
-    return bool(msgs) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
-                              and isinstance(m.get("content"), str) and m["content"] for m in msgs)
+    return bool(msgs) and all(
+        isinstance(m, dict)
+        and isinstance(m.get("role"), str)
+        and m["role"]
+        and isinstance(m.get("content"), str)
+        and m["content"]
+        for m in msgs
+    )
 
 
 def builtin_expectations(min_rows: int) -> list[Expectation]:
@@ -132,12 +149,14 @@ def builtin_expectations(min_rows: int) -> list[Expectation]:
     return [
         ("expect_column_values_to_not_be_null", {"column": "data_source"}, "data_source is set"),
         ("expect_column_values_to_be_of_type", {"column": "data_source", "type_": "str"}, "data_source is a string"),
-        ("expect_column_values_to_be_in_set", {"column": "prompt.valid", "value_set": [True]},
-         "prompt is a non-empty chat list of {role, content}, or a non-empty string"),
+        (
+            "expect_column_values_to_be_in_set",
+            {"column": "prompt.valid", "value_set": [True]},
+            "prompt is a non-empty chat list of {role, content}, or a non-empty string",
+        ),
         ("expect_column_values_to_not_be_null", {"column": "reward_model.ground_truth"}, "ground_truth is set"),
         ("expect_column_values_to_be_unique", {"column": "extra_info.index"}, "extra_info.index is unique"),
-        ("expect_table_row_count_to_be_between", {"min_value": min_rows}, f"at least {min_rows} rows "
-                                                                          "(train_batch_size)"),
+        ("expect_table_row_count_to_be_between", {"min_value": min_rows}, f"at least {min_rows} rows (train_batch_size)"),
     ]
 
 
@@ -161,10 +180,17 @@ def check(path: str | Path, *, min_rows: int = 1, extra: Sequence[Expectation] =
     for col in REQUIRED:
         if col not in columns:
             near = difflib.get_close_matches(col, sorted(columns), n=1)
-            report.failures.append(Failure("required column present", col, None, None, [], note=(
-                f"column missing; renamed to {near[0]!r}?" if near else "column missing")))
-    expectations = [e for e in [*builtin_expectations(min_rows), *extra]
-                    if e[1].get("column") in (None, *columns)]
+            report.failures.append(
+                Failure(
+                    "required column present",
+                    col,
+                    None,
+                    None,
+                    [],
+                    note=(f"column missing; renamed to {near[0]!r}?" if near else "column missing"),
+                )
+            )
+    expectations = [e for e in [*builtin_expectations(min_rows), *extra] if e[1].get("column") in (None, *columns)]
     report.suite = [f"{t}({e.get('column', '')})" for t, e, _ in expectations]
     remembered = _pass_path(path, expectations) if not report.failures else None
     if remembered is not None and remembered.is_file():  # these bytes passed this suite before
@@ -185,8 +211,9 @@ def _pass_path(path: str | Path, expectations: Sequence[Expectation]) -> Path | 
         return None
     from importlib.metadata import version
 
-    key = json.dumps([sha256_file(path)[0], expectations, version("great_expectations"), CHECK_VERSION],
-                     sort_keys=True, default=str)
+    key = json.dumps(
+        [sha256_file(path)[0], expectations, version("great_expectations"), CHECK_VERSION], sort_keys=True, default=str
+    )
     base = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "relay"
     return base / "data-checks" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
 
@@ -207,43 +234,64 @@ def _run_suite(df: pd.DataFrame, expectations: Sequence[Expectation]) -> list[di
 
         ctx = gx.get_context(mode="ephemeral")
         ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
-        batch = ctx.data_sources.add_pandas("relay").add_dataframe_asset("data") \
-            .add_batch_definition_whole_dataframe("all")
+        batch = ctx.data_sources.add_pandas("relay").add_dataframe_asset("data").add_batch_definition_whole_dataframe("all")
         suite = ctx.suites.add(gx.ExpectationSuite(name="verl_rl"))
         for type_, kwargs, meaning in expectations:
             cls = getattr(gxe, "".join(p.capitalize() for p in type_.split("_")), None)
             if cls is None:
-                raise QualityCheckError(f"unknown expectation {type_!r}",
-                                        "use a great-expectations 1.x expectation name (expect_...)")
+                raise QualityCheckError(
+                    f"unknown expectation {type_!r}", "use a great-expectations 1.x expectation name (expect_...)"
+                )
             suite.add_expectation(cls(**kwargs, meta={"meaning": meaning}))
         vd = ctx.validation_definitions.add(gx.ValidationDefinition(name="relay", data=batch, suite=suite))
         index = ["extra_info.index"] if "extra_info.index" in df.columns else []
-        res = vd.run(batch_parameters={"dataframe": df},
-                     result_format={"result_format": "SUMMARY", "partial_unexpected_count": EXAMPLES,
-                                    "unexpected_index_column_names": index})
+        res = vd.run(
+            batch_parameters={"dataframe": df},
+            result_format={
+                "result_format": "SUMMARY",
+                "partial_unexpected_count": EXAMPLES,
+                "unexpected_index_column_names": index,
+            },
+        )
     except RelayError:
         raise
     except Exception as e:  # noqa: BLE001 - great-expectations' own failure: not a verdict on the data
-        raise QualityCheckError(f"great-expectations failed while checking the data: {type(e).__name__}: {e}",
-                                "this is not a data problem; check the expectations files and the GE version") \
-            from None
+        raise QualityCheckError(
+            f"great-expectations failed while checking the data: {type(e).__name__}: {e}",
+            "this is not a data problem; check the expectations files and the GE version",
+        ) from None
     out: list[dict[str, Any]] = []
     for r in res.results:
         raised = _raised(r.exception_info)
         cfg = r.expectation_config
         assert cfg is not None  # GE sets it on each result of a suite it validated
         if raised:
-            raise QualityCheckError(f"great-expectations raised inside {cfg.type}: {raised}",
-                                    "this is not a data problem; check the expectation's arguments")
+            raise QualityCheckError(
+                f"great-expectations raised inside {cfg.type}: {raised}",
+                "this is not a data problem; check the expectation's arguments",
+            )
         meaning = (cfg.meta or {}).get("meaning", "")
         res_d = r.result or {}
         # Examples name the offending rows by extra_info.index when GE can, else show their values.
-        rows = [x.get("extra_info.index") if isinstance(x, dict) else x
-                for x in (res_d.get("partial_unexpected_index_list") or [])][:EXAMPLES]
+        rows = [
+            x.get("extra_info.index") if isinstance(x, dict) else x
+            for x in (res_d.get("partial_unexpected_index_list") or [])
+        ][:EXAMPLES]
         examples = [f"extra_info.index={i}" for i in rows] or list(res_d.get("partial_unexpected_list") or [])[:EXAMPLES]
-        out.append({"success": r.success, "failure": Failure(
-            cfg.type, cfg.kwargs.get("column"), res_d.get("unexpected_count"), res_d.get("unexpected_percent"),
-            examples, res_d.get("observed_value"), meaning)})
+        out.append(
+            {
+                "success": r.success,
+                "failure": Failure(
+                    cfg.type,
+                    cfg.kwargs.get("column"),
+                    res_d.get("unexpected_count"),
+                    res_d.get("unexpected_percent"),
+                    examples,
+                    res_d.get("observed_value"),
+                    meaning,
+                ),
+            }
+        )
     return out
 
 
@@ -252,5 +300,6 @@ def _raised(info: object) -> str | None:
         return None
     if "raised_exception" in info:
         return info.get("exception_message") if info["raised_exception"] else None
-    return next((v.get("exception_message") for v in info.values()
-                 if isinstance(v, dict) and v.get("raised_exception")), None)
+    return next(
+        (v.get("exception_message") for v in info.values() if isinstance(v, dict) and v.get("raised_exception")), None
+    )

@@ -25,12 +25,12 @@ class AirflowAPIError(RuntimeError):
 class AirflowAPI:
     def __init__(self, url: str, username: str, password: str):
         self.url = url.rstrip("/")
-        self._token = self._post("/auth/token", {"username": username, "password": password}, auth=False)[
-            "access_token"]
+        self._token = self._post("/auth/token", {"username": username, "password": password}, auth=False)["access_token"]
 
     def _call(self, method: str, path: str, body=None, auth: bool = True):
-        req = urllib.request.Request(f"{self.url}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(
+            f"{self.url}{path}", method=method, data=None if body is None else json.dumps(body).encode()
+        )
         req.add_header("Content-Type", "application/json")
         if auth:
             req.add_header("Authorization", f"Bearer {self._token}")
@@ -105,24 +105,36 @@ class AirflowAPI:
     def clear_task_instances(self, dag_id: str, run_id: str, task_ids: list[str]) -> list[dict]:
         """Clear tasks of a DAG run and what follows them, as the UI's Clear button does: each runs again
         (a deferred one's trigger is cancelled, and its operator told so)."""
-        return self._post(f"/api/v2/dags/{dag_id}/clearTaskInstances", {
-            "dry_run": False, "dag_run_id": run_id, "task_ids": task_ids, "only_failed": False,
-            "include_downstream": True, "reset_dag_runs": True})["task_instances"]
+        return self._post(
+            f"/api/v2/dags/{dag_id}/clearTaskInstances",
+            {
+                "dry_run": False,
+                "dag_run_id": run_id,
+                "task_ids": task_ids,
+                "only_failed": False,
+                "include_downstream": True,
+                "reset_dag_runs": True,
+            },
+        )["task_instances"]
 
     def decision(self, dag_id: str, run_id: str, task_id: str) -> dict:
         """A task's human-in-the-loop request (subject, body, options) and its answer, once given."""
-        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/-1/"
-                        "hitlDetails")
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/-1/hitlDetails")
 
     def answer(self, dag_id: str, run_id: str, task_id: str, option: str) -> dict:
         """Answer a task's request as its Required Actions page does."""
-        return self._call("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/"
-                                   "-1/hitlDetails", {"chosen_options": [option]})
+        return self._call(
+            "PATCH",
+            f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/-1/hitlDetails",
+            {"chosen_options": [option]},
+        )
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
         """A task try's whole log as the UI shows it, one line per record (its fields as JSON)."""
-        got = self.get(f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/logs/"
-                       f"{try_number}?full_content=true")
+        got = self.get(
+            f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/logs/"
+            f"{try_number}?full_content=true"
+        )
         return "\n".join(json.dumps(c) if isinstance(c, dict) else str(c) for c in got.get("content") or [])
 
     def asset_events(self, **filters) -> list[dict]:

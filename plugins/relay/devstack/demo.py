@@ -27,8 +27,7 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
     spec = load_spec(root() / DEMO_SPEC)
     demo_run = Run.of(spec, f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     kill_at = spec.chunk_steps + spec.chunk_steps // 2  # the middle of chunk 2
-    say("starting the local stack: S3 (SeaweedFS), Ray head, Airflow (api-server, scheduler, dag-processor, "
-        "triggerer)")
+    say("starting the local stack: S3 (SeaweedFS), Ray head, Airflow (api-server, scheduler, dag-processor, triggerer)")
     info = stack.up(with_airflow=True)
     try:
         say(f"Airflow UI: {info['airflow']}  (user {info['user']}, password {info['password']})")
@@ -40,8 +39,10 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
             # A crash drill: chunk 2's trainer SIGKILLs itself right after step kill_at, on its first attempt
             # only, before it saves (a graceful stop would save first); Airflow's retry resumes it.
             conf["relay_fault"] = {"kill_at": f"after_step@{kill_at}"}
-            say(f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): Airflow's "
-                f"retry resumes it from its latest checkpoint, step {spec.chunk_steps}")
+            say(
+                f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): Airflow's "
+                f"retry resumes it from its latest checkpoint, step {spec.chunk_steps}"
+            )
         dag_run = api.trigger(spec.dag_id, conf)
         say(f"triggered {spec.dag_id}, DAG run {dag_run['dag_run_id']}, training run {demo_run}")
         state = _follow(api, demo_run, dag_run["dag_run_id"], timeout_s)
@@ -83,12 +84,16 @@ def _resumed_chunk_2(run: Run, kill_at: int) -> bool:
     starts = [e for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
     resumed = [e for e in starts[1:] if e.get("resumed_from") == spec.chunk_steps]
     if not resumed:
-        say(f"FAILED: no retry of chunk 2 resumed from step {spec.chunk_steps} (chunk 2's attempts resumed from "
-            f"{[e.get('resumed_from') for e in starts]}); the provoked resume did not happen")
+        say(
+            f"FAILED: no retry of chunk 2 resumed from step {spec.chunk_steps} (chunk 2's attempts resumed from "
+            f"{[e.get('resumed_from') for e in starts]}); the provoked resume did not happen"
+        )
         return False
     lost = len(read_jsonl(run_dir / SUPERSEDED))
-    say(f"chunk 2's trainer was killed after step {kill_at}; its retry resumed from step {spec.chunk_steps}: "
-        f"{lost} step(s) lost and trained again (kept in {SUPERSEDED})")
+    say(
+        f"chunk 2's trainer was killed after step {kill_at}; its retry resumed from step {spec.chunk_steps}: "
+        f"{lost} step(s) lost and trained again (kept in {SUPERSEDED})"
+    )
     return True
 
 
@@ -105,14 +110,18 @@ def _summary(run: Run, state: str) -> None:
             say(f"chunk {e['chunk']} attempt {e['attempt']}: resumed from step {e['resumed_from']}")
     for e in read_events(run_dir):
         if e["event"] == "publish":
-            say(f"published step {e['step']}: {e['uri']}" + (f"  (Hugging Face model: {e['hf_uri']})"
-                                                             if e.get("hf_uri") else ""))
+            say(
+                f"published step {e['step']}: {e['uri']}"
+                + (f"  (Hugging Face model: {e['hf_uri']})" if e.get("hf_uri") else "")
+            )
     say(f"checkpoints: {run_dir}  (tracker: {run_dir / 'latest_checkpointed_iteration.txt'})")
     say(f"metrics:     {run_dir / 'metrics.jsonl'}  (one row per step)")
     say(f"events:      {run_dir / 'events.jsonl'}")
     if spec.s3:
-        say(f"S3:          {spec.s3.uri}/{run}/latest.json on {stack.s3_endpoint()}  "
-            f"(`.venv/bin/relay checkpoint ls {spec.s3.uri} --run {run}` with AWS_ENDPOINT_URL set)")
+        say(
+            f"S3:          {spec.s3.uri}/{run}/latest.json on {stack.s3_endpoint()}  "
+            f"(`.venv/bin/relay checkpoint ls {spec.s3.uri} --run {run}` with AWS_ENDPOINT_URL set)"
+        )
     if rows:
         rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec), spec=spec)
         paths = report.write(rep, report.default_out(run_dir))

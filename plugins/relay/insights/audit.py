@@ -59,12 +59,16 @@ class AuditReport:
         if not self.compared:
             head = "replay audit: no step was trained twice (nothing to compare)"
         elif self.consistent:
-            head = (f"replay audit: consistent: {len(self.steps)} step(s) trained twice "
-                    f"({_ranges(self.steps)}), every metric as on the first try")
+            head = (
+                f"replay audit: consistent: {len(self.steps)} step(s) trained twice "
+                f"({_ranges(self.steps)}), every metric as on the first try"
+            )
         else:
             bad = sorted({d.step for d in self.divergences})
-            head = (f"replay audit: DIVERGED at step(s) {_ranges(bad)} of the {len(self.steps)} trained twice: the run "
-                    "after a resume is not the run it would have been")
+            head = (
+                f"replay audit: DIVERGED at step(s) {_ranges(bad)} of the {len(self.steps)} trained twice: the run "
+                "after a resume is not the run it would have been"
+            )
         lines = [head] + [f"  {d.describe()}" for d in self.divergences[:20]]
         if len(self.divergences) > 20:
             lines.append(f"  ... and {len(self.divergences) - 20} more")
@@ -96,8 +100,9 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
             tol = float((tolerance or {}).get(metric, (tolerance or {}).get(ANY, 0.0)))
             a, b = first.get(metric), again.get(metric)
             if not _same(a, b, tol):
-                report.divergences.append(Divergence(step, metric, a, b, tol, str(first.get("attempt", "")),
-                                                     str(again.get("attempt", ""))))
+                report.divergences.append(
+                    Divergence(step, metric, a, b, tol, str(first.get("attempt", "")), str(again.get("attempt", "")))
+                )
     report.steps = sorted(steps)
     report.not_retrained = sorted(set(report.not_retrained))
     return report

@@ -31,9 +31,21 @@ from relay.runs.record import read_record
 from relay.runs.run import Run
 
 # Snapshot keys (guard.snapshot) by what they mean; spec keys are under trainer.settings.
-ALGORITHM = {"adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "clip_ratio",
-             "temperature", "train_batch_size", "ppo_mini_batch_size", "max_response_length",
-             "resolved.rollouts_per_step", "resolved.lr_schedule", "resolved.lr_horizon"}
+ALGORITHM = {
+    "adv_estimator",
+    "rollout_n",
+    "use_kl_loss",
+    "kl_loss_coef",
+    "kl_loss_type",
+    "clip_ratio",
+    "temperature",
+    "train_batch_size",
+    "ppo_mini_batch_size",
+    "max_response_length",
+    "resolved.rollouts_per_step",
+    "resolved.lr_schedule",
+    "resolved.lr_horizon",
+}
 
 
 def _topic(key: str) -> str:
@@ -75,8 +87,18 @@ def _changes(run: Run, topic: str | None = None) -> list[guard.Change]:
 def interrupted_swap(run: Run) -> Finding | None:
     """A reshard killed while it swapped a step folder: finished or undone here, before anything looks at it."""
     done = swap.recover(run.dir) if run.dir.is_dir() else None
-    return Finding("interrupted reshard", True, done, "nothing: the step folder is whole again; run `relay checkpoint "
-                   f"reshard {run.dir} ...` again if its reshard was undone", warning=True) if done else None
+    return (
+        Finding(
+            "interrupted reshard",
+            True,
+            done,
+            "nothing: the step folder is whole again; run `relay checkpoint "
+            f"reshard {run.dir} ...` again if its reshard was undone",
+            warning=True,
+        )
+        if done
+        else None
+    )
 
 
 def checkpoint(run: Run, store=None, *, deep: bool = True) -> Finding:
@@ -93,33 +115,49 @@ def checkpoint(run: Run, store=None, *, deep: bool = True) -> Finding:
     try:
         tracker = layout.read_tracker(run_dir)
     except RelayError as e:
-        return Finding(name, False, e.what, f"run `python -m relay checkpoint validate {run_dir}` and point the "
-                       "tracker at the newest valid step (the next chunk does this itself)")
+        return Finding(
+            name,
+            False,
+            e.what,
+            f"run `python -m relay checkpoint validate {run_dir}` and point the "
+            "tracker at the newest valid step (the next chunk does this itself)",
+        )
     if tracker is None:
         steps = sorted(layout.step_dirs(run_dir)) if run_dir.is_dir() else []
         if steps:
-            return Finding(name, False, f"checkpoints {steps} but no tracker",
-                           f"validate step {steps[-1]} (`python -m relay checkpoint validate {run_dir} --step "
-                           f"{steps[-1]} --quarantine`); it writes the tracker when valid")
+            return Finding(
+                name,
+                False,
+                f"checkpoints {steps} but no tracker",
+                f"validate step {steps[-1]} (`python -m relay checkpoint validate {run_dir} --step "
+                f"{steps[-1]} --quarantine`); it writes the tracker when valid",
+            )
         return Finding(name, True, f"no checkpoint yet: a resume starts at step 0{in_s3}")
     report = validate_checkpoint(run_dir, tracker, upto="numerics" if deep else "consistency")
     if not report.ok:
         bad = report.failed
         assert bad is not None  # the report is not ok: one of its checks failed
-        return Finding(name, False, f"latest step {tracker} is INVALID: {bad.name}: {bad.detail}",
-                       "the next chunk quarantines it and falls back to the newest valid step; to see why, run "
-                       f"`python -m relay checkpoint validate {run_dir} --step {tracker}`")
+        return Finding(
+            name,
+            False,
+            f"latest step {tracker} is INVALID: {bad.name}: {bad.detail}",
+            "the next chunk quarantines it and falls back to the newest valid step; to see why, run "
+            f"`python -m relay checkpoint validate {run_dir} --step {tracker}`",
+        )
     later = [q for q in quarantined(run_dir) if (q.get("step") or 0) > tracker]
     if later:
         q = later[-1]
         failed: dict[str, Any] = next((c for c in q.get("checks", []) if not c.get("ok")), {})
-        return Finding(name, False,
-                       f"step {q['step']} was quarantined ({failed.get('name')}: {failed.get('detail')}) to "
-                       f"{q['quarantine_path']}; a resume falls back to step {tracker} and trains "
-                       f"{q['step'] - tracker} steps again{in_s3}",
-                       f"read {q['quarantine_path']}.report.json; restore step {q['step']} from S3 if it was "
-                       f"published (`python -m relay checkpoint restore URI {run_dir} --step {q['step']}`), or "
-                       "accept the fallback by resuming")
+        return Finding(
+            name,
+            False,
+            f"step {q['step']} was quarantined ({failed.get('name')}: {failed.get('detail')}) to "
+            f"{q['quarantine_path']}; a resume falls back to step {tracker} and trains "
+            f"{q['step'] - tracker} steps again{in_s3}",
+            f"read {q['quarantine_path']}.report.json; restore step {q['step']} from S3 if it was "
+            f"published (`python -m relay checkpoint restore URI {run_dir} --step {q['step']}`), or "
+            "accept the fallback by resuming",
+        )
     how = "every level" if deep else "structure"
     return Finding(name, True, f"newest valid step {tracker} ({how}){in_s3}; nothing quarantined after it")
 
@@ -132,32 +170,50 @@ def live(run: Run, jobs=None) -> Finding:
         try:
             alive = [f"Ray job {j.submission_id} ({j.status})" for j in jobs.live_jobs_of_run(run.spec.name, run.name)]
         except RelayError as e:
-            return Finding(name, False, e.what, "start the Ray head or give its dashboard address (--ray-address, "
-                                                "RAY_ADDRESS, or the DAG's Ray connection)")
+            return Finding(
+                name,
+                False,
+                e.what,
+                "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS, or the DAG's Ray connection)",
+            )
         except Exception as e:  # noqa: BLE001 - any other failure to reach the Jobs API
-            return Finding(name, False, f"cannot ask Ray at {jobs.address} for live jobs: {e}",
-                           "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS)")
+            return Finding(
+                name,
+                False,
+                f"cannot ask Ray at {jobs.address} for live jobs: {e}",
+                "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS)",
+            )
     lease = Lease(run.dir)
     held = lease.current() if run.dir.is_dir() else None
     holder = ""
     if held:
-        holder = f"lease token {held.get('token')} last taken by {held.get('holder') or 'nobody'} (pid " \
-                 f"{held.get('pid')} on {held.get('host')})"
+        holder = (
+            f"lease token {held.get('token')} last taken by {held.get('holder') or 'nobody'} (pid "
+            f"{held.get('pid')} on {held.get('host')})"
+        )
         writer = lease.writer()
         if writer is not None and writer[0]:
             alive.append(f"trainer {writer[1]} still runs")
     if alive:
-        return Finding(name, False, "; ".join(alive) + (f"; {holder}" if holder else ""),
-                       "stop it before resuming (`ray job stop ID`, or kill the pid); a chunk started by the DAG "
-                       "stops the run's live jobs itself, and the lease fences out a stale trainer's saves")
+        return Finding(
+            name,
+            False,
+            "; ".join(alive) + (f"; {holder}" if holder else ""),
+            "stop it before resuming (`ray job stop ID`, or kill the pid); a chunk started by the DAG "
+            "stops the run's live jobs itself, and the lease fences out a stale trainer's saves",
+        )
     return Finding(name, True, "no live job or trainer of this run" + (f"; {holder}" if holder else ""))
 
 
 def model(run: Run) -> Finding:
     changed = _changes(run, "model")
     if changed:
-        return Finding("model", False, "; ".join(map(str, changed)),
-                       "restore the model settings in the spec, or start a new run from this checkpoint's weights")
+        return Finding(
+            "model",
+            False,
+            "; ".join(map(str, changed)),
+            "restore the model settings in the spec, or start a new run from this checkpoint's weights",
+        )
     return Finding("model", True, "unchanged since the freeze" if _recorded(run) else "nothing recorded yet")
 
 
@@ -180,34 +236,48 @@ def parallelism(run: Run) -> Finding:
         if run.spec.trainer.kind == "verl_ppo" and want[1] == have[1] and isinstance(want[0], int) and want[0] >= 1:
             # Only the number of GPUs changed: Relay reshards verl's FSDP checkpoints (relay.checkpoints.reshard).
             if run.spec.checkpoints.on_world_size_change == "reshard":
-                return Finding("parallelism", True,
-                               f"the spec asks for world size {want[0]}; step {step}'s shards are world size {have[0]}: "
-                               "the DAG's next chunk reshards it first (checkpoints.on_world_size_change: reshard)",
-                               f"or reshard it now: `{command}`", warning=True)
-            fix = (f"reshard step {step} to the spec's world size: `{command}` (the original is kept in "
-                   ".relay/resharded/), or set checkpoints.on_world_size_change: reshard and the DAG's next chunk "
-                   f"does it, or set nnodes x n_gpus_per_node back to {have[0]}")
+                return Finding(
+                    "parallelism",
+                    True,
+                    f"the spec asks for world size {want[0]}; step {step}'s shards are world size {have[0]}: "
+                    "the DAG's next chunk reshards it first (checkpoints.on_world_size_change: reshard)",
+                    f"or reshard it now: `{command}`",
+                    warning=True,
+                )
+            fix = (
+                f"reshard step {step} to the spec's world size: `{command}` (the original is kept in "
+                ".relay/resharded/), or set checkpoints.on_world_size_change: reshard and the DAG's next chunk "
+                f"does it, or set nnodes x n_gpus_per_node back to {have[0]}"
+            )
         else:
-            fix = (f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; "
-                   + ("verl's checkpoints load only at the FSDP version they were written with"
-                      if run.spec.trainer.kind == "verl_ppo" else
-                      f"a {run.spec.trainer.kind} checkpoint is not resharded (`relay checkpoint reshard` is for "
-                      "verl's FSDP checkpoints)"))
-        return Finding("parallelism", False,
-                       f"the spec asks for world size {want[0]}, FSDP{want[1]}; step {step}'s shards are world size "
-                       f"{have[0]}, FSDP{have[1]} ({shard})", fix)
+            fix = f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; " + (
+                "verl's checkpoints load only at the FSDP version they were written with"
+                if run.spec.trainer.kind == "verl_ppo"
+                else f"a {run.spec.trainer.kind} checkpoint is not resharded (`relay checkpoint reshard` is for "
+                "verl's FSDP checkpoints)"
+            )
+        return Finding(
+            "parallelism",
+            False,
+            f"the spec asks for world size {want[0]}, FSDP{want[1]}; step {step}'s shards are world size "
+            f"{have[0]}, FSDP{have[1]} ({shard})",
+            fix,
+        )
     return Finding("parallelism", True, f"world size {have[0]}, FSDP{have[1]}, as step {step}'s shards")
 
 
 def algorithm(run: Run) -> Finding:
     changed = _changes(run, "algorithm")
     if changed:
-        return Finding("algorithm", False, "; ".join(map(str, changed)),
-                       f"restore them in the spec, or trigger with allow_drift: {[c.key for c in changed]} if the "
-                       "change is deliberate (recorded)")
+        return Finding(
+            "algorithm",
+            False,
+            "; ".join(map(str, changed)),
+            f"restore them in the spec, or trigger with allow_drift: {[c.key for c in changed]} if the "
+            "change is deliberate (recorded)",
+        )
     s = run.spec.settings
-    parts = [f"{k}={getattr(s, k)}" for k in ("adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef")
-             if hasattr(s, k)]
+    parts = [f"{k}={getattr(s, k)}" for k in ("adv_estimator", "rollout_n", "use_kl_loss", "kl_loss_coef") if hasattr(s, k)]
     return Finding("algorithm", True, ", ".join(parts) + (" as recorded" if _recorded(run) else ""))
 
 
@@ -224,12 +294,19 @@ def data(run: Run) -> Finding:
     changes = frozen.source_changes(run_dir, files)
     shas = ", ".join(f"{f.role} {f.sha256[:12]} ({f.rows} rows)" for f in files)
     if changes and run.spec.data.on_source_change == "fail":
-        return Finding("data", False, " ".join(c.summary() for c in changes).replace("\n", "; "),
-                       "restore the source files, or set data.on_source_change: use_frozen to go on with the frozen "
-                       "copy (a new dataset is a new run)")
+        return Finding(
+            "data",
+            False,
+            " ".join(c.summary() for c in changes).replace("\n", "; "),
+            "restore the source files, or set data.on_source_change: use_frozen to go on with the frozen "
+            "copy (a new dataset is a new run)",
+        )
     if changes:
-        return Finding("data", True, f"frozen copies intact ({shas}); sources changed, training goes on with the "
-                                     "frozen copies (use_frozen)")
+        return Finding(
+            "data",
+            True,
+            f"frozen copies intact ({shas}); sources changed, training goes on with the frozen copies (use_frozen)",
+        )
     return Finding("data", True, f"frozen copies and sources match ({shas})")
 
 
@@ -237,15 +314,19 @@ def settings(run: Run) -> Finding:
     """Every resume-critical setting, as preflight.settings checks them (no allow_drift here)."""
     spec = run.spec
     if not _recorded(run):
-        return Finding("settings", True, f"fingerprint {spec.settings_fingerprint()}; nothing recorded yet "
-                                         "(recorded at the freeze)")
+        return Finding(
+            "settings", True, f"fingerprint {spec.settings_fingerprint()}; nothing recorded yet (recorded at the freeze)"
+        )
     try:
         guard.check(run, persist=False)
     except guard.DriftError as e:
         head, *rows = e.what.splitlines()
         return Finding("settings", False, f"{head} {'; '.join(r.strip() for r in rows)}", e.fix or "")
-    return Finding("settings", True, f"fingerprint {spec.settings_fingerprint()}; every resume-critical setting "
-                                     "matches the run's recorded ones")
+    return Finding(
+        "settings",
+        True,
+        f"fingerprint {spec.settings_fingerprint()}; every resume-critical setting matches the run's recorded ones",
+    )
 
 
 def attention(run: Run) -> Finding | None:
@@ -260,13 +341,15 @@ def last_failure(run: Run) -> Finding | None:
     """The cause of the run's last failed attempt (relay.runs.failure_cause, as the train task classified it),
     when no checkpoint was saved since: a warning that says what to do before trying again."""
     events = read_events(run.dir) if run.dir.is_dir() else []
-    last = next((i for i in range(len(events) - 1, -1, -1) if events[i].get("event") in (failure_cause.EVENT,
-                                                                                       "checkpoint")), None)
+    last = next(
+        (i for i in range(len(events) - 1, -1, -1) if events[i].get("event") in (failure_cause.EVENT, "checkpoint")), None
+    )
     if last is None or events[last]["event"] != failure_cause.EVENT:
         return None
     e = events[last]
-    cause = failure_cause.Cause(e.get("cause", failure_cause.UNKNOWN), e.get("step"), e.get("evidence") or [],
-                                e.get("signature"))
+    cause = failure_cause.Cause(
+        e.get("cause", failure_cause.UNKNOWN), e.get("step"), e.get("evidence") or [], e.get("signature")
+    )
     policy = e.get("policy") or failure_cause.policy(cause, run.spec.airflow.retry_on)
     detail = f"attempt {e.get('attempt')} of chunk {e.get('chunk')}: {cause.describe()}; policy {policy}"
     if cause.evidence:
@@ -278,16 +361,24 @@ def save_interval(run: Run) -> Finding | None:
     """The save interval the run's own costs and failures call for (Young–Daly, relay.insights.save_interval): a
     warning when the spec's is off by more than half or twice; nothing before a step and a save were measured."""
     spec = run.spec
-    found = interval.save_interval(run.dir, chunk_steps=spec.chunk_steps,
-                                   save_freq=getattr(spec.settings, "save_freq", 0) or 0,
-                                   mtbf_hours=spec.checkpoints.mtbf_hours, total_steps=spec.total_steps
-                                   ) if run.dir.is_dir() else None
+    found = (
+        interval.save_interval(
+            run.dir,
+            chunk_steps=spec.chunk_steps,
+            save_freq=getattr(spec.settings, "save_freq", 0) or 0,
+            mtbf_hours=spec.checkpoints.mtbf_hours,
+            total_steps=spec.total_steps,
+        )
+        if run.dir.is_dir()
+        else None
+    )
     if found is None:
         return None
     best = found.young_daly_steps
     off = best is not None and not 0.5 <= found.interval_steps / best <= 2
-    return Finding("save interval", True, found.advice(), "change it as said above (nothing changes automatically)",
-                   warning=off)
+    return Finding(
+        "save interval", True, found.advice(), "change it as said above (nothing changes automatically)", warning=off
+    )
 
 
 def _recorded(run: Run) -> bool:
@@ -296,9 +387,19 @@ def _recorded(run: Run) -> bool:
 
 def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
     """The whole checklist, cheap checks first where it matters little."""
-    findings = [interrupted_swap(run), checkpoint(run, store, deep=deep), live(run, jobs), model(run),
-                parallelism(run), algorithm(run), data(run), settings(run), attention(run), last_failure(run),
-                save_interval(run)]
+    findings = [
+        interrupted_swap(run),
+        checkpoint(run, store, deep=deep),
+        live(run, jobs),
+        model(run),
+        parallelism(run),
+        algorithm(run),
+        data(run),
+        settings(run),
+        attention(run),
+        last_failure(run),
+        save_interval(run),
+    ]
     return [f for f in findings if f is not None]
 
 
@@ -309,4 +410,3 @@ def report(findings: list[Finding], run: Run) -> str:
     warned = sum(f.ok and f.warning for f in findings)
     tail += f" ({warned} warning(s) above)" if warned else ""
     return "\n".join([head] + [f.line() for f in findings] + [tail])
-

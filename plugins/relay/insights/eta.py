@@ -39,17 +39,29 @@ class Eta:
         return None if self.deadline is None else self.at - self.deadline
 
     def describe(self) -> str:
-        head = (f"ETA {event_time(self.at)[:19]}Z: {self.steps_left} step(s) left × {self.step_s:.2f}s + "
-                f"{self.chunks_left} chunk boundary(ies) × {self.boundary_s:.1f}s")
+        head = (
+            f"ETA {event_time(self.at)[:19]}Z: {self.steps_left} step(s) left × {self.step_s:.2f}s + "
+            f"{self.chunks_left} chunk boundary(ies) × {self.boundary_s:.1f}s"
+        )
         if self.deadline is None:
             return head
         late = self.late_s or 0.0
-        return head + (f"; {_span(late)} past the deadline {event_time(self.deadline)[:19]}Z" if late > 0 else
-                       f"; {_span(-late)} before the deadline {event_time(self.deadline)[:19]}Z")
+        return head + (
+            f"; {_span(late)} past the deadline {event_time(self.deadline)[:19]}Z"
+            if late > 0
+            else f"; {_span(-late)} before the deadline {event_time(self.deadline)[:19]}Z"
+        )
 
 
-def eta(run_dir: Path, *, total_steps: int, chunk_steps: int, latest_step: int, deadline: float | None = None,
-        now: float | None = None) -> Eta | None:
+def eta(
+    run_dir: Path,
+    *,
+    total_steps: int,
+    chunk_steps: int,
+    latest_step: int,
+    deadline: float | None = None,
+    now: float | None = None,
+) -> Eta | None:
     """The run's ETA once it has a measured step; None before."""
     now = time.time() if now is None else now
     rows = [r for r in read_jsonl(Path(run_dir) / layout.METRICS) if _num(r.get("seconds"))]
@@ -61,8 +73,9 @@ def eta(run_dir: Path, *, total_steps: int, chunk_steps: int, latest_step: int, 
     boundary_s = statistics.median(outside) if outside else 0.0
     steps_left = max(0, total_steps - latest_step)
     chunks_left = math.ceil(steps_left / chunk_steps) if chunk_steps > 0 else 0
-    return Eta(now, now + steps_left * step_s + chunks_left * boundary_s, steps_left, step_s, chunks_left,
-               boundary_s, deadline)
+    return Eta(
+        now, now + steps_left * step_s + chunks_left * boundary_s, steps_left, step_s, chunks_left, boundary_s, deadline
+    )
 
 
 def _num(v) -> bool:

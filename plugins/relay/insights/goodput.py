@@ -36,7 +36,7 @@ VERSION = 1
 PARTS = {
     "scheduling": "Airflow between Relay's tasks: a task waiting for its upstream and a worker, a deferred task resumed",
     "submission": "the train task running -> its Ray job running: Relay's checks before a chunk, the submission, "
-                  "Ray's runtime env",
+    "Ray's runtime env",
     "startup": "the job (or `relay train`'s process) running -> its first step: imports, model build, resume load",
     "training": "steps whose results the run kept",
     "trained_twice": "steps trained again after a resume: their first try (rows in metrics.superseded.jsonl)",
@@ -83,8 +83,13 @@ class Attempt:
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
-        return {**out, "start": event_time(self.start), "end": event_time(self.end),
-                "seconds": round(self.seconds, 3), "parts": _rounded(self.parts)}
+        return {
+            **out,
+            "start": event_time(self.start),
+            "end": event_time(self.end),
+            "seconds": round(self.seconds, 3),
+            "parts": _rounded(self.parts),
+        }
 
 
 @dataclass
@@ -101,9 +106,13 @@ class Failure:
     time_to_recover_s: float | None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "failed_at": event_time(self.failed_at), "lost_s": round(self.lost_s, 3),
-                "recovered_at": event_time(self.recovered_at) if self.recovered_at is not None else None,
-                "time_to_recover_s": None if self.time_to_recover_s is None else round(self.time_to_recover_s, 3)}
+        return {
+            **asdict(self),
+            "failed_at": event_time(self.failed_at),
+            "lost_s": round(self.lost_s, 3),
+            "recovered_at": event_time(self.recovered_at) if self.recovered_at is not None else None,
+            "time_to_recover_s": None if self.time_to_recover_s is None else round(self.time_to_recover_s, 3),
+        }
 
 
 @dataclass
@@ -135,8 +144,9 @@ class Ledger:
         out: dict[tuple, dict] = {}
         for a in self.attempts:  # an attempt with no chunk index (a step outside the plan): by its end step
             key = (0, a.chunk) if a.chunk is not None else (1, a.to_step)
-            c = out.setdefault(key, {"chunk": a.chunk, "to_step": a.to_step, "attempts": 0,
-                                     "parts": dict.fromkeys(PARTS, 0.0)})
+            c = out.setdefault(
+                key, {"chunk": a.chunk, "to_step": a.to_step, "attempts": 0, "parts": dict.fromkeys(PARTS, 0.0)}
+            )
             c["attempts"] += 1
             for k, v in a.parts.items():
                 c["parts"][k] += v
@@ -150,15 +160,19 @@ class Ledger:
         if self.wall_s <= 0:
             return "goodput: no wall time recorded yet"
         top = sorted(((v, k) for k, v in self.parts.items() if v > 0 and k != "training"), reverse=True)[:4]
-        line = (f"goodput {self.effective_training:.1%}: the steps kept took {_clock(self.parts['training'])} of "
-                f"{_clock(self.wall_s)} wall time; " + ", ".join(f"{k} {v / self.wall_s:.1%}" for v, k in top))
+        line = (
+            f"goodput {self.effective_training:.1%}: the steps kept took {_clock(self.parts['training'])} of "
+            f"{_clock(self.wall_s)} wall time; " + ", ".join(f"{k} {v / self.wall_s:.1%}" for v, k in top)
+        )
         if not self.failures:
             return line + "; no failure"
         recovered = [f.time_to_recover_s for f in self.failures if f.time_to_recover_s is not None]
-        return (line + f"; {len(self.failures)} failure(s): {self.steps_lost} step(s) lost "
-                f"({self.parts['trained_twice']:.1f}s trained twice)"
-                + (f", recovered in {_clock(max(recovered))} at most" if recovered else "")
-                + f"; MTBF {_clock(self.mtbf_s or 0)} observed")
+        return (
+            line + f"; {len(self.failures)} failure(s): {self.steps_lost} step(s) lost "
+            f"({self.parts['trained_twice']:.1f}s trained twice)"
+            + (f", recovered in {_clock(max(recovered))} at most" if recovered else "")
+            + f"; MTBF {_clock(self.mtbf_s or 0)} observed"
+        )
 
     def describe(self) -> str:
         """The summary, every part's time and share, and one line per failure: the finish task's log and alert."""
@@ -166,20 +180,29 @@ class Ledger:
         lines += [f"  {k:<14} {v:>10.1f}s {v / self.wall_s if self.wall_s else 0:>7.1%}" for k, v in self.parts.items()]
         for f in self.failures:
             recovered = "not yet" if f.time_to_recover_s is None else f"in {f.time_to_recover_s:.1f}s"
-            lines.append(f"failure: chunk {f.chunk if f.chunk is not None else '-'} attempt {f.attempt} {f.outcome} "
-                         f"after step {f.step if f.step is not None else '-'} ({f.cause}): {f.steps_lost} step(s) lost "
-                         f"({f.lost_s:.1f}s), recovered {recovered}")
+            lines.append(
+                f"failure: chunk {f.chunk if f.chunk is not None else '-'} attempt {f.attempt} {f.outcome} "
+                f"after step {f.step if f.step is not None else '-'} ({f.cause}): {f.steps_lost} step(s) lost "
+                f"({f.lost_s:.1f}s), recovered {recovered}"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         """`relay report --json`'s `goodput`: stable keys, documented in docs/guides/report.md."""
         return {
-            "version": VERSION, "start": event_time(self.start), "end": event_time(self.end),
-            "wall_s": round(self.wall_s, 3), "parts": _rounded(self.parts),
-            "effective_training": round(self.effective_training, 4), "steps_kept": self.steps_kept,
-            "steps_lost": int(self.steps_lost), "trained_twice_s": round(self.parts["trained_twice"], 3),
-            "failures_n": len(self.failures), "mtbf_s": None if self.mtbf_s is None else round(self.mtbf_s, 3),
-            "failures": [f.to_dict() for f in self.failures], "chunks": self.chunks(),
+            "version": VERSION,
+            "start": event_time(self.start),
+            "end": event_time(self.end),
+            "wall_s": round(self.wall_s, 3),
+            "parts": _rounded(self.parts),
+            "effective_training": round(self.effective_training, 4),
+            "steps_kept": self.steps_kept,
+            "steps_lost": int(self.steps_lost),
+            "trained_twice_s": round(self.parts["trained_twice"], 3),
+            "failures_n": len(self.failures),
+            "mtbf_s": None if self.mtbf_s is None else round(self.mtbf_s, 3),
+            "failures": [f.to_dict() for f in self.failures],
+            "chunks": self.chunks(),
             "attempts": [a.to_dict() for a in self.attempts],
         }
 
@@ -232,16 +255,16 @@ def build(events: list[dict], kept: list[dict], superseded: list[dict]) -> Ledge
         if owner is not None:
             owner.parts[part] = owner.parts.get(part, 0.0) + q - p
     failures = _failures(attempts)
-    return Ledger(start, end, parts, steps_kept=len(kept), steps_lost=len(superseded), attempts=attempts,
-                  failures=failures)
+    return Ledger(start, end, parts, steps_kept=len(kept), steps_lost=len(superseded), attempts=attempts, failures=failures)
 
 
 def attempts_of(events: list[dict], kept: Sequence[dict] = (), superseded: Sequence[dict] = ()) -> list[Attempt]:
     """The run's chunk attempts, in order, with their outcome. One attempt per Ray job (a train task's later try
     that adopted the job joins it) and one per `relay train` process (all of them named "local": a new
     chunk_start begins a new one)."""
-    timed = sorted(((t, i, e) for i, e in enumerate(events) if (t := epoch(e.get("time"))) is not None),
-                   key=lambda x: (x[0], x[1]))
+    timed = sorted(
+        ((t, i, e) for i, e in enumerate(events) if (t := epoch(e.get("time"))) is not None), key=lambda x: (x[0], x[1])
+    )
     out: list[Attempt] = []
 
     def latest(attempt) -> Attempt | None:  # events come in time order: the newest attempt of that name is theirs
@@ -287,7 +310,7 @@ def attempts_of(events: list[dict], kept: Sequence[dict] = (), superseded: Seque
             if a is not None:
                 a._rows.append((t - s, t, r, is_kept))
     for i, a in enumerate(out):
-        _close(a, later=out[i + 1:])
+        _close(a, later=out[i + 1 :])
     return out
 
 
@@ -353,8 +376,9 @@ def _trainer_end(a: Attempt) -> float:
     return max(own) if own else a._marks.get("job_ended", a.end)
 
 
-def _gap(at: float, by_start: list[Attempt], starts: list[float], publishing: bool,
-         publisher: Attempt | None) -> tuple[str, Attempt | None]:
+def _gap(
+    at: float, by_start: list[Attempt], starts: list[float], publishing: bool, publisher: Attempt | None
+) -> tuple[str, Attempt | None]:
     """The part and owner of an instant where nothing but perhaps a publication ran (`publisher`: the attempt
     that saved what is being published). Inside an attempt: its steps' or its teardown. Between two: the
     wait for a retry after a failure, or Airflow between the tasks of one DAG run; else a publication, if one
@@ -388,15 +412,26 @@ def _failures(attempts: list[Attempt]) -> list[Failure]:
         lost = [r for r in a._rows if not r[3]]
         trained = a.last_step if a.last_step is not None else a.resumed_from
         recovered = None
-        for b in attempts[i + 1:]:
+        for b in attempts[i + 1 :]:
             new = next((r for r in b._rows if r[2].get("step") == trained + 1), None)
             again = next((r for r in b._rows if r[2].get("step") == trained), None)
             if new is not None or (again is not None and b.outcome == "finished" and b.to_step == trained):
                 recovered = new[0] if new is not None else again[1]  # type: ignore[index]
                 break
-        out.append(Failure(a.attempt, a.chunk, a.cause or "unknown", a.outcome, a.last_step, len(lost),
-                           sum(r[1] - r[0] for r in lost), a.end, recovered,
-                           recovered - a.end if recovered is not None else None))
+        out.append(
+            Failure(
+                a.attempt,
+                a.chunk,
+                a.cause or "unknown",
+                a.outcome,
+                a.last_step,
+                len(lost),
+                sum(r[1] - r[0] for r in lost),
+                a.end,
+                recovered,
+                recovered - a.end if recovered is not None else None,
+            )
+        )
     return out
 
 

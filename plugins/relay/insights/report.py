@@ -47,18 +47,36 @@ REPORT_DIR = "report"  # <run_dir>/.relay/report/ locally, s3://…/<run>/report
 HTML, PNG = "report.html", "report.png"
 JSON_VERSION = 1  # of `relay report --json`
 # (panel title, metric keys in order of preference): the keys the CPU trainer writes per step.
-PANELS = (("reward mean", ("reward_mean",)), ("loss", ("loss",)), ("KL", ("kl",)), ("LR", ("lr",)),
-          ("seconds per step", ("seconds",)))
+PANELS = (
+    ("reward mean", ("reward_mean",)),
+    ("loss", ("loss",)),
+    ("KL", ("kl",)),
+    ("LR", ("lr",)),
+    ("seconds per step", ("seconds",)),
+)
 LABEL_ROWS = 8  # at most, above the panels
 PART_COLOURS = {  # the goodput ledger's parts (relay.insights.goodput.PARTS): kept steps green, lost ones red
-    "training": "#2ca02c", "trained_twice": "#d62728", "save": "#1f77b4", "validation": "#17becf",
-    "publication": "#bcbd22", "startup": "#ff7f0e", "submission": "#9467bd", "scheduling": "#8c564b",
-    "teardown": "#e377c2", "retry_wait": "#7f7f7f", "idle": "#c7c7c7",
+    "training": "#2ca02c",
+    "trained_twice": "#d62728",
+    "save": "#1f77b4",
+    "validation": "#17becf",
+    "publication": "#bcbd22",
+    "startup": "#ff7f0e",
+    "submission": "#9467bd",
+    "scheduling": "#8c564b",
+    "teardown": "#e377c2",
+    "retry_wait": "#7f7f7f",
+    "idle": "#c7c7c7",
 }
 MARKER_STYLE = {  # kind -> (colour, line style)
-    "chunk": ("#9e9e9e", ":"), "resume": ("#1f77b4", "--"), "retry": ("#ff7f0e", "--"),
-    "quarantine": ("#d62728", "-"), "fallback": ("#8c564b", "-."), "restore": ("#8c564b", "-."),
-    "drift": ("#9467bd", "-."), "divergence": ("#e377c2", "-"),
+    "chunk": ("#9e9e9e", ":"),
+    "resume": ("#1f77b4", "--"),
+    "retry": ("#ff7f0e", "--"),
+    "quarantine": ("#d62728", "-"),
+    "fallback": ("#8c564b", "-."),
+    "restore": ("#8c564b", "-."),
+    "drift": ("#9467bd", "-."),
+    "divergence": ("#e377c2", "-"),
 }
 
 
@@ -143,16 +161,19 @@ class Report:
         attempts = sum(c.attempts for c in self.chunks)
         retries = sum(1 for m in self.markers if m.kind == "retry")
         quarantines = sum(1 for m in self.markers if m.kind == "quarantine")
-        lines = [f"run {self.run}: step {last} of {self.total_steps or '?'}, {_n(len(self.chunks), 'chunk')}, "
-                 f"{_n(attempts, 'attempt')} ({_n(retries, 'retry', 'retries')}), {quarantines} quarantined, "
-                 f"{_n(len(self.drift), 'drift decision')}"]
+        lines = [
+            f"run {self.run}: step {last} of {self.total_steps or '?'}, {_n(len(self.chunks), 'chunk')}, "
+            f"{_n(attempts, 'attempt')} ({_n(retries, 'retry', 'retries')}), {quarantines} quarantined, "
+            f"{_n(len(self.drift), 'drift decision')}"
+        ]
         _steps, reward = self.series(PANELS[0][1])
         if reward:
             n = min(10, len(reward))
             _, secs = self.series(PANELS[4][1])
             per = f"; {sum(secs) / len(secs):.3f} s/step" if secs else ""
-            lines.append(f"reward_mean: first {n} steps {sum(reward[:n]) / n:.3f} -> last {n} steps "
-                         f"{sum(reward[-n:]) / n:.3f}{per}")
+            lines.append(
+                f"reward_mean: first {n} steps {sum(reward[:n]) / n:.3f} -> last {n} steps {sum(reward[-n:]) / n:.3f}{per}"
+            )
         resumed = [m.label for m in self.markers if m.kind in ("resume", "retry")]
         if resumed:
             lines.append("resumes: " + "; ".join(resumed))
@@ -195,8 +216,9 @@ class Report:
             halves: Any = fig.subfigures(2, 1, height_ratios=[height, bars_h])
             over_steps = halves[0]
             self._plot_goodput(halves[1], bars)
-        axes = over_steps.subplots(len(strip) + len(PANELS), 1, sharex=True,
-                                   gridspec_kw={"height_ratios": strip + [1] * len(PANELS)})
+        axes = over_steps.subplots(
+            len(strip) + len(PANELS), 1, sharex=True, gridspec_kw={"height_ratios": strip + [1] * len(PANELS)}
+        )
         for ax in axes:
             for m in self.markers:
                 colour, style = MARKER_STYLE[m.kind]
@@ -209,23 +231,43 @@ class Report:
             for side in ("top", "right", "left"):
                 top.spines[side].set_visible(False)
             for m, row, left in labels:
-                top.annotate(m.label, (m.step, row), xytext=(3 if left else -3, 0), textcoords="offset points",
-                             ha="left" if left else "right", va="center", fontsize=7, color=MARKER_STYLE[m.kind][0])
-        panels = axes[len(strip):]
+                top.annotate(
+                    m.label,
+                    (m.step, row),
+                    xytext=(3 if left else -3, 0),
+                    textcoords="offset points",
+                    ha="left" if left else "right",
+                    va="center",
+                    fontsize=7,
+                    color=MARKER_STYLE[m.kind][0],
+                )
+        panels = axes[len(strip) :]
         for ax, (title, keys) in zip(panels, PANELS, strict=False):
             steps, values = self.series(keys)
             if steps:
                 ax.plot(steps, values, color="#2a6f97", lw=1.4, marker="." if len(steps) <= 80 else None, ms=3)
             else:
-                ax.text(0.5, 0.5, f"no {'/'.join(keys)} in the metrics", transform=ax.transAxes, ha="center",
-                        va="center", color="#777")
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"no {'/'.join(keys)} in the metrics",
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    color="#777",
+                )
             ax.set_ylabel(title)
             ax.grid(True, alpha=0.25)
         kinds = sorted({m.kind for m in self.markers}, key=list(MARKER_STYLE).index)
         if kinds:
-            panels[0].legend([Line2D([], [], color=MARKER_STYLE[k][0], ls=MARKER_STYLE[k][1]) for k in kinds],
-                             [k if k != "chunk" else "chunk end" for k in kinds], loc="lower right", fontsize=7,
-                             ncols=len(kinds), framealpha=0.8)
+            panels[0].legend(
+                [Line2D([], [], color=MARKER_STYLE[k][0], ls=MARKER_STYLE[k][1]) for k in kinds],
+                [k if k != "chunk" else "chunk end" for k in kinds],
+                loc="lower right",
+                fontsize=7,
+                ncols=len(kinds),
+                framealpha=0.8,
+            )
         panels[-1].set_xlabel("global step")
         panels[-1].set_xlim(0, xmax)
         fig.suptitle(f"run {self.run}: step {self.steps[-1] if self.rows else 0} of {self.total_steps or '?'}")
@@ -244,22 +286,28 @@ class Report:
         for y, c in enumerate(bars):
             left = 0.0
             for k in shown:
-                ax.barh(y, c["parts"][k], left=left, color=PART_COLOURS[k], height=0.6,
-                        label=k.replace("_", " ") if y == 0 else None)
+                ax.barh(
+                    y,
+                    c["parts"][k],
+                    left=left,
+                    color=PART_COLOURS[k],
+                    height=0.6,
+                    label=k.replace("_", " ") if y == 0 else None,
+                )
                 left += c["parts"][k]
             note = f" {c['attempts']} attempt{'s' if c['attempts'] != 1 else ''}"
             if n := lost.get((c["chunk"], c["to_step"])):
                 note += f", {n} step{'s' if n != 1 else ''} lost"
             ax.text(left, y, note, va="center", fontsize=7, color="#d62728" if n else "#555")
-        ax.set_yticks(range(len(bars)), [f"chunk {c['chunk']}" if c["chunk"] is not None else f"to step {c['to_step']}"
-                                         for c in bars])
+        ax.set_yticks(
+            range(len(bars)), [f"chunk {c['chunk']}" if c["chunk"] is not None else f"to step {c['to_step']}" for c in bars]
+        )
         ax.invert_yaxis()
         ax.set_xlabel("seconds of wall time")
         ax.set_xlim(0, max(c["seconds"] for c in bars) * 1.2 or 1)
         ax.grid(True, axis="x", alpha=0.25)
         fig.legend(loc="outside lower center", fontsize=7, ncols=len(shown), frameon=False)
-        ax.set_title(self.goodput.summary().partition(";")[0] + " (wall time of each chunk's attempts, by part)",
-                     fontsize=9)
+        ax.set_title(self.goodput.summary().partition(";")[0] + " (wall time of each chunk's attempts, by part)", fontsize=9)
 
     def incidents(self) -> list[Marker]:
         """What went wrong or was set right: retries, quarantines, fallbacks, restores, drift, divergences. A
@@ -281,22 +329,43 @@ class Report:
             return f'<code>{e(uri)}</code> <button class="copy" data-copy="{e(uri)}" title="copy">copy</button>'
 
         rows = "\n".join(
-            f'<tr class="chunk" id="step-{c.end_step}" data-chunk="{c.chunk}">' + "".join(cell(v) for v in (
-                c.chunk, c.start_step, c.end_step, c.attempts, _duration(c.wall_seconds),
-                _duration(c.trainer_seconds), _size(c.checkpoint_bytes), c.validation))
-            + f"<td>{location(c.s3_uri)}</td></tr>" for c in self.chunks)
+            f'<tr class="chunk" id="step-{c.end_step}" data-chunk="{c.chunk}">'
+            + "".join(
+                cell(v)
+                for v in (
+                    c.chunk,
+                    c.start_step,
+                    c.end_step,
+                    c.attempts,
+                    _duration(c.wall_seconds),
+                    _duration(c.trainer_seconds),
+                    _size(c.checkpoint_bytes),
+                    c.validation,
+                )
+            )
+            + f"<td>{location(c.s3_uri)}</td></tr>"
+            for c in self.chunks
+        )
         marks = "\n".join(f'<li class="marker {e(m.kind)}">step {m.step}: {e(m.label)}</li>' for m in self.incidents())
-        files = "".join(f"<li>{e(f.get('role', '?'))} <code>{e(f.get('sha256', ''))}</code> ({f.get('rows')} rows, "
-                        f"from {e(str(f.get('source')))})</li>" for f in self.data_files)
+        files = "".join(
+            f"<li>{e(f.get('role', '?'))} <code>{e(f.get('sha256', ''))}</code> ({f.get('rows')} rows, "
+            f"from {e(str(f.get('source')))})</li>"
+            for f in self.data_files
+        )
         decisions = "".join(f"<li>{e(d)}</li>" for d in self.decisions)
         inc = self.incarnation
-        life = (f"<p id=\"incarnation\">Incarnation <code>{e(str(inc.get('id') or '1'))}</code>"
-                + (f", begun {e(str(inc['began']))}" if inc.get("began") else "")
-                + (f" by {e(str(inc['by']))}" if inc.get("by") else "") + ".</p>")
+        life = (
+            f'<p id="incarnation">Incarnation <code>{e(str(inc.get("id") or "1"))}</code>'
+            + (f", begun {e(str(inc['began']))}" if inc.get("began") else "")
+            + (f" by {e(str(inc['by']))}" if inc.get("by") else "")
+            + ".</p>"
+        )
         if inc.get("archived_to") or inc.get("archived_uri"):
-            life += ("<p>The previous incarnation was moved aside, never deleted: "
-                     + " and ".join(location(x) for x in (inc.get("archived_to"), inc.get("archived_uri")) if x)
-                     + "</p>")
+            life += (
+                "<p>The previous incarnation was moved aside, never deleted: "
+                + " and ".join(location(x) for x in (inc.get("archived_to"), inc.get("archived_uri")) if x)
+                + "</p>"
+            )
         image = "data:image/png;base64," + base64.b64encode(png).decode()
         ledger = self._goodput_html()
         backlink = f'<p><a id="back" href="{e(back)}">&larr; Back to the DAG run in Airflow</a></p>' if back else ""
@@ -320,7 +389,7 @@ document.addEventListener("click", (ev) => {{
 </script></head><body>
 {backlink}
 <h1>Run {e(self.run)}</h1>
-<p>Source: <code>{e(self.source)}</code>; written {e(time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime()))}</p>
+<p>Source: <code>{e(self.source)}</code>; written {e(time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime()))}</p>
 {life}
 <pre>{e(self.summary())}</pre>
 <img alt="reward mean, loss, KL, LR and seconds per step over global steps" src="{image}">
@@ -332,18 +401,17 @@ document.addEventListener("click", (ev) => {{
 <h2>Goodput</h2>
 {ledger}
 <h2>Incidents: retries, quarantines, fallbacks, restores, drift</h2>
-<ul id="markers">{marks or '<li>none</li>'}</ul>
+<ul id="markers">{marks or "<li>none</li>"}</ul>
 <h2>Decisions</h2>
-<ul id="decisions">{decisions or '<li>none</li>'}</ul>
+<ul id="decisions">{decisions or "<li>none</li>"}</ul>
 <h2>Fingerprints</h2>
-<p>Settings fingerprint: <code id="settings-fingerprint">{e(self.settings_fingerprint or 'none')}</code></p>
-<p>Data fingerprint: <code id="data-fingerprint">{e(self.data_fingerprint or 'none (data never frozen)')}</code></p>
+<p>Settings fingerprint: <code id="settings-fingerprint">{e(self.settings_fingerprint or "none")}</code></p>
+<p>Data fingerprint: <code id="data-fingerprint">{e(self.data_fingerprint or "none (data never frozen)")}</code></p>
 <ul>{files}</ul>
-<p>{_n(self.superseded_rows, 'step row')} trained again after resumes (the first tries' rows are kept in
+<p>{_n(self.superseded_rows, "step row")} trained again after resumes (the first tries' rows are kept in
 {SUPERSEDED}).</p>
 </body></html>
 """
-
 
     def _goodput_html(self) -> str:
         """The ledger's parts (run totals) and its table of failures."""
@@ -353,13 +421,15 @@ document.addEventListener("click", (ev) => {{
         parts = "\n".join(
             f'<tr class="part" data-part="{k}"><td>{e(k)}</td><td>{g.parts[k]:.1f}</td>'
             f"<td>{g.parts[k] / g.wall_s if g.wall_s else 0:.1%}</td><td>{e(what)}</td></tr>"
-            for k, what in goodput.PARTS.items())
+            for k, what in goodput.PARTS.items()
+        )
         failures = "\n".join(
             f'<tr class="failure"><td>{f.chunk if f.chunk is not None else "—"}</td><td><code>{e(f.attempt)}</code></td>'
             f"<td>{e(f.outcome)}</td><td>{e(f.cause)}</td><td>{f.step if f.step is not None else '—'}</td>"
             f"<td>{f.steps_lost}</td><td>{f.lost_s:.1f}</td>"
             f"<td>{'not yet' if f.time_to_recover_s is None else f'{f.time_to_recover_s:.1f}'}</td></tr>"
-            for f in g.failures)
+            for f in g.failures
+        )
         return f"""<p id="goodput-summary">{e(g.summary())}</p>
 <table id="goodput"><tr><th>part</th><th>seconds</th><th>share of {g.wall_s:.1f} s</th><th>what it is</th></tr>
 {parts}
@@ -373,21 +443,24 @@ document.addEventListener("click", (ev) => {{
     def to_dict(self) -> dict:
         """`relay report --json`: stable keys (docs/guides/report.md lists them)."""
         return {
-            "version": JSON_VERSION, "run": self.run, "source": self.source,
-            "step": self.steps[-1] if self.rows else 0, "total_steps": self.total_steps,
+            "version": JSON_VERSION,
+            "run": self.run,
+            "source": self.source,
+            "step": self.steps[-1] if self.rows else 0,
+            "total_steps": self.total_steps,
             "steps_superseded": self.superseded_rows,
             "goodput": self.goodput.to_dict() if self.goodput is not None else None,
             "chunks": [asdict(c) for c in self.chunks],
             "markers": [asdict(m) for m in self.markers if m.kind != "chunk"],
             "audit": self.audit.to_dict() if self.audit is not None else None,
             "save_interval": self.save_interval.to_dict() if self.save_interval is not None else None,
-            "settings_fingerprint": self.settings_fingerprint, "data_fingerprint": self.data_fingerprint,
+            "settings_fingerprint": self.settings_fingerprint,
+            "data_fingerprint": self.data_fingerprint,
         }
 
 
 # ---------------------------------------------------------------------------------------- building
-def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, source: str | None = None,
-          spec=None) -> Report:
+def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, source: str | None = None, spec=None) -> Report:
     """The report of a run folder. With a store, published manifests give S3 URIs and sizes; with a
     ChunkPlan, every planned chunk gets a row (those not reached yet too); with the run's spec, the replay
     audit allows its audit.tolerance (exact without it) and the save interval advice uses its settings."""
@@ -397,8 +470,10 @@ def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, sourc
     events = read_jsonl(run_dir / layout.EVENTS)
     record = read_record(run_dir)
     if not rows and not events:
-        raise ReportError(f"run {run}: no {layout.METRICS} and no {layout.EVENTS} in {source or run_dir}",
-                          "give the run's folder (<checkpoint_dir>/<run>) or its S3 URI, once a chunk has trained")
+        raise ReportError(
+            f"run {run}: no {layout.METRICS} and no {layout.EVENTS} in {source or run_dir}",
+            "give the run's folder (<checkpoint_dir>/<run>) or its S3 URI, once a chunk has trained",
+        )
     superseded = read_jsonl(run_dir / SUPERSEDED)
     published = {m.step: m for m in store.published(run)} if store is not None else {}
     attempts = _attempts(events, rows + superseded)
@@ -406,48 +481,73 @@ def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, sourc
     markers += _incidents(run_dir, events)
     markers += _drift_markers(record, events, attempts, rows)
     replay = audit(run_dir, spec.audit.tolerance if spec is not None else None)
-    markers += [Marker(step, "divergence", f"diverged from its first try: {', '.join(sorted(metrics))}")
-                for step, metrics in _by_step(replay.divergences).items()]
+    markers += [
+        Marker(step, "divergence", f"diverged from its first try: {', '.join(sorted(metrics))}")
+        for step, metrics in _by_step(replay.divergences).items()
+    ]
     data = (record.get("data") or {}).get("files") or []
     return Report(
-        run=run, source=source or str(run_dir), rows=rows, superseded_rows=len(superseded), chunks=chunks,
+        run=run,
+        source=source or str(run_dir),
+        rows=rows,
+        superseded_rows=len(superseded),
+        chunks=chunks,
         markers=sorted(_dedupe(markers), key=lambda m: (m.step, list(MARKER_STYLE).index(m.kind))),
         total_steps=(record.get("resume_critical") or {}).get("total_steps") or (plan.total_steps if plan else None),
-        settings_fingerprint=record.get("settings_fingerprint"), data_fingerprint=data_fingerprint(data),
-        data_files=data, drift=record.get("drift") or [], audit=replay,
-        save_interval=_save_interval(run_dir, spec, plan), goodput=goodput.build(events, rows, superseded),
-        incarnation=_incarnation(record), decisions=_decisions(record, events),
+        settings_fingerprint=record.get("settings_fingerprint"),
+        data_fingerprint=data_fingerprint(data),
+        data_files=data,
+        drift=record.get("drift") or [],
+        audit=replay,
+        save_interval=_save_interval(run_dir, spec, plan),
+        goodput=goodput.build(events, rows, superseded),
+        incarnation=_incarnation(record),
+        decisions=_decisions(record, events),
     )
 
 
 def _incarnation(record: dict) -> dict:
     """This life of the run, from its record: its id, when and by whom it began, where the old life went."""
     previous = record.get("previous") or {}
-    return {"id": record.get("incarnation"), "began": record.get("created"), "by": record.get("started_by"),
-            "archived_to": previous.get("archived_to"), "archived_uri": previous.get("archived_uri")}
+    return {
+        "id": record.get("incarnation"),
+        "began": record.get("created"),
+        "by": record.get("started_by"),
+        "archived_to": previous.get("archived_to"),
+        "archived_uri": previous.get("archived_uri"),
+    }
 
 
 def _decisions(record: dict, events: list[dict]) -> list[str]:
     """What people decided about the run, oldest first: a fresh start, accepted settings changes, fallbacks."""
     out = []
     if record.get("previous"):
-        out.append(f"{record.get('created', '?')}: started again from step 0 as a new incarnation "
-                   f"({record.get('started_by') or 'by a trigger'})")
+        out.append(
+            f"{record.get('created', '?')}: started again from step 0 as a new incarnation "
+            f"({record.get('started_by') or 'by a trigger'})"
+        )
     for d in record.get("drift") or []:
         keys = ", ".join(f"{c['key']}: {c['was']!r} -> {c['now']!r}" for c in d.get("changes", []))
         out.append(f"{d.get('at', '?')}: settings change accepted by {d.get('by') or '?'}: {keys}")
     for e in events:
         if e.get("event") == "fallback_approved":
-            out.append(f"{e.get('at') or e.get('time', '?')}: {e.get('by', '?')} approved resuming chunk "
-                       f"{e.get('chunk')} from step {e.get('resume_from')}, below quarantined step {e.get('quarantined')}")
+            out.append(
+                f"{e.get('at') or e.get('time', '?')}: {e.get('by', '?')} approved resuming chunk "
+                f"{e.get('chunk')} from step {e.get('resume_from')}, below quarantined step {e.get('quarantined')}"
+            )
     return out
 
 
 def _save_interval(run_dir: Path, spec, plan) -> SaveInterval | None:
     """Young–Daly from the run's costs: with the spec's save_freq and mtbf_hours, else from the plan alone."""
     if spec is not None:
-        return save_interval(run_dir, chunk_steps=spec.chunk_steps, save_freq=getattr(spec.settings, "save_freq", 0)
-                             or 0, mtbf_hours=spec.checkpoints.mtbf_hours, total_steps=spec.total_steps)
+        return save_interval(
+            run_dir,
+            chunk_steps=spec.chunk_steps,
+            save_freq=getattr(spec.settings, "save_freq", 0) or 0,
+            mtbf_hours=spec.checkpoints.mtbf_hours,
+            total_steps=spec.total_steps,
+        )
     if plan is not None and plan.chunks:
         return save_interval(run_dir, chunk_steps=plan.chunks[0].steps, total_steps=plan.total_steps)
     return None
@@ -486,8 +586,15 @@ def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:
     out: list[Attempt] = []
     for e in events:
         if e.get("event") == "chunk_start":
-            out.append(Attempt(str(e.get("attempt")), int(e.get("resumed_from") or 0), int(e.get("to_step") or 0),
-                               _ts(e.get("time")), chunk=e.get("chunk")))
+            out.append(
+                Attempt(
+                    str(e.get("attempt")),
+                    int(e.get("resumed_from") or 0),
+                    int(e.get("to_step") or 0),
+                    _ts(e.get("time")),
+                    chunk=e.get("chunk"),
+                )
+            )
         elif e.get("event") == "chunk_end":
             a = next((a for a in reversed(out) if a.attempt == str(e.get("attempt")) and not a.finished), None)
             if a is not None:
@@ -496,16 +603,22 @@ def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:
         if a.finished or a.started is None:
             continue
         until = out[i + 1].started if i + 1 < len(out) and out[i + 1].started is not None else float("inf")
-        times = [r["time"] for r in all_rows if isinstance(r.get("time"), (int, float))
-                 and a.started <= r["time"] < until and a.resumed_from < r.get("step", 0) <= a.to_step]
+        times = [
+            r["time"]
+            for r in all_rows
+            if isinstance(r.get("time"), (int, float))
+            and a.started <= r["time"] < until
+            and a.resumed_from < r.get("step", 0) <= a.to_step
+        ]
         if times:
             a.ended = max(times)
             a.seconds = round(a.ended - a.started, 3)
     return out
 
 
-def _chunks(run_dir: Path, run: str, attempts: list[Attempt], events: list[dict], published: dict, store,
-            plan) -> tuple[list[ChunkRow], list[Marker]]:
+def _chunks(
+    run_dir: Path, run: str, attempts: list[Attempt], events: list[dict], published: dict, store, plan
+) -> tuple[list[ChunkRow], list[Marker]]:
     """The chunk table (grouped by end step: chunk k always ends at the same step) and its markers."""
     by_end: dict[int, list[Attempt]] = {}
     for a in attempts:
@@ -522,8 +635,11 @@ def _chunks(run_dir: Path, run: str, attempts: list[Attempt], events: list[dict]
         for n, a in enumerate(tries, 1):
             if a.resumed_from > 0:
                 kind = "retry" if n > 1 else "resume"
-                label = (f"chunk {index} retry (attempt {n}) resumed from step {a.resumed_from}" if n > 1
-                         else f"chunk {index} resumed from step {a.resumed_from}")
+                label = (
+                    f"chunk {index} retry (attempt {n}) resumed from step {a.resumed_from}"
+                    if n > 1
+                    else f"chunk {index} resumed from step {a.resumed_from}"
+                )
                 markers.append(Marker(a.resumed_from, kind, label, index, n))
         markers.append(Marker(end, "chunk", f"chunk {index} ends", index))
         local = manifest.read(layout.step_dir(run_dir, end)) if layout.step_dir(run_dir, end).is_dir() else None
@@ -540,13 +656,30 @@ def _chunks(run_dir: Path, run: str, attempts: list[Attempt], events: list[dict]
         size = m.total_bytes if m is not None else _folder_bytes(layout.step_dir(run_dir, end))
         # A finished attempt's process began `seconds` before its chunk_end (chunk_start comes after the
         # trainer's set-up); a killed one is counted from its chunk_start.
-        t0 = min((a.ended - a.seconds if a.finished and a.ended and a.seconds else a.started for a in tries
-                  if a.started is not None), default=None)
+        t0 = min(
+            (
+                a.ended - a.seconds if a.finished and a.ended and a.seconds else a.started
+                for a in tries
+                if a.started is not None
+            ),
+            default=None,
+        )
         t1 = max((a.ended for a in tries if a.ended is not None), default=None)
         secs = [a.seconds for a in tries if a.seconds is not None]
-        rows.append(ChunkRow(index, start, end, len(tries), round(t1 - t0, 3) if t0 and t1 else None,
-                             round(sum(secs), 3) if secs else None, size, validation, uri,
-                             [a.resumed_from for a in tries]))
+        rows.append(
+            ChunkRow(
+                index,
+                start,
+                end,
+                len(tries),
+                round(t1 - t0, 3) if t0 and t1 else None,
+                round(sum(secs), 3) if secs else None,
+                size,
+                validation,
+                uri,
+                [a.resumed_from for a in tries],
+            )
+        )
     return rows, markers
 
 
@@ -579,19 +712,26 @@ def _incidents(run_dir: Path, events: list[dict]) -> list[Marker]:
 def _drift_markers(record: dict, events: list[dict], attempts: list[Attempt], rows: list[dict]) -> list[Marker]:
     """Drift takes effect at the next resume: a decision is marked at the step the next attempt after
     it resumed from (or at the last step trained, when no attempt has started since)."""
+
     def step_after(t: float | None) -> int:
         nxt = next((a for a in attempts if t is not None and a.started is not None and a.started >= t), None)
         return nxt.resumed_from if nxt else (rows[-1]["step"] if rows else 0)
 
     out = []
     for d in record.get("drift") or []:
-        keys = sorted({c["key"] for c in d.get("changes", []) if not c["key"].startswith("resolved.")}) or \
-            sorted({c["key"] for c in d.get("changes", [])})
+        keys = sorted({c["key"] for c in d.get("changes", []) if not c["key"].startswith("resolved.")}) or sorted(
+            {c["key"] for c in d.get("changes", [])}
+        )
         out.append(Marker(step_after(_ts(d.get("at"))), "drift", f"drift allowed: {', '.join(keys)}"))
     for e in events:
         if e.get("event") == "source_drift":
-            out.append(Marker(step_after(_ts(e.get("time"))), "drift",
-                              f"data source changed ({e.get('policy')}: training stays on the frozen copy)"))
+            out.append(
+                Marker(
+                    step_after(_ts(e.get("time"))),
+                    "drift",
+                    f"data source changed ({e.get('policy')}: training stays on the frozen copy)",
+                )
+            )
     return out
 
 
@@ -605,8 +745,7 @@ def _label_rows(markers: list[Marker], xmax: float) -> list[tuple[Marker, int, b
         width = (len(m.label) + 1) * per_char
         left = m.step + width <= xmax
         span = (m.step, m.step + width) if left else (m.step - width, m.step)
-        row = next((i for i, spans in enumerate(taken) if all(span[1] < a or span[0] > b for a, b in spans)),
-                   len(taken))
+        row = next((i for i, spans in enumerate(taken) if all(span[1] < a or span[0] > b for a, b in spans)), len(taken))
         if row == LABEL_ROWS:
             row = len(out) % LABEL_ROWS  # a crowded run: some labels overlap rather than the strip growing
         elif row == len(taken):
@@ -674,10 +813,10 @@ def publish(run: Run, store, out_dir: Path | None = None) -> dict[str, str]:
     if store is None:
         return out
     history.publish(store, run.name, run_dir)
-    out["png_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, PNG), paths["png"].read_bytes(),
-                                     "image/png")
-    out["html_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, HTML), paths["html"].read_bytes(),
-                                      "text/html; charset=utf-8")
+    out["png_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, PNG), paths["png"].read_bytes(), "image/png")
+    out["html_uri"] = store.put_bytes(
+        store.run_key(run.name, REPORT_DIR, HTML), paths["html"].read_bytes(), "text/html; charset=utf-8"
+    )
     return out
 
 
@@ -691,8 +830,10 @@ def current_html(run: Run, store, back: str | None = None) -> str:
         with tempfile.TemporaryDirectory(prefix="relay-report-") as tmp:
             report = from_s3(f"{store.uri}/{run}", Path(tmp), store.client)
     else:
-        raise ReportError(f"run {run} has no metrics or events in {run_dir} and its spec publishes nowhere",
-                          "the report exists once a chunk of the run has trained")
+        raise ReportError(
+            f"run {run} has no metrics or events in {run_dir} and its spec publishes nowhere",
+            "the report exists once a chunk of the run has trained",
+        )
     return redact(report.html(report.plot_png(), back=back))
 
 
@@ -709,7 +850,9 @@ def from_s3(uri: str, workdir: Path, client=None) -> Report:
     run_dir = Path(workdir) / run
     got = history.fetch(store, run, run_dir)
     if layout.METRICS not in got and layout.EVENTS not in got:
-        raise ReportError(f"no {layout.METRICS} or {layout.EVENTS} under {uri}/",
-                          "they are published with the report after each chunk's publish task; for a run "
-                          "published by hand, run `python -m relay report RUN_DIR` where its folder is")
+        raise ReportError(
+            f"no {layout.METRICS} or {layout.EVENTS} under {uri}/",
+            "they are published with the report after each chunk's publish task; for a run "
+            "published by hand, run `python -m relay report RUN_DIR` where its folder is",
+        )
     return build(run_dir, store=store, run=run, source=uri)

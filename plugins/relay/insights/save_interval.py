@@ -69,12 +69,16 @@ class SaveInterval:
     def advice(self) -> str:
         """What to set, with the numbers (one paragraph)."""
         now_s = self.interval_steps * self.step_s
-        head = (f"a save costs C = {self.cost_s:.2f}s (save and commit {self.save_s:.2f}s, validation "
-                f"{self.validation_s:.2f}s at each chunk's end, {self.saves_per_chunk} save(s) per chunk), a restart "
-                f"R = {_s(self.restart_s)}, a step {self.step_s:.3f}s")
+        head = (
+            f"a save costs C = {self.cost_s:.2f}s (save and commit {self.save_s:.2f}s, validation "
+            f"{self.validation_s:.2f}s at each chunk's end, {self.saves_per_chunk} save(s) per chunk), a restart "
+            f"R = {_s(self.restart_s)}, a step {self.step_s:.3f}s"
+        )
         if not self.mtbf_s:
-            return (f"{head}; no failure yet and no checkpoints.mtbf_hours in the spec: set it to the cluster's "
-                    "MTBF to get a save interval")
+            return (
+                f"{head}; no failure yet and no checkpoints.mtbf_hours in the spec: set it to the cluster's "
+                "MTBF to get a save interval"
+            )
         rough = f" from {self.failures} failure(s), a rough figure" if 0 < self.failures < FEW_FAILURES else ""
         seen = f"observed{rough}" if self.mtbf_source == "observed" else "checkpoints.mtbf_hours"
         best_s, best_steps = self.young_daly_s or 0.0, self.young_daly_steps or 0.0
@@ -82,23 +86,32 @@ class SaveInterval:
         if best_steps < self.chunk_steps:
             setting = f"trainer.settings.save_freq: {max(1, round(best_steps))}"
         elif self.total_steps and best_steps >= self.total_steps:
-            setting = (f"chunk_steps: {self.total_steps}, the whole run of {self.total_steps} steps in one chunk "
-                       "(and save_freq 0: one save, at its end)")
+            setting = (
+                f"chunk_steps: {self.total_steps}, the whole run of {self.total_steps} steps in one chunk "
+                "(and save_freq 0: one save, at its end)"
+            )
         else:
             setting = f"chunk_steps: {max(1, round(best_steps))} (and save_freq 0: one save per chunk)"
-        return (f"{head}; MTBF {_s(self.mtbf_s)} ({seen}) -> Young–Daly: save every √(2·C·MTBF) = {best_s:.0f}s of "
-                f"training = {best_steps:.0f} steps. Now every {self.interval_steps:.0f} steps ({now_s:.0f}s): expected "
-                f"overhead {now:.1%}; at {best_steps:.0f} steps {best:.1%}. To change it: {setting}")
+        return (
+            f"{head}; MTBF {_s(self.mtbf_s)} ({seen}) -> Young–Daly: save every √(2·C·MTBF) = {best_s:.0f}s of "
+            f"training = {best_steps:.0f} steps. Now every {self.interval_steps:.0f} steps ({now_s:.0f}s): expected "
+            f"overhead {now:.1%}; at {best_steps:.0f} steps {best:.1%}. To change it: {setting}"
+        )
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "cost_s": self.cost_s, "young_daly_s": self.young_daly_s,
-                "young_daly_steps": self.young_daly_steps,
-                "overhead_now": self.overhead(self.interval_steps * self.step_s),
-                "overhead_at_young_daly": self.overhead(self.young_daly_s or 0.0)}
+        return {
+            **asdict(self),
+            "cost_s": self.cost_s,
+            "young_daly_s": self.young_daly_s,
+            "young_daly_steps": self.young_daly_steps,
+            "overhead_now": self.overhead(self.interval_steps * self.step_s),
+            "overhead_at_young_daly": self.overhead(self.young_daly_s or 0.0),
+        }
 
 
-def save_interval(run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_hours: float | None = None,
-                  total_steps: int | None = None) -> SaveInterval | None:
+def save_interval(
+    run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_hours: float | None = None, total_steps: int | None = None
+) -> SaveInterval | None:
     """The run's measured costs and the Young–Daly interval; None before a step and a save were recorded."""
     run_dir = Path(run_dir)
     rows = [r for r in read_jsonl(run_dir / layout.METRICS) if isinstance(r.get("seconds"), (int, float))]
@@ -116,11 +129,18 @@ def save_interval(run_dir: Path, *, chunk_steps: int, save_freq: int = 0, mtbf_h
     else:
         mtbf, source = None, "unknown"
     per_chunk = chunk_steps // save_freq if save_freq and save_freq < chunk_steps else 1
-    return SaveInterval(step_s=statistics.median(float(r["seconds"]) for r in rows),
-                        save_s=statistics.median(saves), validation_s=statistics.median(checks) if checks else 0.0,
-                        restart_s=restart_seconds(events, rows), mtbf_s=mtbf,
-                        failures=failures if source == "observed" else 0, mtbf_source=source,
-                        saves_per_chunk=max(1, per_chunk), chunk_steps=chunk_steps, total_steps=total_steps)
+    return SaveInterval(
+        step_s=statistics.median(float(r["seconds"]) for r in rows),
+        save_s=statistics.median(saves),
+        validation_s=statistics.median(checks) if checks else 0.0,
+        restart_s=restart_seconds(events, rows),
+        mtbf_s=mtbf,
+        failures=failures if source == "observed" else 0,
+        mtbf_source=source,
+        saves_per_chunk=max(1, per_chunk),
+        chunk_steps=chunk_steps,
+        total_steps=total_steps,
+    )
 
 
 def interruptions(events: list[dict]) -> int:

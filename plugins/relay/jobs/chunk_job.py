@@ -92,15 +92,22 @@ def metadata(req: ChunkRequest) -> dict[str, str]:
     # A job that stops inside its chunk (--to-step off a boundary) carries no chunk here: a DAG's train task
     # adopts a live job of its run by (run, chunk), and this one would end before the chunk does.
     ends_chunk = req.chunk is not None and ChunkPlan.from_spec(req.spec).chunk(req.chunk).end_step == req.to_step
-    return {"relay_spec": req.spec.name, "relay_run": req.run.name, "relay_chunk": str(req.chunk if ends_chunk else None),
-            "relay_try": "0", "relay_dag_run": "", "relay_submitted_by": f"relay train ({req.attempt})"}
+    return {
+        "relay_spec": req.spec.name,
+        "relay_run": req.run.name,
+        "relay_chunk": str(req.chunk if ends_chunk else None),
+        "relay_try": "0",
+        "relay_dag_run": "",
+        "relay_submitted_by": f"relay train ({req.attempt})",
+    }
 
 
 def submit_chunk(jobs: RayJobs, run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
     """`relay train`'s job, submitted as the DAG's train task submits one (relay.jobs.submission), with this
     command's metadata."""
-    return submission.submit_chunk(jobs, run, to_step, sub_id, chunk=chunk_index(run.spec, to_step),
-                                   metadata=metadata, restore=restore).request
+    return submission.submit_chunk(
+        jobs, run, to_step, sub_id, chunk=chunk_index(run.spec, to_step), metadata=metadata, restore=restore
+    ).request
 
 
 def follow(jobs: RayJobs, sub_id: str, out: TextIO | None = None, poll_s: float = 1.0) -> JobState:
@@ -132,16 +139,17 @@ def follow(jobs: RayJobs, sub_id: str, out: TextIO | None = None, poll_s: float 
     while True:
         state = jobs.get(sub_id)
         if state is None:
-            raise RayJobError(f"Ray job {sub_id} is no longer known at {jobs.address}",
-                              "the Ray head was restarted under it; run the command again (it resumes from the "
-                              "latest checkpoint)")
+            raise RayJobError(
+                f"Ray job {sub_id} is no longer known at {jobs.address}",
+                "the Ray head was restarted under it; run the command again (it resumes from the latest checkpoint)",
+            )
         if state.status in TERMINAL:
             break
         time.sleep(poll_s)
     with lock:  # the stream ends some seconds after the job: what it has not written yet comes from the whole log
         closed.set()
         try:
-            rest = jobs.logs(sub_id)[written[0]:]
+            rest = jobs.logs(sub_id)[written[0] :]
         except Exception:  # noqa: BLE001 - the state matters more than the last lines
             rest = ""
         if rest:
@@ -178,9 +186,15 @@ def failure(state: JobState) -> tuple[str, int]:
     return f"ended {state.status}: {message or 'no message'}", code if 1 <= code <= 125 else 1
 
 
-def run_attached(jobs: RayJobs, sub_id: str, submit: Callable[[], object], *,
-                 watch: Callable[[str, str], None] | None = None, out: TextIO | None = None,
-                 stop_wait_s: float = STOP_WAIT_S) -> JobState:
+def run_attached(
+    jobs: RayJobs,
+    sub_id: str,
+    submit: Callable[[], object],
+    *,
+    watch: Callable[[str, str], None] | None = None,
+    out: TextIO | None = None,
+    stop_wait_s: float = STOP_WAIT_S,
+) -> JobState:
     """submit() the job sub_id, follow it to its end, and stop it if this process is interrupted or fails
     meanwhile (from the submission on: a job whose submission was cut short is stopped too, if it
     exists), waiting up to stop_wait_s for it to save and end. watch(address, sub_id): names the job to a

@@ -54,9 +54,17 @@ WATCHING = "watching"  # the watchdog's first line: it is ready
 START_TIMEOUT_S = 180
 
 # Every port `ray start --head` opens, by its option; min/max worker ports come as 0: the OS picks each one.
-PORT_OPTIONS = ("port", "dashboard-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
-                "runtime-env-agent-port", "dashboard-agent-grpc-port", "dashboard-agent-listen-port",
-                "metrics-export-port")
+PORT_OPTIONS = (
+    "port",
+    "dashboard-port",
+    "ray-client-server-port",
+    "node-manager-port",
+    "object-manager-port",
+    "runtime-env-agent-port",
+    "dashboard-agent-grpc-port",
+    "dashboard-agent-listen-port",
+    "metrics-export-port",
+)
 WORKER_PORT_OPTIONS = ("min-worker-port", "max-worker-port")
 
 
@@ -66,8 +74,15 @@ class HeadError(RuntimeError):
 
 # ------------------------------------------------------------------------------------ the head
 
-def head_command(ray_cli: list[str], ports: dict[str, int], *, num_cpus: int | None = None,
-                 num_gpus: int | None = None, temp_dir: Path | str | None = None) -> list[str]:
+
+def head_command(
+    ray_cli: list[str],
+    ports: dict[str, int],
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    temp_dir: Path | str | None = None,
+) -> list[str]:
     """`ray start --head` on 127.0.0.1 with its dashboard, on `ports` (option -> port: PORT_OPTIONS and
     WORKER_PORT_OPTIONS). The local stack's head (relay.devstack.stack.ray_start) and a private one
     both start from here."""
@@ -75,8 +90,13 @@ def head_command(ray_cli: list[str], ports: dict[str, int], *, num_cpus: int | N
     if missing:
         raise ValueError(f"no port for {', '.join(missing)}")
     return [
-        *ray_cli, "start", "--head", *([f"--num-cpus={num_cpus}"] if num_cpus is not None else []),
-        "--disable-usage-stats", "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+        *ray_cli,
+        "start",
+        "--head",
+        *([f"--num-cpus={num_cpus}"] if num_cpus is not None else []),
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         *(f"--{option}={ports[option]}" for option in (*PORT_OPTIONS, *WORKER_PORT_OPTIONS)),
         *([f"--temp-dir={temp_dir}"] if temp_dir is not None else []),
@@ -84,13 +104,15 @@ def head_command(ray_cli: list[str], ports: dict[str, int], *, num_cpus: int | N
     ]
 
 
-def run_ray_start(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, sid_file: Path | None = None,
-                  timeout: float = START_TIMEOUT_S) -> None:
+def run_ray_start(
+    cmd: list[str], env: dict[str, str], cwd: Path, log: Path, sid_file: Path | None = None, timeout: float = START_TIMEOUT_S
+) -> None:
     """Run `ray start` (it returns once the head's daemons are up), its output in `log`. With sid_file: in a
     session of its own, whose id (every daemon of the head stays in it) is written there."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=sid_file is not None)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=sid_file is not None
+        )
         if sid_file is not None:
             sid_file.write_text(str(proc.pid))  # a new session's id is its leader's pid
         try:
@@ -104,8 +126,9 @@ def run_ray_start(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, sid
             proc.wait()
             raise
     if rc != 0:
-        raise RuntimeError(f"`ray start` failed ({f'exit {rc}' if rc is not None else f'no answer in {timeout:.0f}s'}); "
-                           f"see {log}")
+        raise RuntimeError(
+            f"`ray start` failed ({f'exit {rc}' if rc is not None else f'no answer in {timeout:.0f}s'}); see {log}"
+        )
 
 
 def pick_ports(avoid: Iterable[int] = ()) -> dict[str, int]:
@@ -178,9 +201,17 @@ def guarded(address: str = "") -> Iterator[Guarded]:
 
 
 @contextmanager
-def local_head(ray_cli: list[str], env: dict[str, str], *, num_cpus: int | None = None, num_gpus: int | None = None,
-               avoid: Iterable[int] = (), start_timeout: float = START_TIMEOUT_S, attempts: int = 2,
-               say=None) -> Iterator[LocalHead]:
+def local_head(
+    ray_cli: list[str],
+    env: dict[str, str],
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    avoid: Iterable[int] = (),
+    start_timeout: float = START_TIMEOUT_S,
+    attempts: int = 2,
+    say=None,
+) -> Iterator[LocalHead]:
     """A Ray head of this process's own, on free ports; yields it (.address: its dashboard, the Jobs API) and
     stops it on the way out. A watchdog stops it too if this process dies without a word (SIGKILL).
 
@@ -193,12 +224,20 @@ def local_head(ray_cli: list[str], env: dict[str, str], *, num_cpus: int | None 
             ports = pick_ports(avoid)
             cmd = head_command(ray_cli, ports, num_cpus=num_cpus, num_gpus=num_gpus, temp_dir=temp)
             if say:
-                say(f"starting a private Ray head: dashboard port {ports['dashboard-port']}, GCS port {ports['port']}, "
-                    f"temp dir {temp}")
+                say(
+                    f"starting a private Ray head: dashboard port {ports['dashboard-port']}, GCS port {ports['port']}, "
+                    f"temp dir {temp}"
+                )
             address = f"http://127.0.0.1:{ports['dashboard-port']}"
             try:
-                run_ray_start(cmd, {**env, MARKER: temp.name}, cwd=temp, log=temp / "ray-start.log",
-                              sid_file=temp / SID_FILE, timeout=start_timeout)
+                run_ray_start(
+                    cmd,
+                    {**env, MARKER: temp.name},
+                    cwd=temp,
+                    log=temp / "ray-start.log",
+                    sid_file=temp / SID_FILE,
+                    timeout=start_timeout,
+                )
                 deadline = time.time() + start_timeout
                 while not _answers(f"{address}/api/version"):
                     if time.time() > deadline:
@@ -306,19 +345,35 @@ def _alive(p) -> bool:
 
 # ------------------------------------------------------------------------------------ the watchdog
 
+
 def start_watchdog(pid: int, temp_dir: Path, ready_timeout: float = 30) -> subprocess.Popen:
     """`python -m relay.jobs.local_head --watch PID --temp-dir DIR`, detached (a session of its own, so a
     Ctrl-C in the terminal does not reach it; its output in DIR/watchdog.log): once pid is gone, it stops
     the job named in DIR/JOB_FILE and the head in temp_dir. Returns once it watches."""
     created = started_at(pid)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_package_root()), os.environ.get("PYTHONPATH"))
-                                                        if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_package_root()), os.environ.get("PYTHONPATH")) if p)}
     log_path = temp_dir / "watchdog.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "relay.jobs.local_head", "--watch", str(pid),
-                                 "--created", repr(created), "--temp-dir", str(temp_dir)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True, env=env, cwd=temp_dir)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "relay.jobs.local_head",
+                "--watch",
+                str(pid),
+                "--created",
+                repr(created),
+                "--temp-dir",
+                str(temp_dir),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            env=env,
+            cwd=temp_dir,
+        )
     deadline = time.time() + ready_timeout
     while WATCHING not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.time() > deadline:
@@ -349,14 +404,12 @@ def watch(pid: int, created: float, temp_dir: Path, poll_s: float = WATCH_POLL_S
     print(f"{time.strftime('%H:%M:%S')} {WATCHING} process {pid}", flush=True)
     while runs(pid, created):
         time.sleep(poll_s)
-    print(f"{time.strftime('%H:%M:%S')} process {pid} is gone: stopping its Ray job and head in {temp_dir}",
-          flush=True)
+    print(f"{time.strftime('%H:%M:%S')} process {pid} is gone: stopping its Ray job and head in {temp_dir}", flush=True)
     job_file = temp_dir / JOB_FILE
     if job_file.exists():
         try:
             job = json.loads(job_file.read_text())
-            print(f"stop job {job['submission_id']}: {stop_job_over_http(job['address'], job['submission_id'])}",
-                  flush=True)
+            print(f"stop job {job['submission_id']}: {stop_job_over_http(job['address'], job['submission_id'])}", flush=True)
         except (OSError, ValueError, KeyError) as e:
             print(f"job file unreadable: {e}", flush=True)
     n = stop_head(temp_dir)
@@ -366,8 +419,9 @@ def watch(pid: int, created: float, temp_dir: Path, poll_s: float = WATCH_POLL_S
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m relay.jobs.local_head",
-                                description="watchdog of a private Ray head: stops it once PID is gone")
+    p = argparse.ArgumentParser(
+        prog="python -m relay.jobs.local_head", description="watchdog of a private Ray head: stops it once PID is gone"
+    )
     p.add_argument("--watch", type=int, required=True, metavar="PID")
     p.add_argument("--created", type=float, required=True, help="PID's start time (psutil's create_time)")
     p.add_argument("--temp-dir", type=Path, required=True)

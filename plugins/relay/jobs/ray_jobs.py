@@ -48,8 +48,13 @@ def submission_id(spec_name: str, run_name: str, dag_run_id: str, chunk: int, tr
 
 
 def job_metadata(req: ChunkRequest, dag_run_id: str, try_number: int) -> dict[str, str]:
-    return {"relay_spec": req.spec.name, "relay_run": req.run.name, "relay_chunk": str(req.chunk),
-            "relay_try": str(try_number), "relay_dag_run": dag_run_id}
+    return {
+        "relay_spec": req.spec.name,
+        "relay_run": req.run.name,
+        "relay_chunk": str(req.chunk),
+        "relay_try": str(try_number),
+        "relay_dag_run": dag_run_id,
+    }
 
 
 def entrypoint(req: ChunkRequest) -> str:
@@ -67,10 +72,12 @@ def job_env_vars(spec) -> dict[str, str]:
         try:
             out[key] = project.expand(value)
         except KeyError as e:
-            raise RayJobError(f"ray.env_vars.{key} names the environment variable {e.args[0]}, which is not set "
-                              f"where the job is submitted",
-                              f"set {e.args[0]} in the Airflow worker's environment (or the shell of the CLI), or "
-                              f"give a default as ${{{e.args[0]}:-value}}") from None
+            raise RayJobError(
+                f"ray.env_vars.{key} names the environment variable {e.args[0]}, which is not set "
+                f"where the job is submitted",
+                f"set {e.args[0]} in the Airflow worker's environment (or the shell of the CLI), or "
+                f"give a default as ${{{e.args[0]}:-value}}",
+            ) from None
     return out
 
 
@@ -139,9 +146,10 @@ class RayJobs:
             try:
                 self._client = JobSubmissionClient(self.address)
             except Exception as e:  # noqa: BLE001 - ConnectionError, or ray's own wrappers of it
-                raise RayJobError(f"cannot reach the Ray Jobs API at {self.address} ({e})",
-                                  "start the Ray head (`python -m relay stack up`) or fix the Airflow "
-                                  "connection that names it") from None
+                raise RayJobError(
+                    f"cannot reach the Ray Jobs API at {self.address} ({e})",
+                    "start the Ray head (`python -m relay stack up`) or fix the Airflow connection that names it",
+                ) from None
         return self._client
 
     def get(self, sub_id: str) -> JobState | None:
@@ -151,13 +159,23 @@ class RayJobs:
             if "does not exist" in str(e):
                 return None
             raise RayJobError(f"cannot read job {sub_id} from {self.address}: {e}", "check the Ray head") from None
-        return JobState(sub_id, str(info.status), info.message or "", info.metadata or {}, _seconds(info.start_time),
-                        info.driver_exit_code, _seconds(info.end_time))
+        return JobState(
+            sub_id,
+            str(info.status),
+            info.message or "",
+            info.metadata or {},
+            _seconds(info.start_time),
+            info.driver_exit_code,
+            _seconds(info.end_time),
+        )
 
-    def submit(self, req: ChunkRequest, sub_id: str, metadata: dict[str, str],
-               extra_env: dict[str, str] | None = None) -> str:
+    def submit(
+        self, req: ChunkRequest, sub_id: str, metadata: dict[str, str], extra_env: dict[str, str] | None = None
+    ) -> str:
         return self.client.submit_job(
-            entrypoint=entrypoint(req), submission_id=sub_id, runtime_env=runtime_env(req, extra_env),
+            entrypoint=entrypoint(req),
+            submission_id=sub_id,
+            runtime_env=runtime_env(req, extra_env),
             metadata=metadata,
             entrypoint_num_cpus=req.spec.ray.entrypoint_num_cpus,
             entrypoint_resources=req.spec.ray.entrypoint_resources or None,
@@ -166,9 +184,10 @@ class RayJobs:
     def submit_module(self, spec, module: str, env: dict[str, str], sub_id: str, metadata: dict[str, str]) -> str:
         """Run `python -m <module>` of Relay on the cluster (e.g. checkpoint validation where it lives)."""
         return self.client.submit_job(
-            entrypoint=f"{spec.ray.python} -m {module}", submission_id=sub_id, metadata=metadata,
-            runtime_env={**shipped_code(),
-                         "env_vars": {**job_env_vars(spec), **env, "PYTHONUNBUFFERED": "1"}},
+            entrypoint=f"{spec.ray.python} -m {module}",
+            submission_id=sub_id,
+            metadata=metadata,
+            runtime_env={**shipped_code(), "env_vars": {**job_env_vars(spec), **env, "PYTHONUNBUFFERED": "1"}},
             entrypoint_num_cpus=spec.ray.entrypoint_num_cpus,
             entrypoint_resources=spec.ray.entrypoint_resources or None,
         )
@@ -215,8 +234,7 @@ class RayJobs:
 def driver_log_path(sub_id: str, node_id: str, lines: int) -> str:
     """The dashboard's log API path of a job's last `lines` driver log lines, read on the driver's node."""
 
-    return "/api/v0/logs/file?" + urlencode({"node_id": node_id, "filename": f"job-driver-{sub_id}.log",
-                                              "lines": lines})
+    return "/api/v0/logs/file?" + urlencode({"node_id": node_id, "filename": f"job-driver-{sub_id}.log", "lines": lines})
 
 
 ANCHOR_LINES = 20
@@ -231,8 +249,8 @@ def new_lines(before: list[str], tail: list[str]) -> tuple[list[str], bool]:
         return tail, False
     anchor = before[-ANCHOR_LINES:]
     for start in range(len(tail) - len(anchor), -1, -1):
-        if tail[start:start + len(anchor)] == anchor:
-            return tail[start + len(anchor):], False
+        if tail[start : start + len(anchor)] == anchor:
+            return tail[start + len(anchor) :], False
     return tail, True
 
 
@@ -277,8 +295,15 @@ class AsyncRayJobs:
         if d is None:
             return None
         self._driver_node[sub_id] = d.get("driver_node_id") or self._driver_node.get(sub_id)
-        return JobState(sub_id, d.get("status", "UNKNOWN"), d.get("message") or "", d.get("metadata") or {},
-                        _seconds(d.get("start_time")), d.get("driver_exit_code"), _seconds(d.get("end_time")))
+        return JobState(
+            sub_id,
+            d.get("status", "UNKNOWN"),
+            d.get("message") or "",
+            d.get("metadata") or {},
+            _seconds(d.get("start_time")),
+            d.get("driver_exit_code"),
+            _seconds(d.get("end_time")),
+        )
 
     async def tail(self, sub_id: str, lines: int = TAIL_LINES) -> str:
         """The last `lines` lines of the job's driver log, read on its node through the dashboard's log API:

@@ -38,32 +38,44 @@ class JobDecision:
     state: JobState | None = None  # what Ray said of the job, when it exists
 
 
-def decide(jobs: RayJobs, run: Run, chunk: Chunk, sub_id: str, *, remembered: str | None, stall_limit_s: float,
-           warn: Callable[[str], None]) -> JobDecision:
+def decide(
+    jobs: RayJobs,
+    run: Run,
+    chunk: Chunk,
+    sub_id: str,
+    *,
+    remembered: str | None,
+    stall_limit_s: float,
+    warn: Callable[[str], None],
+) -> JobDecision:
     """What this try does about its chunk's job (see the module's docstring). remembered: the submission id
     an earlier try stored in Airflow's task state; warn: where a passed-over earlier job is said."""
     existing = jobs.get(sub_id)
     if existing is not None:
-        action: Action = ("succeeded" if existing.status == "SUCCEEDED" else
-                          "reattach" if existing.status in LIVE else "ended")
+        action: Action = (
+            "succeeded" if existing.status == "SUCCEEDED" else "reattach" if existing.status in LIVE else "ended"
+        )
         return JobDecision(action, sub_id, state=existing)
-    if (adopted := healthy_earlier_job(jobs, run, chunk, remembered=remembered, stall_limit_s=stall_limit_s,
-                                       warn=warn)) is not None:
+    if (
+        adopted := healthy_earlier_job(jobs, run, chunk, remembered=remembered, stall_limit_s=stall_limit_s, warn=warn)
+    ) is not None:
         job, why = adopted
         return JobDecision("adopt", job.submission_id, why, job)
     return JobDecision("submit", sub_id)
 
 
-def healthy_earlier_job(jobs: RayJobs, run: Run, chunk: Chunk, *, remembered: str | None, stall_limit_s: float,
-                        warn: Callable[[str], None]) -> tuple[JobState, str] | None:
+def healthy_earlier_job(
+    jobs: RayJobs, run: Run, chunk: Chunk, *, remembered: str | None, stall_limit_s: float, warn: Callable[[str], None]
+) -> tuple[JobState, str] | None:
     """A live job of this chunk that an earlier try submitted and that still trains well: it holds the run's
     lease (a newer attempt fenced it out otherwise) and made a step within the stall limit (or is still
     within its start-up allowance). (job, why) or None."""
     startup_s = run.spec.alerts.startup_minutes * 60
     # Airflow remembers the id once it was stored; a worker killed between the submission and that
     # write leaves it unstored, and the job's metadata (run, chunk) finds it all the same.
-    candidates = sorted(jobs.live_jobs_of_run(run.spec.name, run.name),
-                        key=lambda j: (j.submission_id != remembered, -(j.start_time or 0)))
+    candidates = sorted(
+        jobs.live_jobs_of_run(run.spec.name, run.name), key=lambda j: (j.submission_id != remembered, -(j.start_time or 0))
+    )
     lease = Lease(run.dir)
     ours = [j for j in candidates if j.metadata.get("relay_chunk") == str(chunk.index) and lease.holds(j.submission_id)]
     rows = MetricsLog(run.dir).rows() if ours else []
@@ -81,8 +93,10 @@ def healthy_earlier_job(jobs: RayJobs, run: Run, chunk: Chunk, *, remembered: st
             why = f"it holds the run's lease and started {idle:.0f}s ago, within its start-up allowance"
         if idle <= limit:
             return job, why
-        warn(f"Ray job {job.submission_id} of an earlier try holds the lease but made no step for {idle:.0f}s "
-             f"(limit {limit:.0f}s): it is stopped, not adopted")
+        warn(
+            f"Ray job {job.submission_id} of an earlier try holds the lease but made no step for {idle:.0f}s "
+            f"(limit {limit:.0f}s): it is stopped, not adopted"
+        )
     return None
 
 
@@ -98,14 +112,24 @@ def chunk_request(run: Run, to_step: int, sub_id: str, *, chunk: int | None, res
     return ChunkRequest(run=run, to_step=to_step, chunk=chunk, attempt=sub_id, lease_token=token, restore=restore)
 
 
-def submit_chunk(jobs: RayJobs, run: Run, to_step: int, sub_id: str, *, chunk: int | None,
-                 metadata: Callable[[ChunkRequest], dict[str, str]], env: dict[str, str] | None = None,
-                 restore: bool = True, stop_others_wait_s: float | None = None) -> Submitted:
+def submit_chunk(
+    jobs: RayJobs,
+    run: Run,
+    to_step: int,
+    sub_id: str,
+    *,
+    chunk: int | None,
+    metadata: Callable[[ChunkRequest], dict[str, str]],
+    env: dict[str, str] | None = None,
+    restore: bool = True,
+    stop_others_wait_s: float | None = None,
+) -> Submitted:
     """Submit the chunk's job under a lease taken for it. stop_others_wait_s: stop every other live job of the
     run first, waiting up to that long for each to save its step (the DAG's train task: one writer per run);
     None leaves them (`relay train`: a job of the run that still runs is fenced out by the new token)."""
-    stopped = ([] if stop_others_wait_s is None else
-               jobs.stop_run(run.spec.name, run.name, keep=sub_id, wait_s=stop_others_wait_s))
+    stopped = (
+        [] if stop_others_wait_s is None else jobs.stop_run(run.spec.name, run.name, keep=sub_id, wait_s=stop_others_wait_s)
+    )
     req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore)
     # (the trainer kind's job_env, e.g. verl's cpu platform for device cpu, is added by RayJobs.submit)
     jobs.submit(req, sub_id, metadata(req), env)

@@ -27,8 +27,15 @@ def smoke_check(spec):
 def admit(run: Run, step: int, *, expected_step: int | None = None) -> Admission:
     """Validate global_step_<step> of a run (with the trainer's smoke check)."""
     spec = run.spec
-    return admit_dir(run.dir, step, expected_step=expected_step, smoke=smoke_check(spec), run=run.name,
-                     fingerprint=spec.settings_fingerprint(), expect_critic=spec.settings.has_critic)
+    return admit_dir(
+        run.dir,
+        step,
+        expected_step=expected_step,
+        smoke=smoke_check(spec),
+        run=run.name,
+        fingerprint=spec.settings_fingerprint(),
+        expect_critic=spec.settings.has_critic,
+    )
 
 
 # ------------------------------------------------------------------ as a Ray job (validate_on: ray)
@@ -37,8 +44,9 @@ MARKER = "RELAY_ADMISSION "
 
 
 def request_json(run: Run, step: int, expected_step: int | None) -> str:
-    return json.dumps({"spec": json.loads(run.spec.to_json()), "run": run.name, "step": step,
-                       "expected_step": expected_step})
+    return json.dumps(
+        {"spec": json.loads(run.spec.to_json()), "run": run.name, "step": step, "expected_step": expected_step}
+    )
 
 
 def main() -> int:
@@ -54,7 +62,7 @@ def main() -> int:
 
 def parse_job_output(logs: str) -> dict | None:
     lines = [ln for ln in logs.splitlines() if ln.startswith(MARKER)]
-    return json.loads(lines[-1][len(MARKER):]) if lines else None
+    return json.loads(lines[-1][len(MARKER) :]) if lines else None
 
 
 if __name__ == "__main__":

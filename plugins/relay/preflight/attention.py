@@ -64,16 +64,16 @@ def image_attention(environ=None, root: Path | None = None) -> ImageAttention:
     if not m:
         return ImageAttention(None, f"{path} has no ENV {MARKER} to say")
     value = next(g for g in m.groups() if g is not None)
-    return ImageAttention(frozenset(value.split()), f"the image Relay builds (docker/ray.Dockerfile, {MARKER}="
-                                                    f"{value!r})")
+    return ImageAttention(frozenset(value.split()), f"the image Relay builds (docker/ray.Dockerfile, {MARKER}={value!r})")
 
 
 def flash_attn_here() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def check(spec, *, flash_attn_importable: bool | None = None, image: ImageAttention | None = None,
-          host: str | None = None) -> AttentionCheck | None:
+def check(
+    spec, *, flash_attn_importable: bool | None = None, image: ImageAttention | None = None, host: str | None = None
+) -> AttentionCheck | None:
     """The spec's attention against what can be known here; None for a trainer kind it does not apply to."""
     if spec.trainer.kind != "verl_ppo":
         return None
@@ -84,32 +84,45 @@ def check(spec, *, flash_attn_importable: bool | None = None, image: ImageAttent
     what = f"{effective}" + ("" if asked else " (verl's default: the spec sets no attn_implementation)")
     if effective != FLASH and not critic:
         return AttentionCheck(True, f"{what}: built into torch, no flash-attn needed")
-    needs = (f"{SETTING} is {what}" if effective == FLASH else
-             f"adv_estimator {s.adv_estimator} has a critic, whose value model verl 0.9.1 loads with {FLASH} "
-             f"whatever {SETTING} ({effective}) says")
+    needs = (
+        f"{SETTING} is {what}"
+        if effective == FLASH
+        else f"adv_estimator {s.adv_estimator} has a critic, whose value model verl 0.9.1 loads with {FLASH} "
+        f"whatever {SETTING} ({effective}) says"
+    )
     if flash_attn_importable is None:
         flash_attn_importable = flash_attn_here()
     host = host or socket.gethostname()
     if flash_attn_importable:
-        return AttentionCheck(True, f"{needs}: flash_attn imports on this host ({host}); the cluster's image must "
-                                    "have it too")
+        return AttentionCheck(
+            True, f"{needs}: flash_attn imports on this host ({host}); the cluster's image must have it too"
+        )
     image = image or image_attention()
     if image.backends is not None and FLASH in image.backends:
-        return AttentionCheck(True, f"{needs}: {image.where} provides it (flash_attn does not import on this "
-                                    f"host, {host}, which need not be a Ray node)")
+        return AttentionCheck(
+            True,
+            f"{needs}: {image.where} provides it (flash_attn does not import on this "
+            f"host, {host}, which need not be a Ray node)",
+        )
     if image.backends is None:
         known = f"what the cluster's image provides cannot be known here ({image.where})"
     else:
         known = f"{image.where} provides {', '.join(sorted(image.backends)) or 'nothing'} only"
         known += "" if image.where.startswith("this host") else "; a cluster that runs another image with flash-attn is fine"
-    detail = (f"{needs}, which needs flash-attn on the Ray workers: without it verl fails at model load, with an "
-              f"ImportError about flash_attn on every worker. Checked here: flash_attn does not import on this host "
-              f"({host}; it need not be a Ray node), and {known}")
+    detail = (
+        f"{needs}, which needs flash-attn on the Ray workers: without it verl fails at model load, with an "
+        f"ImportError about flash_attn on every worker. Checked here: flash_attn does not import on this host "
+        f"({host}; it need not be a Ray node), and {known}"
+    )
     if effective == FLASH:
-        fix = (f"set {SETTING}: sdpa (built into torch; works with FSDP and the vLLM rollout), or install "
-               f"flash-attn in the cluster image (a prebuilt wheel matching its torch, CUDA and Python: "
-               f"docker/ray.Dockerfile says how) and add {FLASH} to its {MARKER}")
+        fix = (
+            f"set {SETTING}: sdpa (built into torch; works with FSDP and the vLLM rollout), or install "
+            f"flash-attn in the cluster image (a prebuilt wheel matching its torch, CUDA and Python: "
+            f"docker/ray.Dockerfile says how) and add {FLASH} to its {MARKER}"
+        )
     else:
-        fix = (f"install flash-attn in the cluster image (docker/ray.Dockerfile says how) and add {FLASH} to its "
-               f"{MARKER}, or use an adv_estimator without a critic (grpo)")
+        fix = (
+            f"install flash-attn in the cluster image (docker/ray.Dockerfile says how) and add {FLASH} to its "
+            f"{MARKER}, or use an adv_estimator without a critic (grpo)"
+        )
     return AttentionCheck(False, detail, fix)

@@ -58,10 +58,11 @@ def prepare_data(run: Run, *, store=None, by: str = "") -> DataState:
     for r in reports:
         _keep_report(run, r, store)
     if failed:
-        raise quality.DataQualityError("data quality checks failed; nothing was frozen and no chunk ran:\n"
-                                       + "\n".join(r.summary() for r in failed),
-                                       "fix the rows named above in the source files (or the expectations), then "
-                                       "trigger again", failed)
+        raise quality.DataQualityError(
+            "data quality checks failed; nothing was frozen and no chunk ran:\n" + "\n".join(r.summary() for r in failed),
+            "fix the rows named above in the source files (or the expectations), then trigger again",
+            failed,
+        )
     files = frozen.freeze(run, store, quality={r.file: r.ok for r in reports})
     guard.record(run, by=by)
     publish_record(run, store)
@@ -104,5 +105,8 @@ def _with_quality(spec, e: frozen.SourceDriftError) -> frozen.SourceDriftError:
         return e
     if not bad:
         return e
-    return frozen.SourceDriftError(e.what + "\nthe changed source also fails the data-quality suite:\n"
-                                   + "\n".join(r.summary() for r in bad), e.fix, e.changes)
+    return frozen.SourceDriftError(
+        e.what + "\nthe changed source also fails the data-quality suite:\n" + "\n".join(r.summary() for r in bad),
+        e.fix,
+        e.changes,
+    )

@@ -59,8 +59,11 @@ def snapshot(spec, run_dir=None) -> dict[str, Any]:
 
 def compare(recorded: dict, current: dict) -> list[Change]:
     keys = sorted(set(recorded) | set(current))
-    return [Change(k, recorded.get(k, MISSING), current.get(k, MISSING)) for k in keys
-            if recorded.get(k, MISSING) != current.get(k, MISSING)]
+    return [
+        Change(k, recorded.get(k, MISSING), current.get(k, MISSING))
+        for k in keys
+        if recorded.get(k, MISSING) != current.get(k, MISSING)
+    ]
 
 
 def _added_since(spec, change: Change) -> bool:
@@ -69,7 +72,7 @@ def _added_since(spec, change: Change) -> bool:
     if change.was != MISSING or change.now == MISSING:
         return False
     prefix, obj = ("trainer.settings.", spec.settings) if change.key.startswith("trainer.settings.") else ("", spec)
-    *parents, leaf = change.key[len(prefix):].split(".")
+    *parents, leaf = change.key[len(prefix) :].split(".")
     for part in parents:
         obj = getattr(obj, part, None)
     field = getattr(type(obj), "model_fields", {}).get(leaf)
@@ -83,8 +86,12 @@ def _allowed(key: str, allow: list[str]) -> bool:
 # The settings that only say how many processes train (verl: nnodes x n_gpus_per_node; the CPU trainer:
 # world_size). With checkpoints.on_world_size_change: reshard, a change of them is accepted without allow_drift:
 # the checkpoint is resharded before the chunk's job (relay.checkpoints.reshard), and the change is recorded.
-WORLD_SIZE_KEYS = ("trainer.settings.nnodes", "trainer.settings.n_gpus_per_node", "trainer.settings.world_size",
-                   "resolved.world_size")
+WORLD_SIZE_KEYS = (
+    "trainer.settings.nnodes",
+    "trainer.settings.n_gpus_per_node",
+    "trainer.settings.world_size",
+    "resolved.world_size",
+)
 RESHARD_POLICY = "checkpoints.on_world_size_change: reshard"
 
 
@@ -95,8 +102,9 @@ def record(run: Run, *, by: str = "") -> dict:
     return values
 
 
-def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: str = "",
-          persist: bool = True) -> list[Change]:
+def check(
+    run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: str = "", persist: bool = True
+) -> list[Change]:
     """Compare this chunk's settings with the run's recorded ones (nothing to compare before the freeze).
 
     Changes not covered by allow_drift raise DriftError with a key-by-key diff; allowed changes are
@@ -124,12 +132,20 @@ def check(run: Run, *, allow_drift: Sequence[str] = (), by: str = "", dag_run: s
             f"(recorded {settings.get('recorded_at')}):\n{table}",
             "restore these settings in the spec; or, if the change is deliberate, trigger with allow_drift: "
             f"{_to_allow(refused)} (it is recorded); or start a new run",
-            table=table, keys=_to_allow(refused),
+            table=table,
+            keys=_to_allow(refused),
         )
     if changes and persist:
-        drift = [*rec.get("drift", []), {
-            "at": _now(), "by": by, "dag_run": dag_run, "allowed": [a for a in allow if a not in WORLD_SIZE_KEYS],
-            "changes": [{"key": c.key, "was": c.was, "now": c.now} for c in changes]}]
+        drift = [
+            *rec.get("drift", []),
+            {
+                "at": _now(),
+                "by": by,
+                "dag_run": dag_run,
+                "allowed": [a for a in allow if a not in WORLD_SIZE_KEYS],
+                "changes": [{"key": c.key, "was": c.was, "now": c.now} for c in changes],
+            },
+        ]
         update_record(run_dir, settings={"values": current, "recorded_at": _now(), "by": by}, drift=drift)
     return changes
 

@@ -74,22 +74,33 @@ class FreshStartPlan:
         return bool(self.local_dir or self.published_uri)
 
     def where(self) -> str:
-        return " and ".join(w for w in (f"checkpoints in {self.local_dir}" if self.local_dir else "",
-                                        f"published checkpoints under {self.published_uri}" if self.published_uri
-                                        else "") if w)
+        return " and ".join(
+            w
+            for w in (
+                f"checkpoints in {self.local_dir}" if self.local_dir else "",
+                f"published checkpoints under {self.published_uri}" if self.published_uri else "",
+            )
+            if w
+        )
 
     def markdown(self, checkpoint_dir: str, prefix: str | None) -> str:
         """The facts a person approves (the Required Actions page renders Markdown)."""
-        lines = [f"Run **{self.run}** would start again from step 0, as a new incarnation. The old run is moved "
-                 "aside, never deleted:", ""]
+        lines = [
+            f"Run **{self.run}** would start again from step 0, as a new incarnation. The old run is moved "
+            "aside, never deleted:",
+            "",
+        ]
         if self.local_dir:
-            lines.append(f"- local: `{self.local_dir}` (steps {_steps(self.local_steps)}) to "
-                         f"`{checkpoint_dir}/.archive/{self.run}-<time>/`")
+            lines.append(
+                f"- local: `{self.local_dir}` (steps {_steps(self.local_steps)}) to "
+                f"`{checkpoint_dir}/.archive/{self.run}-<time>/`"
+            )
         if self.published_uri:
-            lines.append(f"- S3: `{self.published_uri}` (published steps {_steps(self.published_steps)}) to "
-                         f"`{prefix}/.archive/{self.run}-<time>/`")
-        lines += ["", "Reject to keep training the run from its latest checkpoint: trigger again without "
-                      "fresh_start."]
+            lines.append(
+                f"- S3: `{self.published_uri}` (published steps {_steps(self.published_steps)}) to "
+                f"`{prefix}/.archive/{self.run}-<time>/`"
+            )
+        lines += ["", "Reject to keep training the run from its latest checkpoint: trigger again without fresh_start."]
         return "\n".join(lines)
 
 
@@ -98,19 +109,30 @@ def fresh_start_plan(run: Run, store=None) -> FreshStartPlan:
     run_dir = run.dir
     has_local = run_dir.is_dir() and any(run_dir.iterdir())
     published = store.incarnation(run.name) if store is not None else None
-    return FreshStartPlan(run.name, str(run_dir) if has_local else None,
-                          sorted(layout.step_dirs(run_dir)) if has_local else [],
-                          f"{store.uri}/{run.name}/" if published else None,
-                          [m.step for m in store.published(run.name)] if published else [])
+    return FreshStartPlan(
+        run.name,
+        str(run_dir) if has_local else None,
+        sorted(layout.step_dirs(run_dir)) if has_local else [],
+        f"{store.uri}/{run.name}/" if published else None,
+        [m.step for m in store.published(run.name)] if published else [],
+    )
 
 
 def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: bool = False,
-                confirm: str = "", started_by: str = "", store=None, jobs=None,
-                asked_by: str | None = None) -> RunState:
+def prepare_run(
+    spec: RunSpec,
+    requested: str | None = None,
+    *,
+    fresh_start: bool = False,
+    confirm: str = "",
+    started_by: str = "",
+    store=None,
+    jobs=None,
+    asked_by: str | None = None,
+) -> RunState:
     """Resolve the run, apply a (confirmed) fresh start, and write the run record of a new run or incarnation.
 
     With a store (the spec's S3), the run's published incarnation is checked too: a fresh start moves it
@@ -124,8 +146,10 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
     local = folder_incarnation(run_dir) if run_dir.is_dir() else None
     notes: list[str] = []
     if fresh_start and asked_by and (done := fresh_start_done(run_dir, asked_by)):
-        notes.append(f"{asked_by} already started run {name} again from step 0 (at {done.get('at')}, incarnation "
-                     f"{local}); it is not started again: the run continues from its latest checkpoint")
+        notes.append(
+            f"{asked_by} already started run {name} again from step 0 (at {done.get('at')}, incarnation "
+            f"{local}); it is not started again: the run continues from its latest checkpoint"
+        )
         fresh_start = False
     has_local = run_dir.is_dir() and any(run_dir.iterdir())
     published = store.incarnation(name) if store is not None else None
@@ -151,22 +175,36 @@ def prepare_run(spec: RunSpec, requested: str | None = None, *, fresh_start: boo
                 archived = archive_run(run_dir, stamp)
         local = None
     elif published and local != published:
-        raise RunError(_incarnations_differ(name, run_dir, local, published, store),
-                       f"to continue the published run here, restore it on purpose: `relay checkpoint restore "
-                       f"{store.uri} {run_dir}` (it brings the run record along), then trigger again; to "
-                       f"start it again from step 0, trigger with fresh_start and confirm {name!r} (the published "
-                       f"run is moved aside, not deleted); or pick another run name")
+        raise RunError(
+            _incarnations_differ(name, run_dir, local, published, store),
+            f"to continue the published run here, restore it on purpose: `relay checkpoint restore "
+            f"{store.uri} {run_dir}` (it brings the run record along), then trigger again; to "
+            f"start it again from step 0, trigger with fresh_start and confirm {name!r} (the published "
+            f"run is moved aside, not deleted); or pick another run name",
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     if local is None:
         incarnation = new_incarnation()
-        write_record(run_dir, {
-            "version": VERSION, "run": name, "incarnation": incarnation, "spec": spec.name,
-            "spec_source": spec.source, "created": utc_now(), "started_by": started_by,
-            "settings_fingerprint": spec.settings_fingerprint(), "resume_critical": spec.resume_critical(),
-            **({"previous": {"archived_to": str(archived) if archived else None, "archived_uri": archived_uri}}
-               if archived or archived_uri else {}),
-            **({FRESH_START: {"asked_by": asked_by or started_by, "at": utc_now()}} if fresh_start else {}),
-        })
+        write_record(
+            run_dir,
+            {
+                "version": VERSION,
+                "run": name,
+                "incarnation": incarnation,
+                "spec": spec.name,
+                "spec_source": spec.source,
+                "created": utc_now(),
+                "started_by": started_by,
+                "settings_fingerprint": spec.settings_fingerprint(),
+                "resume_critical": spec.resume_critical(),
+                **(
+                    {"previous": {"archived_to": str(archived) if archived else None, "archived_uri": archived_uri}}
+                    if archived or archived_uri
+                    else {}
+                ),
+                **({FRESH_START: {"asked_by": asked_by or started_by, "at": utc_now()}} if fresh_start else {}),
+            },
+        )
         if last_token:
             Lease(run_dir).carry_forward(last_token, incarnation)
     state = run_state(run, archived, archived_uri)
@@ -198,26 +236,45 @@ def refuse_live_writers(run: Run, jobs=None) -> list[str]:
         except Exception as e:  # noqa: BLE001 - an unreachable Ray is no reason to refuse: the fencing holds
             unseen.append(f"the run's Ray jobs: Ray did not answer ({str(e).splitlines()[0][:160] if str(e) else e!r})")
     if seen:
-        raise RunError(f"fresh start of run {run.name!r} refused: it has a live writer: {'; '.join(seen)}",
-                       "stop it first (`ray job stop ID`, or end the `relay train` process; a DAG run's job ends when "
-                       "the DAG run is marked failed), then trigger the fresh start again; nothing was moved")
-    return [f"fresh start of run {run.name}: cannot see whether {w}; whatever it is, its lease token is fenced out "
-            "of the new incarnation" for w in unseen]
+        raise RunError(
+            f"fresh start of run {run.name!r} refused: it has a live writer: {'; '.join(seen)}",
+            "stop it first (`ray job stop ID`, or end the `relay train` process; a DAG run's job ends when "
+            "the DAG run is marked failed), then trigger the fresh start again; nothing was moved",
+        )
+    return [
+        f"fresh start of run {run.name}: cannot see whether {w}; whatever it is, its lease token is fenced out "
+        "of the new incarnation"
+        for w in unseen
+    ]
 
 
 def _incarnations_differ(name: str, run_dir: Path, local: str | None, published: str, store) -> str:
-    here = (f"the folder {run_dir} holds incarnation {local}" if local else
-            f"the checkpoint folder {run_dir} holds no run" + (" record" if run_dir.is_dir() else ""))
-    return (f"run {name!r}: {store.uri}/{name}/ holds its incarnation {published}, and {here}; continuing would mix "
-            f"two runs under one name (a resume would restore the other run's weights and data position)")
+    here = (
+        f"the folder {run_dir} holds incarnation {local}"
+        if local
+        else f"the checkpoint folder {run_dir} holds no run" + (" record" if run_dir.is_dir() else "")
+    )
+    return (
+        f"run {name!r}: {store.uri}/{name}/ holds its incarnation {published}, and {here}; continuing would mix "
+        f"two runs under one name (a resume would restore the other run's weights and data position)"
+    )
 
 
 def run_state(run: Run, archived: Path | None = None, archived_uri: str | None = None) -> RunState:
     run_dir = run.dir
     latest, problem = latest_step_or_problem(run_dir)
     nxt = ChunkPlan.from_spec(run.spec).next_chunk(latest)
-    return RunState(run.name, str(run_dir), latest or 0, run.spec.total_steps, nxt.index if nxt else None,
-                    str(archived) if archived else None, problem, folder_incarnation(run_dir), archived_uri)
+    return RunState(
+        run.name,
+        str(run_dir),
+        latest or 0,
+        run.spec.total_steps,
+        nxt.index if nxt else None,
+        str(archived) if archived else None,
+        problem,
+        folder_incarnation(run_dir),
+        archived_uri,
+    )
 
 
 def archive_run(run_dir: Path, stamp: str | None = None) -> Path:
@@ -227,4 +284,3 @@ def archive_run(run_dir: Path, stamp: str | None = None) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     run_dir.rename(dest)
     return dest
-

@@ -24,18 +24,23 @@ def to_spec_world_size(run: Run) -> ReshardResult | None:
     if have.world_size in (None, want):
         return None  # no readable world size: the trainer's own validation says what is wrong
     if fsdp is not None and have.fsdp_version not in (None, fsdp):
-        raise CheckpointError(f"run {run.name}: step {latest} is FSDP{have.fsdp_version}, the spec asks for FSDP{fsdp}; "
-                              "a reshard keeps the FSDP version",
-                              f"set trainer.settings.fsdp_version: {have.fsdp_version} again")
+        raise CheckpointError(
+            f"run {run.name}: step {latest} is FSDP{have.fsdp_version}, the spec asks for FSDP{fsdp}; "
+            "a reshard keeps the FSDP version",
+            f"set trainer.settings.fsdp_version: {have.fsdp_version} again",
+        )
     tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
     if want % tp:
-        raise CheckpointError(f"run {run.name}: world size {want} does not divide by the rollout's tensor parallel size "
-                              f"{tp}, so verl would not run it; step {latest} was not resharded",
-                              "give a world size that is a multiple of tensor_model_parallel_size")
+        raise CheckpointError(
+            f"run {run.name}: world size {want} does not divide by the rollout's tensor parallel size "
+            f"{tp}, so verl would not run it; step {latest} was not resharded",
+            "give a world size that is a multiple of tensor_model_parallel_size",
+        )
     result = reshard(run.dir, want, step=latest)
     admission = admit(run, latest)  # as the chunk's validate task admits a step: its smoke check, its fingerprint
     if not admission.ok:
-        raise CheckpointError(f"run {run.name}: step {latest} resharded to world size {want} failed validation: "
-                              f"{admission.explain()}", f"the original is kept in {result.original}; move it back "
-                                                        "to resume at the old world size")
+        raise CheckpointError(
+            f"run {run.name}: step {latest} resharded to world size {want} failed validation: {admission.explain()}",
+            f"the original is kept in {result.original}; move it back to resume at the old world size",
+        )
     return result

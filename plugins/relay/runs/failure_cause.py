@@ -54,25 +54,33 @@ EVENT = "chunk_failed"  # events.jsonl: one per failed attempt, {chunk, attempt,
 RELAY_CAUSE_LINE = re.compile(r"^\[relay\] cause: (\w+)(?: \([\w.]+; a retry (can|cannot) help\))?")
 ACCELERATOR_OOM_LINES = re.compile(
     r"CUDA out of memory|HIP out of memory|NPU out of memory|OutOfMemoryError: (CUDA|HIP|NPU)|"
-    r"torch\.cuda\.OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory")
+    r"torch\.cuda\.OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory"
+)
 HOST_OOM_LINES = re.compile(
     r"(^|[^\w.])MemoryError\b|[Cc]annot allocate memory|std::bad_alloc|ray\.exceptions\.OutOfMemoryError|"
-    r"node running low on memory|NODE_OUT_OF_MEMORY|Out of memory: Killed process|oom-kill")
+    r"node running low on memory|NODE_OUT_OF_MEMORY|Out of memory: Killed process|oom-kill"
+)
 COLLECTIVE_LINES = re.compile(
     r"Watchdog caught collective operation timeout|DistNetworkError|DistStoreError|ProcessGroupNCCL.*[Tt]imeout|"
-    r"NCCL (communicator was aborted|error.*[Tt]imeout)|[Gg]loo.*(Timed out|timed out|Connection closed by peer)")
+    r"NCCL (communicator was aborted|error.*[Tt]imeout)|[Gg]loo.*(Timed out|timed out|Connection closed by peer)"
+)
 NODE_LOST_LINES = re.compile(
     r"NodeDiedError|node (\S+ )?(has )?died|node was terminated|The node with node id \S+ .*(died|dead)|"
-    r"raylet (has )?died|ActorDiedError.*node|Node (\S+ )?is dead", re.IGNORECASE)
+    r"raylet (has )?died|ActorDiedError.*node|Node (\S+ )?is dead",
+    re.IGNORECASE,
+)
 PREEMPTED_LINES = re.compile(r"preempted", re.IGNORECASE)  # a keyword: outranked by a traceback
 INFRA_LINES = re.compile(
     r"EndpointConnectionError|Could not connect to the endpoint URL|ConnectionRefusedError|"
-    r"cannot reach the Ray|Ray Jobs API .* unreachable|Failed to connect to GCS|NoCredentialsError")
+    r"cannot reach the Ray|Ray Jobs API .* unreachable|Failed to connect to GCS|NoCredentialsError"
+)
 LINE_PREFIX = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?|\([\w.:]+ pid=\d+(?:, ip=[\d.]+)?\)\s)+")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours a worker's prefix
 TRACEBACK = "Traceback (most recent call last):"
-EXCEPTION_LINE = re.compile(r"^(?:ray\.exceptions\.RayTaskError\((\w+)\): .*|([A-Za-z_][\w.]*(?:Error|Exception|Exit|"
-                            r"Interrupt|Warning)\b)(?::\s?(.*))?)$")
+EXCEPTION_LINE = re.compile(
+    r"^(?:ray\.exceptions\.RayTaskError\((\w+)\): .*|([A-Za-z_][\w.]*(?:Error|Exception|Exit|"
+    r"Interrupt|Warning)\b)(?::\s?(.*))?)$"
+)
 
 
 @dataclass
@@ -124,8 +132,15 @@ def signal_of(exit_code: int | None) -> int | None:
     return None
 
 
-def classify(status: str, message: str = "", log_tail: str = "", exit_code: int | None = None, *,
-             step: int | None = None, oom_kills: int = 0) -> Cause:
+def classify(
+    status: str,
+    message: str = "",
+    log_tail: str = "",
+    exit_code: int | None = None,
+    *,
+    step: int | None = None,
+    oom_kills: int = 0,
+) -> Cause:
     """The cause of a failed chunk attempt. status: the Ray job's (FAILED, STOPPED) or the trigger's own
     (STALLED, TIMEOUT, LOST, UNREACHABLE); message: Ray's message (it ends with the log's last lines);
     log_tail: the job's last log lines; step: the step it failed at; oom_kills: how many processes the
@@ -157,8 +172,13 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     if ev := found(HOST_OOM_LINES):
         return made(HOST_OOM, ev)
     if sig == signal.SIGKILL and oom_kills > 0:
-        return made(HOST_OOM, [f"the driver was killed by SIGKILL and the kernel's OOM killer ended {oom_kills} "
-                               "process(es) in the job's cgroup while it ran"])
+        return made(
+            HOST_OOM,
+            [
+                f"the driver was killed by SIGKILL and the kernel's OOM killer ended {oom_kills} "
+                "process(es) in the job's cgroup while it ran"
+            ],
+        )
     if ev := found(COLLECTIVE_LINES):
         return made(COLLECTIVE_TIMEOUT, ev)
     if exc := last_exception(lines) or last_exception(msg_lines):  # a long traceback outgrows a short tail
@@ -171,8 +191,11 @@ def classify(status: str, message: str = "", log_tail: str = "", exit_code: int 
     if ev := found(NODE_LOST_LINES) or found(PREEMPTED_LINES):
         return made(PREEMPTED, ev)
     if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP) or status == "STOPPED":
-        what = (f"the driver was ended by {signal.Signals(sig).name} (exit code {exit_code}) with no error of its own"
-                if sig else "the job was stopped (`ray job stop` or the cluster)")
+        what = (
+            f"the driver was ended by {signal.Signals(sig).name} (exit code {exit_code}) with no error of its own"
+            if sig
+            else "the job was stopped (`ray job stop` or the cluster)"
+        )
         return made(PREEMPTED, [what, *lines[-2:]])
     return made(UNKNOWN, lines[-3:])
 
@@ -189,16 +212,21 @@ def last_exception(lines: list[str]) -> tuple[str, list[str]] | None:
     starts = [i for i, ln in enumerate(lines) if ln.strip() == TRACEBACK]
     if not starts:
         return None
-    tb = lines[starts[-1] + 1:]
+    tb = lines[starts[-1] + 1 :]
     for i, ln in enumerate(tb):
         m = EXCEPTION_LINE.match(ln.strip())
         if m and not ln.startswith((" ", "\t")):
             typ = m.group(1) or m.group(2)
             text = (m.group(3) or "").strip() if m.group(2) else ln.strip().partition("): ")[2]
             if m.group(1):  # Ray's wrapper names the actor and its pid: the wrapped exception's own line, if shown
-                inner = [(j, x) for j, x in enumerate(tb[i + 1:], i + 1) if not x.startswith((" ", "\t"))
-                         and (n := EXCEPTION_LINE.match(x.strip())) and n.group(2)
-                         and n.group(2).rpartition(".")[2] == typ]
+                inner = [
+                    (j, x)
+                    for j, x in enumerate(tb[i + 1 :], i + 1)
+                    if not x.startswith((" ", "\t"))
+                    and (n := EXCEPTION_LINE.match(x.strip()))
+                    and n.group(2)
+                    and n.group(2).rpartition(".")[2] == typ
+                ]
                 if inner:
                     i, ln = inner[-1]
                     text = (EXCEPTION_LINE.match(ln.strip()).group(3) or "").strip()  # type: ignore[union-attr]
@@ -219,9 +247,14 @@ def policy(cause: Cause, retry_on: Mapping[str, str] | None = None) -> str:
 def repeats(cause: Cause, earlier: list[dict[str, Any]]) -> bool:
     """Whether an earlier failure of the same chunk (its `chunk_failed` events) was the same exception at
     the same step: deterministic, so another try would fail the same way."""
-    return cause.cause == EXCEPTION and cause.step is not None and any(
-        e.get("cause") == EXCEPTION and e.get("step") == cause.step and e.get("signature") == cause.signature
-        for e in earlier)
+    return (
+        cause.cause == EXCEPTION
+        and cause.step is not None
+        and any(
+            e.get("cause") == EXCEPTION and e.get("step") == cause.step and e.get("signature") == cause.signature
+            for e in earlier
+        )
+    )
 
 
 def cgroup_oom_kills(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")) -> int | None:
@@ -252,8 +285,11 @@ def step_of_failure(run_dir: Path, attempt: str) -> int | None:
     start = _chunk_start(run_dir, attempt)
     if start is None:
         return None
-    trained: list[int] = [r["step"] for r in read_jsonl(Path(run_dir) / layout.METRICS)
-               if r.get("attempt") == attempt and isinstance(r.get("step"), int)]
+    trained: list[int] = [
+        r["step"]
+        for r in read_jsonl(Path(run_dir) / layout.METRICS)
+        if r.get("attempt") == attempt and isinstance(r.get("step"), int)
+    ]
     return max(trained or [start.get("resumed_from") or 0]) + 1
 
 
@@ -272,8 +308,11 @@ def record_failure(run_dir: Path, cause: Cause, *, chunk: int | None, attempt: s
 
 def earlier_failures(run_dir: Path, chunk: int, scope: str | None = None) -> list[dict[str, Any]]:
     """The chunk's `chunk_failed` events, of one DAG run when `scope` (its run id) is given."""
-    return [e for e in read_events(run_dir) if e.get("event") == EVENT and e.get("chunk") == chunk
-            and (scope is None or e.get("dag_run") == scope)]
+    return [
+        e
+        for e in read_events(run_dir)
+        if e.get("event") == EVENT and e.get("chunk") == chunk and (scope is None or e.get("dag_run") == scope)
+    ]
 
 
 def oom_kills_since_start(run_dir: Path, attempt: str) -> int:
@@ -288,5 +327,6 @@ def oom_kills_since_start(run_dir: Path, attempt: str) -> int:
 
 def _chunk_start(run_dir: Path, attempt: str) -> dict[str, Any] | None:
     """The attempt's (last) chunk_start event: where it resumed from, its host, the OOM killer's count then."""
-    return next((e for e in reversed(read_events(run_dir))
-                 if e.get("event") == "chunk_start" and e.get("attempt") == attempt), None)
+    return next(
+        (e for e in reversed(read_events(run_dir)) if e.get("event") == "chunk_start" and e.get("attempt") == attempt), None
+    )

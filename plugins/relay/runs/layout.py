@@ -79,9 +79,11 @@ def relpath_problem(rel: object) -> str | None:
 def check_relpath(rel: object, what: str) -> str:
     """`rel` if it is a plain relative path (see relpath_problem), else a CheckpointError naming `what`."""
     if problem := relpath_problem(rel):
-        raise CheckpointError(f"{what} names the path {rel!r}, which Relay refuses: {problem}",
-                              "it was altered or written by something else than Relay; do not use it, validate "
-                              "and publish the checkpoint again")
+        raise CheckpointError(
+            f"{what} names the path {rel!r}, which Relay refuses: {problem}",
+            "it was altered or written by something else than Relay; do not use it, validate "
+            "and publish the checkpoint again",
+        )
     return cast(str, rel)  # relpath_problem found none: a non-empty str
 
 
@@ -98,9 +100,10 @@ def read_tracker(run_dir: Path) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as e:  # a folder, or unreadable
-        raise CheckpointError(f"tracker {path} cannot be read ({e.strerror or e})",
-                              f"move it aside; `python -m relay checkpoint validate {run_dir}` finds the newest "
-                              "valid checkpoint") from None
+        raise CheckpointError(
+            f"tracker {path} cannot be read ({e.strerror or e})",
+            f"move it aside; `python -m relay checkpoint validate {run_dir}` finds the newest valid checkpoint",
+        ) from None
     text = raw.decode("utf-8", "replace").strip()
     # ASCII digits only: str.isdigit() also accepts '²' or '١', which int() refuses or reads as another number.
     if len(raw) > TRACKER_MAX_BYTES or not STEP_NUMBER.fullmatch(text):
@@ -187,5 +190,6 @@ def read_fsdp_config(role_dir: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except ValueError as e:
-        raise CheckpointError(f"{p} is not valid JSON ({e})",
-                              "the checkpoint is corrupt; resume from an older one") from None
+        raise CheckpointError(
+            f"{p} is not valid JSON ({e})", "the checkpoint is corrupt; resume from an older one"
+        ) from None

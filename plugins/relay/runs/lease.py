@@ -64,10 +64,16 @@ class Lease:
             here = folder_incarnation(self.run_dir)
             self._refuse_other_life(here, token)
             self.incarnation = self.incarnation or here
-            atomic_write_json(self.path, {
-                "token": token, "incarnation": here, "holder": holder, **_this_process(),
-                "acquired_at": utc_now(),
-            })
+            atomic_write_json(
+                self.path,
+                {
+                    "token": token,
+                    "incarnation": here,
+                    "holder": holder,
+                    **_this_process(),
+                    "acquired_at": utc_now(),
+                },
+            )
             return token
 
     def carry_forward(self, last_token: int, incarnation: str | None) -> None:
@@ -75,8 +81,9 @@ class Lease:
         archived incarnation (`last_token`, its newest, is burned too: a submission that took it while the
         run was moved aside finds it taken)."""
         with self.locked("carrying the lease's tokens into the new incarnation"):
-            atomic_write_json(self.path, {"token": int(last_token) + 1, "incarnation": incarnation, "holder": "",
-                                          "carried_at": utc_now()})
+            atomic_write_json(
+                self.path, {"token": int(last_token) + 1, "incarnation": incarnation, "holder": "", "carried_at": utc_now()}
+            )
 
     def claim(self, token: int) -> None:
         """The trainer that a submission's token was taken for starts: check the token, and record this
@@ -96,8 +103,11 @@ class Lease:
         """Raise LeaseLost unless `token` still holds the lease, in this writer's incarnation of the run."""
         cur = self.current()
         if cur is None or int(cur["token"]) != int(token):
-            holder = cur and f"{cur.get('holder') or 'nobody'} (token {cur.get('token')}, since " \
-                             f"{cur.get('acquired_at') or cur.get('carried_at')})"
+            holder = (
+                cur
+                and f"{cur.get('holder') or 'nobody'} (token {cur.get('token')}, since "
+                f"{cur.get('acquired_at') or cur.get('carried_at')})"
+            )
             raise LeaseLost(
                 f"run {self.run_dir.name}: this trainer holds lease token {token}, but the lease is now held by "
                 f"{holder or 'nobody'}; refusing to write",

@@ -35,8 +35,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             torn += bool(line.strip())
     if torn:
-        print(f"[relay] {path}: {torn} unreadable line(s) skipped (a writer killed mid-line; kept in the file)",
-              file=sys.stderr)
+        print(
+            f"[relay] {path}: {torn} unreadable line(s) skipped (a writer killed mid-line; kept in the file)",
+            file=sys.stderr,
+        )
     return rows
 
 

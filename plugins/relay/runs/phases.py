@@ -37,8 +37,15 @@ from relay.runs.metrics import record_event
 
 EVENT = "phase"
 ORCHESTRATION = ("task_started", "job_submitted", "job_started", "job_ended", "task_done")
-STARTUP = ("resume_checked", "trainer_built", "dataloader_ready", "workers_ready", "checkpoint_loaded",
-           "weights_synced", "first_step_begins")
+STARTUP = (
+    "resume_checked",
+    "trainer_built",
+    "dataloader_ready",
+    "workers_ready",
+    "checkpoint_loaded",
+    "weights_synced",
+    "first_step_begins",
+)
 VOCABULARY = ORCHESTRATION + STARTUP
 
 
@@ -53,8 +60,9 @@ class JobTimes(Protocol):
     def end_time(self) -> float | None: ...
 
 
-def record_phase(run_dir: Path | str, phase: str, *, chunk: int | None, attempt: str | None,
-                 at: float | None = None, **fields: Any) -> dict[str, Any]:
+def record_phase(
+    run_dir: Path | str, phase: str, *, chunk: int | None, attempt: str | None, at: float | None = None, **fields: Any
+) -> dict[str, Any]:
     """The end of `phase`, now or at epoch seconds `at` (a time another system recorded, such as Ray's)."""
     if phase not in VOCABULARY:
         raise ValueError(f"unknown phase {phase!r}: one of {', '.join(VOCABULARY)}")
@@ -65,8 +73,11 @@ def record_phase(run_dir: Path | str, phase: str, *, chunk: int | None, attempt:
 
 def phase_marks(events: list[dict[str, Any]], attempt: str, phases: tuple[str, ...] = STARTUP) -> dict[str, str]:
     """{phase: time} of one attempt's marks among `phases` (the last mark wins if a phase was recorded twice)."""
-    return {e["phase"]: e["time"] for e in events
-            if e.get("event") == EVENT and e.get("attempt") == attempt and e.get("phase") in phases}
+    return {
+        e["phase"]: e["time"]
+        for e in events
+        if e.get("event") == EVENT and e.get("attempt") == attempt and e.get("phase") in phases
+    }
 
 
 def record_job_times(run_dir: Path | str, job: JobTimes | None, *, chunk: int | None) -> None:

@@ -42,11 +42,15 @@ def read_record(run_dir: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (ValueError, RecursionError, OSError) as e:
-        raise RunError(f"run record {path} cannot be read ({str(e)[:120]})",
-                       "restore it from the run's S3 copy (<prefix>/<run>/run.json) or a backup") from None
+        raise RunError(
+            f"run record {path} cannot be read ({str(e)[:120]})",
+            "restore it from the run's S3 copy (<prefix>/<run>/run.json) or a backup",
+        ) from None
     if not isinstance(record, dict):
-        raise RunError(f"run record {path} holds a JSON {type(record).__name__}, not an object",
-                       "restore it from the run's S3 copy (<prefix>/<run>/run.json) or a backup")
+        raise RunError(
+            f"run record {path} holds a JSON {type(record).__name__}, not an object",
+            "restore it from the run's S3 copy (<prefix>/<run>/run.json) or a backup",
+        )
     return record
 
 
@@ -66,8 +70,10 @@ def incarnation_of(record: dict[str, Any]) -> str | None:
         return None
     value = record.get("incarnation", LEGACY_INCARNATION)
     if not is_incarnation(value):
-        raise RunError(f"run record of run {record.get('run')!r} names the incarnation {str(value)[:40]!r}",
-                       "restore the record from the run's S3 copy (<prefix>/<run>/run.json) or a backup")
+        raise RunError(
+            f"run record of run {record.get('run')!r} names the incarnation {str(value)[:40]!r}",
+            "restore the record from the run's S3 copy (<prefix>/<run>/run.json) or a backup",
+        )
     return value
 
 

@@ -73,14 +73,14 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, step: int) -> list[
     merged = {
         layout.METRICS: sorted(rows.values(), key=lambda r: r.get("step") or 0),
         SUPERSEDED: _union(local[SUPERSEDED], published.get(SUPERSEDED, []) + again),
-        layout.EVENTS: sorted(_union(local[layout.EVENTS], published.get(layout.EVENTS, [])),
-                              key=lambda e: str(e.get("time", ""))),
+        layout.EVENTS: sorted(
+            _union(local[layout.EVENTS], published.get(layout.EVENTS, [])), key=lambda e: str(e.get("time", ""))
+        ),
     }
     changed = []
     for name, new in merged.items():
         if new != local[name]:
-            layout.atomic_write(where(run_dir, name), "".join(json.dumps(r, sort_keys=True) + "\n"
-                                                               for r in new).encode())
+            layout.atomic_write(where(run_dir, name), "".join(json.dumps(r, sort_keys=True) + "\n" for r in new).encode())
             changed.append(name)
     return changed
 

@@ -52,12 +52,24 @@ def export_hf(run_dir: Path, step: int) -> Path:
     if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
         return dest
     unchanged_since_validation(layout.step_dir(run_dir, step), "actor/")
-    cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(src),
-           "--target_dir", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl.model_merger",
+        "merge",
+        "--backend",
+        "fsdp",
+        "--local_dir",
+        str(src),
+        "--target_dir",
+        str(dest),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if r.returncode != 0:
-        raise CheckpointError(f"verl's model merger failed on {src}: {r.stderr.strip().splitlines()[-1:]}",
-                              f"run `{' '.join(cmd)}` to see the whole error")
+        raise CheckpointError(
+            f"verl's model merger failed on {src}: {r.stderr.strip().splitlines()[-1:]}",
+            f"run `{' '.join(cmd)}` to see the whole error",
+        )
     return dest
 
 
@@ -73,14 +85,31 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
     t0 = time.time()
     r = store.publish(run.name, run_dir, step)
     history.publish(store, run.name, run_dir)  # restored with the checkpoint on a host that lost the folder
-    pub = Publication(run.name, step, r.uri, f"{r.uri}relay_manifest.json", len(r.uploaded), len(r.skipped),
-                      r.bytes_uploaded, round(r.seconds, 3), r.latest_moved)
+    pub = Publication(
+        run.name,
+        step,
+        r.uri,
+        f"{r.uri}relay_manifest.json",
+        len(r.uploaded),
+        len(r.skipped),
+        r.bytes_uploaded,
+        round(r.seconds, 3),
+        r.latest_moved,
+    )
     policy = spec.checkpoints
     if policy.hf_export and policy.is_milestone(step, spec.total_steps):
         hf_key = store.run_key(run.name, HF_DIR, layout.step_name(step))
         pub.hf_uri = publish_folder(store, export_hf(run_dir, step), hf_key)
-    record_event(run_dir, "publish", step=step, uri=r.uri, uploaded=pub.uploaded, skipped=pub.skipped,
-                 hf_uri=pub.hf_uri, seconds=round(time.time() - t0, 3))  # the upload and export: the goodput ledger
+    record_event(
+        run_dir,
+        "publish",
+        step=step,
+        uri=r.uri,
+        uploaded=pub.uploaded,
+        skipped=pub.skipped,
+        hf_uri=pub.hf_uri,
+        seconds=round(time.time() - t0, 3),
+    )  # the upload and export: the goodput ledger
     published = {m.step for m in store.published(run.name)}
     pub.deleted_local = retention.apply_local(run_dir, policy, spec.total_steps, published)
     pub.published_retention = retention.apply_published(store, run.name, policy, spec.total_steps, run_dir=run_dir)

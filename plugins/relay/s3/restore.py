@@ -28,8 +28,16 @@ from relay.s3 import history
 from relay.s3.store import CheckpointStore, StoreError, store_for_spec
 
 
-def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None = None, above: int = 0,
-            incarnation: str | None = None, log: Callable[[str], None] = print) -> tuple[int, str] | None:
+def restore(
+    store: CheckpointStore,
+    run: str,
+    run_dir: Path,
+    *,
+    step: int | None = None,
+    above: int = 0,
+    incarnation: str | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[int, str] | None:
     """Restore the newest valid published checkpoint of the run's incarnation (at most `step`, newer than
     `above`) into run_dir; set the tracker. incarnation None: the one S3 holds (a restore on purpose,
     `relay checkpoint restore`); a folder that holds another incarnation is refused. A folder without a
@@ -42,9 +50,11 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
     incarnation = incarnation or store.incarnation(run)
     local = folder_incarnation(run_dir) if run_dir.is_dir() else None
     if local is not None and incarnation is not None and local != incarnation:
-        raise StoreError(f"{run_dir} holds incarnation {local} of run {run}; {store.uri}/{run}/ holds incarnation "
-                         f"{incarnation}: restoring would mix two runs under one name",
-                         "restore into another folder, or move this one aside first")
+        raise StoreError(
+            f"{run_dir} holds incarnation {local} of run {run}; {store.uri}/{run}/ holds incarnation "
+            f"{incarnation}: restoring would mix two runs under one name",
+            "restore into another folder, or move this one aside first",
+        )
     _remove_leftovers(run_dir)
     for s in sorted(store.steps(run), reverse=True):
         if (step is not None and s > step) or s <= above:
@@ -57,8 +67,7 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
         if m is None:
             continue  # an incomplete publication
         if incarnation is not None and m.incarnation != incarnation:
-            log(f"skipping {store.step_uri(run, s)}: it is of incarnation {m.incarnation} of run {run}, not "
-                f"{incarnation}")
+            log(f"skipping {store.step_uri(run, s)}: it is of incarnation {m.incarnation} of run {run}, not {incarnation}")
             continue
         uri = store.step_uri(run, m.step)
         staging = layout.relay_dir(run_dir, "staging", f"{RESTORE_STAGING}{layout.step_name(m.step)}")
@@ -95,6 +104,7 @@ def restore(store: CheckpointStore, run: str, run_dir: Path, *, step: int | None
         return m.step, uri
     return None
 
+
 def _remove_leftovers(run_dir: Path) -> None:
     """What a killed restore left in staging (downloads preallocated at full size): a restore starts clean."""
     staging = layout.relay_dir(run_dir, "staging")
@@ -117,5 +127,11 @@ def _restore_record(store: CheckpointStore, run: str, run_dir: Path, incarnation
 def restore_for_resume(run: Run, above: int = 0) -> tuple[int, str] | None:
     """Called by a trainer whose run has no valid local checkpoint newer than `above`: restore one of the run's
     own incarnation (run.incarnation) from S3 if one is published."""
-    return restore(store_for_spec(run.spec), run.name, run.dir, above=above, incarnation=run.incarnation,
-                   log=lambda msg: print(f"[relay] {msg}", flush=True))
+    return restore(
+        store_for_spec(run.spec),
+        run.name,
+        run.dir,
+        above=above,
+        incarnation=run.incarnation,
+        log=lambda msg: print(f"[relay] {msg}", flush=True),
+    )

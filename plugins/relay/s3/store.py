@@ -55,8 +55,9 @@ def parse_uri(uri: str) -> tuple[str, str]:
     refused: S3 servers that map keys to paths (SeaweedFS, MinIO on a filesystem) may resolve it elsewhere."""
     m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?", uri, re.S) if isinstance(uri, str) else None
     if not m:
-        raise StoreError(f"not an S3 URI: {uri!r}", "use s3://bucket/prefix (a bucket name is 3-63 characters "
-                                                    "of a-z, 0-9, '.' and '-')")
+        raise StoreError(
+            f"not an S3 URI: {uri!r}", "use s3://bucket/prefix (a bucket name is 3-63 characters of a-z, 0-9, '.' and '-')"
+        )
     key = (m.group(2) or "").strip("/")
     if key and (problem := layout.relpath_problem(key)):
         raise StoreError(f"S3 URI {uri!r} refused: its key {key!r}: {problem}", "write the URI without such parts")
@@ -70,14 +71,18 @@ def s3_client(max_pool_connections: int = 16):
 
 
 def client_config(max_pool_connections: int = 16):
-
     # Relay sends its own CRC64NVME checksum with every object and part, and S3 verifies it: botocore
     # need not add another checksum, nor SHA256 the whole body for SigV4 (it does so by default over
     # plain http, which costs a hash pass over every byte published). Headers stay signed.
-    return Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=max_pool_connections,
-                  connect_timeout=10, read_timeout=120,
-                  request_checksum_calculation="when_required", response_checksum_validation="when_required",
-                  s3={"payload_signing_enabled": False})
+    return Config(
+        retries={"mode": "standard", "max_attempts": 5},
+        max_pool_connections=max_pool_connections,
+        connect_timeout=10,
+        read_timeout=120,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"payload_signing_enabled": False},
+    )
 
 
 @dataclass
@@ -93,8 +98,9 @@ class PublishResult:
 
 
 class CheckpointStore:
-    def __init__(self, client, uri: str, *, part_size: int = 32 << 20, concurrency: int = 4,
-                 extra_args: dict[str, str] | None = None):
+    def __init__(
+        self, client, uri: str, *, part_size: int = 32 << 20, concurrency: int = 4, extra_args: dict[str, str] | None = None
+    ):
         self.client = client
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = parse_uri(uri)
@@ -110,8 +116,10 @@ class CheckpointStore:
         check_run_name(run)
         for p in parts:
             if p and (problem := layout.relpath_problem(p)):
-                raise StoreError(f"S3 key part {p!r} under run {run} refused: {problem}",
-                                 "it was read from an altered manifest or record; do not use it")
+                raise StoreError(
+                    f"S3 key part {p!r} under run {run} refused: {problem}",
+                    "it was read from an altered manifest or record; do not use it",
+                )
         return "/".join(p for p in (self.prefix, run, *parts) if p)
 
     def step_key(self, run: str, step: int, rel: str = "") -> str:
@@ -131,16 +139,21 @@ class CheckpointStore:
                 return None
             fix = "check the bucket, the credentials and the S3 connection"
             if self.extra_args and what in ("PUT", "CREATE-MULTIPART", "UPLOAD-PART", "COMPLETE-MULTIPART"):
-                fix = (f"this request asked for {', '.join(f'{k}={v}' for k, v in sorted(self.extra_args.items()))} "
-                       f"(spec s3.server_side_encryption / kms_key_id / acl): check that the S3 server supports "
-                       f"and is configured for it (SeaweedFS needs s3.sse.kek or s3.sse.key in security.toml for "
-                       f"AES256, a KMS for aws:kms), or remove it from the spec; " + fix)
-            raise StoreError(f"S3 {what} on s3://{self.bucket}/{kwargs.get('Key', kwargs.get('Prefix', ''))} "
-                             f"failed: {code}: {e}", fix) from None
+                fix = (
+                    f"this request asked for {', '.join(f'{k}={v}' for k, v in sorted(self.extra_args.items()))} "
+                    f"(spec s3.server_side_encryption / kms_key_id / acl): check that the S3 server supports "
+                    f"and is configured for it (SeaweedFS needs s3.sse.kek or s3.sse.key in security.toml for "
+                    f"AES256, a KMS for aws:kms), or remove it from the spec; " + fix
+                )
+            raise StoreError(
+                f"S3 {what} on s3://{self.bucket}/{kwargs.get('Key', kwargs.get('Prefix', ''))} failed: {code}: {e}", fix
+            ) from None
         except BotoCoreError as e:
-            raise StoreError(f"S3 at {self.client.meta.endpoint_url} unreachable during {what}: {e}",
-                             "start the S3 server or fix the connection's endpoint_url; nothing was lost, "
-                             "publishing again resumes where this stopped") from None
+            raise StoreError(
+                f"S3 at {self.client.meta.endpoint_url} unreachable during {what}: {e}",
+                "start the S3 server or fix the connection's endpoint_url; nothing was lost, "
+                "publishing again resumes where this stopped",
+            ) from None
 
     # ------------------------------------------------------------------------------ reading
     def head(self, key: str) -> dict | None:
@@ -153,9 +166,10 @@ class CheckpointStore:
         try:
             return json.loads(r["Body"].read().decode("utf-8", "replace"))
         except (ValueError, RecursionError) as e:
-            raise StoreError(f"s3://{self.bucket}/{key} is not valid JSON ({str(e)[:120]})",
-                             "it was damaged or written by something else than Relay; delete it, or publish "
-                             "again to rewrite it") from None
+            raise StoreError(
+                f"s3://{self.bucket}/{key} is not valid JSON ({str(e)[:120]})",
+                "it was damaged or written by something else than Relay; delete it, or publish again to rewrite it",
+            ) from None
 
     def latest(self, run: str) -> dict | None:
         """The run's latest.json, checked: its step is a step number (it is used to build keys)."""
@@ -164,10 +178,12 @@ class CheckpointStore:
             return None
         step = d.get("step") if isinstance(d, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StoreError(f"s3://{self.bucket}/{self.run_key(run, LATEST)} is malformed: its step is "
-                             f"{str(step)[:40]!r}, not a step number",
-                             "publish the run's newest checkpoint again (`python -m relay checkpoint publish`): "
-                             "that rewrites latest.json")
+            raise StoreError(
+                f"s3://{self.bucket}/{self.run_key(run, LATEST)} is malformed: its step is "
+                f"{str(step)[:40]!r}, not a step number",
+                "publish the run's newest checkpoint again (`python -m relay checkpoint publish`): "
+                "that rewrites latest.json",
+            )
         return d
 
     def manifest(self, run: str, step: int) -> Manifest | None:
@@ -177,8 +193,10 @@ class CheckpointStore:
             return None
         m = manifest.Manifest.from_json(r["Body"].read(), where)
         if m.step != step:
-            raise CheckpointError(f"{where} names step {m.step}, not {step}: it was copied or altered",
-                                  "publish the checkpoint of that step again")
+            raise CheckpointError(
+                f"{where} names step {m.step}, not {step}: it was copied or altered",
+                "publish the checkpoint of that step again",
+            )
         return m
 
     def manifest_at(self, uri: str) -> Manifest:
@@ -195,8 +213,9 @@ class CheckpointStore:
         if key_or_uri.startswith("s3://"):
             bucket, key = parse_uri(key_or_uri)
             if bucket != self.bucket:
-                raise StoreError(f"{key_or_uri} is not in this store's bucket {self.bucket}",
-                                 f"use an s3://{self.bucket}/... URI")
+                raise StoreError(
+                    f"{key_or_uri} is not in this store's bucket {self.bucket}", f"use an s3://{self.bucket}/... URI"
+                )
         else:
             key = key_or_uri
         r = self._call("GET", self.client.get_object, Key=key)
@@ -212,8 +231,10 @@ class CheckpointStore:
             out.flush()
             os.fsync(out.fileno())
         if expect and (size != expect["size"] or integrity.crc64nvme_b64(crc) != expect["crc64nvme"]):
-            raise CheckpointError(f"s3://{self.bucket}/{key} does not match its manifest",
-                                  "publish the checkpoint again, or restore an older one")
+            raise CheckpointError(
+                f"s3://{self.bucket}/{key} does not match its manifest",
+                "publish the checkpoint again, or restore an older one",
+            )
 
     def _pages(self, what: str, **kwargs):
         """The pages of a ListObjectsV2 (boto3's paginator), errors said as StoreErrors."""
@@ -233,15 +254,16 @@ class CheckpointStore:
         """Steps with objects under the run's prefix (published or not), ascending. From the objects, not the
         "folders": SeaweedFS keeps listing a folder whose objects were all deleted."""
         prefix = self.run_key(run) + "/"
-        return sorted({int(m.group(1)) for o in self._objects(prefix)
-                       if (m := STEP_PREFIX.match(o["Key"][len(prefix):]))})
+        return sorted({int(m.group(1)) for o in self._objects(prefix) if (m := STEP_PREFIX.match(o["Key"][len(prefix) :]))})
 
     def runs(self) -> list[str]:
         """Run names under the prefix (a folder there whose name is no run name, .archive say, is left out)."""
 
-        names = (cp["Prefix"].rstrip("/").rsplit("/", 1)[-1]
-                 for page in self._pages("LIST", Prefix=(self.prefix + "/") if self.prefix else "", Delimiter="/")
-                 for cp in page.get("CommonPrefixes", []))
+        names = (
+            cp["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+            for page in self._pages("LIST", Prefix=(self.prefix + "/") if self.prefix else "", Delimiter="/")
+            for cp in page.get("CommonPrefixes", [])
+        )
         return sorted(n for n in names if re.fullmatch(RUN_NAME_PATTERN, n) and ".." not in n)
 
     def published(self, run: str) -> list[Manifest]:
@@ -279,7 +301,7 @@ class CheckpointStore:
         dest = "/".join(p for p in (self.prefix, ARCHIVE, name) if p) + "/"
         objects = self._objects(src)
         for o in objects:
-            self._copy(o["Key"], dest + o["Key"][len(src):], o["Size"])
+            self._copy(o["Key"], dest + o["Key"][len(src) :], o["Size"])
         first = [o["Key"] for o in objects if o["Key"].endswith((LATEST, manifest.NAME))]
         self._delete_keys(first)
         self._delete_keys([o["Key"] for o in objects if not o["Key"].endswith((LATEST, manifest.NAME))])
@@ -288,34 +310,67 @@ class CheckpointStore:
     def _delete_keys(self, keys: list[str]) -> None:
         """Delete objects, 1000 to a request (S3's limit for DeleteObjects)."""
         for i in range(0, len(keys), 1000):
-            self._call("DELETE", self.client.delete_objects,
-                       Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            self._call(
+                "DELETE",
+                self.client.delete_objects,
+                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+            )
 
     def _copy(self, src: str, dest: str, size: int) -> None:
         """A server-side copy with a full-object CRC64NVME, checked against the source's."""
         source = {"Bucket": self.bucket, "Key": src}
         if size <= COPY_LIMIT:
-            self._call("COPY", self.client.copy_object, Key=dest, CopySource=source, ChecksumAlgorithm="CRC64NVME",
-                       **self.extra_args)
+            self._call(
+                "COPY",
+                self.client.copy_object,
+                Key=dest,
+                CopySource=source,
+                ChecksumAlgorithm="CRC64NVME",
+                **self.extra_args,
+            )
         else:
-            up = self._call("CREATE-MULTIPART", self.client.create_multipart_upload, Key=dest,
-                            ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT", **self.extra_args)
+            up = self._call(
+                "CREATE-MULTIPART",
+                self.client.create_multipart_upload,
+                Key=dest,
+                ChecksumAlgorithm="CRC64NVME",
+                ChecksumType="FULL_OBJECT",
+                **self.extra_args,
+            )
             parts = []
             for i, start in enumerate(range(0, size, self.part_size)):
-                r = self._call("UPLOAD-PART-COPY", self.client.upload_part_copy, Key=dest, UploadId=up["UploadId"],
-                               PartNumber=i + 1, CopySource=source,
-                               CopySourceRange=f"bytes={start}-{min(start + self.part_size, size) - 1}")
-                parts.append({"PartNumber": i + 1, "ETag": r["CopyPartResult"]["ETag"],
-                              **({"ChecksumCRC64NVME": c} if (c := r["CopyPartResult"].get("ChecksumCRC64NVME"))
-                                 else {})})
-            self._call("COMPLETE-MULTIPART", self.client.complete_multipart_upload, Key=dest,
-                       UploadId=up["UploadId"], MultipartUpload={"Parts": parts}, ChecksumType="FULL_OBJECT")
+                r = self._call(
+                    "UPLOAD-PART-COPY",
+                    self.client.upload_part_copy,
+                    Key=dest,
+                    UploadId=up["UploadId"],
+                    PartNumber=i + 1,
+                    CopySource=source,
+                    CopySourceRange=f"bytes={start}-{min(start + self.part_size, size) - 1}",
+                )
+                parts.append(
+                    {
+                        "PartNumber": i + 1,
+                        "ETag": r["CopyPartResult"]["ETag"],
+                        **({"ChecksumCRC64NVME": c} if (c := r["CopyPartResult"].get("ChecksumCRC64NVME")) else {}),
+                    }
+                )
+            self._call(
+                "COMPLETE-MULTIPART",
+                self.client.complete_multipart_upload,
+                Key=dest,
+                UploadId=up["UploadId"],
+                MultipartUpload={"Parts": parts},
+                ChecksumType="FULL_OBJECT",
+            )
         a, b = self.head(src) or {}, self.head(dest) or {}
         if a.get("ContentLength") != b.get("ContentLength") or a.get("ChecksumCRC64NVME") != b.get("ChecksumCRC64NVME"):
-            raise StoreError(f"copy of s3://{self.bucket}/{src} to {dest} does not match it "
-                             f"({b.get('ContentLength')} bytes, {b.get('ChecksumCRC64NVME')}; the source: "
-                             f"{a.get('ContentLength')} bytes, {a.get('ChecksumCRC64NVME')})",
-                             "nothing was removed; run the fresh start again: it copies what is missing first")
+            raise StoreError(
+                f"copy of s3://{self.bucket}/{src} to {dest} does not match it "
+                f"({b.get('ContentLength')} bytes, {b.get('ChecksumCRC64NVME')}; the source: "
+                f"{a.get('ContentLength')} bytes, {a.get('ChecksumCRC64NVME')})",
+                "nothing was removed; run the fresh start again: it copies what is missing first",
+            )
 
     def _refuse_other_incarnation(self, run: str, m: Manifest) -> None:
         held = self.incarnation(run)
@@ -324,7 +379,8 @@ class CheckpointStore:
                 f"{self.uri}/{run}/ holds incarnation {held} of run {run}; step {m.step} is of incarnation "
                 f"{m.incarnation}: publishing it would overwrite another run's objects",
                 f"publish under another run name or prefix; or, if the published run is this run's earlier life, "
-                f"start this run with a confirmed fresh start (it moves {self.uri}/{run}/ aside, never deleting it)")
+                f"start this run with a confirmed fresh start (it moves {self.uri}/{run}/ aside, never deleting it)",
+            )
 
     # ------------------------------------------------------------------------------ publish
     def publish(self, run: str, run_dir: Path, step: int) -> PublishResult:
@@ -333,8 +389,10 @@ class CheckpointStore:
         step_dir = layout.step_dir(run_dir, step)
         m = manifest.read(step_dir)
         if m is None:
-            raise CheckpointError(f"{step_dir} has no {manifest.NAME}: only validated checkpoints are published",
-                                  f"run `python -m relay checkpoint validate {run_dir} --step {step}` first")
+            raise CheckpointError(
+                f"{step_dir} has no {manifest.NAME}: only validated checkpoints are published",
+                f"run `python -m relay checkpoint validate {run_dir} --step {step}` first",
+            )
         self._refuse_other_incarnation(run, m)
         self._withdraw_if_changed(run, m)
         result = PublishResult(self.step_uri(run, step), step)
@@ -392,8 +450,10 @@ class CheckpointStore:
 
     def _put_latest(self, run: str, step: int) -> None:
         uri = self.step_uri(run, step)
-        self._put_bytes(self.run_key(run, LATEST), json.dumps({
-            "step": step, "uri": uri, "manifest": f"{uri}{manifest.NAME}", "published_at": utc_now()}).encode())
+        self._put_bytes(
+            self.run_key(run, LATEST),
+            json.dumps({"step": step, "uri": uri, "manifest": f"{uri}{manifest.NAME}", "published_at": utc_now()}).encode(),
+        )
 
     @staticmethod
     def _matches(head: dict | None, f: dict) -> bool:
@@ -429,8 +489,7 @@ class CheckpointStore:
 
     def _put_bytes(self, key: str, data: bytes, **extra) -> None:
         crc = integrity.crc64nvme_b64(integrity.crc64nvme_bytes(data))
-        self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **extra,
-                   **self.extra_args)
+        self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **extra, **self.extra_args)
 
     def _start(self, run: str, step: int, rel: str, f: dict, path: Path) -> dict:
         return self._start_key(self.step_key(run, step, rel), path, f["size"], f["crc64nvme"])
@@ -440,8 +499,14 @@ class CheckpointStore:
         n = max(1, -(-size // self.part_size))
         up = {"key": key, "path": path, "size": size, "crc": crc, "n": n, "done": {}, "id": None}
         if n > 1:
-            r = self._call("CREATE-MULTIPART", self.client.create_multipart_upload, Key=key,
-                           ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT", **self.extra_args)
+            r = self._call(
+                "CREATE-MULTIPART",
+                self.client.create_multipart_upload,
+                Key=key,
+                ChecksumAlgorithm="CRC64NVME",
+                ChecksumType="FULL_OBJECT",
+                **self.extra_args,
+            )
             up["id"] = r["UploadId"]
         return up
 
@@ -451,13 +516,21 @@ class CheckpointStore:
         crc = integrity.crc64nvme_b64(integrity.crc64nvme_bytes(data))
         if up["id"] is None:
             if crc != up["crc"] or len(data) != up["size"]:
-                raise CheckpointError(f"{up['path']} changed since validation (CRC64NVME differs from the manifest)",
-                                      "validate the checkpoint again; never publish a file that changed")
-            self._call("PUT", self.client.put_object, Key=up["key"], Body=data, ChecksumCRC64NVME=crc,
-                       **self.extra_args)
+                raise CheckpointError(
+                    f"{up['path']} changed since validation (CRC64NVME differs from the manifest)",
+                    "validate the checkpoint again; never publish a file that changed",
+                )
+            self._call("PUT", self.client.put_object, Key=up["key"], Body=data, ChecksumCRC64NVME=crc, **self.extra_args)
             return i, {}
-        r = self._call("UPLOAD-PART", self.client.upload_part, Key=up["key"], UploadId=up["id"], PartNumber=i + 1,
-                       Body=data, ChecksumCRC64NVME=crc)
+        r = self._call(
+            "UPLOAD-PART",
+            self.client.upload_part,
+            Key=up["key"],
+            UploadId=up["id"],
+            PartNumber=i + 1,
+            Body=data,
+            ChecksumCRC64NVME=crc,
+        )
         return i, {"PartNumber": i + 1, "ETag": r["ETag"], "ChecksumCRC64NVME": crc}
 
     def _finish(self, up: dict) -> None:
@@ -465,8 +538,15 @@ class CheckpointStore:
             return
         parts = [up["done"][i] for i in range(up["n"])]
         # S3 checks the whole object's CRC64NVME against the manifest's: a file that changed is refused.
-        self._call("COMPLETE-MULTIPART", self.client.complete_multipart_upload, Key=up["key"], UploadId=up["id"],
-                   MultipartUpload={"Parts": parts}, ChecksumCRC64NVME=up["crc"], ChecksumType="FULL_OBJECT")
+        self._call(
+            "COMPLETE-MULTIPART",
+            self.client.complete_multipart_upload,
+            Key=up["key"],
+            UploadId=up["id"],
+            MultipartUpload={"Parts": parts},
+            ChecksumCRC64NVME=up["crc"],
+            ChecksumType="FULL_OBJECT",
+        )
 
     def abort_incomplete_uploads(self, run: str) -> int:
         """Abort multipart uploads a killed publish left under the run's prefix."""
@@ -485,12 +565,13 @@ class CheckpointStore:
                 got = "missing" if head is None else f"{head.get('ContentLength')} bytes, {head.get('ChecksumCRC64NVME')}"
                 bad.append(f"{rel} ({got}; manifest: {f['size']} bytes, {f['crc64nvme']})")
         if bad:
-            raise StoreError(f"publication of step {m.step} does not match its manifest: {'; '.join(bad[:5])}",
-                             "publish again: objects that match are skipped, the others are uploaded again")
+            raise StoreError(
+                f"publication of step {m.step} does not match its manifest: {'; '.join(bad[:5])}",
+                "publish again: objects that match are skipped, the others are uploaded again",
+            )
 
     # ------------------------------------------------------------------------------ restore
-    def download(self, run: str, m: Manifest, dest: Path,
-                 on_file: Callable[[str, Path], T] | None = None) -> dict[str, T]:
+    def download(self, run: str, m: Manifest, dest: Path, on_file: Callable[[str, Path], T] | None = None) -> dict[str, T]:
         """Download a published checkpoint into dest, verifying each file's size and CRC64NVME.
 
         Every file is cut into ranges of the part size (as it was published) fetched by concurrent ranged GETs,
@@ -507,8 +588,10 @@ class CheckpointStore:
                 continue
             plans.append(_FileDownload(rel, self.step_key(run, m.step, rel), target, m.files[rel], self.part_size))
         if problems:
-            raise CheckpointError(f"download of {self.step_uri(run, m.step)} refused: {'; '.join(problems[:5])}",
-                                  "an older published checkpoint is tried next")
+            raise CheckpointError(
+                f"download of {self.step_uri(run, m.step)} refused: {'; '.join(problems[:5])}",
+                "an older published checkpoint is tried next",
+            )
         _refuse_without_space(dest, sum(plan.size for plan in plans), self.step_uri(run, m.step))
         results: dict[str, T] = {}
         try:
@@ -524,16 +607,21 @@ class CheckpointStore:
                         pending[plan.rel] = checks.submit(on_file, plan.rel, plan.target)
                 results = {rel: fut.result() for rel, fut in pending.items()}
         except OSError as e:  # disk full, permissions: a local failure, never taken for a damaged publication
-            raise RelayError(f"download of {self.step_uri(run, m.step)} into {dest} failed: {e}",
-                             "free space (or fix the folder's permissions) and restore again; nothing published or "
-                             "already in the run folder was touched", retry_helps=True) from None
+            raise RelayError(
+                f"download of {self.step_uri(run, m.step)} into {dest} failed: {e}",
+                "free space (or fix the folder's permissions) and restore again; nothing published or "
+                "already in the run folder was touched",
+                retry_helps=True,
+            ) from None
         finally:
             for plan in plans:
                 plan.close()
         problems = [f"{plan.rel}: {plan.problem}" for plan in plans if plan.problem]
         if problems:
-            raise CheckpointError(f"download of {self.step_uri(run, m.step)} is damaged: {'; '.join(problems[:5])}",
-                                  "an older published checkpoint is tried next")
+            raise CheckpointError(
+                f"download of {self.step_uri(run, m.step)} is damaged: {'; '.join(problems[:5])}",
+                "an older published checkpoint is tried next",
+            )
         layout.atomic_write(dest / manifest.NAME, m.to_json().encode())
         return results
 
@@ -544,14 +632,20 @@ class CheckpointStore:
         crc, got = 0, 0
         if length and not plan.problem:
             try:
-                r = self._call("GET", self.client.get_object, Key=plan.key,
-                               **({"Range": f"bytes={start}-{start + length - 1}"} if plan.n > 1 else {}))
+                r = self._call(
+                    "GET",
+                    self.client.get_object,
+                    Key=plan.key,
+                    **({"Range": f"bytes={start}-{start + length - 1}"} if plan.n > 1 else {}),
+                )
                 if r is None:
                     raise StoreError(f"s3://{self.bucket}/{plan.key} does not exist", "publish it again")
                 if r.get("ContentLength", length) != length:
-                    raise StoreError(f"is {r['ContentLength']} bytes in S3, its manifest records {plan.size}: it was "
-                                     f"altered" if plan.n == 1 else
-                                     f"range {start}-{start + length - 1} came back as {r['ContentLength']} bytes")
+                    raise StoreError(
+                        f"is {r['ContentLength']} bytes in S3, its manifest records {plan.size}: it was altered"
+                        if plan.n == 1
+                        else f"range {start}-{start + length - 1} came back as {r['ContentLength']} bytes"
+                    )
                 for chunk in r["Body"].iter_chunks(RANGE_READ):
                     if got + len(chunk) > length:
                         raise StoreError(f"range {start}-{start + length - 1} returned more than {length} bytes")
@@ -577,9 +671,12 @@ def _refuse_without_space(dest: Path, needed: int, uri: str) -> None:
         folder = folder.parent
     free = shutil.disk_usage(folder).free
     if needed > free:
-        raise RelayError(f"restoring {uri} needs {needed:,} bytes in {dest}, and its volume has {free:,} free",
-                         f"free {needed - free:,} bytes or more on that volume (or lower checkpoints.keep_local), then "
-                         "restore again; nothing was written", retry_helps=True)
+        raise RelayError(
+            f"restoring {uri} needs {needed:,} bytes in {dest}, and its volume has {free:,} free",
+            f"free {needed - free:,} bytes or more on that volume (or lower checkpoints.keep_local), then "
+            "restore again; nothing was written",
+            retry_helps=True,
+        )
 
 
 def download_concurrency() -> int:
@@ -649,6 +746,10 @@ def upload_args(sse: str | None, kms_key_id: str | None, acl: str | None) -> dic
 
 def store_for_spec(spec, client=None) -> CheckpointStore:
     s3 = spec.s3
-    return CheckpointStore(client or s3_client(), s3.uri, part_size=s3.part_size_mb << 20,
-                           concurrency=s3.concurrency,
-                           extra_args=upload_args(s3.server_side_encryption, s3.kms_key_id, s3.acl))
+    return CheckpointStore(
+        client or s3_client(),
+        s3.uri,
+        part_size=s3.part_size_mb << 20,
+        concurrency=s3.concurrency,
+        extra_args=upload_args(s3.server_side_encryption, s3.kms_key_id, s3.acl),
+    )

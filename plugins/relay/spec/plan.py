@@ -49,8 +49,7 @@ class ChunkPlan:
     def chunks(self) -> list[Chunk]:
         n = -(-self.total_steps // self.chunk_steps)
         return [
-            Chunk(k, (k - 1) * self.chunk_steps + 1, min(k * self.chunk_steps, self.total_steps), n)
-            for k in range(1, n + 1)
+            Chunk(k, (k - 1) * self.chunk_steps + 1, min(k * self.chunk_steps, self.total_steps), n) for k in range(1, n + 1)
         ]
 
     def chunk(self, index: int) -> Chunk:

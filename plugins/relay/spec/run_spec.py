@@ -53,15 +53,22 @@ class TrainerSpec(StrictModel):
 
 
 class DataSpec(StrictModel):
-    train_files: list[str] = critical(min_length=1, description=(
-        "parquet files in verl's RL schema (relative paths: to the project root); frozen into the run folder at the "
-        "first chunk"))
+    train_files: list[str] = critical(
+        min_length=1,
+        description=(
+            "parquet files in verl's RL schema (relative paths: to the project root); frozen into the run folder at the "
+            "first chunk"
+        ),
+    )
     val_files: list[str] = critical(default_factory=list, description="held-out parquet files, frozen alike")
     on_source_change: Literal["fail", "use_frozen"] = Field(
-        "fail", description="when a source file changes under a run: fail (say what changed), or continue on "
-                            "the frozen copy with a warning and an alert")
-    expectations: list[str] = Field(default_factory=list, description="extra great-expectations files, from "
-                                                                      "include/expectations/")
+        "fail",
+        description="when a source file changes under a run: fail (say what changed), or continue on "
+        "the frozen copy with a warning and an alert",
+    )
+    expectations: list[str] = Field(
+        default_factory=list, description="extra great-expectations files, from include/expectations/"
+    )
 
 
 class KeepBest(StrictModel):
@@ -76,26 +83,47 @@ class CheckpointPolicy(StrictModel):
     """Validation, publication and retention of a run's checkpoints (none of it is resume-critical)."""
 
     validate_on: Literal["worker", "ray"] = Field(
-        default="worker", description="where validation reads the files: the Airflow worker (storage mounted there) "
-                                      "or a Ray job on the cluster")
-    smoke: bool = Field(default=True, description="also run the trainer's forward-pass smoke check (the CPU "
-                                                 "trainer's; verl's at world size 1 and under 2 GiB)")
+        default="worker",
+        description="where validation reads the files: the Airflow worker (storage mounted there) "
+        "or a Ray job on the cluster",
+    )
+    smoke: bool = Field(
+        default=True,
+        description="also run the trainer's forward-pass smoke check (the CPU "
+        "trainer's; verl's at world size 1 and under 2 GiB)",
+    )
     keep_local: int = Field(default=3, ge=1, description="validated and published checkpoints kept on local storage")
     keep_published: int = Field(default=5, ge=1, description="newest published checkpoints kept in S3")
-    milestone_every: int = Field(default=0, ge=0, description="every N steps is a milestone: kept forever, exported "
-                                                              "to Hugging Face format (0: only the final step)")
+    milestone_every: int = Field(
+        default=0,
+        ge=0,
+        description="every N steps is a milestone: kept forever, exported to Hugging Face format (0: only the final step)",
+    )
     delete_grace_minutes: float = Field(default=60, ge=0, description="S3 deletions wait this long after being decided")
     hf_export: bool = Field(default=True, description="publish a Hugging Face model for milestones and the final step")
-    keep_best: KeepBest | None = Field(default=None, description=(
-        "also keep the k best validated checkpoints by a metric of their step, locally and in S3, besides the "
-        "newest and the milestones ({metric: val/reward_mean, mode: max, k: 2})"))
-    on_world_size_change: Literal["refuse", "reshard"] = Field(default="refuse", description=(
-        "when the spec's world size (nnodes x n_gpus_per_node) differs from the latest checkpoint's: refuse the "
-        "resume, or reshard the checkpoint to the spec's world size before the chunk's job (relay checkpoint "
-        "reshard; the original is kept, the change recorded and alerted once)"))
-    mtbf_hours: float | None = Field(default=None, gt=0, description=(
-        "the cluster's mean time between failures, for the save interval `relay doctor` and the report advise "
-        "(relay.insights.save_interval); empty: observed in the run"))
+    keep_best: KeepBest | None = Field(
+        default=None,
+        description=(
+            "also keep the k best validated checkpoints by a metric of their step, locally and in S3, besides the "
+            "newest and the milestones ({metric: val/reward_mean, mode: max, k: 2})"
+        ),
+    )
+    on_world_size_change: Literal["refuse", "reshard"] = Field(
+        default="refuse",
+        description=(
+            "when the spec's world size (nnodes x n_gpus_per_node) differs from the latest checkpoint's: refuse the "
+            "resume, or reshard the checkpoint to the spec's world size before the chunk's job (relay checkpoint "
+            "reshard; the original is kept, the change recorded and alerted once)"
+        ),
+    )
+    mtbf_hours: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "the cluster's mean time between failures, for the save interval `relay doctor` and the report advise "
+            "(relay.insights.save_interval); empty: observed in the run"
+        ),
+    )
 
     def is_milestone(self, step: int, total_steps: int) -> bool:
         return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
@@ -104,10 +132,14 @@ class CheckpointPolicy(StrictModel):
 class AuditSpec(StrictModel):
     """The replay audit of steps trained twice (relay.insights.audit)."""
 
-    tolerance: dict[str, float] = Field(default_factory=dict, description=(
-        "the absolute difference allowed per metric between a step trained again after a resume and its first "
-        "try; '*' for every metric not named; empty: exact (Relay's CPU trainer and verl's CPU path are exact; "
-        "verl's generation on GPUs need not be)"))
+    tolerance: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "the absolute difference allowed per metric between a step trained again after a resume and its first "
+            "try; '*' for every metric not named; empty: exact (Relay's CPU trainer and verl's CPU path are exact; "
+            "verl's generation on GPUs need not be)"
+        ),
+    )
 
     @field_validator("tolerance")
     @classmethod
@@ -120,13 +152,22 @@ class AuditSpec(StrictModel):
 class ApprovalSpec(StrictModel):
     """Decisions asked in the Airflow UI (airflow.approvals; relay.airflow.decisions)."""
 
-    max_steps_lost: int | None = Field(default=None, ge=0, description=(
-        "a chunk whose newest checkpoint was quarantined goes on unattended when falling back to the newest valid "
-        "one loses at most this many steps, and asks otherwise (resume from step K, or stop the run); empty: two "
-        "chunks' steps"))
-    timeout_minutes: float = Field(default=1440, gt=0, description=(
-        "a decision not made within this time stops the DAG run (nothing is changed); trigger again to be asked "
-        "again"))
+    max_steps_lost: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "a chunk whose newest checkpoint was quarantined goes on unattended when falling back to the newest valid "
+            "one loses at most this many steps, and asks otherwise (resume from step K, or stop the run); empty: two "
+            "chunks' steps"
+        ),
+    )
+    timeout_minutes: float = Field(
+        default=1440,
+        gt=0,
+        description=(
+            "a decision not made within this time stops the DAG run (nothing is changed); trigger again to be asked again"
+        ),
+    )
 
     def steps_allowed(self, chunk_steps: int) -> int:
         return self.max_steps_lost if self.max_steps_lost is not None else 2 * chunk_steps
@@ -136,18 +177,31 @@ class RaySpec(StrictModel):
     conn_id: str = Field(default="relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
     python: str = Field(default="python", description="interpreter the job's entrypoint runs on the cluster")
     entrypoint_num_cpus: float = Field(default=1, ge=0, description="CPUs the job's driver reserves on the cluster")
-    entrypoint_resources: dict[str, float] = Field(default_factory=dict, description=(
-        "custom Ray resources the job's entrypoint (the trainer's driver) needs, e.g. {trainer_node: 1} to "
-        "keep it off the head node"))
+    entrypoint_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "custom Ray resources the job's entrypoint (the trainer's driver) needs, e.g. {trainer_node: 1} to "
+            "keep it off the head node"
+        ),
+    )
     chunk_timeout_minutes: float = Field(default=120, gt=0, description="a chunk's job is stopped after this long")
     poll_seconds: float = Field(default=2.0, gt=0, description="how often the train task's trigger asks Ray about its job")
-    stop_grace_seconds: int = Field(default=120, ge=0, description=(
-        "how long a chunk's job that is stopped may take to finish its step and save it before it is killed: "
-        "Relay's own stops (a stall, the chunk's timeout, a newer try) wait this long for it, and `ray job stop` "
-        "too (Ray's RAY_JOB_STOP_WAIT_TIME_S in the job's environment; Ray's own default is 3 s)"))
-    env_vars: dict[str, str] = Field(default_factory=dict, description=(
-        "extra environment for the chunk's job; a secret is written as ${VAR} (or ${VAR:-default}), expanded "
-        "from the submitting worker's environment only when the job is submitted, and masked in logs and alerts"))
+    stop_grace_seconds: int = Field(
+        default=120,
+        ge=0,
+        description=(
+            "how long a chunk's job that is stopped may take to finish its step and save it before it is killed: "
+            "Relay's own stops (a stall, the chunk's timeout, a newer try) wait this long for it, and `ray job stop` "
+            "too (Ray's RAY_JOB_STOP_WAIT_TIME_S in the job's environment; Ray's own default is 3 s)"
+        ),
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "extra environment for the chunk's job; a secret is written as ${VAR} (or ${VAR:-default}), expanded "
+            "from the submitting worker's environment only when the job is submitted, and masked in logs and alerts"
+        ),
+    )
 
 
 class S3Spec(StrictModel):
@@ -155,19 +209,23 @@ class S3Spec(StrictModel):
     uri: str = Field(pattern=S3_URI_PATTERN, description="s3://bucket/prefix that runs are published under")
     part_size_mb: int = Field(32, ge=5, le=5120, description="multipart part size")
     concurrency: int = Field(4, ge=1, le=64, description="parts uploaded at once")
-    server_side_encryption: Literal["AES256", "aws:kms"] | None = Field(None, description="ask S3 to encrypt every "
-       "object Relay writes")
+    server_side_encryption: Literal["AES256", "aws:kms"] | None = Field(
+        None, description="ask S3 to encrypt every object Relay writes"
+    )
     kms_key_id: str | None = Field(None, description="the KMS key of server_side_encryption: aws:kms")
-    acl: Literal["bucket-owner-full-control", "private"] | None = Field(None, description="canned ACL of every object "
-       "Relay writes")
+    acl: Literal["bucket-owner-full-control", "private"] | None = Field(
+        None, description="canned ACL of every object Relay writes"
+    )
 
     @field_validator("uri")
     @classmethod
     def _plain_prefix(cls, v: str) -> str:
-        prefix = v[len("s3://"):].partition("/")[2].rstrip("/")
+        prefix = v[len("s3://") :].partition("/")[2].rstrip("/")
         if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
-            raise ValueError(f"the prefix of {v} has an empty, '.' or '..' part, which an S3 server that maps keys "
-                             f"to paths may resolve outside the prefix; write the prefix without them")
+            raise ValueError(
+                f"the prefix of {v} has an empty, '.' or '..' part, which an S3 server that maps keys "
+                f"to paths may resolve outside the prefix; write the prefix without them"
+            )
         return v
 
     @field_validator("kms_key_id")
@@ -188,20 +246,33 @@ class AlertSpec(StrictModel):
     webhook_conn_id: str | None = Field(default=None, description="Airflow connection (HTTP provider) of a JSON webhook")
     on_retry: bool = Field(default=False, description="also alert on each retry, not only once per failure event")
     recovery: bool = Field(default=True, description="say so when a run that alerted succeeds again")
-    on_finish: bool = Field(default=False, description="also say when a run finishes, with its goodput: where its wall "
-                                                        "time went and what its failures cost (relay.insights.goodput)")
+    on_finish: bool = Field(
+        default=False,
+        description="also say when a run finishes, with its goodput: where its wall "
+        "time went and what its failures cost (relay.insights.goodput)",
+    )
     stall_minutes: float | None = Field(
-        default=None, gt=0, description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
-                                        "retried. Empty: stall_factor x the run's median step time, at least "
-                                        "stall_floor_minutes")
+        default=None,
+        gt=0,
+        description="a chunk with no new step for this long is stalled: alerted, its job stopped and "
+        "retried. Empty: stall_factor x the run's median step time, at least "
+        "stall_floor_minutes",
+    )
     stall_factor: float = Field(default=20, gt=1, description="see stall_minutes")
     stall_floor_minutes: float = Field(default=5, gt=0, description="see stall_minutes")
-    startup_minutes: float = Field(default=20, ge=0, description="allowed before a job's first step, on top of the stall "
-                                                                 "limit (imports, model build, resume)")
-    deadline: str | None = Field(default=None, description=(
-        "when the run should be done (ISO 8601 with its zone, epoch seconds, or ${VAR} of Airflow's environment): "
-        "each chunk's train task alerts once when the run's ETA (its median step time and chunk overhead) is past "
-        "it, and Airflow's deadline alert says so if a DAG run is still going at it (relay.insights.eta)"))
+    startup_minutes: float = Field(
+        default=20,
+        ge=0,
+        description="allowed before a job's first step, on top of the stall limit (imports, model build, resume)",
+    )
+    deadline: str | None = Field(
+        default=None,
+        description=(
+            "when the run should be done (ISO 8601 with its zone, epoch seconds, or ${VAR} of Airflow's environment): "
+            "each chunk's train task alerts once when the run's ETA (its median step time and chunk overhead) is past "
+            "it, and Airflow's deadline alert says so if a DAG run is still going at it (relay.insights.eta)"
+        ),
+    )
 
     @field_validator("deadline")
     @classmethod
@@ -215,38 +286,55 @@ class AlertSpec(StrictModel):
 
 
 class AirflowSpec(StrictModel):
-    retries: int = Field(default=2, ge=0, description="retries of a failed task (a chunk's train task resumes from "
-                                                      "the latest valid checkpoint)")
+    retries: int = Field(
+        default=2,
+        ge=0,
+        description="retries of a failed task (a chunk's train task resumes from the latest valid checkpoint)",
+    )
     retry_delay_seconds: float = Field(default=30, ge=0, description="the wait before a retry")
     retry_on: dict[str, Literal["retry", "backoff", "stop"]] = Field(
-        default_factory=dict, description="what a failed chunk's train task does, by its cause "
-                                          "(relay.runs.failure_cause; docs/guides/failures.md has the defaults): retry, "
-                                          "backoff (retry after retry_backoff_seconds) or stop (no retry)")
-    retry_backoff_seconds: float = Field(default=300, ge=0, description="the wait before a `backoff` retry, on top "
-                                                                        "of retry_delay_seconds")
-    max_active_runs: int = Field(default=1, gt=0, description="DAG runs at once (one GPU cluster is shared); a backfill "
-                                                              "has its own --max-active-runs")
+        default_factory=dict,
+        description="what a failed chunk's train task does, by its cause "
+        "(relay.runs.failure_cause; docs/guides/failures.md has the defaults): retry, "
+        "backoff (retry after retry_backoff_seconds) or stop (no retry)",
+    )
+    retry_backoff_seconds: float = Field(
+        default=300, ge=0, description="the wait before a `backoff` retry, on top of retry_delay_seconds"
+    )
+    max_active_runs: int = Field(
+        default=1, gt=0, description="DAG runs at once (one GPU cluster is shared); a backfill has its own --max-active-runs"
+    )
     schedule: str | None = Field(
-        default=None, description="cron expression or preset (@daily, @weekly...): each DAG run is then a training run "
-                                  "of its own, <name>-<logical date>, with its own checkpoints and frozen data; data "
-                                  "paths may name the date as {{ ds }} or {{ ds_nodash }}")
+        default=None,
+        description="cron expression or preset (@daily, @weekly...): each DAG run is then a training run "
+        "of its own, <name>-<logical date>, with its own checkpoints and frozen data; data "
+        "paths may name the date as {{ ds }} or {{ ds_nodash }}",
+    )
     start_date: date = Field(default=date(2025, 1, 1), description="the first interval of a schedule")
     catchup: bool = Field(default=False, description="create the runs of past intervals when the DAG appears")
-    pool: str | None = Field(default="relay_trainers", description="Airflow pool of the train tasks: its slots, with "
-                                                                   "deferred tasks counted, are the trainers a cluster runs "
-                                                                   "at once, whatever triggered the runs")
+    pool: str | None = Field(
+        default="relay_trainers",
+        description="Airflow pool of the train tasks: its slots, with "
+        "deferred tasks counted, are the trainers a cluster runs "
+        "at once, whatever triggered the runs",
+    )
     tags: list[str] = Field(default_factory=list, description="more tags of the DAG (it is always tagged relay)")
-    approvals: bool = Field(default=True, description="ask a person in the UI (Required Actions) before a fresh start "
-                                                      "of a run with checkpoints, a resume-critical settings change, "
-                                                      "or a fallback that loses more than approvals.max_steps_lost "
-                                                      "steps; off: refused as before (see approvals)")
+    approvals: bool = Field(
+        default=True,
+        description="ask a person in the UI (Required Actions) before a fresh start "
+        "of a run with checkpoints, a resume-critical settings change, "
+        "or a fallback that loses more than approvals.max_steps_lost "
+        "steps; off: refused as before (see approvals)",
+    )
 
     @field_validator("retry_on")
     @classmethod
     def _known_causes(cls, v: dict[str, str]) -> dict[str, str]:
         if unknown := sorted(set(v) - set(CAUSES)):
-            raise ValueError(f"unknown cause(s) {', '.join(unknown)}; the causes are {', '.join(CAUSES)} "
-                             f"and the policies {', '.join(POLICIES)}")
+            raise ValueError(
+                f"unknown cause(s) {', '.join(unknown)}; the causes are {', '.join(CAUSES)} "
+                f"and the policies {', '.join(POLICIES)}"
+            )
         return v
 
     @field_validator("schedule")
@@ -254,8 +342,10 @@ class AirflowSpec(StrictModel):
     def _cron_or_preset(cls, v: str | None) -> str | None:
         if v is None or v in SCHEDULE_PRESETS or re.fullmatch(CRON_PATTERN, v.strip()):
             return v
-        raise ValueError(f"not a cron expression or preset: {v!r}; use five cron fields ('0 3 * * 1') or one of "
-                         f"{', '.join(SCHEDULE_PRESETS)}")
+        raise ValueError(
+            f"not a cron expression or preset: {v!r}; use five cron fields ('0 3 * * 1') or one of "
+            f"{', '.join(SCHEDULE_PRESETS)}"
+        )
 
 
 class RunSpec(StrictModel):
@@ -268,18 +358,23 @@ class RunSpec(StrictModel):
     threads: int = critical(gt=0, description="torch/OMP threads: sums differ between thread counts")
     checkpoint_dir: str = critical(description="root folder; a run's checkpoints are in <checkpoint_dir>/<run>")
     data: DataSpec = Field(description="the training data")
-    checkpoints: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="validation, retention and "
-       "exports of checkpoints")
+    checkpoints: CheckpointPolicy = Field(
+        default_factory=CheckpointPolicy, description="validation, retention and exports of checkpoints"
+    )
     ray: RaySpec = Field(default_factory=RaySpec, description="the Ray cluster the chunks run on")
     s3: S3Spec | None = Field(None, description="where validated checkpoints are published; none: nothing is published")
     alerts: AlertSpec = Field(default_factory=AlertSpec, description="who is told what, and when a job counts as stalled")
     airflow: AirflowSpec = Field(default_factory=AirflowSpec, description="the DAG: retries, schedule, pool, approvals")
     audit: AuditSpec = Field(default_factory=AuditSpec, description="the replay audit of steps trained twice")
     approvals: ApprovalSpec = Field(default_factory=ApprovalSpec, description="when a decision waits for a person in the UI")
-    save_before: str | None = Field(default=None, description=(
-        "a wall-clock deadline (a reservation's end): ISO 8601 with its zone or epoch seconds, or ${VAR} naming "
-        "the job's environment variable that holds one. The trainer saves and ends its chunk early enough for "
-        "the save to finish before it (relay.trainers.stopping)"))
+    save_before: str | None = Field(
+        default=None,
+        description=(
+            "a wall-clock deadline (a reservation's end): ISO 8601 with its zone or epoch seconds, or ${VAR} naming "
+            "the job's environment variable that holds one. The trainer saves and ends its chunk early enough for "
+            "the save to finish before it (relay.trainers.stopping)"
+        ),
+    )
 
     _source: str = PrivateAttr("<dict>")
 
@@ -340,10 +435,14 @@ def deadline_seconds(value: str | None, source: str = "<spec>", key: str = "save
     try:
         text = project.expand(str(value)).strip()
     except KeyError as e:
-        raise SpecError(source, key, f"names the environment variable {e.args[0]}, which is not set here",
-                        f"set {e.args[0]} where it is read (the job's environment, ray.env_vars, for save_before; "
-                        f"Airflow's for alerts.deadline), or write ${{{e.args[0]}:-}} for no deadline when it is "
-                        "unset") from None
+        raise SpecError(
+            source,
+            key,
+            f"names the environment variable {e.args[0]}, which is not set here",
+            f"set {e.args[0]} where it is read (the job's environment, ray.env_vars, for save_before; "
+            f"Airflow's for alerts.deadline), or write ${{{e.args[0]}:-}} for no deadline when it is "
+            "unset",
+        ) from None
     if not text:
         return None
     try:
@@ -353,11 +452,19 @@ def deadline_seconds(value: str | None, source: str = "<spec>", key: str = "save
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise SpecError(source, key, f"{text!r} is not a time",
-                        "write an ISO 8601 time with its zone, e.g. 2026-12-03T18:00:00Z, or epoch seconds") from None
+        raise SpecError(
+            source,
+            key,
+            f"{text!r} is not a time",
+            "write an ISO 8601 time with its zone, e.g. 2026-12-03T18:00:00Z, or epoch seconds",
+        ) from None
     if when.tzinfo is None:
-        raise SpecError(source, key, f"{text!r} has no time zone",
-                        "add one (2026-12-03T18:00:00Z, or +02:00): a deadline must mean one instant everywhere")
+        raise SpecError(
+            source,
+            key,
+            f"{text!r} has no time zone",
+            "add one (2026-12-03T18:00:00Z, or +02:00): a deadline must mean one instant everywhere",
+        )
     return when.timestamp()
 
 
@@ -365,13 +472,16 @@ def check_run_name(run_name: str) -> str:
     # fullmatch: re.match's `$` also matches before a trailing newline ("run\n" would pass).
     if not isinstance(run_name, str) or not re.fullmatch(RUN_NAME_PATTERN, run_name) or ".." in run_name:
         raise SpecError(
-            "run", "run", f"invalid run name {run_name!r}",
+            "run",
+            "run",
+            f"invalid run name {run_name!r}",
             "use letters, digits, '.', '_' or '-' (at most 128, starting with a letter or digit, no '..')",
         )
     return run_name
 
 
 # ---------------------------------------------------------------------------------------- loading
+
 
 def load_spec(path: str | os.PathLike[str], *, check_environment: bool = True) -> RunSpec:
     """Load and validate a spec file. With check_environment, also check data and checkpoint dir."""
@@ -387,8 +497,7 @@ def load_spec(path: str | os.PathLike[str], *, check_environment: bool = True) -
     except yaml.YAMLError as e:
         raise SpecError(source, "", f"not valid YAML: {e}", "fix the YAML syntax at the position shown") from None
     except RecursionError:  # PyYAML recurses once per nesting level
-        raise SpecError(source, "", "nested too deeply to be a run spec",
-                        "start from include/runs/demo.yaml") from None
+        raise SpecError(source, "", "nested too deeply to be a run spec", "start from include/runs/demo.yaml") from None
     return spec_from_dict(raw, source=source, check_environment=check_environment)
 
 
@@ -411,28 +520,35 @@ def spec_from_json(blob: str) -> RunSpec:
         data = json.loads(blob)
         raw, source = data["spec"], data["source"]
     except (ValueError, RecursionError, TypeError, KeyError) as e:
-        raise SpecError("<chunk request>", "", f"not a spec as RunSpec.to_json writes it ({type(e).__name__}: "
-                                                f"{str(e)[:120]})", "submit the chunk through Relay") from None
+        raise SpecError(
+            "<chunk request>",
+            "",
+            f"not a spec as RunSpec.to_json writes it ({type(e).__name__}: {str(e)[:120]})",
+            "submit the chunk through Relay",
+        ) from None
     return spec_from_dict(raw, source=str(source), check_environment=False, resolve=False)
 
 
-def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool = True,
-                   resolve: bool = True) -> RunSpec:
+def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool = True, resolve: bool = True) -> RunSpec:
     if not isinstance(raw, dict):
-        raise SpecError(source, "", f"must be a mapping of keys, got {type(raw).__name__}",
-                        "start from include/runs/demo.yaml")
+        raise SpecError(
+            source, "", f"must be a mapping of keys, got {type(raw).__name__}", "start from include/runs/demo.yaml"
+        )
     spec = _validate(RunSpec, raw, source, "")
     settings_model = KINDS[spec.trainer.kind].settings_model()
     settings = _validate(settings_model, spec.trainer.settings, source, "trainer.settings.")
     updates: dict[str, Any] = {"trainer": spec.trainer.model_copy(update={"settings": settings.model_dump()})}
     if resolve:
         updates["checkpoint_dir"] = str(_resolve(source, "checkpoint_dir", spec.checkpoint_dir))
-        updates["data"] = spec.data.model_copy(update=dict(
-            train_files=[str(_resolve(source, f"data.train_files[{i}]", f))
-                         for i, f in enumerate(spec.data.train_files)],
-            val_files=[str(_resolve(source, f"data.val_files[{i}]", f)) for i, f in enumerate(spec.data.val_files)],
-            expectations=[str(_resolve_expectations(source, i, f)) for i, f in enumerate(spec.data.expectations)],
-        ))
+        updates["data"] = spec.data.model_copy(
+            update=dict(
+                train_files=[
+                    str(_resolve(source, f"data.train_files[{i}]", f)) for i, f in enumerate(spec.data.train_files)
+                ],
+                val_files=[str(_resolve(source, f"data.val_files[{i}]", f)) for i, f in enumerate(spec.data.val_files)],
+                expectations=[str(_resolve_expectations(source, i, f)) for i, f in enumerate(spec.data.expectations)],
+            )
+        )
     spec = spec.model_copy(update=updates)
     spec._source = source
     _check_templates(spec)
@@ -462,13 +578,18 @@ def _resolve_expectations(source: str, i: int, value: str) -> Path:
 
 def _resolve(source: str, key: str, value: str) -> Path:
     if any(ord(c) < 32 for c in value):
-        raise SpecError(source, key, f"the path {value!r} holds a control character (a NUL, a newline...)",
-                        "write the path without it")
+        raise SpecError(
+            source, key, f"the path {value!r} holds a control character (a NUL, a newline...)", "write the path without it"
+        )
     try:
         return project.resolve_path(value)
     except KeyError as e:
-        raise SpecError(source, key, f"environment variable {e.args[0]} is not set",
-                        f"set {e.args[0]}, or give a default as ${{{e.args[0]}:-value}}") from None
+        raise SpecError(
+            source,
+            key,
+            f"environment variable {e.args[0]} is not set",
+            f"set {e.args[0]}, or give a default as ${{{e.args[0]}:-value}}",
+        ) from None
 
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -492,8 +613,9 @@ def _validate(model: type[_Model], raw: Any, source: str, prefix: str) -> _Model
         msg = err["msg"].removeprefix("Value error, ")
         raise SpecError(source, key, f"{msg} (got {_brief(err.get('input'))})") from None
     except RecursionError:
-        raise SpecError(source, prefix.rstrip("."), "nested too deeply to be a run spec",
-                        "start from include/runs/demo.yaml") from None
+        raise SpecError(
+            source, prefix.rstrip("."), "nested too deeply to be a run spec", "start from include/runs/demo.yaml"
+        ) from None
 
 
 def _brief(value: Any) -> str:
@@ -518,8 +640,7 @@ def _submodel(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseMo
         ann = getattr(field, "annotation", None)
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             # Optional[Model] and similar: take the first BaseModel argument.
-            ann = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)),
-                       None)
+            ann = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if ann is None:
             return None
         model = ann
@@ -527,6 +648,7 @@ def _submodel(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseMo
 
 
 # ---------------------------------------------------------------------------------- dated runs
+
 
 def _data_paths(spec: RunSpec) -> Iterator[tuple[str, str]]:
     for field in ("train_files", "val_files"):
@@ -538,18 +660,24 @@ def _check_templates(spec: RunSpec) -> None:
     for key, f in _data_paths(spec):
         for name in TEMPLATE.findall(f):
             if name not in DATE_TEMPLATES:
-                raise SpecError(spec.source, key, f"unknown template {{{{ {name} }}}} in {f}",
-                                f"a data path may name the DAG run's logical date as "
-                                f"{' or '.join('{{ ' + k + ' }}' for k in DATE_TEMPLATES)}")
+                raise SpecError(
+                    spec.source,
+                    key,
+                    f"unknown template {{{{ {name} }}}} in {f}",
+                    f"a data path may name the DAG run's logical date as "
+                    f"{' or '.join('{{ ' + k + ' }}' for k in DATE_TEMPLATES)}",
+                )
 
 
 def dated(spec: RunSpec, when: datetime) -> RunSpec:
     """The spec of the DAG run whose logical date is `when`: its data paths' dates filled in."""
+
     def fill(path: str) -> str:
         return TEMPLATE.sub(lambda m: when.strftime(DATE_TEMPLATES[m.group(1)]), path)
 
-    data = spec.data.model_copy(update={"train_files": [fill(f) for f in spec.data.train_files],
-                                        "val_files": [fill(f) for f in spec.data.val_files]})
+    data = spec.data.model_copy(
+        update={"train_files": [fill(f) for f in spec.data.train_files], "val_files": [fill(f) for f in spec.data.val_files]}
+    )
     out = spec.model_copy(update={"data": data})
     out._source = spec.source
     return out
@@ -562,6 +690,7 @@ def dated_run_name(spec: RunSpec, when: datetime) -> str:
 
 
 # ---------------------------------------------------------------------------------- environment
+
 
 def is_templated(path: str) -> bool:
     """A data path filled in per DAG run (see dated): checked when that run starts."""
@@ -580,12 +709,17 @@ def check_spec_environment(spec: RunSpec) -> None:
             raise SpecError(src, f"data.val_files[{i}]", f"file not found: {f}", "fix the path")
     for i, f in enumerate(spec.data.expectations):
         if not Path(f).is_file():
-            raise SpecError(src, f"data.expectations[{i}]", f"file not found: {f}",
-                            "put the file in include/expectations/ or fix the name")
+            raise SpecError(
+                src,
+                f"data.expectations[{i}]",
+                f"file not found: {f}",
+                "put the file in include/expectations/ or fix the name",
+            )
     available = spec.settings.steps_available(rows)
     if available < spec.total_steps:
         raise SpecError(
-            src, "total_steps",
+            src,
+            "total_steps",
             f"the data cannot supply {spec.total_steps} steps: {rows} train rows give {available} steps "
             f"(train_batch_size {spec.settings.train_batch_size}, total_epochs {spec.settings.total_epochs})",
             "lower total_steps, raise trainer.settings.total_epochs, or add data",
@@ -619,5 +753,9 @@ def _check_writable(spec: RunSpec) -> None:
         except OSError as e:
             problem = f"cannot write in {existing}: {e.strerror}"
     if problem:
-        raise SpecError(spec.source, "checkpoint_dir", f"not writable: {d} ({problem})",
-                        "choose a folder this user can write, or fix its permissions")
+        raise SpecError(
+            spec.source,
+            "checkpoint_dir",
+            f"not writable: {d} ({problem})",
+            "choose a folder this user can write, or fix its permissions",
+        )

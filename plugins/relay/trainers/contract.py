@@ -38,8 +38,9 @@ class ChunkRequest:
 
     def to_json(self) -> str:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
-        return json.dumps({"spec": json.loads(self.spec.to_json()), "run_name": self.run.name,
-                           "incarnation": self.run.incarnation, **d})
+        return json.dumps(
+            {"spec": json.loads(self.spec.to_json()), "run_name": self.run.name, "incarnation": self.run.incarnation, **d}
+        )
 
     @classmethod
     def from_json(cls, blob: str) -> ChunkRequest:

@@ -24,11 +24,15 @@ def main() -> int:
     except RelayError as e:
         ended = "stopped early" if isinstance(e, StoppedEarly) else "failed"
         print(f"[relay] chunk {req.chunk} of run {req.run} {ended}: {e}", flush=True)
-        print(f"[relay] cause: {e.cause} ({type(e).__name__}; a retry {'can' if e.retry_helps else 'cannot'} help)",
-              flush=True)
+        print(
+            f"[relay] cause: {e.cause} ({type(e).__name__}; a retry {'can' if e.retry_helps else 'cannot'} help)", flush=True
+        )
         return e.exit_code
-    print(f"[relay] chunk {req.chunk} of run {req.run} done: steps {result.resumed_from} -> "
-          f"{result.end_step} in {result.seconds:.1f}s", flush=True)
+    print(
+        f"[relay] chunk {req.chunk} of run {req.run} done: steps {result.resumed_from} -> "
+        f"{result.end_step} in {result.seconds:.1f}s",
+        flush=True,
+    )
     return 0
 
 

@@ -45,8 +45,9 @@ class ChunkSession:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # From here a SIGTERM ends the process (nothing trained yet); once training, it asks for a graceful stop
         # (relay.trainers.stopping), as the stop file and the spec's save_before do.
-        self.stopping = GracefulStop(self.run_dir, req.attempt, self.spec.deadline(), forward=forward_stop,
-                                     started=training_started)
+        self.stopping = GracefulStop(
+            self.run_dir, req.attempt, self.spec.deadline(), forward=forward_stop, started=training_started
+        )
         self._save_started: float | None = None
         self._save_s: float | None = None  # what this process's last save took
         self.lease = Lease(self.run_dir, incarnation=req.run.incarnation)
@@ -78,9 +79,11 @@ class ChunkSession:
         asked = self.req.run.incarnation
         local = folder_incarnation(self.run_dir)
         if asked and local and local != asked:
-            raise RunError(f"run {self.req.run}: this chunk belongs to incarnation {asked}, but "
-                           f"{self.run_dir} now holds incarnation {local} (the run was started again since)",
-                           "nothing to do: this attempt stops without writing; the run's own chunks go on")
+            raise RunError(
+                f"run {self.req.run}: this chunk belongs to incarnation {asked}, but "
+                f"{self.run_dir} now holds incarnation {local} (the run was started again since)",
+                "nothing to do: this attempt stops without writing; the run's own chunks go on",
+            )
         return asked or local
 
     # ------------------------------------------------------------------------------ resume
@@ -108,18 +111,29 @@ class ChunkSession:
     def begin(self) -> None:
         """Record the attempt; supersede metrics rows written after the resume point."""
         dropped = self.metrics.resume_at(self.resume_step, self.req.attempt)
-        record_event(self.run_dir, "chunk_start", chunk=self.req.chunk, attempt=self.req.attempt,
-                     resumed_from=self.resume_step, to_step=self.req.to_step, lease_token=self.token,
-                     superseded_rows=dropped, restored_from=self.resume.restored_from,
-                     quarantined=[q["step"] for q in self.resume.quarantined if q["path"]],
-                     tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]],
-                     # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
-                     host=socket.gethostname(), oom_kills=cgroup_oom_kills(),
-                     process_started=process_started())  # a restart's cost counts from it (relay.insights.save_interval)
+        record_event(
+            self.run_dir,
+            "chunk_start",
+            chunk=self.req.chunk,
+            attempt=self.req.attempt,
+            resumed_from=self.resume_step,
+            to_step=self.req.to_step,
+            lease_token=self.token,
+            superseded_rows=dropped,
+            restored_from=self.resume.restored_from,
+            quarantined=[q["step"] for q in self.resume.quarantined if q["path"]],
+            tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]],
+            # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
+            host=socket.gethostname(),
+            oom_kills=cgroup_oom_kills(),
+            process_started=process_started(),
+        )  # a restart's cost counts from it (relay.insights.save_interval)
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
-        self.say(f"run {self.req.run}: chunk {self.req.chunk or '-'} resumes from {where}, "
-                 f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "
-                 f"lease token {self.token})")
+        self.say(
+            f"run {self.req.run}: chunk {self.req.chunk or '-'} resumes from {where}, "
+            f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "
+            f"lease token {self.token})"
+        )
 
     # ------------------------------------------------------------------------------ progress
     @staticmethod
@@ -130,12 +144,17 @@ class ChunkSession:
         """One metrics row and one progress line per step; stop at once if the lease was lost."""
         self.lease.check(self.token)
         self._step_times.append(seconds)
-        row = {"step": step, "chunk": self.req.chunk, "attempt": self.req.attempt, "seconds": round(seconds, 4),
-               "time": time.time(), **values}
+        row = {
+            "step": step,
+            "chunk": self.req.chunk,
+            "attempt": self.req.attempt,
+            "seconds": round(seconds, 4),
+            "time": time.time(),
+            **values,
+        }
         self.metrics.append(row)
         heartbeat.beat(self.run_dir, self.req.attempt, step)
-        self.say(step_line(step, self.spec.total_steps, self.req.chunk, self.req.to_step, self._step_times[-20:],
-                           values))
+        self.say(step_line(step, self.spec.total_steps, self.req.chunk, self.req.to_step, self._step_times[-20:], values))
         fault_point("after_step", step)
 
     # ------------------------------------------------------------------------------ graceful stops
@@ -144,13 +163,19 @@ class ChunkSession:
         None to train on (relay.trainers.stopping). this_step_s: what the step just trained took, when its row
         is not recorded yet (verl records it after its step's end)."""
         steps = self._step_times + ([this_step_s] if this_step_s is not None else [])
-        return self.stopping.check(steps, self._save_s if self._save_s is not None else
-                                   last_save_seconds(self.run_dir))
+        return self.stopping.check(steps, self._save_s if self._save_s is not None else last_save_seconds(self.run_dir))
 
     def record_stop(self, step: int, reason: str) -> None:
         """The `chunk_stopped` event: this attempt stopped as asked, its last checkpoint at `step`."""
-        record_event(self.run_dir, STOPPED_EVENT, chunk=self.req.chunk, attempt=self.req.attempt, step=step,
-                     reason=reason, resumed_from=self.resume_step)
+        record_event(
+            self.run_dir,
+            STOPPED_EVENT,
+            chunk=self.req.chunk,
+            attempt=self.req.attempt,
+            step=step,
+            reason=reason,
+            resumed_from=self.resume_step,
+        )
 
     def stopped_early(self, step: int, reason: str, *, record: bool = True) -> StoppedEarly:
         """The error that ends a chunk stopped as asked after committing step `step` (or before training one);
@@ -158,10 +183,15 @@ class ChunkSession:
         if record:
             self.record_stop(step, reason)
         trained = step - self.resume_step
-        what = (f"stopped after step {step} ({reason}): its checkpoint global_step_{step} is committed, no step lost"
-                if trained else f"stopped before training a step ({reason}): nothing to save, no step lost")
-        return StoppedEarly(f"{what}; {self.req.to_step - step} step(s) of the chunk left",
-                            f"nothing: the chunk's retry resumes from step {step}")
+        what = (
+            f"stopped after step {step} ({reason}): its checkpoint global_step_{step} is committed, no step lost"
+            if trained
+            else f"stopped before training a step ({reason}): nothing to save, no step lost"
+        )
+        return StoppedEarly(
+            f"{what}; {self.req.to_step - step} step(s) of the chunk left",
+            f"nothing: the chunk's retry resumes from step {step}",
+        )
 
     # ------------------------------------------------------------------------------ checkpoints
     def staging_dir(self, step: int) -> Path:
@@ -198,7 +228,8 @@ class ChunkSession:
                 f"failed). The partial checkpoint was removed; the tracker still names "
                 f"{f'step {last}' if last else 'no checkpoint'}, which is intact",
                 f"free space on that volume (or lower checkpoints.keep_local), then retry the chunk: it resumes from "
-                f"{f'step {last}' if last else 'step 0'}") from e
+                f"{f'step {last}' if last else 'step 0'}",
+            ) from e
 
     def commit(self, step: int, staged: Path) -> Path:
         """Publish a staged checkpoint as global_step_<step> and point the tracker at it (lease-fenced)."""
@@ -220,8 +251,9 @@ class ChunkSession:
             fault_point("after_tracker", step)
         started = self._save_started
         self._save_s = round(time.time() - started, 3) if started else None
-        record_event(self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt,
-                     seconds=self._save_s)
+        record_event(
+            self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt, seconds=self._save_s
+        )
         self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
         return final
 
@@ -229,8 +261,14 @@ class ChunkSession:
         self.stopping.close()
         self.metrics.close()
         heartbeat.clear(self.run_dir, self.req.attempt)
-        record_event(self.run_dir, "chunk_end", chunk=self.req.chunk, attempt=self.req.attempt, end_step=end_step,
-                     seconds=round(time.time() - self._t0, 3))
+        record_event(
+            self.run_dir,
+            "chunk_end",
+            chunk=self.req.chunk,
+            attempt=self.req.attempt,
+            end_step=end_step,
+            seconds=round(time.time() - self._t0, 3),
+        )
 
 
 STOPPED_EVENT = "chunk_stopped"
@@ -238,14 +276,21 @@ STOPPED_EVENT = "chunk_stopped"
 
 def stop_of(run_dir: Path, attempt: str) -> dict | None:
     """The attempt's `chunk_stopped` event, if it stopped as asked."""
-    return next((e for e in reversed(read_events(run_dir))
-                 if e.get("event") == STOPPED_EVENT and e.get("attempt") == attempt), None)
+    return next(
+        (e for e in reversed(read_events(run_dir)) if e.get("event") == STOPPED_EVENT and e.get("attempt") == attempt), None
+    )
 
 
 def last_save_seconds(run_dir: Path) -> float | None:
     """What the run's newest save took (its `checkpoint` event: staging to the tracker's commit), if recorded."""
-    return next((float(e["seconds"]) for e in reversed(read_events(run_dir))
-                 if e.get("event") == "checkpoint" and isinstance(e.get("seconds"), (int, float))), None)
+    return next(
+        (
+            float(e["seconds"])
+            for e in reversed(read_events(run_dir))
+            if e.get("event") == "checkpoint" and isinstance(e.get("seconds"), (int, float))
+        ),
+        None,
+    )
 
 
 def _disk_full(e: BaseException | None, free: int) -> bool:

@@ -57,8 +57,9 @@ class GracefulStop:
     driver: to its actor, through the stop file). A stale stop file of the same attempt name (`relay train`
     attempts share one) is removed first."""
 
-    def __init__(self, run_dir: Path, attempt: str, deadline: float | None = None, *, signals: bool = True,
-                 forward=None, started=None):
+    def __init__(
+        self, run_dir: Path, attempt: str, deadline: float | None = None, *, signals: bool = True, forward=None, started=None
+    ):
         self.run_dir, self.attempt, self.deadline = Path(run_dir), attempt, deadline
         self.reason: str | None = None
         self.training = False
@@ -80,8 +81,10 @@ class GracefulStop:
 
     def _on_sigterm(self, signum, frame) -> None:
         if not (self.training or (self._started is not None and self._started())):
-            raise StoppedEarly("SIGTERM before the first step: nothing was trained, so nothing needed saving",
-                               "nothing: the retry resumes from the latest checkpoint")
+            raise StoppedEarly(
+                "SIGTERM before the first step: nothing was trained, so nothing needed saving",
+                "nothing: the retry resumes from the latest checkpoint",
+            )
         if self.reason is None:
             self.reason = "SIGTERM"
             print("[relay] SIGTERM: finishing this step, then saving a checkpoint of it", flush=True)
@@ -106,8 +109,9 @@ class GracefulStop:
             left = self.deadline - time.time()
             if left < need:
                 at = datetime.fromtimestamp(self.deadline, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-                self.reason = (f"save_before {at}: {max(left, 0):.0f}s left, and another step and a save need "
-                               f"about {need:.0f}s")
+                self.reason = (
+                    f"save_before {at}: {max(left, 0):.0f}s left, and another step and a save need about {need:.0f}s"
+                )
         return self.reason
 
     def close(self) -> None:

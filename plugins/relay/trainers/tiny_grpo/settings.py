@@ -26,9 +26,13 @@ class OptimSettings(StrictModel):
     lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
-    schedule: Literal["constant", "cosine"] = Field("constant", description=(
-        "constant: verl's constant schedule with warmup; cosine: verl's cosine with warmup, its horizon the run's "
-        "total_steps"))
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description=(
+            "constant: verl's constant schedule with warmup; cosine: verl's cosine with warmup, its horizon the run's "
+            "total_steps"
+        ),
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the LR's floor, as a share of lr")
 
 
@@ -37,8 +41,9 @@ class RewardFunctionSettings(StrictModel):
     called as verl calls it: name(data_source, solution_str, ground_truth, extra_info) -> float. This
     trainer's extra_info: the row's split and index, and the global step being trained."""
 
-    path: str | None = Field(None, description="the .py file (relative paths: to the project root); empty: the "
-                                                "task's own rule-based reward")
+    path: str | None = Field(
+        None, description="the .py file (relative paths: to the project root); empty: the task's own rule-based reward"
+    )
     name: str = Field("compute_score", description="the function in that file")
 
 
@@ -57,22 +62,24 @@ class TinyGRPOSettings(StrictModel):
     use_kl_loss: bool = critical(True, description="a KL loss against the reference model")
     kl_loss_coef: float = critical(0.001, ge=0, description="its weight")
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = critical(
-        "low_var_kl", description="verl's KL estimator")
+        "low_var_kl", description="verl's KL estimator"
+    )
     total_epochs: int = critical(1, gt=0, description="passes over the training data")
     shuffle: bool = critical(True, description="shuffle the data each epoch (seeded by the run's seed)")
     fsdp_version: Literal[1, 2] = critical(2, description="the FSDP layout its checkpoints are written in")
-    world_size: int = critical(1, ge=1, description="FSDP world size; its shard names carry it (this trainer "
-                                                  "runs one gloo process: 1)")
+    world_size: int = critical(
+        1, ge=1, description="FSDP world size; its shard names carry it (this trainer runs one gloo process: 1)"
+    )
     custom_reward_function: RewardFunctionSettings = critical(
-        default_factory=RewardFunctionSettings, description="the reward, as verl's custom_reward_function")
+        default_factory=RewardFunctionSettings, description="the reward, as verl's custom_reward_function"
+    )
     save_freq: int = Field(0, ge=0, description="also save every N steps inside a chunk (0: only at the chunk's end)")
 
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> TinyGRPOSettings:
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(
-                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide "
-                f"train_batch_size ({self.train_batch_size})"
+                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide train_batch_size ({self.train_batch_size})"
             )
         return self
 

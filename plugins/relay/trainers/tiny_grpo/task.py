@@ -54,15 +54,23 @@ def custom_reward(path: str, name: str):
 
     file = Path(path) if Path(path).is_absolute() else project.root() / path
     if not file.is_file():
-        raise SpecError("trainer.settings", "custom_reward_function.path", f"{file} is not a file",
-                        "name a .py file that defines the reward function")
+        raise SpecError(
+            "trainer.settings",
+            "custom_reward_function.path",
+            f"{file} is not a file",
+            "name a .py file that defines the reward function",
+        )
     module_spec = importlib.util.spec_from_file_location(f"relay_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
     module_spec.loader.exec_module(module)  # type: ignore[union-attr]
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise SpecError("trainer.settings", "custom_reward_function.name", f"{file} defines no function {name!r}",
-                        "give the name of the function that scores a response")
+        raise SpecError(
+            "trainer.settings",
+            "custom_reward_function.name",
+            f"{file} defines no function {name!r}",
+            "give the name of the function that scores a response",
+        )
     return fn
 
 
@@ -79,8 +87,7 @@ def hf_tokenizer():
 
     tok = Tokenizer(WordLevel(VOCAB, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token="<unk>")
 
 
 def make_dataset(path: Path, rows: int, seed: int, split: str = "train") -> Path:
@@ -92,13 +99,15 @@ def make_dataset(path: Path, rows: int, seed: int, split: str = "train") -> Path
     records = []
     for i in range(rows):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        records.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": split, "index": i},
-        })
+        records.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": split, "index": i},
+            }
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(records), path)

@@ -37,9 +37,13 @@ def _quiet_verl() -> None:
 def resolved_settings(spec, train_rows: int | None = None) -> dict:
     """What the trainer derives from the spec and would run with, beyond the spec's own keys."""
     s = spec.settings
-    out = {"resolved.world_size": s.world_size, "resolved.fsdp_version": s.fsdp_version,
-           "resolved.lr_horizon": spec.total_steps, "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
-           "resolved.lr_schedule": f"{s.optim.schedule} (warmup {s.optim.warmup_steps} steps)"}
+    out = {
+        "resolved.world_size": s.world_size,
+        "resolved.fsdp_version": s.fsdp_version,
+        "resolved.lr_horizon": spec.total_steps,
+        "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
+        "resolved.lr_schedule": f"{s.optim.schedule} (warmup {s.optim.warmup_steps} steps)",
+    }
     if train_rows is not None:
         out["resolved.steps_per_epoch"] = train_rows // s.train_batch_size
     return out
@@ -51,9 +55,12 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     if spec.settings.world_size != 1:
         from relay.common.errors import SpecError
 
-        raise SpecError(spec.source, "trainer.settings.world_size",
-                        f"the CPU trainer runs at world size 1, not {spec.settings.world_size}",
-                        "use world_size: 1 (verl's main_ppo trainer runs at any world size)")
+        raise SpecError(
+            spec.source,
+            "trainer.settings.world_size",
+            f"the CPU trainer runs at world size 1, not {spec.settings.world_size}",
+            "use world_size: 1 (verl's main_ppo trainer runs at any world size)",
+        )
     pin_threads(spec.threads)
     session = ChunkSession(req)
     start = session.resume_step
@@ -109,11 +116,18 @@ def build_model(settings):
 
     m = settings.model
     config = Qwen2Config(
-        vocab_size=len(task.VOCAB), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads, max_position_embeddings=32,
-        tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
-        bos_token_id=task.VOCAB[task.BOS], eos_token_id=task.VOCAB[task.EOS], pad_token_id=task.VOCAB[task.PAD],
+        vocab_size=len(task.VOCAB),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+        bos_token_id=task.VOCAB[task.BOS],
+        eos_token_id=task.VOCAB[task.EOS],
+        pad_token_id=task.VOCAB[task.PAD],
     )
     config._attn_implementation = "eager"
     return Qwen2ForCausalLM(config)
@@ -122,7 +136,6 @@ def build_model(settings):
 def smoke(spec, step_dir) -> str:
     """Load a checkpoint's weights (safely) into a fresh model; one forward pass on a fixed prompt."""
     import torch
-
 
     world_size = len(list((step_dir / "actor").glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
@@ -182,17 +195,32 @@ class _TinyGRPO:
         # The loader's own generator keeps iter() from drawing on the global RNG (which rollouts use).
         loader_gen = torch.Generator()
         loader_gen.manual_seed(spec.seed)
-        self.loader = StatefulDataLoader(list(range(len(rows))), batch_size=s.train_batch_size, sampler=sampler,
-                                         drop_last=True, collate_fn=list, generator=loader_gen)
+        self.loader = StatefulDataLoader(
+            list(range(len(rows))),
+            batch_size=s.train_batch_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=list,
+            generator=loader_gen,
+        )
         self.steps_per_epoch = len(self.loader)
         self.epoch = 0
-        self.ckpt = FSDPCheckpointManager(model=self.model, optimizer=self.optim, lr_scheduler=self.scheduler,
-                                          processing_class=task.hf_tokenizer(), checkpoint_config=None)
-        self.actor_cfg = ActorConfig(strategy=f"fsdp{s.fsdp_version if s.fsdp_version == 2 else ''}",
-                                     rollout_n=s.rollout_n, ppo_mini_batch_size=s.ppo_mini_batch_size,
-                                     ppo_micro_batch_size_per_gpu=s.ppo_mini_batch_size * s.rollout_n,
-                                     clip_ratio=s.clip_ratio, clip_ratio_low=s.clip_ratio,
-                                     clip_ratio_high=s.clip_ratio)
+        self.ckpt = FSDPCheckpointManager(
+            model=self.model,
+            optimizer=self.optim,
+            lr_scheduler=self.scheduler,
+            processing_class=task.hf_tokenizer(),
+            checkpoint_config=None,
+        )
+        self.actor_cfg = ActorConfig(
+            strategy=f"fsdp{s.fsdp_version if s.fsdp_version == 2 else ''}",
+            rollout_n=s.rollout_n,
+            ppo_mini_batch_size=s.ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu=s.ppo_mini_batch_size * s.rollout_n,
+            clip_ratio=s.clip_ratio,
+            clip_ratio_low=s.clip_ratio,
+            clip_ratio_high=s.clip_ratio,
+        )
 
     def _shard(self, model, version: int):
         # A device mesh named as verl names it ("fsdp"), which verl's model merger expects.
@@ -214,8 +242,9 @@ class _TinyGRPO:
         o = self.s.optim
         if o.schedule == "cosine":
             # The horizon is the whole run's total, never a chunk's end.
-            return get_cosine_schedule_with_warmup(self.optim, o.warmup_steps, self.spec.total_steps,
-                                                   min_lr_ratio=o.min_lr_ratio)
+            return get_cosine_schedule_with_warmup(
+                self.optim, o.warmup_steps, self.spec.total_steps, min_lr_ratio=o.min_lr_ratio
+            )
         return get_constant_schedule_with_warmup(self.optim, o.warmup_steps)
 
     # --------------------------------------------------------------------------------- data
@@ -227,15 +256,16 @@ class _TinyGRPO:
 
     # --------------------------------------------------------------------------------- step
     def _logprobs(self, model, seq, prompt_len):
-        logits = model(input_ids=seq).logits[:, prompt_len - 1:-1].float()
+        logits = model(input_ids=seq).logits[:, prompt_len - 1 : -1].float()
         return self.torch.log_softmax(logits, -1).gather(-1, seq[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
 
     def score(self, response: str | None, row: int, step: int) -> float:
         truth = self.truths[row]
         if self.reward_fn is None:
             return task.reward(response, truth)
-        return float(self.reward_fn("tiny_arith", response or "", truth,
-                                    {"split": "train", "index": row, "global_step": step}))
+        return float(
+            self.reward_fn("tiny_arith", response or "", truth, {"split": "train", "index": row, "global_step": step})
+        )
 
     def train_step(self, batch: list[int], step: int = 0) -> dict[str, float]:
         import numpy as np
@@ -259,13 +289,13 @@ class _TinyGRPO:
         resp = seq[:, plen:]
         eos = (resp == task.VOCAB[task.EOS]).int()
         mask = ((eos.cumsum(1) - eos) == 0).float()  # tokens up to and including the first EOS
-        rewards = torch.tensor([self.score(task.decode_response(r.tolist()), i, step)
-                                for r, i in zip(resp, rows, strict=False)])
+        rewards = torch.tensor(
+            [self.score(task.decode_response(r.tolist()), i, step) for r, i in zip(resp, rows, strict=False)]
+        )
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(rewards)), mask.sum(1).long() - 1] = rewards
 
-        adv, _ = get_adv_estimator_fn(s.adv_estimator)(token_level_rewards=token_rewards, response_mask=mask,
-                                                       index=group)
+        adv, _ = get_adv_estimator_fn(s.adv_estimator)(token_level_rewards=token_rewards, response_mask=mask, index=group)
         with torch.no_grad():
             old_lp = self._logprobs(self.model, seq, plen)
             ref_lp = self._logprobs(self.ref, seq, plen)
@@ -285,8 +315,13 @@ class _TinyGRPO:
             kls.append(kl.item())
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        return {"reward_mean": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
-                "loss": sum(losses) / len(losses), "kl": sum(kls) / len(kls), "lr": lr}
+        return {
+            "reward_mean": rewards.mean().item(),
+            "accuracy": (rewards == 1).float().mean().item(),
+            "loss": sum(losses) / len(losses),
+            "kl": sum(kls) / len(kls),
+            "lr": lr,
+        }
 
     # --------------------------------------------------------------------------------- checkpoints
     def save(self, folder, step: int) -> None:
@@ -302,11 +337,11 @@ class _TinyGRPO:
         from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
         from verl.utils.fsdp_utils import get_fsdp_state_ctx
 
-
         actor = folder / "actor"
         name = lambda kind: actor / layout.shard_name(kind, 1, 0)  # noqa: E731
-        with get_fsdp_state_ctx(self.model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
-                                ShardedOptimStateDictConfig()):
+        with get_fsdp_state_ctx(
+            self.model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+        ):
             self.model.load_state_dict(safeload.load(name("model"), mmap=False))
             self.optim.load_state_dict(safeload.load(name("optim"), mmap=False))
         extra = safeload.load(name("extra_state"), mmap=False)

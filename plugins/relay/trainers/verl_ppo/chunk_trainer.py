@@ -92,7 +92,8 @@ class RelayChunkTrainer(PPOTrainerSync):
                     f"verl set total_training_steps {self.total_training_steps} and the optimizer horizon "
                     f"{optim_horizon}; Relay expected the run's {c.total_steps} (x parameter_sync_step "
                     f"{self.parameter_sync_step}). The LR schedule's horizon cannot be guaranteed: refused",
-                    "check trainer.total_training_steps in the overrides; pin verl 0.9.1")
+                    "check trainer.total_training_steps in the overrides; pin verl 0.9.1",
+                )
             # Lower only the loop bound: the horizon was written above, and the workers' schedulers
             # are built from it after this returns.
             self.total_training_steps = c.end_step
@@ -100,8 +101,10 @@ class RelayChunkTrainer(PPOTrainerSync):
             from relay.trainers.verl_ppo.horizon import HorizonError
 
             raise HorizonError(f"verl's loop bound is {self.total_training_steps}, the chunk ends at {c.end_step}")
-        verl_chunk.say(f"chunk trainer: loop stops at step {self.total_training_steps}; LR horizon {optim_horizon} "
-             f"optimizer steps (run total {c.total_steps}, {c.strategy})")
+        verl_chunk.say(
+            f"chunk trainer: loop stops at step {self.total_training_steps}; LR horizon {optim_horizon} "
+            f"optimizer steps (run total {c.total_steps}, {c.strategy})"
+        )
         self._relay_phase("dataloader_ready")
 
     # ---- resume: verl must resume from the checkpoint Relay validated
@@ -120,7 +123,8 @@ class RelayChunkTrainer(PPOTrainerSync):
             raise CheckpointError(
                 f"verl resumed at step {self.global_steps}, but Relay validated step {self.relay.resume_step} "
                 f"in {self.config.trainer.default_local_dir}: the tracker and the folders disagree",
-                "run `python -m relay doctor SPEC --run RUN` and retry the chunk")
+                "run `python -m relay doctor SPEC --run RUN` and retry the chunk",
+            )
         verl_chunk.say(f"verl resumed at step {self.global_steps}" if self.global_steps else "verl starts at step 0")
         self._relay_phase("checkpoint_loaded")
 
@@ -131,8 +135,9 @@ class RelayChunkTrainer(PPOTrainerSync):
     # ---- validation: only at the run's real end unless asked
     def _validate(self, *args, **kwargs):
         if self.relay.skip_validation_at(self.global_steps):
-            verl_chunk.say(f"step {self.global_steps} ends the chunk, not the run: validation skipped "
-                 "(validate_every_chunk: false)")
+            verl_chunk.say(
+                f"step {self.global_steps} ends the chunk, not the run: validation skipped (validate_every_chunk: false)"
+            )
             return {}
         return super()._validate(*args, **kwargs)
 
@@ -222,12 +227,15 @@ def install(chunk: verl_chunk.VerlChunk) -> type:
     cls = RelayChunkTrainer
     current = trainer_base.TRAINER_REGISTRY.get("sync")
     if current is not cls and current is not PPOTrainerSync:
-        raise VerlContractError(f"verl's TRAINER_REGISTRY['sync'] holds {current!r}, not verl's PPOTrainerSync: "
-                                "another plugin replaced it; Relay will not overwrite it",
-                                "remove the other registration, or run this spec without it")
+        raise VerlContractError(
+            f"verl's TRAINER_REGISTRY['sync'] holds {current!r}, not verl's PPOTrainerSync: "
+            "another plugin replaced it; Relay will not overwrite it",
+            "remove the other registration, or run this spec without it",
+        )
     verl_chunk.activate(chunk)
     trainer_base.TRAINER_REGISTRY["sync"] = cls
     if get_trainer_cls("sync") is not cls:
-        raise VerlContractError("verl's get_trainer_cls('sync') does not return the registry's entry",
-                                "pin verl 0.9.1 (Relay's contract tests)")
+        raise VerlContractError(
+            "verl's get_trainer_cls('sync') does not return the registry's entry", "pin verl 0.9.1 (Relay's contract tests)"
+        )
     return cls

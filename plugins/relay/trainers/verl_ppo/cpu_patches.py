@@ -44,6 +44,7 @@ def apply() -> None:
 
     policy = fsdp_engine.CPUOffloadPolicy
     if policy is not None:
+
         def unpinned_cpu_offload_policy(pin_memory: bool = True):
             return policy(pin_memory=False)  # an instance of torch's own class: isinstance checks still hold
 

@@ -75,8 +75,9 @@ class HFServerAdapter(BaseRollout):
         with torch.no_grad():
             for name, tensor in weights:
                 if name not in own:
-                    raise KeyError(f"the actor sent {name!r}, which the rollout model "
-                                   f"{self.model_config.local_path} does not have")
+                    raise KeyError(
+                        f"the actor sent {name!r}, which the rollout model {self.model_config.local_path} does not have"
+                    )
                 own[name].copy_(tensor.to(own[name].dtype))
                 loaded.add(name)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
@@ -88,8 +89,7 @@ class HFServerAdapter(BaseRollout):
                 self.global_steps = int(kwargs["global_steps"])
             self._seen.clear()
 
-    def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any],
-                 sample_id: str | None = None) -> TokenOutput:
+    def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], sample_id: str | None = None) -> TokenOutput:
         """One response to one prompt, sampled with a generator of its own (see the module's docstring).
         sample_id: the request's identity (dataset index/place in group); without it, the prompt and how many
         responses it had in this step so far (then the order requests arrive in matters)."""
@@ -101,14 +101,26 @@ class HFServerAdapter(BaseRollout):
                 self._seen[key] = nth + 1
                 sample_id = f"prompt:{key}:{nth}"
         seed = seed_of(self.config.seed, step, sample_id)
-        max_new = int(sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens")
-                      or self.config.response_length)
-        tokens, logps = sample(self.model, prompt_ids, max_new, self.eos_ids, seed,
-                               temperature=float(sampling_params.get("temperature", 1.0)),
-                               top_k=int(sampling_params.get("top_k", -1) or -1),
-                               top_p=float(sampling_params.get("top_p", 1.0) or 1.0))
-        return TokenOutput(token_ids=tokens, log_probs=logps if sampling_params.get("logprobs") else None,
-                           stop_reason="completed", num_preempted=0, extra_fields={"global_steps": step})
+        max_new = int(
+            sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens") or self.config.response_length
+        )
+        tokens, logps = sample(
+            self.model,
+            prompt_ids,
+            max_new,
+            self.eos_ids,
+            seed,
+            temperature=float(sampling_params.get("temperature", 1.0)),
+            top_k=int(sampling_params.get("top_k", -1) or -1),
+            top_p=float(sampling_params.get("top_p", 1.0) or 1.0),
+        )
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logps if sampling_params.get("logprobs") else None,
+            stop_reason="completed",
+            num_preempted=0,
+            extra_fields={"global_steps": step},
+        )
 
 
 def _eos_ids(model_config, model) -> set[int]:
@@ -126,8 +138,10 @@ def _eos_ids(model_config, model) -> set[int]:
 def _generate_in_worker(_worker, prompt_ids, sampling_params, sample_id) -> TokenOutput:
     """Run by Ray's __ray_call__ inside the hybrid worker's process, where the adapter lives."""
     if _ADAPTER is None:
-        raise RuntimeError("no hf rollout in this worker: actor_rollout_ref.rollout.name must be 'hf' "
-                           "and the worker's init_model must have run")
+        raise RuntimeError(
+            "no hf rollout in this worker: actor_rollout_ref.rollout.name must be 'hf' "
+            "and the worker's init_model must have run"
+        )
     return _ADAPTER.generate(prompt_ids, sampling_params, sample_id)
 
 
@@ -170,10 +184,17 @@ class HFRolloutServer:
     def __init__(self, worker):
         self.worker = worker
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
-                       relay_sample: str | None = None, **_multimodal) -> TokenOutput:
-        return await self.worker.__ray_call__.remote(_generate_in_worker, list(prompt_ids), dict(sampling_params),
-                                                     relay_sample)
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        relay_sample: str | None = None,
+        **_multimodal,
+    ) -> TokenOutput:
+        return await self.worker.__ray_call__.remote(
+            _generate_in_worker, list(prompt_ids), dict(sampling_params), relay_sample
+        )
 
     # What verl asks of every server between steps: nothing to free or resume here.
     async def wake_up(self):
@@ -213,8 +234,10 @@ class HFReplica(RolloutReplica):
 
     async def launch_servers(self):
         if len(self.workers) != 1:
-            raise ValueError(f"the hf rollout serves from one hybrid worker per replica, got {len(self.workers)}: "
-                             "set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
+            raise ValueError(
+                f"the hf rollout serves from one hybrid worker per replica, got {len(self.workers)}: "
+                "set actor_rollout_ref.rollout.tensor_model_parallel_size=1"
+            )
         worker = self.workers[0]
         node = await worker.__ray_call__.remote(_node_id)
         server = _SERVER_ACTOR.options(
@@ -227,4 +250,3 @@ class HFReplica(RolloutReplica):
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
-

@@ -16,8 +16,17 @@ def seed_of(base: int, step: int, sample_id: str) -> int:
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: list[int], max_new: int, eos_ids: set[int], seed: int, *, temperature: float = 1.0,
-           top_k: int = -1, top_p: float = 1.0) -> tuple[list[int], list[float]]:
+def sample(
+    model,
+    prompt_ids: list[int],
+    max_new: int,
+    eos_ids: set[int],
+    seed: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+) -> tuple[list[int], list[float]]:
     """Autoregressive sampling with a KV cache. temperature 0 is greedy (verl's validation)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)

@@ -49,6 +49,7 @@ def describe_schedule(optim, horizon: int) -> str:
 
 # ------------------------------------------------------------------------------ verl's contract
 
+
 def registry_problems() -> list[str]:
     """What Relay needs to register its trainer where verl's TaskRunner looks (empty: all there)."""
     problems = []
@@ -72,11 +73,12 @@ def registry_problems() -> list[str]:
         # The file's text, not inspect.getsource: once Ray has pickled the class by value, inspect may
         # no longer find its source in this process.
         text = Path(main_ppo.__file__).read_text()
-        body = text[text.find(f"class {runner.__name__}"):]
-        body = body[:body.find("\n@hydra.main")] if "\n@hydra.main" in body else body
+        body = text[text.find(f"class {runner.__name__}") :]
+        body = body[: body.find("\n@hydra.main")] if "\n@hydra.main" in body else body
         if "get_trainer_cls(config.trainer.v1.trainer_mode)" not in body or "def run(self, config" not in body:
-            problems.append("TaskRunnerV1.run no longer looks the trainer up with "
-                            "get_trainer_cls(config.trainer.v1.trainer_mode)")
+            problems.append(
+                "TaskRunnerV1.run no longer looks the trainer up with get_trainer_cls(config.trainer.v1.trainer_mode)"
+            )
     except (AttributeError, TypeError, OSError) as e:
         problems.append(f"verl's TaskRunnerV1 cannot be subclassed as Relay does ({e})")
     return problems
@@ -106,8 +108,7 @@ def _loop_bound_problems() -> tuple[str, ...]:
     init_dl, fit, setup = source("_init_dataloader"), source("fit"), source("_setup")
     for needle, where, text in (
         ("self.total_training_steps = total_training_steps", "_init_dataloader", init_dl),
-        ("actor_rollout_ref.actor.optim.total_training_steps = optim_total_training_steps", "_init_dataloader",
-         init_dl),
+        ("actor_rollout_ref.actor.optim.total_training_steps = optim_total_training_steps", "_init_dataloader", init_dl),
         ("self.global_steps <= self.total_training_steps", "fit", fit),
         ("is_last_step = self.global_steps >= self.total_training_steps", "fit", fit),
     ):
@@ -116,8 +117,10 @@ def _loop_bound_problems() -> tuple[str, ...]:
     if setup:
         first_dl, first_wg = setup.find("self._init_dataloader()"), setup.find("RayWorkerGroup(")
         if first_dl < 0 or first_wg < 0 or first_dl > first_wg:
-            problems.append("PPOTrainer._setup no longer builds the dataloader before the worker groups "
-                            "(whose LR schedulers read the horizon)")
+            problems.append(
+                "PPOTrainer._setup no longer builds the dataloader before the worker groups "
+                "(whose LR schedulers read the horizon)"
+            )
     return tuple(problems)
 
 
@@ -134,10 +137,12 @@ def chunk_strategy(spec, problems: list[str] | None = None) -> str:
 
         raise HorizonError(
             f"verl {version('verl')}'s trainer no longer matches what Relay relies on to keep the LR schedule's "
-            f"horizon at the run's {spec.total_steps} steps while a chunk stops early: " + "; ".join(problems)
+            f"horizon at the run's {spec.total_steps} steps while a chunk stops early: "
+            + "; ".join(problems)
             + f". The schedule {describe_schedule(s.optim, spec.total_steps)} depends on the horizon, so running "
-              "it in chunks would quietly change the LR; refused",
+            "it in chunks would quietly change the LR; refused",
             "use mode: supervised (one job to the end, no loop change), or a horizon-independent schedule "
             "(lr_scheduler_type: constant with an absolute lr_warmup_steps), or the verl version Relay's contract "
-            "tests pin (0.9.1)")
+            "tests pin (0.9.1)",
+        )
     return TOTAL_STEPS

@@ -63,7 +63,8 @@ def check_tracker_agrees(run_dir: Path, resume_step: int) -> None:
         raise CheckpointError(
             f"verl would resume from {found or 'scratch (step 0)'}, but Relay validated "
             f"{want or 'no checkpoint (step 0)'} in {run_dir}: the tracker and the folders disagree",
-            f"run `python -m relay checkpoint validate {run_dir}` and retry the chunk")
+            f"run `python -m relay checkpoint validate {run_dir}` and retry the chunk",
+        )
 
 
 def check_parallelism(spec, run_dir: Path, resume_step: int, report=None) -> None:
@@ -80,8 +81,10 @@ def check_parallelism(spec, run_dir: Path, resume_step: int, report=None) -> Non
     if have[0] is not None and tuple(map(lambda x: int(x) if x is not None else None, have)) != want:
         shard = layout.shard_name("model", int(have[0]), 0)
         raise SpecError(
-            spec.source, "trainer.settings",
+            spec.source,
+            "trainer.settings",
             f"the spec asks for world size {want[0]} (nnodes {s.nnodes} x n_gpus_per_node {s.n_gpus_per_node}), "
             f"FSDP{want[1]}; step {resume_step}'s shards are world size {have[0]}, FSDP{have[1]} ({shard})",
             f"set nnodes x n_gpus_per_node = {have[0]} and fsdp_version: {have[1]} again: verl's FSDP checkpoints do "
-            "not reshard on load (a different world size is a new run)")
+            "not reshard on load (a different world size is a new run)",
+        )

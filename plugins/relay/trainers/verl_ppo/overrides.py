@@ -36,8 +36,11 @@ from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
 from relay.trainers.verl_ppo.verl_contract import HF_AGENT_LOOP, HF_ROLLOUT
 
 # the only '+' overrides: not in verl's yaml, their parent is
-ADDED_KEYS = ("ray_kwargs.ray_init.address", "actor_rollout_ref.model.override_config.attn_implementation",
-              "critic.model.override_config.attn_implementation")
+ADDED_KEYS = (
+    "ray_kwargs.ray_init.address",
+    "actor_rollout_ref.model.override_config.attn_implementation",
+    "critic.model.override_config.attn_implementation",
+)
 
 
 def verl_config_dir() -> Path:
@@ -68,9 +71,13 @@ def save_freq(spec) -> int:
         freq = s.save_freq or spec.chunk_steps
         # (the job itself sees the whole run as one chunk, its save_freq already checked by the DAG)
         if spec.chunk_steps < spec.total_steps and spec.chunk_steps % freq:
-            raise SpecError(spec.source, "trainer.settings.save_freq",
-                            f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}: in supervised mode "
-                            "every chunk's end step must be saved", f"use a divisor of {spec.chunk_steps}, or 0")
+            raise SpecError(
+                spec.source,
+                "trainer.settings.save_freq",
+                f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}: in supervised mode "
+                "every chunk's end step must be saved",
+                f"use a divisor of {spec.chunk_steps}, or 0",
+            )
         return freq
     return s.save_freq or spec.chunk_steps
 
@@ -86,8 +93,14 @@ def test_freq(spec) -> int:
     return s.test_freq if s.test_freq > 0 else spec.total_steps + 1
 
 
-def chunk_overrides(run: Run, *, first_step_of_run: bool, data: dict[str, list[str]],
-                    strategy: str = "loop_bound", end_step: int | None = None) -> list[str]:
+def chunk_overrides(
+    run: Run,
+    *,
+    first_step_of_run: bool,
+    data: dict[str, list[str]],
+    strategy: str = "loop_bound",
+    end_step: int | None = None,
+) -> list[str]:
     """verl's overrides for one chunk (chunked mode) or the one job (supervised mode).
 
     first_step_of_run: the job starts at step 0 (only then does val_before_train apply).
@@ -97,12 +110,20 @@ def chunk_overrides(run: Run, *, first_step_of_run: bool, data: dict[str, list[s
     spec = run.spec
     s = spec.settings
     if not data.get("val"):
-        raise SpecError(spec.source, "data.val_files", "verl's main_ppo needs validation files",
-                        "add data.val_files (e.g. GSM8K's test split)")
+        raise SpecError(
+            spec.source,
+            "data.val_files",
+            "verl's main_ppo needs validation files",
+            "add data.val_files (e.g. GSM8K's test split)",
+        )
     run_dir = run.dir
     if not run_dir.is_absolute():
-        raise SpecError(spec.source, "checkpoint_dir", f"{run_dir} is not absolute",
-                        "use an absolute checkpoint_dir on storage that every node mounts")
+        raise SpecError(
+            spec.source,
+            "checkpoint_dir",
+            f"{run_dir} is not absolute",
+            "use an absolute checkpoint_dir on storage that every node mounts",
+        )
     total = end_step if strategy == TOTAL_STEPS else spec.total_steps
     o = s.optim
     out = {
@@ -164,8 +185,7 @@ def chunk_overrides(run: Run, *, first_step_of_run: bool, data: dict[str, list[s
     if s.rollout_name == HF_ROLLOUT:
         out["actor_rollout_ref.rollout.agent.default_agent_loop"] = HF_AGENT_LOOP
     if s.has_critic:
-        out.update({"critic.model.path": s.model_path, "critic.strategy": s.strategy,
-                    "critic.checkpoint.async_save": False})
+        out.update({"critic.model.path": s.model_path, "critic.strategy": s.strategy, "critic.checkpoint.async_save": False})
     lines = [f"{k}={quote(v)}" for k, v in out.items()]
     lines.append(f"+ray_kwargs.ray_init.address={quote(s.ray_address)}")
     if s.attention:

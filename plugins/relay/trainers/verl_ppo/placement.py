@@ -25,11 +25,15 @@ class PlacementError(RelayError):
     retry_helps = True
 
 
-def placement_groups(pool_spec: dict[str, list[int]], max_colocate_count: int,
-                     accelerator: str) -> list[tuple[str, dict[str, float]]]:
+def placement_groups(
+    pool_spec: dict[str, list[int]], max_colocate_count: int, accelerator: str
+) -> list[tuple[str, dict[str, float]]]:
     """(pool name, what one node must hold) for each placement group verl will create."""
-    return [(pool, {"CPU": float(max_colocate_count * workers), accelerator: float(workers)})
-            for pool, per_node in pool_spec.items() for workers in per_node]
+    return [
+        (pool, {"CPU": float(max_colocate_count * workers), accelerator: float(workers)})
+        for pool, per_node in pool_spec.items()
+        for workers in per_node
+    ]
 
 
 def unplaceable(groups: list[tuple[str, dict[str, float]]], nodes: list[dict[str, float]]) -> list[str]:
@@ -41,8 +45,7 @@ def unplaceable(groups: list[tuple[str, dict[str, float]]], nodes: list[dict[str
     return out
 
 
-def check(pool_spec: dict[str, list[int]], max_colocate_count: int, accelerator: str,
-          nodes: list[dict[str, float]]) -> None:
+def check(pool_spec: dict[str, list[int]], max_colocate_count: int, accelerator: str, nodes: list[dict[str, float]]) -> None:
     """Raise PlacementError when some placement group verl will wait for can never be placed."""
     missing = unplaceable(placement_groups(pool_spec, max_colocate_count, accelerator), nodes)
     if not missing:
@@ -54,7 +57,8 @@ def check(pool_spec: dict[str, list[int]], max_colocate_count: int, accelerator:
         f"{have}",
         "give the cluster such a node (on a CPU node: start the head with --num-gpus=N for N logical GPUs, "
         "and enough --num-cpus), or ask for fewer workers per node (trainer.n_gpus_per_node); verl would "
-        "otherwise wait for them forever")
+        "otherwise wait for them forever",
+    )
 
 
 def _resources(r: dict[str, float]) -> str:

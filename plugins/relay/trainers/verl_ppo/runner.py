@@ -36,8 +36,9 @@ def relay_task_runner() -> type:
 
             chunk = verl_chunk.detach(config)
             if chunk is None:
-                raise RelayError("verl's config carries no Relay chunk", "start main_ppo through Relay's entrypoint",
-                                 retry_helps=False)
+                raise RelayError(
+                    "verl's config carries no Relay chunk", "start main_ppo through Relay's entrypoint", retry_helps=False
+                )
             chunk_trainer.install(chunk)
             tracking.apply_env(chunk.tracking_env)
             return super().run(config)

@@ -17,17 +17,44 @@ from relay.spec.model import StrictModel, critical
 
 # Hydra override keys Relay sets from the spec and the chunk; a spec's `overrides` may not name them.
 RELAY_OWNED_KEYS = (
-    "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.save_freq",
-    "trainer.total_training_steps", "trainer.total_epochs", "trainer.val_before_train", "trainer.test_freq",
-    "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.nnodes",
-    "trainer.n_gpus_per_node", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
-    "trainer.remove_previous_ckpt_in_save", "trainer.del_local_ckpt_after_load", "trainer.default_hdfs_dir",
-    "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.val_only", "trainer.device",
-    "data.train_files", "data.val_files", "data.train_batch_size", "data.shuffle", "data.seed",
-    "data.max_prompt_length", "data.max_response_length", "data.train_max_samples",
-    "actor_rollout_ref.model.path", "actor_rollout_ref.actor.strategy", "actor_rollout_ref.actor.optim",
-    "actor_rollout_ref.actor.checkpoint.async_save", "actor_rollout_ref.rollout.name",
-    "actor_rollout_ref.rollout.n", "algorithm.adv_estimator", "critic.optim.total_training_steps",
+    "trainer.default_local_dir",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+    "trainer.save_freq",
+    "trainer.total_training_steps",
+    "trainer.total_epochs",
+    "trainer.val_before_train",
+    "trainer.test_freq",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.logger",
+    "trainer.nnodes",
+    "trainer.n_gpus_per_node",
+    "trainer.max_actor_ckpt_to_keep",
+    "trainer.max_critic_ckpt_to_keep",
+    "trainer.remove_previous_ckpt_in_save",
+    "trainer.del_local_ckpt_after_load",
+    "trainer.default_hdfs_dir",
+    "trainer.use_v1",
+    "trainer.v1.trainer_mode",
+    "trainer.val_only",
+    "trainer.device",
+    "data.train_files",
+    "data.val_files",
+    "data.train_batch_size",
+    "data.shuffle",
+    "data.seed",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.train_max_samples",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.actor.optim",
+    "actor_rollout_ref.actor.checkpoint.async_save",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.n",
+    "algorithm.adv_estimator",
+    "critic.optim.total_training_steps",
     "ray_kwargs.ray_init.address",
 )
 _OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)=(.*)$", re.DOTALL)
@@ -38,8 +65,7 @@ class VerlOptimSettings(StrictModel):
     always the run's total_steps, whatever the chunk."""
 
     lr: float = Field(1e-6, gt=0, description="peak learning rate")
-    lr_scheduler_type: Literal["constant", "cosine"] = Field("constant", description="verl's LR schedule, with "
-                                                               "warmup")
+    lr_scheduler_type: Literal["constant", "cosine"] = Field("constant", description="verl's LR schedule, with warmup")
     lr_warmup_steps: int = Field(-1, description="absolute warmup steps; <= 0 uses lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = Field(0.0, ge=0, le=1, description="warmup as a share of the run's total steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the LR's floor, as a share of lr")
@@ -64,19 +90,29 @@ class VerlPPOSettings(StrictModel):
     """verl's main_ppo (v1 sync trainer) on a GPU Ray cluster, one Ray job per chunk or one supervised job."""
 
     mode: Literal["chunked", "supervised"] = Field(
-        "chunked", description="chunked: one Ray job per chunk, each stops at the chunk's end step; supervised: "
-                               "one long job saving every chunk_steps, each chunk task waits for its checkpoint")
+        "chunked",
+        description="chunked: one Ray job per chunk, each stops at the chunk's end step; supervised: "
+        "one long job saving every chunk_steps, each chunk task waits for its checkpoint",
+    )
     model_path: str = critical(min_length=1, description="Hugging Face model folder on shared storage")
-    tiny_model: bool = critical(False, description="make Relay's tiny Qwen2 model (relay model tiny: no download) "
-                                                   "at model_path when it is missing; for trials on a CPU")
+    tiny_model: bool = critical(
+        False,
+        description="make Relay's tiny Qwen2 model (relay model tiny: no download) "
+        "at model_path when it is missing; for trials on a CPU",
+    )
     device: Literal["cuda", "cpu"] = critical(
-        "cuda", description="cpu: verl's trainer on CPUs through Relay's cpu platform (gloo, logical GPUs, "
-                            "rollout_name hf); cuda: a GPU cluster")
+        "cuda",
+        description="cpu: verl's trainer on CPUs through Relay's cpu platform (gloo, logical GPUs, "
+        "rollout_name hf); cuda: a GPU cluster",
+    )
     attn_implementation: Literal["flash_attention_2", "sdpa", "eager"] | None = critical(
-        None, description="the model's attention; default: verl's (flash_attention_2, which needs flash-attn in "
-                          "the image) on cuda, sdpa on cpu")
+        None,
+        description="the model's attention; default: verl's (flash_attention_2, which needs flash-attn in "
+        "the image) on cuda, sdpa on cpu",
+    )
     rollout_name: Literal["vllm", "sglang", "hf"] = critical(
-        "vllm", description="vllm | sglang (GPU engines) | hf: transformers' generate(), for the tiny model on a CPU")
+        "vllm", description="vllm | sglang (GPU engines) | hf: transformers' generate(), for the tiny model on a CPU"
+    )
     fsdp_version: Literal[1, 2] = critical(2, description="1: strategy fsdp, 2: fsdp2")
     nnodes: int = critical(1, ge=1, description="nodes of the training world (world size = nnodes x n_gpus_per_node)")
     n_gpus_per_node: int = critical(8, ge=1, description="GPUs per node")
@@ -92,41 +128,59 @@ class VerlPPOSettings(StrictModel):
     use_kl_loss: bool = critical(True, description="a KL loss against the reference model")
     kl_loss_coef: float = critical(0.001, ge=0, description="its weight")
     kl_loss_type: str = critical("low_var_kl", description="verl's KL estimator")
-    use_kl_in_reward: bool = critical(False, description="a KL penalty in the reward instead (verl's "
-                                                         "algorithm.use_kl_in_reward)")
+    use_kl_in_reward: bool = critical(
+        False, description="a KL penalty in the reward instead (verl's algorithm.use_kl_in_reward)"
+    )
     total_epochs: int = critical(15, gt=0, description="passes over the training data")
     shuffle: bool = critical(True, description="shuffle the data each epoch (seeded by the run's seed)")
-    optim: VerlOptimSettings = critical(default_factory=VerlOptimSettings, description="the actor's optimizer and LR "
-       "schedule")
-    project_name: str | None = critical(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
-                                        description="tracking project; default relay-<spec name>")
-    experiment_name: str | None = critical(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
-                                           description="tracking experiment; default the run's name")
-    overrides: list[str] = critical(default_factory=list, description="more Hydra overrides of verl's config "
-                                                                       "(key=value, keys that exist in verl's "
-                                                                       "ppo_trainer.yaml)")
+    optim: VerlOptimSettings = critical(
+        default_factory=VerlOptimSettings, description="the actor's optimizer and LR schedule"
+    )
+    project_name: str | None = critical(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="tracking project; default relay-<spec name>"
+    )
+    experiment_name: str | None = critical(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="tracking experiment; default the run's name"
+    )
+    overrides: list[str] = critical(
+        default_factory=list,
+        description="more Hydra overrides of verl's config (key=value, keys that exist in verl's ppo_trainer.yaml)",
+    )
     # Not resume-critical: speed and memory knobs, logging, validation, saving.
-    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0, description="samples per GPU per forward/backward (memory, "
-                                                                    "not the math)")
+    ppo_micro_batch_size_per_gpu: int = Field(
+        16, gt=0, description="samples per GPU per forward/backward (memory, not the math)"
+    )
     log_prob_micro_batch_size_per_gpu: int = Field(32, gt=0, description="samples per GPU when computing log-probabilities")
     tensor_model_parallel_size: int = Field(2, ge=1, description="rollout tensor parallelism")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="share of each GPU the rollout engine takes")
     logger: list[TrackingBackend] = Field(default_factory=_console_only, description="verl's tracking backends")
     test_freq: int = Field(-1, description="validate every N steps (verl's test_freq); <= 0: only at the run's end")
-    validate_every_chunk: bool = Field(False, description="also validate at every chunk's end (verl validates on "
-                                                          "its last step; only the run's real end does by default)")
+    validate_every_chunk: bool = Field(
+        False,
+        description="also validate at every chunk's end (verl validates on "
+        "its last step; only the run's real end does by default)",
+    )
     val_before_train: bool = Field(True, description="validate before the first step (only ever in chunk 1)")
-    save_freq: int = Field(0, ge=0, description="also save every N steps inside a chunk (0: at each chunk's "
-                                                "end). In supervised mode it must divide chunk_steps")
-    ray_address: str = Field("auto", min_length=1, description="what the job's ray.init attaches to: the cluster "
-                                                               "the job runs on ('auto'), never a new local one")
+    save_freq: int = Field(
+        0,
+        ge=0,
+        description="also save every N steps inside a chunk (0: at each chunk's "
+        "end). In supervised mode it must divide chunk_steps",
+    )
+    ray_address: str = Field(
+        "auto",
+        min_length=1,
+        description="what the job's ray.init attaches to: the cluster the job runs on ('auto'), never a new local one",
+    )
 
     @field_validator("model_path")
     @classmethod
     def _model_path_is_plain(cls, v: str) -> str:
         if "${" in v or not v.startswith("/"):
-            raise ValueError("give the model's absolute path on shared storage (settings are not expanded, and verl "
-                             "would read ${...} as an interpolation)")
+            raise ValueError(
+                "give the model's absolute path on shared storage (settings are not expanded, and verl "
+                "would read ${...} as an interpolation)"
+            )
         return v
 
     @field_validator("overrides")
@@ -135,22 +189,28 @@ class VerlPPOSettings(StrictModel):
         for item in v:
             m = _OVERRIDE.match(item.strip())
             if not m:
-                raise ValueError(f"override {item!r} is not key=value with a key of verl's ppo_trainer.yaml (no +, ~ "
-                                 "or ++: every key must already exist in verl's config)")
+                raise ValueError(
+                    f"override {item!r} is not key=value with a key of verl's ppo_trainer.yaml (no +, ~ "
+                    "or ++: every key must already exist in verl's config)"
+                )
             key = m.group(1)
-            owned = next((k for k in RELAY_OWNED_KEYS if key == k or key.startswith(k + ".") or k.startswith(key + ".")),
-                         None)
+            owned = next(
+                (k for k in RELAY_OWNED_KEYS if key == k or key.startswith(k + ".") or k.startswith(key + ".")), None
+            )
             if owned:
-                raise ValueError(f"override {item!r} sets {owned}, which Relay sets from the spec and the chunk "
-                                 "(use the spec's own keys: total_steps, chunk_steps, checkpoint_dir, data, "
-                                 "trainer.settings)")
+                raise ValueError(
+                    f"override {item!r} sets {owned}, which Relay sets from the spec and the chunk "
+                    "(use the spec's own keys: total_steps, chunk_steps, checkpoint_dir, data, "
+                    "trainer.settings)"
+                )
         return v
 
     @model_validator(mode="after")
     def _cpu_rollout(self) -> VerlPPOSettings:
         if self.device == "cpu" and self.rollout_name != "hf":
-            raise ValueError(f"device cpu generates with rollout_name hf (transformers in verl's worker); "
-                             f"{self.rollout_name} needs GPUs")
+            raise ValueError(
+                f"device cpu generates with rollout_name hf (transformers in verl's worker); {self.rollout_name} needs GPUs"
+            )
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             raise ValueError("flash_attention_2 needs a GPU: on device cpu use sdpa or eager")
         return self
@@ -163,8 +223,9 @@ class VerlPPOSettings(StrictModel):
     @model_validator(mode="after")
     def _batches(self) -> VerlPPOSettings:
         if self.train_batch_size % self.ppo_mini_batch_size:
-            raise ValueError(f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide train_batch_size "
-                             f"({self.train_batch_size})")
+            raise ValueError(
+                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide train_batch_size ({self.train_batch_size})"
+            )
         return self
 
     @property

@@ -30,12 +30,14 @@ def smoke(spec, step_dir: Path) -> str:
         return f"skipped: world size {world_size} (the smoke check loads a whole model from one shard)"
     shard = actor / layout.shard_name("model", 1, 0)
     if shard.stat().st_size > MAX_BYTES:
-        return (f"skipped: the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the smoke check loads models "
-                "under 2 GiB)")
+        return (
+            f"skipped: the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the smoke check loads models under 2 GiB)"
+        )
     hf = actor / "huggingface"
     config = AutoConfig.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.settings.attention or "sdpa",
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=spec.settings.attention or "sdpa", dtype=torch.float32
+    )
     state = safeload.load(shard, mmap=True)
     state = {k: (v.to_local() if hasattr(v, "to_local") else v).float() for k, v in state.items()}
     if getattr(config, "tie_word_embeddings", False):

@@ -59,9 +59,15 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
-                                   additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE,
-                                   model_max_length=TinyModelShape.max_positions, padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=TinyModelShape.max_positions,
+        padding_side="left",
+    )
 
 
 def make_tiny_model(folder: Path, shape: TinyModelShape = TINY) -> Path:
@@ -71,15 +77,27 @@ def make_tiny_model(folder: Path, shape: TinyModelShape = TINY) -> Path:
 
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()):
-        raise RelayError(f"{folder} is not empty: a tiny model is only written into a new folder",
-                         "give a new folder, or remove this one if it holds nothing you need", retry_helps=False)
+        raise RelayError(
+            f"{folder} is not empty: a tiny model is only written into a new folder",
+            "give a new folder, or remove this one if it holds nothing you need",
+            retry_helps=False,
+        )
     tokenizer = byte_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.max_positions, tie_word_embeddings=False,
-        architectures=["Qwen2ForCausalLM"], bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, attn_implementation="sdpa", torch_dtype="float32",
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
+        torch_dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
         torch.manual_seed(shape.seed)

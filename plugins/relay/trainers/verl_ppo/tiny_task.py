@@ -53,17 +53,21 @@ def _problems(rng: random.Random, rows: int, exclude: set[tuple[int, int]]) -> l
 
 
 def _records(pairs: list[tuple[int, int]], split: str) -> list[dict]:
-    return [{
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": question(a, b)}],
-        "ability": ABILITY,
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"split": split, "index": i, "question": question(a, b), "answer": str(a + b)},
-    } for i, (a, b) in enumerate(pairs)]
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": question(a, b)}],
+            "ability": ABILITY,
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": split, "index": i, "question": question(a, b), "answer": str(a + b)},
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
 
 
-def make_dataset(folder: str | os.PathLike, train_rows: int = 256, val_rows: int = 16,
-                 seed: int = 0) -> dict[str, list[str]]:
+def make_dataset(
+    folder: str | os.PathLike, train_rows: int = 256, val_rows: int = 16, seed: int = 0
+) -> dict[str, list[str]]:
     """Write train.parquet and val.parquet into `folder` (created); the same rows for the same seed.
 
     Validation problems never appear in train (held out), so validation measures more than recall.
@@ -73,12 +77,19 @@ def make_dataset(folder: str | os.PathLike, train_rows: int = 256, val_rows: int
     import pyarrow.parquet as pq
 
     if train_rows < 1 or val_rows < 1:
-        raise RelayError(f"tiny dataset: train_rows ({train_rows}) and val_rows ({val_rows}) must be >= 1",
-                         "ask for at least one row of each", retry_helps=False)
+        raise RelayError(
+            f"tiny dataset: train_rows ({train_rows}) and val_rows ({val_rows}) must be >= 1",
+            "ask for at least one row of each",
+            retry_helps=False,
+        )
     pairs_available = (MAX_OPERAND + 1) ** 2
     if train_rows + val_rows > pairs_available:
-        raise RelayError(f"tiny dataset: {train_rows} + {val_rows} rows, but only {pairs_available} distinct "
-                         "problems exist to hold validation out of train", "ask for fewer rows", retry_helps=False)
+        raise RelayError(
+            f"tiny dataset: {train_rows} + {val_rows} rows, but only {pairs_available} distinct "
+            "problems exist to hold validation out of train",
+            "ask for fewer rows",
+            retry_helps=False,
+        )
     rng = random.Random(seed)  # one stream: val drawn first, then train without the val problems
     val = _problems(rng, val_rows, set())
     train = _problems(rng, train_rows, set(val))
@@ -95,8 +106,7 @@ def make_dataset(folder: str | os.PathLike, train_rows: int = 256, val_rows: int
     return out
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
-                  **kwargs) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs) -> float:
     """The reward of one response, in [0, 1]; 1.0 only for exactly the answer.
 
     Partial credit (at most 0.9 without exactly the answer), so that a random model's responses differ:
@@ -109,10 +119,12 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     are not used.
     """
     if data_source != DATA_SOURCE:
-        raise RelayError(f"the tiny arithmetic reward was asked to score data_source {data_source!r}; it only "
-                         f"knows {DATA_SOURCE!r}",
-                         "point reward.custom_reward_function at the reward of that data, or make the data with "
-                         "relay.trainers.verl_ppo.tiny_task.make_dataset", retry_helps=False)
+        raise RelayError(
+            f"the tiny arithmetic reward was asked to score data_source {data_source!r}; it only knows {DATA_SOURCE!r}",
+            "point reward.custom_reward_function at the reward of that data, or make the data with "
+            "relay.trainers.verl_ppo.tiny_task.make_dataset",
+            retry_helps=False,
+        )
     truth = str(ground_truth).strip()
     text = (solution_str or "").strip()
     if text == truth:

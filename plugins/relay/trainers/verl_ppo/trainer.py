@@ -49,9 +49,13 @@ def resolved_settings(spec, train_rows: int | None = None) -> dict:
     """What the trainer derives from the spec and would run with, beyond the spec's own keys."""
 
     s = spec.settings
-    out = {"resolved.world_size": s.world_size, "resolved.fsdp_version": s.fsdp_version,
-           "resolved.lr_horizon": spec.total_steps, "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
-           "resolved.lr_schedule": describe_schedule(s.optim, spec.total_steps)}
+    out = {
+        "resolved.world_size": s.world_size,
+        "resolved.fsdp_version": s.fsdp_version,
+        "resolved.lr_horizon": spec.total_steps,
+        "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
+        "resolved.lr_schedule": describe_schedule(s.optim, spec.total_steps),
+    }
     if train_rows is not None:
         out["resolved.steps_per_epoch"] = train_rows // s.train_batch_size
     return out
@@ -66,8 +70,7 @@ def job_env(req: ChunkRequest) -> dict[str, str]:
     """
 
     cpu = verl_contract.CPU_PLATFORM_ENV if req.spec.settings.device == "cpu" else {}
-    return {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1", **cpu,
-            **tracking.job_env(req.run)}
+    return {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HYDRA_FULL_ERROR": "1", **cpu, **tracking.job_env(req.run)}
 
 
 def tracking_env(req: ChunkRequest) -> dict[str, str]:
@@ -83,17 +86,21 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     if req.lease_token is None:
         req.lease_token = Lease(run_dir, incarnation=req.run.incarnation).acquire(
-            f"local:{socket.gethostname()}:{os.getpid()}")
+            f"local:{socket.gethostname()}:{os.getpid()}"
+        )
     moved = hygiene.remove_rollout_state(run_dir)  # before anything validates or loads the folders
     # verl trains in its TaskRunner actor, which Ray does not signal: a SIGTERM here, once verl's loop runs (its
     # first_step_begins mark), is passed on through the attempt's stop file, which the actor reads after each step
     # (relay.trainers.stopping); before it, the driver ends at once.
-    session = ChunkSession(req, forward_stop=lambda why: stopping.request_stop(run_dir, req.attempt, why),
-                           training_started=lambda: "first_step_begins" in phase_marks(read_events(run_dir),
-                                                                                       req.attempt))
+    session = ChunkSession(
+        req,
+        forward_stop=lambda why: stopping.request_stop(run_dir, req.attempt, why),
+        training_started=lambda: "first_step_begins" in phase_marks(read_events(run_dir), req.attempt),
+    )
     if moved:
-        session.say(f"moved rollout-engine state out of the checkpoints (kept in .relay/{hygiene.ASIDE}/): "
-                    + ", ".join(moved))
+        session.say(
+            f"moved rollout-engine state out of the checkpoints (kept in .relay/{hygiene.ASIDE}/): " + ", ".join(moved)
+        )
     start = session.resume_step
     if start >= req.to_step:
         session.say(f"run {req.run.name} already reached step {start} >= {req.to_step}: nothing to train")
@@ -107,29 +114,44 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
 
     problems = horizon.registry_problems()
     if problems:
-        raise verl_contract.VerlContractError("Relay cannot install its chunk trainer where verl looks for it: "
-                                                      + "; ".join(problems), "pin verl 0.9.1 in the cluster image")
+        raise verl_contract.VerlContractError(
+            "Relay cannot install its chunk trainer where verl looks for it: " + "; ".join(problems),
+            "pin verl 0.9.1 in the cluster image",
+        )
     strategy = horizon.LOOP_BOUND if s.mode == "supervised" else horizon.chunk_strategy(spec)
     if strategy != horizon.LOOP_BOUND:
-        session.say(f"verl's loop bound cannot be lowered safely here; the schedule "
-                    f"{horizon.describe_schedule(s.optim, spec.total_steps)} does not depend on the horizon, so "
-                    f"the chunk ends through total_training_steps={req.to_step}")
+        session.say(
+            f"verl's loop bound cannot be lowered safely here; the schedule "
+            f"{horizon.describe_schedule(s.optim, spec.total_steps)} does not depend on the horizon, so "
+            f"the chunk ends through total_training_steps={req.to_step}"
+        )
     data = session.data_files()
     if s.tiny_model:
         from relay.trainers.verl_ppo.tiny_model import ensure_tiny_model
 
         if ensure_tiny_model(s.model_path):
             session.say(f"made Relay's tiny model at {s.model_path} (tiny_model: true)")
-    config = overrides.compose(overrides.chunk_overrides(req.run, first_step_of_run=start == 0, data=data,
-                                                         strategy=strategy, end_step=req.to_step))
+    config = overrides.compose(
+        overrides.chunk_overrides(req.run, first_step_of_run=start == 0, data=data, strategy=strategy, end_step=req.to_step)
+    )
     from verl.utils.device import auto_set_device
 
     auto_set_device(config)
     overrides.check_config(config)
-    verl_chunk.attach(config, verl_chunk.VerlChunk(
-        request=req.to_json(), resume_step=start, end_step=req.to_step, total_steps=spec.total_steps,
-        strategy=strategy, validate_chunk_end=s.validate_every_chunk, test_freq=s.test_freq,
-        tracking_env=tracking_env(req), run_dir=str(run_dir)))
+    verl_chunk.attach(
+        config,
+        verl_chunk.VerlChunk(
+            request=req.to_json(),
+            resume_step=start,
+            end_step=req.to_step,
+            total_steps=spec.total_steps,
+            strategy=strategy,
+            validate_chunk_end=s.validate_every_chunk,
+            test_freq=s.test_freq,
+            tracking_env=tracking_env(req),
+            run_dir=str(run_dir),
+        ),
+    )
 
     session.begin()
     record_phase(run_dir, "resume_checked", chunk=req.chunk, attempt=req.attempt)
@@ -144,11 +166,14 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     if latest is None or latest < req.to_step:
         if (stopped := stop_of(run_dir, req.attempt)) is not None:  # the actor saved and stopped, as asked
             raise session.stopped_early(int(stopped["step"]), str(stopped["reason"]), record=False)
-        raise ChunkEndedEarly(f"verl ended at step {latest or start}, before the chunk's end step {req.to_step}",
-                              "nothing, if it does not repeat: the retry resumes from the latest valid checkpoint; if "
-                              "it does, look in the job's log for what ended verl's loop (a worker group, the data)")
-    return ChunkResult(req.run.name, start, req.to_step, req.to_step - start, time.time() - t0,
-                       str(layout.step_dir(run_dir, req.to_step)))
+        raise ChunkEndedEarly(
+            f"verl ended at step {latest or start}, before the chunk's end step {req.to_step}",
+            "nothing, if it does not repeat: the retry resumes from the latest valid checkpoint; if "
+            "it does, look in the job's log for what ended verl's loop (a worker group, the data)",
+        )
+    return ChunkResult(
+        req.run.name, start, req.to_step, req.to_step - start, time.time() - t0, str(layout.step_dir(run_dir, req.to_step))
+    )
 
 
 def run_verl(config, graceful: GracefulStop | None = None) -> None:
@@ -212,8 +237,9 @@ class ProgressWatcher:
                 continue
             self.last = step
             self._times.append(float(row.get("seconds") or 0.0))
-            self.session.say(step_line(step, self.session.spec.total_steps, self.session.req.chunk, self.end,
-                                       self._times[-20:], row))
+            self.session.say(
+                step_line(step, self.session.spec.total_steps, self.session.req.chunk, self.end, self._times[-20:], row)
+            )
             printed.append(step)
         return printed
 

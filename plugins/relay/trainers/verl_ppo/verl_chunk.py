@@ -50,8 +50,12 @@ class VerlChunk:
 
     def skip_validation_at(self, step: int) -> bool:
         """verl validates on its last step; only the run's real end (or test_freq, or a spec asking for it) does."""
-        return (step == self.end_step and step < self.total_steps and not self.validate_chunk_end
-                and not (self.test_freq > 0 and step % self.test_freq == 0))
+        return (
+            step == self.end_step
+            and step < self.total_steps
+            and not self.validate_chunk_end
+            and not (self.test_freq > 0 and step % self.test_freq == 0)
+        )
 
 
 def attach(config, chunk: VerlChunk) -> None:
@@ -86,9 +90,11 @@ def active_chunk() -> VerlChunk:
     if _ACTIVE is None:
         from relay.common.errors import RelayError
 
-        raise RelayError("RelayChunkTrainer was built without a chunk (install() was not called in this process)",
-                         "run verl through relay.trainers.verl_ppo (the TaskRunner installs the chunk)",
-                         retry_helps=False)
+        raise RelayError(
+            "RelayChunkTrainer was built without a chunk (install() was not called in this process)",
+            "run verl through relay.trainers.verl_ppo (the TaskRunner installs the chunk)",
+            retry_helps=False,
+        )
     return _ACTIVE
 
 
@@ -196,8 +202,16 @@ def actor_session(chunk: VerlChunk):
             """One metrics.jsonl row (the driver prints the progress line); stop at once if the lease was lost."""
             self.lease.check(self.token)
             self._step_times.append(seconds)
-            self.metrics.append({"step": step, "chunk": self.req.chunk, "attempt": self.req.attempt,
-                                 "seconds": round(seconds, 4), "time": time.time(), **values})
+            self.metrics.append(
+                {
+                    "step": step,
+                    "chunk": self.req.chunk,
+                    "attempt": self.req.attempt,
+                    "seconds": round(seconds, 4),
+                    "time": time.time(),
+                    **values,
+                }
+            )
             heartbeat.beat(self.run_dir, self.req.attempt, step)
 
     return ActorSession(ChunkRequest.from_json(chunk.request), chunk.resume_step)
