@@ -27,6 +27,7 @@ from relay.jobs.ray_jobs import STOP_MARGIN_S, RayJobs
 from relay.preflight import attention
 from relay.preflight.prepare import prepare_run
 from relay.runs import failure_cause, layout
+from relay.runs.folder import RunFolder
 from relay.runs.phases import record_job_times
 from relay.runs.run import Run
 from relay.s3 import history
@@ -320,7 +321,7 @@ def cmd_checkpoint_publish(args) -> int:
         return 1
     store = _store(args.uri, args)
     result = store.publish(args.run or run_dir.name, run_dir, step)
-    history.publish(store, args.run or run_dir.name, run_dir)
+    history.publish(store, RunFolder(args.run or run_dir.name, run_dir))
     print(
         f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
         f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "

@@ -13,17 +13,7 @@ import psutil
 import pytest
 
 from relay.devstack import stack
-
-S3_PORTS = (
-    "RELAY_S3_PORT",
-    "RELAY_S3_GRPC_PORT",
-    "RELAY_WEED_MASTER_PORT",
-    "RELAY_WEED_MASTER_GRPC_PORT",
-    "RELAY_WEED_VOLUME_PORT",
-    "RELAY_WEED_VOLUME_GRPC_PORT",
-    "RELAY_WEED_FILER_PORT",
-    "RELAY_WEED_FILER_GRPC_PORT",
-)
+from support.private_stack import PrivateS3
 
 
 def listening(port: int) -> list[str]:
@@ -47,7 +37,7 @@ def is_loopback(ip: str) -> bool:
 @pytest.mark.services
 def test_every_s3_port_listens_on_loopback_only(s3_server):
     ports = stack.ports()
-    seen = {name: listening(ports[name]) for name in S3_PORTS}
+    seen = {name: listening(ports[name]) for name in PrivateS3.PORTS}
     assert seen["RELAY_S3_PORT"], "the session's S3 server is not listening"
     exposed = {name: ips for name, ips in seen.items() if any(not is_loopback(ip) for ip in ips)}
     assert not exposed, f"S3 ports listening beyond loopback: {exposed}"

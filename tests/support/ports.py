@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import time
 
 FIRST, LAST = 27000, 32767  # above the private Ray nodes' worker ports (24000-24999), below the ephemeral range
 _BLOCKS = 8
@@ -51,18 +50,14 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def wait_until_bindable(port: int, timeout: float = 30) -> None:
-    """Wait for a port that a killed server held to be free again (its last processes may take a moment to go)."""
-    deadline = time.time() + timeout
-    while True:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return
-        except OSError:
-            if time.time() > deadline:
-                raise RuntimeError(f"port {port} is still taken {timeout:.0f} s after its server was killed") from None
-            time.sleep(0.2)
-        finally:
-            s.close()
+def bindable(port: int) -> bool:
+    """Whether a server could bind `port` now (SO_REUSEADDR, as servers set it: a socket in TIME_WAIT does not count)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 
 from relay.devstack import stack
-from support.ports import free_port, wait_until_bindable
+from support.polling import wait_for
+from support.ports import bindable, free_port
 
 
 @contextmanager
@@ -127,8 +128,8 @@ class PrivateRay:
         if self.gcs_port is None or new_gcs_port:
             self.gcs_port = free_port()
         if self.nodes:  # a head that comes back: the killed one's sockets may still be closing
-            wait_until_bindable(self.dashboard_port)
-            wait_until_bindable(self.gcs_port)
+            for port in (self.dashboard_port, self.gcs_port):
+                wait_for(lambda p=port: bindable(p), 30, f"port {port} of the killed head to be free again")
         self._start(
             "h",
             [

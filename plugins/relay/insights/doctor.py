@@ -25,7 +25,6 @@ from relay.insights import save_interval as interval
 from relay.preflight import attention as attn
 from relay.preflight import guard
 from relay.runs import failure_cause, layout
-from relay.runs.lease import Lease
 from relay.runs.metrics import read_events
 from relay.runs.record import read_record
 from relay.runs.run import Run
@@ -183,7 +182,7 @@ def live(run: Run, jobs=None) -> Finding:
                 f"cannot ask Ray at {jobs.address} for live jobs: {e}",
                 "start the Ray head or give its dashboard address (--ray-address, RAY_ADDRESS)",
             )
-    lease = Lease(run.dir)
+    lease = run.folder.lease()
     held = lease.current() if run.dir.is_dir() else None
     holder = ""
     if held:

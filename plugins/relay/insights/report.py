@@ -812,7 +812,7 @@ def publish(run: Run, store, out_dir: Path | None = None) -> dict[str, str]:
     out = {"summary": redact(report.summary()), "html": str(paths["html"]), "png": str(paths["png"])}
     if store is None:
         return out
-    history.publish(store, run.name, run_dir)
+    history.publish(store, run.folder)
     out["png_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, PNG), paths["png"].read_bytes(), "image/png")
     out["html_uri"] = store.put_bytes(
         store.run_key(run.name, REPORT_DIR, HTML), paths["html"].read_bytes(), "text/html; charset=utf-8"

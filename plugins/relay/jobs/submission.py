@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from relay.jobs.ray_jobs import LIVE, JobState, RayJobs
-from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog
 from relay.runs.run import Run
 from relay.spec.plan import Chunk
@@ -76,7 +75,7 @@ def healthy_earlier_job(
     candidates = sorted(
         jobs.live_jobs_of_run(run.spec.name, run.name), key=lambda j: (j.submission_id != remembered, -(j.start_time or 0))
     )
-    lease = Lease(run.dir)
+    lease = run.folder.lease()
     ours = [j for j in candidates if j.metadata.get("relay_chunk") == str(chunk.index) and lease.holds(j.submission_id)]
     rows = MetricsLog(run.dir).rows() if ours else []
     for job in ours:
@@ -108,7 +107,7 @@ class Submitted:
 
 def chunk_request(run: Run, to_step: int, sub_id: str, *, chunk: int | None, restore: bool = True) -> ChunkRequest:
     """The job's request, with the run's lease taken for sub_id now (the token travels in the request)."""
-    token = Lease(run.dir, incarnation=run.incarnation).acquire(sub_id)
+    token = run.folder.lease().acquire(sub_id)
     return ChunkRequest(run=run, to_step=to_step, chunk=chunk, attempt=sub_id, lease_token=token, restore=restore)
 
 

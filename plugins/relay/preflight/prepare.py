@@ -227,7 +227,7 @@ def refuse_live_writers(run: Run, jobs=None) -> list[str]:
     another host, or a Ray that does not answer (the lease's fencing keeps such a writer out)."""
     seen: list[str] = []
     unseen: list[str] = []
-    writer = Lease(run.dir).writer() if run.dir.is_dir() else None
+    writer = run.folder.lease().writer() if run.dir.is_dir() else None
     if writer is not None:
         (seen if writer[0] else unseen).append(f"trainer {writer[1]}")
     if jobs is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from relay.runs.folder import RunFolder
 from relay.spec.run_spec import RunSpec
 
 
@@ -28,6 +29,11 @@ class Run:
         """The run `name` of `spec` (the spec's own run when no name is given)."""
         name = name or spec.name
         return cls(spec, name, spec.run_dir(name), incarnation)
+
+    @property
+    def folder(self) -> RunFolder:
+        """The run's folder: its name and path together, and the lease of its incarnation."""
+        return RunFolder(self.name, self.dir, self.incarnation)
 
     def __str__(self) -> str:
         return self.name

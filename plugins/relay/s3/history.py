@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from relay.runs import layout
+from relay.runs.folder import RunFolder
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 from relay.runs.record import RECORD, read_record
 from relay.s3.store import CheckpointStore
@@ -24,8 +25,9 @@ def where(run_dir: Path, name: str) -> Path:
     return layout.relay_dir(run_dir, RECORD) if name == RECORD else Path(run_dir) / name
 
 
-def publish(store: CheckpointStore, run: str, run_dir: Path) -> list[str]:
+def publish(store: CheckpointStore, folder: RunFolder) -> list[str]:
     """Put the run's history under <prefix>/<run>/; the names put."""
+    run, run_dir = folder.name, folder.path
     put = []
     for name in ROWS:
         path = where(run_dir, name)
@@ -50,11 +52,12 @@ def fetch(store: CheckpointStore, run: str, run_dir: Path) -> list[str]:
     return got
 
 
-def restore(store: CheckpointStore, run: str, run_dir: Path, step: int) -> list[str]:
+def restore(store: CheckpointStore, folder: RunFolder, step: int) -> list[str]:
     """After a restore brought checkpoint `step` into `run_dir`: bring back the history the folder lacks (a new
     host's folder lacks all of it). Rows of steps up to `step` that the folder has no row of are taken from S3;
     S3's rows of later steps become first tries (metrics.superseded.jsonl), since they are trained again from
     `step`; events and first tries the folder lacks are added, in time order. What the folder holds is kept."""
+    run, run_dir = folder.name, folder.path
     with tempfile.TemporaryDirectory(dir=layout.relay_dir(run_dir)) as tmp:
         got = [n for n in fetch(store, run, Path(tmp)) if n in ROWS]
         published = {name: read_jsonl(where(Path(tmp), name)) for name in got}

@@ -84,7 +84,7 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
     spec, run_dir = run.spec, run.dir
     t0 = time.time()
     r = store.publish(run.name, run_dir, step)
-    history.publish(store, run.name, run_dir)  # restored with the checkpoint on a host that lost the folder
+    history.publish(store, run.folder)  # restored with the checkpoint on a host that lost the folder
     pub = Publication(
         run.name,
         step,

@@ -19,6 +19,7 @@ from relay.checkpoints.validate import check_file, validate_checkpoint
 from relay.common.errors import CheckpointError
 from relay.common.faultpoint import fault_point
 from relay.runs import layout
+from relay.runs.folder import RunFolder
 from relay.runs.lease import Lease
 from relay.runs.metrics import record_event
 from relay.runs.record import VERSION as RECORD_VERSION
@@ -99,7 +100,9 @@ def restore(
             layout.write_tracker(run_dir, m.step)
             if local is None:
                 _restore_record(store, run, run_dir, incarnation, uri)
-            history.restore(store, run, run_dir, m.step)  # each step's row and every event, not only the weights
+            history.restore(
+                store, RunFolder(run, run_dir, incarnation), m.step
+            )  # each step's row and every event, not only the weights
         record_event(run_dir, "restore", step=m.step, uri=uri)
         return m.step, uri
     return None

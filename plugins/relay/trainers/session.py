@@ -28,7 +28,6 @@ from relay.common.timestamps import process_started
 from relay.data.freeze import frozen_files, verify_frozen
 from relay.runs import heartbeat, layout
 from relay.runs.failure_cause import cgroup_oom_kills
-from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.record import folder_incarnation
 from relay.runs.run import Run
@@ -50,7 +49,7 @@ class ChunkSession:
         )
         self._save_started: float | None = None
         self._save_s: float | None = None  # what this process's last save took
-        self.lease = Lease(self.run_dir, incarnation=req.run.incarnation)
+        self.lease = req.run.folder.lease()
         if req.lease_token is None:
             req.lease_token = self.lease.acquire(f"local:{socket.gethostname()}:{os.getpid()}")
         else:

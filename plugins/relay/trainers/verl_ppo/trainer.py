@@ -33,7 +33,6 @@ from relay.checkpoints.validate import write_manifest
 from relay.common.errors import ChunkEndedEarly, RelayError
 from relay.common.progress import step_line
 from relay.runs import layout
-from relay.runs.lease import Lease
 from relay.runs.metrics import JsonlFollower, read_events
 from relay.runs.phases import phase_marks, record_phase
 from relay.trainers import stopping
@@ -85,9 +84,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     run_dir = req.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     if req.lease_token is None:
-        req.lease_token = Lease(run_dir, incarnation=req.run.incarnation).acquire(
-            f"local:{socket.gethostname()}:{os.getpid()}"
-        )
+        req.lease_token = req.run.folder.lease().acquire(f"local:{socket.gethostname()}:{os.getpid()}")
     moved = hygiene.remove_rollout_state(run_dir)  # before anything validates or loads the folders
     # verl trains in its TaskRunner actor, which Ray does not signal: a SIGTERM here, once verl's loop runs (its
     # first_step_begins mark), is passed on through the attempt's stop file, which the actor reads after each step

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from relay.runs import heartbeat
-from relay.runs.lease import Lease
 from relay.runs.metrics import MetricsLog
 from relay.trainers.contract import ChunkRequest
 from relay.trainers.session import ChunkSession
@@ -185,7 +184,7 @@ def actor_session(chunk: VerlChunk):
     class ActorSession(ChunkSession):
         def __init__(self, req: ChunkRequest, resume_step: int):  # no super().__init__: nothing to resume
             self.req, self.spec, self.run_dir = req, req.spec, req.run_dir
-            self.lease = Lease(self.run_dir, incarnation=req.run.incarnation)
+            self.lease = req.run.folder.lease()
             assert req.lease_token is not None  # the driver took the lease: its token travels in the request
             self.token = req.lease_token
             self.lease.check(self.token)
