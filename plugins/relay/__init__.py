@@ -3,7 +3,7 @@
 Folders in layers, each importing only those below it (tests/project/test_architecture.py checks it):
 
     common < runs < data < checkpoints < s3 < preflight < trainers < jobs < alerts < report
-           < devstack < airflow;   cli.py on top
+           < devstack < airflow;   cli/ above all but airflow
 
 The core (everything but relay.airflow) is plain Python with no Airflow import; torch, verl, ray,
 pyarrow, great-expectations and matplotlib (a third of a second, for the report's picture only) are

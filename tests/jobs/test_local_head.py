@@ -228,18 +228,19 @@ def _verl_spec(tmp_path: Path, **settings):
 
 def test_relay_train_runs_verl_ppo_as_a_ray_job_and_the_cpu_trainer_in_process(tmp_path, monkeypatch):
     import relay.cli as cli
+    import relay.cli.runs as runs
     from relay.trainers.contract import ChunkResult
 
     taken = []
-    monkeypatch.setattr(cli, "_train_as_ray_job", lambda args, run: taken.append(("job", run)) or 0)
+    monkeypatch.setattr(runs, "_train_as_ray_job", lambda args, run: taken.append(("job", run)) or 0)
     monkeypatch.setattr(
-        cli,
+        runs,
         "run_chunk",
         lambda req: taken.append(("in-process", req.run))
         or ChunkResult(req.run.name, 0, req.to_step, req.to_step, 0.0, "x"),
     )
     for spec, path in ((_verl_spec(tmp_path), "job"), (load_spec(write_spec(tmp_path)), "in-process")):
-        monkeypatch.setattr(cli, "_spec", lambda *_a, _s=spec, **_k: _s)
+        monkeypatch.setattr(runs, "_spec", lambda *_a, _s=spec, **_k: _s)
         assert cli.main(["train", "spec.yaml", "--to-step", "2", "--offline", "--run", f"r-{path}"]) == 0
         how, run = taken.pop()
         assert how == path and run.name == f"r-{path}" and run.incarnation  # prepare_run's run, as before

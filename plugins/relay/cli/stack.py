@@ -1,0 +1,50 @@
+"""`relay stack` and `relay demo`: the local stack, and the demo DAG run on it."""
+
+from __future__ import annotations
+
+from relay.devstack import demo, stack
+
+
+def cmd_stack(args) -> int:
+    if args.action == "up":
+        info = stack.up(with_airflow=not args.no_airflow, db_url=args.db, ray_cpus=args.ray_cpus)
+        for k, v in info.items():
+            print(f"{k:>12}: {v}")
+    elif args.action == "down":
+        print("stopped: " + ", ".join(stack.down(wait_s=args.wait)))
+    else:
+        print(f"state folder: {stack.state_dir()}")
+        print("running: " + (", ".join(stack.running_services()) or "nothing started by relay"))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    return demo.run(keep_running=args.keep_running, provoke_resume=not args.no_kill)
+
+
+def add_commands(sub) -> None:
+    s = sub.add_parser("stack", help="the local stack: S3, Ray head and Airflow (ports: include/stack.env)")
+    s.add_argument("action", choices=["up", "down", "status"])
+    s.add_argument("--no-airflow", action="store_true", help="only the Ray head")
+    s.add_argument("--db", help="Airflow metadata DB URL (default: SQLite in the stack's state folder)")
+    s.add_argument(
+        "--ray-cpus",
+        type=int,
+        metavar="N",
+        help="up: logical CPUs the Ray head advertises (default: the cores, at least 8, as a verl chunk "
+        "on CPUs needs); fewer runs fewer chunk jobs at once",
+    )
+    s.add_argument(
+        "--wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="down: wait this long for unfinished DAG runs to end first; those still unfinished are "
+        "marked failed with a note saying the stack was stopped under them (default 0)",
+    )
+    s.set_defaults(func=cmd_stack)
+
+    s = sub.add_parser("demo", help="run the demo spec's DAG end to end on the local stack")
+    s.add_argument("--keep-running", action="store_true", help="leave the stack up to explore the UI")
+    s.add_argument("--no-kill", action="store_true", help="no crash drill: chunk 2's trainer is not killed to show a resume")
+    s.set_defaults(func=cmd_demo)
