@@ -27,6 +27,7 @@ sys.path[:0] = [str(ROOT / "plugins"), str(ROOT / "tests" / "support"), str(ROOT
 
 from checkpoints import checkpoint_options, in_child, prepared  # noqa: E402
 
+from relay.common import files  # noqa: E402
 from relay.runs import layout  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def copy_once(step_dir: Path, dest: Path) -> float:
     """shutil.copytree of the step folder, each file fsynced as the reshard fsyncs its own."""
     t = time.perf_counter()
     shutil.copytree(step_dir, dest)
-    layout.fsync_tree(dest)  # what the reshard calls on its output
+    files.fsync_tree(dest)  # what the reshard calls on its output
     return time.perf_counter() - t
 
 

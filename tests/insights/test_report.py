@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from relay.common import files
 from relay.insights import report
 from relay.preflight import guard
 from relay.runs import layout
@@ -153,7 +154,7 @@ def test_the_report_shows_the_incarnation_and_decisions_and_lists_only_incidents
         rep = report.build(run_dir, plan=ChunkPlan.from_spec(resumed["spec"]))
         page = rep.html(b"png", back="http://127.0.0.1:8080/dags/relay_t/runs/manual__1")
     finally:
-        layout.atomic_write_json(layout.relay_dir(run_dir, "run.json"), before)
+        files.atomic_write_json(layout.relay_dir(run_dir, "run.json"), before)
     assert f"Incarnation <code>{before['incarnation']}</code>" in page
     assert "fresh start approved by admin in the Airflow UI" in page
     assert "<code>/ckpt/.archive/r-t</code>" in page and "<code>s3://relay/runs/.archive/r-t/</code>" in page

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from relay.checkpoints import manifest
+from relay.common import files
 from relay.common.errors import CheckpointError, RelayError, SpecError
 from relay.runs import layout
 from support.helpers import spec_dict
@@ -260,7 +261,7 @@ def _manifest_outcome(text):
     except CheckpointError as e:
         assert e.what.startswith("m.json ") and e.fix
         return e
-    assert all(layout.relpath_problem(rel) is None for rel in m.files)
+    assert all(files.relpath_problem(rel) is None for rel in m.files)
     assert isinstance(m.step, int) and m.step >= 0
     return m
 

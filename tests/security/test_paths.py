@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from relay.checkpoints import manifest
+from relay.common import files
 from relay.common.errors import CheckpointError, RelayError, SpecError
 from relay.runs import layout
 from relay.spec.run_spec import load_spec, spec_from_dict
@@ -237,7 +238,7 @@ def test_a_run_record_naming_frozen_data_outside_the_run_is_refused(tmp_path, en
         "uri": "s3://relay/runs/r/data/x.parquet",
         **entry,
     }
-    layout.atomic_write_json(layout.relay_dir(tmp_path, "run.json"), {"data": {"files": [f]}})
+    files.atomic_write_json(layout.relay_dir(tmp_path, "run.json"), {"data": {"files": [f]}})
     with pytest.raises(DataError) as e:
         verify_frozen(tmp_path, frozen_files(tmp_path))
     assert "run.json" in e.value.what and e.value.fix
@@ -261,4 +262,4 @@ def test_relay_errors_name_the_value_and_the_fix():
     for exc in (SpecError("s", "k", "p", "f"), CheckpointError("w", "f")):
         assert isinstance(exc, RelayError) and "What to do: f" in str(exc)
     assert json.loads(_manifest({}))["files"] == {}
-    assert Path(layout.check_relpath("actor/x.pt", "m")) == Path("actor/x.pt")
+    assert Path(files.check_relpath("actor/x.pt", "m")) == Path("actor/x.pt")

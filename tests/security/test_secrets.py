@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from relay.common import redaction
+from relay.common import files, redaction
 from relay.runs import layout
 from relay.runs.run import Run
 from relay.spec.run_spec import load_spec
@@ -164,7 +164,7 @@ def test_the_run_report_holds_no_secret(tmp_path, secret_env):
         {"event": "chunk_end", "chunk": 1, "attempt": "a", "end_step": 3, "time": 1e9 + 3},
     ]
     (run_dir / layout.EVENTS).write_text("".join(json.dumps(e) + "\n" for e in events))
-    layout.atomic_write_json(
+    files.atomic_write_json(
         layout.relay_dir(run_dir, "run.json"),
         {
             "drift": [

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from relay.common import files
 from relay.common.errors import SpecError
 from relay.runs.run import Run
 from relay.spec.run_spec import spec_from_dict
@@ -216,7 +217,7 @@ def test_entrypoint_and_runtime_env_exactly(tmp_path, monkeypatch):
     # MLflow: the run that chunk 1 started is resumed by every later chunk.
     from relay.runs import layout
 
-    layout.atomic_write_json(layout.relay_dir(spec.run_dir("r"), tracking.RECORD), {"mlflow_run_id": "abc123"})
+    files.atomic_write_json(layout.relay_dir(spec.run_dir("r"), tracking.RECORD), {"mlflow_run_id": "abc123"})
     assert ray_jobs.runtime_env(req3)["env_vars"]["MLFLOW_RUN_ID"] == "abc123"
 
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from relay.alerts.alert import Alert
+from relay.common import files
 from relay.common.filelock import file_lock
 from relay.runs import layout
 
@@ -30,7 +31,7 @@ class AlertLedger:
         with file_lock(self._lock_path, "updating the alert ledger"):
             record = self._read()
             yield record
-            layout.atomic_write_json(self.path, record)
+            files.atomic_write_json(self.path, record)
 
     def _read(self) -> dict:
         try:

@@ -16,9 +16,9 @@ from typing import Any
 
 from relay import __version__
 from relay.checkpoints import integrity
+from relay.common import files
 from relay.common.errors import CheckpointError
 from relay.common.timestamps import utc_now
-from relay.runs import layout
 from relay.runs.record import LEGACY_INCARNATION, is_incarnation
 
 NAME = "relay_manifest.json"
@@ -77,7 +77,7 @@ class Manifest:
 
     def write(self, step_dir: Path) -> Path:
         path = Path(step_dir) / NAME
-        layout.atomic_write(path, self.to_json().encode())
+        files.atomic_write(path, self.to_json().encode())
         return path
 
 
@@ -109,7 +109,7 @@ def _problem(m: Manifest) -> str | None:
     if not isinstance(m.files, dict) or not isinstance(m.params, dict) or not isinstance(m.checks, list):
         return "files, params or checks has the wrong type"
     for rel, f in m.files.items():
-        if problem := layout.relpath_problem(rel):
+        if problem := files.relpath_problem(rel):
             return f"the file {_short(rel)} is refused: {problem}"
         if not (isinstance(f, dict) and _is_int(f.get("size")) and isinstance(f.get("crc64nvme"), str)):
             return f"the entry of {_short(rel)} is {_short(f)}, not {{size, crc64nvme}}"

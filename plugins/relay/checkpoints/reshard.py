@@ -48,6 +48,7 @@ from typing import Any
 from relay.checkpoints import manifest, swap
 from relay.checkpoints.reshard_record import RECORD
 from relay.checkpoints.safeload import is_sharded_record, load
+from relay.common import files
 from relay.common.errors import CheckpointError, UsageError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
@@ -155,7 +156,7 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
     staged.mkdir(parents=True)
     try:
         written = _write_step(src, staged, k, world_size, fsdp_version)
-        layout.atomic_write_json(
+        files.atomic_write_json(
             staged / RECORD,
             {
                 "world_size": k,
@@ -166,7 +167,7 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
                 "resharded_at": utc_now(),
             },
         )
-        layout.fsync_tree(staged)
+        files.fsync_tree(staged)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
@@ -174,7 +175,7 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
     if out is not None:
         final = layout.step_dir(out, step)
         staged.rename(final)
-        layout.fsync_dir(out)
+        files.fsync_dir(out)
         layout.write_tracker(out, step)
         return ReshardResult(run_dir, step, k, world_size, fsdp_version, final, None, written, time.time() - t0)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from relay.checkpoints import manifest
+from relay.common import files
 from relay.common.timestamps import utc_now
 from relay.runs import layout
 from relay.runs.lease import Lease
@@ -92,7 +93,7 @@ def apply_local(run_dir: Path, policy: RetentionPolicy, total_steps: int, publis
         aside = leftovers(run_dir, published)
         if not (delete or rotation or aside):
             return []
-        layout.atomic_write_json(
+        files.atomic_write_json(
             layout.relay_dir(run_dir, STATE),
             {
                 "version": VERSION,

@@ -19,6 +19,7 @@ import json
 import os
 from pathlib import Path
 
+from relay.common import files
 from relay.common.errors import CheckpointError
 from relay.common.faultpoint import fault_point, refused
 from relay.runs import layout
@@ -32,7 +33,7 @@ def replace_step(run_dir: Path, step: int, staged: Path, aside: Path) -> None:
     run's lease lock (and token)."""
     final = layout.step_dir(run_dir, step)
     journal = layout.relay_dir(run_dir, JOURNAL)
-    layout.atomic_write_json(
+    files.atomic_write_json(
         journal, {"step": step, "staged": str(staged), "aside": str(aside), "staged_inode": staged.stat().st_ino}
     )
     fault_point("swap_journaled", step)
@@ -45,9 +46,9 @@ def replace_step(run_dir: Path, step: int, staged: Path, aside: Path) -> None:
         fault_point("swap_original_aside", step)
         staged.rename(final)
     for folder in {run_dir, aside.parent, staged.parent}:
-        layout.fsync_dir(folder)
+        files.fsync_dir(folder)
     journal.unlink()
-    layout.fsync_dir(journal.parent)
+    files.fsync_dir(journal.parent)
 
 
 def recover(run_dir: Path) -> str | None:
@@ -92,7 +93,7 @@ def recover(run_dir: Path) -> str | None:
             )
         for folder in {run_dir, aside.parent, staged.parent}:
             if folder.is_dir():
-                layout.fsync_dir(folder)
+                files.fsync_dir(folder)
         journal.unlink()
         return done
 

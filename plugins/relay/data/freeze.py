@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from relay.common.files import fsync_dir
 from relay.common.timestamps import utc_now
 from relay.data.diff import DataDiff, diff
 from relay.data.fingerprint import DataError, fingerprint, sha256_file
@@ -88,8 +89,8 @@ def freeze(run: Run, store: ObjectStore | None = None, quality: dict[str, Any] |
     """Fingerprint and copy every data file of the spec into the run (and S3); record it in the run record."""
     run_dir = run.dir
     out = []
-    for role, files in (("train", run.spec.data.train_files), ("val", run.spec.data.val_files)):
-        for src in files:
+    for role, sources in (("train", run.spec.data.train_files), ("val", run.spec.data.val_files)):
+        for src in sources:
             fp = fingerprint(src)
             rel = f"{FROZEN_DIR}/{fp.sha256}.parquet"
             dest = run_dir / rel
@@ -111,7 +112,7 @@ def _copy_verified(src: Path, dest: Path, sha256: str) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, dest)
-    layout.fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
 
 
 def verify_frozen(run_dir: Path, files: list[FrozenFile], store: ObjectStore | None = None) -> dict[str, list[str]]:

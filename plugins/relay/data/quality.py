@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from relay.common.errors import RelayError
+from relay.common.files import atomic_write
 from relay.data.fingerprint import DataError, sha256_file
-from relay.runs.layout import atomic_write
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -29,6 +29,7 @@ from typing import Any
 
 from relay.checkpoints import manifest
 from relay.checkpoints.resume import quarantined
+from relay.common import files
 from relay.common.errors import UsageError
 from relay.common.redaction import redact
 from relay.common.timestamps import epoch
@@ -794,10 +795,10 @@ def write(report: Report, out_dir: Path) -> dict[str, Path]:
     """Write report.png and report.html into out_dir; returns their paths."""
     out_dir = Path(out_dir)
     png = report.plot_png()
-    layout.atomic_write(out_dir / PNG, png)
+    files.atomic_write(out_dir / PNG, png)
     # The report holds no environment values (no ray.env_vars, no connection); any registered secret that an
     # error message or a drift note carried in is redacted all the same.
-    layout.atomic_write(out_dir / HTML, redact(report.html(png)).encode())
+    files.atomic_write(out_dir / HTML, redact(report.html(png)).encode())
     return {"png": out_dir / PNG, "html": out_dir / HTML}
 
 

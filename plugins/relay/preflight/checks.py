@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from relay.common import files
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
 from relay.data import freeze as frozen
@@ -80,7 +81,7 @@ def _keep_report(run: Run, report: quality.QualityReport, store) -> None:
     """Keep a quality report with the run: in its folder, and in S3 beside the checkpoints."""
     name = f"quality-{sha256_file(report.file)[0][:16]}.json"
     text = redact(report.to_json())  # observed values are the data's own: a registered secret among them is not kept
-    layout.atomic_write(layout.relay_dir(run.dir, "data", name), text.encode())
+    files.atomic_write(layout.relay_dir(run.dir, "data", name), text.encode())
     if store is not None:
         store.put_json(store.run_key(run.name, "data", name), json.loads(text))
 

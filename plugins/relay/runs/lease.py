@@ -27,9 +27,10 @@ from typing import Any
 
 from relay.common.errors import LeaseLost
 from relay.common.filelock import DEFAULT_TIMEOUT_S, file_lock
+from relay.common.files import atomic_write_json
 from relay.common.processes import runs, started_at
 from relay.common.timestamps import utc_now
-from relay.runs.layout import atomic_write_json, relay_dir
+from relay.runs.layout import relay_dir
 from relay.runs.record import folder_incarnation
 
 LEASE = "lease.json"

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from relay.common.filelock import file_lock
+from relay.common.files import atomic_write
 from relay.common.timestamps import event_time
-from relay.runs.layout import EVENTS, METRICS, atomic_write, relay_dir
+from relay.runs.layout import EVENTS, METRICS, relay_dir
 
 SUPERSEDED = "metrics.superseded.jsonl"
 

@@ -15,6 +15,7 @@ import secrets
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from relay.common import files
 from relay.common.errors import RunError
 from relay.common.timestamps import utc_stamp
 from relay.runs import layout
@@ -55,7 +56,7 @@ def read_record(run_dir: Path) -> dict[str, Any]:
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
-    layout.atomic_write_json(layout.relay_dir(run_dir, RECORD), record)
+    files.atomic_write_json(layout.relay_dir(run_dir, RECORD), record)
     return record
 
 

@@ -11,6 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from relay.common import files
 from relay.runs import layout
 from relay.runs.folder import RunFolder
 from relay.runs.metrics import SUPERSEDED, read_jsonl
@@ -83,7 +84,7 @@ def restore(store: CheckpointStore, folder: RunFolder, step: int) -> list[str]:
     changed = []
     for name, new in merged.items():
         if new != local[name]:
-            layout.atomic_write(where(run_dir, name), "".join(json.dumps(r, sort_keys=True) + "\n" for r in new).encode())
+            files.atomic_write(where(run_dir, name), "".join(json.dumps(r, sort_keys=True) + "\n" for r in new).encode())
             changed.append(name)
     return changed
 

@@ -36,6 +36,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from relay.checkpoints import integrity, manifest
 from relay.checkpoints.manifest import Manifest  # for annotations: in CheckpointStore, `manifest` is a method
+from relay.common import files
 from relay.common.errors import CheckpointError, RelayError, StoreError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
@@ -59,7 +60,7 @@ def parse_uri(uri: str) -> tuple[str, str]:
             f"not an S3 URI: {uri!r}", "use s3://bucket/prefix (a bucket name is 3-63 characters of a-z, 0-9, '.' and '-')"
         )
     key = (m.group(2) or "").strip("/")
-    if key and (problem := layout.relpath_problem(key)):
+    if key and (problem := files.relpath_problem(key)):
         raise StoreError(f"S3 URI {uri!r} refused: its key {key!r}: {problem}", "write the URI without such parts")
     return m.group(1), key
 
@@ -115,7 +116,7 @@ class CheckpointStore:
 
         check_run_name(run)
         for p in parts:
-            if p and (problem := layout.relpath_problem(p)):
+            if p and (problem := files.relpath_problem(p)):
                 raise StoreError(
                     f"S3 key part {p!r} under run {run} refused: {problem}",
                     "it was read from an altered manifest or record; do not use it",
@@ -582,7 +583,7 @@ class CheckpointStore:
         plans: list[_FileDownload] = []
         problems: list[str] = []
         for rel in sorted(m.files, key=lambda r: -int(m.files[r]["size"])):
-            target = dest / layout.check_relpath(rel, f"the manifest of {self.step_uri(run, m.step)}")
+            target = dest / files.check_relpath(rel, f"the manifest of {self.step_uri(run, m.step)}")
             if not target.resolve().is_relative_to(dest.resolve()):
                 problems.append(f"{rel}: resolves outside {dest}")
                 continue
@@ -622,7 +623,7 @@ class CheckpointStore:
                 f"download of {self.step_uri(run, m.step)} is damaged: {'; '.join(problems[:5])}",
                 "an older published checkpoint is tried next",
             )
-        layout.atomic_write(dest / manifest.NAME, m.to_json().encode())
+        files.atomic_write(dest / manifest.NAME, m.to_json().encode())
         return results
 
     def _get_range(self, plan: _FileDownload, i: int) -> bool:

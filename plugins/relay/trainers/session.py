@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from relay.checkpoints.resume import find_resume_point
+from relay.common import files
 from relay.common.errors import DiskFullError, RunError, StoppedEarly
 from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
@@ -233,7 +234,7 @@ class ChunkSession:
     def commit(self, step: int, staged: Path) -> Path:
         """Publish a staged checkpoint as global_step_<step> and point the tracker at it (lease-fenced)."""
         fault_point("before_fsync", step)
-        layout.fsync_tree(staged)
+        files.fsync_tree(staged)
         final = layout.step_dir(self.run_dir, step)
         with self.lease.commit(self.token):
             fault_point("before_rename", step)
@@ -244,7 +245,7 @@ class ChunkSession:
                 aside.parent.mkdir(parents=True, exist_ok=True)
                 final.rename(aside)
             staged.rename(final)
-            layout.fsync_dir(self.run_dir)
+            files.fsync_dir(self.run_dir)
             fault_point("after_rename", step)
             layout.write_tracker(self.run_dir, step)
             fault_point("after_tracker", step)

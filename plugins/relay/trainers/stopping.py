@@ -26,6 +26,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from relay.common import files
 from relay.common.errors import StoppedEarly
 from relay.runs import layout
 
@@ -44,7 +45,7 @@ def request_stop(run_dir: Path, attempt: str, why: str) -> Path:
     """Ask the trainer of `attempt` to stop after its current step (what verl's job driver does on SIGTERM)."""
     path = stop_file(run_dir, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    layout.atomic_write(path, why.encode())
+    files.atomic_write(path, why.encode())
     return path
 
 

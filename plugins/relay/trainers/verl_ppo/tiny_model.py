@@ -18,9 +18,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from relay.common import files
 from relay.common.errors import RelayError
 from relay.common.filelock import file_lock
-from relay.runs import layout
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
@@ -111,7 +111,7 @@ def make_tiny_model(folder: Path, shape: TinyModelShape = TINY) -> Path:
     if folder.exists():
         folder.rmdir()  # empty (checked above)
     os.replace(staging, folder)
-    layout.fsync_dir(folder.parent)
+    files.fsync_dir(folder.parent)
     return folder
 
 

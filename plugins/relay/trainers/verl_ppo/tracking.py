@@ -20,6 +20,7 @@ import os
 import re
 from pathlib import Path
 
+from relay.common import files
 from relay.runs import layout
 from relay.runs.record import read_record
 from relay.runs.run import Run
@@ -67,7 +68,7 @@ def record_active(run_dir: Path, loggers) -> dict:
         active = mlflow.active_run()
         if active is not None:
             rec["mlflow_run_id"] = active.info.run_id
-            layout.atomic_write_json(layout.relay_dir(run_dir, RECORD), rec)
+            files.atomic_write_json(layout.relay_dir(run_dir, RECORD), rec)
     return rec
 
 
