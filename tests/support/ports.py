@@ -30,7 +30,8 @@ def free_port() -> int:
 def free_ports(n: int) -> list[int]:
     """n distinct free ports: each socket stays bound until all are chosen (free_port() called n times can hand
     out one port twice, and a server given it twice fails to start)."""
-    candidates = list(_block())
+    block = _block()
+    candidates = list(block)
     random.shuffle(candidates)
     sockets: list[socket.socket] = []
     try:
@@ -44,7 +45,7 @@ def free_ports(n: int) -> list[int]:
             sockets.append(s)
             if len(sockets) == n:
                 return [s.getsockname()[1] for s in sockets]
-        raise RuntimeError(f"fewer than {n} free ports in {candidates and min(candidates)}-{max(candidates)}")
+        raise RuntimeError(f"fewer than {n} free ports in {block.start}-{block.stop - 1}")
     finally:
         for s in sockets:
             s.close()
