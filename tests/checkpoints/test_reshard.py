@@ -40,11 +40,11 @@ def written(tmp_path_factory):
     """{(fsdp, world size): run folder} of global_step_1 written by verl at world sizes 1 to 3 (each world size is
     as many processes importing torch and verl: 4 is left to the load tests below), and at 4 by a reshard of 2."""
     root = tmp_path_factory.mktemp("reshard")
-    runs = {
-        (f, w): verl_checkpoint.make(root / f"fsdp{f}_ws{w}", world_size=w, fsdp=f, **SHAPE).parent
-        for f in (1, 2)
-        for w in VERL_WROTE
-    }
+    kinds = [(f, w) for f in (1, 2) for w in VERL_WROTE]
+    made = verl_checkpoint.make_many(
+        [{"run_dir": root / f"fsdp{f}_ws{w}", "world_size": w, "fsdp": f, **SHAPE} for f, w in kinds]
+    )
+    runs = {k: step.parent for k, step in zip(kinds, made, strict=True)}
     for f in (1, 2):
         runs[(f, 4)] = reshard(runs[(f, 2)], 4, out=root / f"fsdp{f}_ws4").step_dir.parent
     return runs
@@ -125,13 +125,29 @@ def test_k_to_m_to_k_is_bitwise_and_cuts_like_verl(written, tmp_path, fsdp):
                 ).read_bytes()
 
 
-@pytest.mark.parametrize(
-    "fsdp,k,m", [(1, 1, 4), (2, 2, 4), (2, 3, 1), (1, 3, 2)], ids=["FSDP1-1to4", "FSDP2-2to4", "FSDP2-3to1", "FSDP1-3to2"]
-)
-def test_verl_loads_the_output_at_the_new_world_size_and_saves_it_again(written, tmp_path, fsdp, k, m):
-    out = tmp_path / "out"
-    reshard(written[(fsdp, k)], m, out=out)
-    resaved = verl_checkpoint.make(tmp_path / "resaved", world_size=m, fsdp=fsdp, load_from=out, **SHAPE).parent
+RELOADS = [(1, 1, 4), (2, 2, 4), (2, 3, 1), (1, 3, 2)]  # (FSDP version, K, M)
+
+
+@pytest.fixture(scope="module")
+def reloaded(written, tmp_path_factory):
+    """{(fsdp, K, M): (the reshard K -> M, what verl saved after loading it at M)}, verl's loads and saves in one
+    interpreter."""
+    root = tmp_path_factory.mktemp("reloaded")
+    outs = {key: root / "-".join(map(str, key)) for key in RELOADS}
+    for (fsdp, k, m), out in outs.items():
+        reshard(written[(fsdp, k)], m, out=out / "out")
+    made = verl_checkpoint.make_many(
+        [
+            {"run_dir": out / "resaved", "world_size": m, "fsdp": fsdp, "load_from": out / "out", **SHAPE}
+            for (fsdp, _, m), out in outs.items()
+        ]
+    )
+    return {key: (outs[key] / "out", step.parent) for key, step in zip(RELOADS, made, strict=True)}
+
+
+@pytest.mark.parametrize("fsdp,k,m", RELOADS, ids=[f"FSDP{f}-{k}to{m}" for f, k, m in RELOADS])
+def test_verl_loads_the_output_at_the_new_world_size_and_saves_it_again(reloaded, fsdp, k, m):
+    out, resaved = reloaded[(fsdp, k, m)]
     assert_same_shards(resaved, out)
 
 

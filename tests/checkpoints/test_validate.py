@@ -23,9 +23,14 @@ KINDS = [(1, 1), (1, 2), (2, 1), (2, 2)]  # (FSDP version, world size)
 
 @pytest.fixture(scope="session")
 def verl_checkpoints(tmp_path_factory):
-    """Run folders holding global_step_1, written by verl's FSDPCheckpointManager in gloo processes."""
+    """Run folders holding global_step_1, written by verl's FSDPCheckpointManager in gloo processes: one per
+    (FSDP version, world size), and "wider" (hidden size 48, FSDP2, world size 1)."""
     root = tmp_path_factory.mktemp("verl_checkpoints")
-    return {(f, w): verl_checkpoint.make(root / f"fsdp{f}_ws{w}", world_size=w, fsdp=f).parent for f, w in KINDS}
+    made = verl_checkpoint.make_many(
+        [{"run_dir": root / f"fsdp{f}_ws{w}", "world_size": w, "fsdp": f} for f, w in KINDS]
+        + [{"run_dir": root / "wider", "hidden": 48}]
+    )
+    return {k: step.parent for k, step in zip([*KINDS, "wider"], made, strict=True)}
 
 
 def copy_run(verl_checkpoints, tmp_path, fsdp=2, ws=1) -> Path:
@@ -131,8 +136,7 @@ def test_a_file_changed_after_validation_is_caught_before_use(verl_checkpoints, 
 def test_parameter_shapes_must_match_the_previous_checkpoint(verl_checkpoints, tmp_path):
     run = copy_run(verl_checkpoints, tmp_path)
     assert admit_dir(run).ok
-    other = verl_checkpoint.make(tmp_path / "wider", hidden=48)
-    shutil.copytree(other, run / "global_step_2")
+    shutil.copytree(verl_checkpoints["wider"] / "global_step_1", run / "global_step_2")
     layout.write_tracker(run, 2)
     report = validate_checkpoint(run)
     assert report.failed.name == "numerics" and "at step 1 it had" in report.failed.detail

@@ -32,10 +32,16 @@ def store():
 def big_run(tmp_path_factory):
     """A run with two validated checkpoints of ~110 MB each (multipart objects at 5 MB parts)."""
     run = tmp_path_factory.mktemp("big") / "run"
+    verl_checkpoint.make_many([{"run_dir": run, "step": step, "hidden": 512, "layers": 2, "vocab": 4096} for step in (1, 2)])
     for step in (1, 2):
-        verl_checkpoint.make(run, step=step, hidden=512, layers=2, vocab=4096)
         assert admit_dir(run, step).ok
     return run
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A run with one small checkpoint (global_step_1, not validated yet), for tests that copy it."""
+    return verl_checkpoint.make(tmp_path_factory.mktemp("small") / "run").parent
 
 
 def objects(store, run, step):
@@ -126,7 +132,7 @@ def test_a_restore_fetches_each_file_in_ranges_in_place_and_refuses_a_changed_by
         store.download("run", m, tmp_path / "b")
 
 
-def test_unreachable_s3_is_a_clear_error(big_run):
+def test_unreachable_s3_is_a_clear_error(small_run, tmp_path):
     import boto3
     from botocore.config import Config
 
@@ -135,14 +141,15 @@ def test_unreachable_s3_is_a_clear_error(big_run):
     client = boto3.client(
         "s3", endpoint_url="http://127.0.0.1:9", config=Config(retries={"max_attempts": 1}, connect_timeout=1)
     )
+    run = shutil.copytree(small_run, tmp_path / "run")
+    assert admit_dir(run, 1).ok
     with pytest.raises(StoreError, match="unreachable"):
-        CheckpointStore(client, "s3://relay/x").publish("run", big_run, 1)
+        CheckpointStore(client, "s3://relay/x").publish("run", run, 1)
 
 
 @pytest.mark.services
-def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, store):
-    run = tmp_path / "run"
-    small = verl_checkpoint.make(tmp_path / "seed").parent
+def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, store, small_run):
+    run, small = tmp_path / "run", small_run
     for step in (10, 20, 30, 40, 50):
         shutil.copytree(small / "global_step_1", run / f"global_step_{step}")
         layout.write_tracker(run, step)
@@ -165,14 +172,13 @@ def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, st
 
 
 @pytest.mark.services
-def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_processes(tmp_path, store):
+def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_processes(tmp_path, store, small_run):
     """keep_best {reward_mean, max, k: 2} with keep_local 1: the newest, and the two best by the metric of their
     step's metrics.jsonl row, locally and in S3; retention.json says why each is kept. A later chunk's publish, in
     a process of its own, ranks again from the run's files: a better step displaces the second best."""
     from relay.spec.run_spec import KeepBest
 
-    run = tmp_path / "run"
-    small = verl_checkpoint.make(tmp_path / "seed").parent
+    run, small = tmp_path / "run", small_run
     reward = {10: 0.9, 20: 0.1, 30: 0.8, 40: 0.2, 50: 0.3, 60: 0.95}
 
     def trained(steps):

@@ -10,6 +10,7 @@ Used by the tests (every world size and FSDP version) and by the benchmark (a ch
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -96,37 +97,25 @@ def make(
     """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes); another
     seed gives other weights of the same shapes (a step trained again). load_from: a run folder whose step
     verl loads at this world size (instead of training a step) before it saves."""
-    subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            str(run_dir),
-            "--step",
-            str(step),
-            "--world-size",
-            str(world_size),
-            "--fsdp",
-            str(fsdp),
-            "--hidden",
-            str(hidden),
-            "--layers",
-            str(layers),
-            "--vocab",
-            str(vocab),
-            "--seed",
-            str(seed),
-            *(["--load-from", str(load_from)] if load_from else []),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return Path(run_dir) / f"global_step_{step}"
+    return make_many([dict(locals())])[0]
+
+
+def make_many(checkpoints: list[dict]) -> list[Path]:
+    """Several checkpoints (each a dict of make's arguments) written one after the other by one interpreter, which
+    imports torch, transformers and verl once (about 7 CPU-s an interpreter here)."""
+    jobs = [{**_DEFAULTS, **c, "run_dir": str(c["run_dir"])} for c in checkpoints]
+    for j in jobs:
+        j["load_from"] = str(j["load_from"]) if j.get("load_from") else None
+    subprocess.run([sys.executable, __file__, "--batch", json.dumps(jobs)], check=True, capture_output=True, text=True)
+    return [Path(j["run_dir"]) / f"global_step_{j['step']}" for j in jobs]
+
+
+_DEFAULTS = {"step": 1, "world_size": 1, "fsdp": 2, "hidden": 32, "layers": 1, "vocab": 64, "seed": 0}
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", nargs="?")
     p.add_argument("--step", type=int, default=1)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2)
@@ -135,15 +124,22 @@ if __name__ == "__main__":
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-from")
+    p.add_argument("--batch", help="a JSON list of make()'s arguments: several checkpoints, one after the other")
     a = p.parse_args()
-    from ports import free_port  # run as a script: this folder is on sys.path
-
-    a.port = free_port()
+    if a.batch:
+        batch = [argparse.Namespace(**j) for j in json.loads(a.batch)]
+    elif a.run_dir:
+        batch = [a]
+    else:
+        p.error("give RUN_DIR or --batch")
     # torch, transformers and verl imported once, here, and the ranks forked from this process: spawned, each
     # rank imported them again (about 8 CPU-s apiece on these cores). No process group exists before the fork.
     import torch.multiprocessing as mp
     import transformers  # noqa: F401
     import verl.utils.checkpoint.fsdp_checkpoint_manager
     import verl.utils.fsdp_utils  # noqa: F401
+    from ports import free_port  # run as a script: this folder is on sys.path
 
-    mp.start_processes(_worker, args=(a,), nprocs=a.world_size, start_method="fork")
+    for job in batch:
+        job.port = free_port()
+        mp.start_processes(_worker, args=(job,), nprocs=job.world_size, start_method="fork")
