@@ -2,7 +2,6 @@
 is refused with the right check named, quarantined, and never published."""
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,9 @@ from relay.checkpoints.gate import admit_dir
 from relay.checkpoints.resume import find_resume_point
 from relay.checkpoints.validate import validate_checkpoint
 from relay.runs import layout
+from support import verl_checkpoint
 from support.corrupt import DEFECTS
-from support.helpers import ROOT, relay_cli
-
-sys.path.insert(0, str(ROOT / "tests" / "support"))
-import verl_checkpoint
+from support.helpers import relay_cli
 
 KINDS = [(1, 1), (1, 2), (2, 1), (2, 2)]  # (FSDP version, world size)
 

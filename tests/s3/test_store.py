@@ -17,10 +17,8 @@ from relay.runs import layout
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, s3_client
 from relay.spec.run_spec import CheckpointPolicy
+from support import verl_checkpoint
 from support.helpers import PY, ROOT, relay_cli
-
-sys.path.insert(0, str(ROOT / "tests" / "support"))
-import verl_checkpoint
 
 
 @pytest.fixture
