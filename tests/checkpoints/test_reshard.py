@@ -163,7 +163,7 @@ def test_in_place_keeps_the_original_and_the_gate_accepts_the_change_only_throug
     admission = admit_dir(run)
     assert admission.ok, admission.explain()
     m = manifest.read(layout.step_dir(run, 1))
-    assert m.version == 3 and m.world_size == 3
+    assert m.version == manifest.VERSION and m.world_size == 3
     assert m.resharded_from["world_size"] == 2
     assert m.resharded_from["manifest_sha256"] == hashlib.sha256((result.original / manifest.NAME).read_bytes()).hexdigest()
     assert original.world_size == 2

@@ -233,3 +233,18 @@ def test_numerics_ride_the_integrity_pass_and_only_a_tensors_own_nan_is_refused(
     storage[0] = float("nan")
     outside = checked({"view": storage[100:200]})
     assert outside.scan.nonfinite and outside.nonfinite is None, "a NaN outside every tensor is not the model's"
+
+
+def test_a_smoke_check_that_cannot_run_is_recorded_as_skipped_never_as_passed(verl_checkpoints, tmp_path):
+    """verl's smoke check loads a whole model from one shard: at world size 2 it does not run, and the validation
+    output and the manifest say so (the checkpoint is still admitted on the levels that ran)."""
+    from relay.trainers.verl_ppo.smoke import smoke
+
+    run = copy_run(verl_checkpoints, tmp_path, fsdp=2, ws=2)
+    admission = admit_dir(run, smoke=lambda step_dir: smoke(None, step_dir))
+    assert admission.ok
+    summary = admission.report.summary()
+    assert "- smoke: skipped: world size 2" in summary and "✔ smoke" not in summary
+    m = manifest.read(layout.step_dir(run, 1))
+    assert "smoke" not in m.checks and m.checks[-1] == "numerics"
+    assert m.skipped["smoke"].startswith("world size 2")

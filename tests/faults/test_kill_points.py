@@ -121,6 +121,8 @@ def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fau
     m = re.search(r"resumes from (?:step (\d+)|scratch)|already reached step (\d+)", out)
     assert m, out[-3000:]
     resumed = int(m.group(1) or m.group(2) or 0)
+    if m.group(1):  # a resume from a checkpoint: its certificate held, exactly (relay.checkpoints.certificate)
+        assert f"certified resume from step {resumed}: probe log-probs differ by at most 0 (exact)" in out, out[-3000:]
 
     # Steps lost: at most those since the last committed checkpoint. Relay never resumes from an older one;
     # it may resume from a newer one when that is whole (renamed into place after its fsync, before a

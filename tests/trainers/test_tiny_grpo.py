@@ -26,7 +26,7 @@ def test_chunked_run_equals_uninterrupted(baseline, tmp_path):
     run_dir = tmp_path / "chunked"
     train(spec, run_dir, 6)
     r = train(spec, run_dir, STEPS)
-    assert "resumes from step 6" in r.stdout
+    assert "resumes from step 6 (certified)" in r.stdout and "certified resume from step 6: probe log-probs" in r.stdout
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), model_state(straight / "global_step_12"))
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(straight))
     assert layout.read_tracker(run_dir) == STEPS
@@ -51,7 +51,7 @@ def test_sigkill_mid_chunk_resumes_exactly(baseline, tmp_path):
     proc.wait()
     assert layout.read_tracker(run_dir) == 6, "the killed chunk must leave the previous checkpoint as latest"
     r = train(spec, run_dir, STEPS)
-    assert "resumes from step 6" in r.stdout
+    assert "resumes from step 6 (certified)" in r.stdout
     assert_bitwise_equal(model_state(run_dir / "global_step_12"), model_state(straight / "global_step_12"))
     rows = read_metrics(run_dir)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1)), "no gap, no repeat"

@@ -23,10 +23,11 @@ from relay.runs.record import LEGACY_INCARNATION, is_incarnation
 
 NAME = "relay_manifest.json"
 # 2: `incarnation`, the life of the run that wrote the checkpoint (relay.runs.record); a version-1 manifest is of
-# incarnation "1". 3 (this Relay): `resharded_from` ({world_size, manifest_sha256} of the original, or null:
-# relay.checkpoints.reshard). Readers accept every version in READS.
-VERSION = 3
-READS = (1, 2, 3)
+# incarnation "1". 3: `resharded_from` ({world_size, manifest_sha256} of the original, or null:
+# relay.checkpoints.reshard). 4 (this Relay): `skipped` ({level: why} of the levels that did not run; `checks` lists
+# only those that ran). Readers accept every version in READS.
+VERSION = 4
+READS = (1, 2, 3, 4)
 
 
 @dataclass
@@ -41,7 +42,8 @@ class Manifest:
     verl_version: str | None = None
     relay_version: str = __version__
     created_at: str = field(default_factory=utc_now)
-    checks: list[str] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)  # the levels that ran and passed
+    skipped: dict[str, str] = field(default_factory=dict)  # the levels that did not run, and why
     incarnation: str = LEGACY_INCARNATION
     resharded_from: dict[str, Any] | None = None
     version: int = VERSION
@@ -108,6 +110,8 @@ def _problem(m: Manifest) -> str | None:
         return f"resharded_from is {_short(m.resharded_from)}, not {{world_size, manifest_sha256}}"
     if not isinstance(m.files, dict) or not isinstance(m.params, dict) or not isinstance(m.checks, list):
         return "files, params or checks has the wrong type"
+    if not isinstance(m.skipped, dict):
+        return f"skipped is {_short(m.skipped)}, not {{level: why}}"
     for rel, f in m.files.items():
         if problem := files.relpath_problem(rel):
             return f"the file {_short(rel)} is refused: {problem}"

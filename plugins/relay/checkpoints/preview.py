@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from relay.checkpoints import manifest, safeload
+from relay.checkpoints import certificate, manifest, safeload
 from relay.checkpoints.manifest import Manifest
 from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import CheckpointError, StoreError
@@ -62,6 +62,7 @@ class ResumePreview:
     files: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
     checksums: str = "not checked"
     checksums_ok: bool | None = None  # None: nothing to compare with (no manifest yet)
+    certificate: str | None = None  # the certificate's summary (relay.checkpoints.certificate), or why there is none
     notes: list[str] = field(default_factory=list)
 
     def position(self) -> str:
@@ -95,6 +96,8 @@ class ResumePreview:
         ]
         lines += [f"    {size:>14}  {rel}" for rel, size in sorted(self.files.items())]
         lines.append(f"  checksums        {self.checksums}")
+        if self.certificate is not None:
+            lines.append(f"  certificate      {self.certificate}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -211,6 +214,10 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
     else:
         preview.files = {rel: (step_dir / rel).stat().st_size for rel in manifest.checkpoint_files(step_dir)}
     _read_state(preview, step_dir, report.world_size)
+    cert = certificate.read(step_dir)
+    preview.certificate = (
+        cert.summary() if cert else "none: resumes uncertified (saved before certificates, or by verl alone)"
+    )
     _params_of(preview, m, step_dir)
     _run_context(preview, read_record(run_dir), _metrics(run_dir))
     return preview

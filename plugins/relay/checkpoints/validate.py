@@ -13,7 +13,10 @@ No checkpoint is resumed from, published or called latest until it has been prov
 - loadability: every .pt loads through the safe loader (weights_only, mmap).
 - numerics: model and optimizer tensors are finite; parameter names and shapes match the run's
   previous valid checkpoint.
-- smoke (optional): a trainer-provided forward pass on a fixed prompt gives finite logits.
+- smoke (optional): a trainer-provided forward pass on a fixed prompt gives finite logits. A smoke check that
+  cannot run here (a checkpoint too large, a world size it does not load) raises Skipped: the level is
+  recorded as skipped, with why, never as passed; the manifest lists the levels that ran apart from those
+  skipped. The trainer's certificate check at resume (relay.checkpoints.certificate) covers what it left.
 
 Each file is mapped, not copied: its checksums (every core, segment by segment) and its loading read the
 same page-cache pages; two files are loaded at a time.
@@ -39,11 +42,16 @@ from relay.runs.record import LEGACY_INCARNATION, folder_incarnation
 LEVELS = ("structure", "consistency", "integrity", "loadability", "numerics", "smoke")
 
 
+class Skipped(Exception):
+    """A level that did not run here, and why (a smoke check's checkpoint too large to load on this host)."""
+
+
 @dataclass
 class Check:
     name: str
     ok: bool
     detail: str
+    skipped: bool = False  # did not run (ok, so the checkpoint is not refused for it; never shown as passed)
 
 
 @dataclass
@@ -69,12 +77,26 @@ class CheckReport:
         return ok
 
     @property
+    def ran(self) -> list[str]:
+        """The levels that ran (passed or failed), in order."""
+        return [c.name for c in self.checks if not c.skipped]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """{level: why} of the levels that did not run."""
+        return {c.name: c.detail for c in self.checks if c.skipped}
+
+    @property
     def path(self) -> str:
         return str(layout.step_dir(Path(self.run_dir), self.step)) if self.step is not None else self.run_dir
 
     def summary(self) -> str:
         head = f"checkpoint {self.path}: {'VALID' if self.ok else 'INVALID'}"
-        return "\n".join([head] + [f"  {'✔' if c.ok else '✘'} {c.name}: {c.detail}" for c in self.checks])
+        marks = [
+            f"  {'-' if c.skipped else '✔' if c.ok else '✘'} {c.name}: {'skipped: ' if c.skipped else ''}{c.detail}"
+            for c in self.checks
+        ]
+        return "\n".join([head, *marks])
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -132,6 +154,8 @@ def validate_checkpoint(
     if smoke is not None:
         try:
             report.add("smoke", True, smoke(ckpt))
+        except Skipped as why:
+            report.checks.append(Check("smoke", True, str(why), skipped=True))
         except Exception as e:  # noqa: BLE001 - a failed forward pass, whatever it raised, makes the checkpoint invalid
             report.add("smoke", False, f"forward pass failed: {e}")
     return report
@@ -427,7 +451,8 @@ def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | No
         params=report.params,
         settings_fingerprint=settings_fingerprint,
         verl_version=manifest.verl_version(),
-        checks=[c.name for c in report.checks],
+        checks=report.ran,
+        skipped=report.skipped,
         resharded_from=_resharded_from(layout.step_dir(Path(report.run_dir), report.step)),
         incarnation=folder_incarnation(Path(report.run_dir)) or LEGACY_INCARNATION,
     )

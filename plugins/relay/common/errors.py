@@ -78,6 +78,14 @@ class UnsafeCheckpointError(CheckpointError):
     retry_helps = False
 
 
+class CertificateError(CheckpointError):
+    """A resume's recomputed certificate does not match the one its checkpoint was saved with
+    (relay.checkpoints.certificate): the trainer does not hold the state that was saved. The checkpoint was
+    quarantined and the tracker moved back; a person looks before the run goes on."""
+
+    retry_helps = False
+
+
 class StoreError(RelayError):
     """S3 is unreachable or refused a request; nothing already saved is lost."""
 

@@ -108,6 +108,7 @@ class Attempt:
     seconds: float | None = None  # chunk_end's (the trainer process); a killed one's up to its last row
     finished: bool = False
     chunk: int | None = None
+    certificate: str | None = None  # the resume's: certified or uncertified (relay.checkpoints.certificate)
 
 
 @dataclass
@@ -594,6 +595,7 @@ def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:
                     int(e.get("to_step") or 0),
                     _ts(e.get("time")),
                     chunk=e.get("chunk"),
+                    certificate=e.get("certificate"),
                 )
             )
         elif e.get("event") == "chunk_end":
@@ -640,14 +642,16 @@ def _chunks(
                     f"chunk {index} retry (attempt {n}) resumed from step {a.resumed_from}"
                     if n > 1
                     else f"chunk {index} resumed from step {a.resumed_from}"
-                )
+                ) + (f" ({a.certificate} resume)" if a.certificate else "")
                 markers.append(Marker(a.resumed_from, kind, label, index, n))
         markers.append(Marker(end, "chunk", f"chunk {index} ends", index))
         local = manifest.read(layout.step_dir(run_dir, end)) if layout.step_dir(run_dir, end).is_dir() else None
         m = local or published.get(end)
         uri = published_uri.get(end) or (store.step_uri(run, end) if end in published else None)
         if m is not None or end in published_uri:
-            validation = "valid"
+            # a level that did not run is said, never counted as passed (manifest version 4)
+            skipped = sorted(getattr(m, "skipped", None) or {})
+            validation = f"valid ({', '.join(skipped)} skipped)" if skipped else "valid"
         elif end in quarantine_check:
             validation = quarantine_check[end]
         elif layout.step_dir(run_dir, end).is_dir():

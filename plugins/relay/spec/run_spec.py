@@ -92,6 +92,14 @@ class CheckpointPolicy(StrictModel):
         description="also run the trainer's forward-pass smoke check (the CPU "
         "trainer's; verl's at world size 1 and under 2 GiB)",
     )
+    certificate_tolerance: float = Field(
+        default=1e-3,
+        ge=0,
+        description=(
+            "at a resume, the largest difference allowed between the probe's log-probs as saved and as recomputed "
+            "after a reshard or on another device kind (exact otherwise; relay.checkpoints.certificate)"
+        ),
+    )
     keep_local: int = Field(default=3, ge=1, description="validated and published checkpoints kept on local storage")
     keep_published: int = Field(default=5, ge=1, description="newest published checkpoints kept in S3")
     milestone_every: int = Field(

@@ -20,9 +20,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from relay.checkpoints.resume import find_resume_point
+from relay.checkpoints import certificate
+from relay.checkpoints.resume import find_resume_point, quarantine
+from relay.checkpoints.validate import Check, CheckReport
 from relay.common import files
-from relay.common.errors import DiskFullError, RunError, StoppedEarly
+from relay.common.errors import CertificateError, CheckpointError, DiskFullError, RunError, StoppedEarly
 from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
 from relay.common.timestamps import process_started
@@ -68,6 +70,7 @@ class ChunkSession:
                 self.say(f"refused the tracker: {q['check']} failed: {q['detail']}")
         if self.resume.restored_from:
             self.say(f"restored step {self.resume_step} from {self.resume.restored_from}")
+        self.certificate: str | None = None  # the resume's: certified, uncertified (None: from step 0)
         self.metrics = MetricsLog(self.run_dir)
         self._t0 = time.time()
         self._step_times: list[float] = []
@@ -90,6 +93,57 @@ class ChunkSession:
     def resume_checkpoint(self) -> Path | None:
         """The folder to resume from (validated when the session started), or None for step 0."""
         return layout.step_dir(self.run_dir, self.resume_step) if self.resume_step else None
+
+    def certify(self, step_dir: Path, recompute) -> None:
+        """Compare the checkpoint's certificate with `recompute(probe_ids)`, the trainer's certificate of what it
+        loaded, after loading and before the first step (relay.checkpoints.certificate). A checkpoint without one
+        resumes uncertified; one whose certificate does not hold is quarantined, the tracker falls back to the
+        newest valid checkpoint, and the resume is refused (CertificateError: cause refused)."""
+        step = self.resume_step
+        saved = certificate.read(step_dir)
+        if saved is None:
+            self.certificate = "uncertified"
+            self.say(
+                f"uncertified resume from step {step}: {step_dir.name} has no certificate (saved before "
+                "certificates, or by verl alone); its files passed validation"
+            )
+            return
+        now = recompute(saved.probe_ids)
+        c = certificate.compare(saved, now, self.spec.checkpoints.certificate_tolerance)
+        if c.ok:
+            self.certificate = "certified"
+            self.say(
+                f"certified resume from step {step}: {c.detail()}; {len(now.params)} parameter digests, the "
+                f"optimizer's step and LR, the data position and the RNG states as saved "
+                f"(checked in {now.probe_seconds or 0:.3f}s)"
+            )
+            return
+        dest = quarantine(self.run_dir, CheckReport(str(self.run_dir), step, [Check("certificate", False, c.detail())]))
+        try:
+            fell_back: int | None = find_resume_point(self.run_dir).step
+        except CheckpointError:
+            fell_back = None
+        record_event(
+            self.run_dir,
+            "certificate_refused",
+            step=step,
+            chunk=self.req.chunk,
+            attempt=self.req.attempt,
+            detail=c.detail(),
+            quarantined_to=str(dest),
+            fell_back_to=fell_back,
+        )
+        then = (
+            f"the tracker now names step {fell_back}, whose certificate is checked when it is resumed"
+            if fell_back
+            else "no valid checkpoint is left locally"
+        )
+        raise CertificateError(
+            f"refused to resume run {self.req.run} from step {step}: its certificate does not hold, the state loaded "
+            f"is not the state saved ({c.detail()}). The checkpoint is quarantined to {dest}; {then}",
+            f"look at {dest} (how was it changed since its save?); then retry the chunk: it resumes from "
+            + (f"step {fell_back}" if fell_back else "a published checkpoint, or needs fresh_start"),
+        )
 
     def data_files(self) -> dict[str, list[str]]:
         """The files to train on: the run's frozen copies, verified by sha256 just before use (fetched
@@ -121,6 +175,7 @@ class ChunkSession:
             lease_token=self.token,
             superseded_rows=dropped,
             restored_from=self.resume.restored_from,
+            certificate=self.certificate,
             quarantined=[q["step"] for q in self.resume.quarantined if q["path"]],
             tracker_refused=[q["detail"] for q in self.resume.quarantined if not q["path"]],
             # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
@@ -129,6 +184,8 @@ class ChunkSession:
             process_started=process_started(),
         )  # a restart's cost counts from it (relay.insights.save_interval)
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
+        if self.certificate:
+            where += f" ({self.certificate})"
         self.say(
             f"run {self.req.run}: chunk {self.req.chunk or '-'} resumes from {where}, "
             f"trains to step {self.req.to_step} of {self.spec.total_steps} (attempt {self.req.attempt}, "

@@ -21,6 +21,7 @@ import time
 import warnings
 
 from relay.checkpoints import safeload
+from relay.checkpoints.validate import Skipped
 from relay.common.faultpoint import fault_point
 from relay.runs import layout
 from relay.trainers.contract import ChunkRequest, ChunkResult
@@ -73,6 +74,8 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     trainer = _TinyGRPO(spec, session.data_files()["train"])
     if resume_from is not None:
         trainer.restore(resume_from)
+        # After loading, before the first step: the state loaded is the state saved, or the resume is refused.
+        session.certify(resume_from, lambda probe_ids: trainer.certificate(start, probe_ids))
     session.begin()
     checkpoint = None
     step = saved = start
@@ -139,7 +142,7 @@ def smoke(spec, step_dir) -> str:
 
     world_size = len(list((step_dir / "actor").glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
-        return f"skipped: world size {world_size} (the CPU trainer trains at world size 1)"
+        raise Skipped(f"world size {world_size} (the CPU trainer trains at world size 1)")
     state = safeload.load(step_dir / "actor" / layout.shard_name("model", 1, 0), mmap=True)
     model = build_model(spec.settings)
     model.load_state_dict({k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()})
@@ -148,6 +151,22 @@ def smoke(spec, step_dir) -> str:
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("the logits of the fixed prompt '3+4=' are not finite")
     return f"forward pass on '3+4=': finite logits, argmax next token {task.ID_TO_TOKEN[int(logits[0, -1].argmax())]!r}"
+
+
+PROBE_SEQUENCES = 4
+
+
+def probe_sequences(rows: list[tuple[str, str]], seed: int) -> list[list[int]]:
+    """The certificate's probe: a few rows of the training data, chosen by the run's seed alone (a generator of
+    its own, none that training draws from), each its prompt and its answer as token ids."""
+    picked = random.Random(f"relay-probe-{seed}").sample(range(len(rows)), min(PROBE_SEQUENCES, len(rows)))
+    out = []
+    for i in sorted(picked):
+        prompt, truth = rows[i]
+        out.append(
+            task.encode_prompt(prompt) + [task.VOCAB.get(ch, task.VOCAB["<unk>"]) for ch in truth] + [task.VOCAB[task.EOS]]
+        )
+    return out
 
 
 class _TinyGRPO:
@@ -182,6 +201,7 @@ class _TinyGRPO:
         self.scheduler = self._schedule()
 
         rows = task.load_rows(train_files)
+        self.probe_ids = probe_sequences(rows, spec.seed)
         fn = s.custom_reward_function
         self.reward_fn = task.custom_reward(fn.path, fn.name) if fn.path else None
         self.prompts = torch.tensor([task.encode_prompt(p) for p, _ in rows])
@@ -325,11 +345,44 @@ class _TinyGRPO:
 
     # --------------------------------------------------------------------------------- checkpoints
     def save(self, folder, step: int) -> None:
-        """verl's layout: actor/ via verl's FSDPCheckpointManager, then data.pt as verl's trainer saves it."""
+        """verl's layout: actor/ via verl's FSDPCheckpointManager, then data.pt as verl's trainer saves it, then
+        the certificate of what was saved (relay.checkpoints.certificate)."""
 
         self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
         fault_point("mid_save", step)  # a test hook: a kill here leaves a half-written staging folder
         self.torch.save(self.loader.state_dict(), folder / "data.pt")
+        self.certificate(step).write(folder)
+
+    def certificate(self, step: int, probe_ids: list[list[int]] | None = None):
+        """The certificate of the state held now: the probe's log-probs in eval mode (no RNG drawn, nothing
+        trained), the parameters' digests, the optimizer's step and LR, the data position and the RNG states."""
+        from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+        from relay.checkpoints import certificate
+
+        torch = self.torch
+        t0 = time.perf_counter()
+        ids = probe_ids if probe_ids is not None else self.probe_ids
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            logprobs = [self._logprobs(self.model, torch.tensor([seq]), 1)[0].tolist() for seq in ids]
+        self.model.train(training)
+        state: dict = next(iter(self.optim.state.values()), {})
+        return certificate.Certificate(
+            step=step,
+            world_size=1,
+            device="cpu",
+            probe_ids=ids,
+            logprobs=logprobs,
+            params=certificate.param_digests(self.model),
+            optimizer_step=int(state["step"]) if "step" in state else None,
+            lr=float(self.scheduler.get_last_lr()[0]),
+            data=certificate.state_digest(self.loader.state_dict()),
+            rng=certificate.state_digest(BaseCheckpointManager.get_rng_state()),
+            probe_seconds=round(time.perf_counter() - t0, 4),
+            torch=torch.__version__,
+        )
 
     def restore(self, folder) -> None:
         """Everything a resume needs, through Relay's safe loader (weights_only), never verl's unpickling one."""

@@ -6,7 +6,8 @@ verl writes `actor/huggingface/` (config, tokenizer) with every checkpoint and t
 never verl's unpickling load), builds the model from that config with random weights, loads the shard
 strictly (every key, every shape) and runs one forward pass on the CPU. It runs at world size 1, where the
 shard holds the whole model (the CPU path), on models whose shard is under MAX_BYTES: the gate runs where
-Airflow's workers do, which are no place to load a 7B model. Anything else is skipped, saying so.
+Airflow's workers do, which are no place to load a 7B model. Anything else raises Skipped: the
+level is recorded as skipped, never as passed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from relay.checkpoints import safeload
+from relay.checkpoints.validate import Skipped
 from relay.runs import layout
 
 PROMPT = "3+4="
@@ -27,11 +29,11 @@ def smoke(spec, step_dir: Path) -> str:
     actor = Path(step_dir) / "actor"
     world_size = len(list(actor.glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
-        return f"skipped: world size {world_size} (the smoke check loads a whole model from one shard)"
+        raise Skipped(f"world size {world_size} (the smoke check loads a whole model from one shard)")
     shard = actor / layout.shard_name("model", 1, 0)
     if shard.stat().st_size > MAX_BYTES:
-        return (
-            f"skipped: the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the smoke check loads models under 2 GiB)"
+        raise Skipped(
+            f"the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the smoke check loads models under 2 GiB)"
         )
     hf = actor / "huggingface"
     config = AutoConfig.from_pretrained(hf)

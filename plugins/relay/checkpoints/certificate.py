@@ -1,0 +1,276 @@
+"""A checkpoint's certificate: a fingerprint of the trained state, written by the trainer at every save and
+recomputed by the trainer at every resume, after loading and before the first step.
+
+`global_step_N/relay_certificate.json` holds, for the weights being saved:
+- the probe: the log-probabilities of a fixed, seeded batch of sequences (their token ids are stored, so the
+  check reads no data), computed in eval mode over the whole batch on every rank;
+- a digest of every parameter that does not depend on how it is sharded: an additive hash of each element
+  by its global flat index (summed over a rank's pieces and across ranks, so no rank gathers a tensor).
+  Log-probabilities alone miss the rows of an embedding or a head that the probe never uses;
+- the optimizer's step and learning rate, a digest of the dataloader's state and one of the RNG states.
+
+It is a fingerprint, not a proof of equality: it shows that the state a trainer loaded behaves as the state
+it saved on the probe, and that every parameter holds the same values at the same indices (a 64-bit sum of
+mixed element hashes: two different tensors collide with probability about 2^-64). It proves nothing about
+states the probe does not touch beyond that (an RNG or data position that is not in the checkpoint at all).
+
+Exactness: parameters, the optimizer's step, the LR, the data position and (at an unchanged world size) the RNG
+digest are compared exactly. The probe's log-probabilities are exact where the world size and the device
+kind are unchanged and the kernels deterministic (Relay's CPU trainer pins threads and deterministic
+algorithms); after a reshard or on another device or kernel they are compared within `tolerance`.
+
+Written before the commit, beside the manifest that the gate writes later: the manifest's checksums cover it.
+Plain torch, no spec; a trainer computes its probe and passes the pieces here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relay.common import files
+
+NAME = "relay_certificate.json"
+VERSION = 1
+# Wrapper prefixes that FSDP1, activation checkpointing and torch.compile put in parameter names: the digest is
+# keyed by the model's own names, so that a certificate does not depend on how the model was wrapped.
+WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+_MASK64 = (1 << 64) - 1
+# splitmix64's constants, as signed 64-bit integers (torch has no unsigned 64-bit arithmetic).
+_M1, _M2, _M3 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_CHUNK = 1 << 24  # elements hashed at a time: bounded temporaries on a GPU
+
+
+@dataclass
+class Certificate:
+    step: int
+    world_size: int
+    device: str  # "cpu", "cuda", ...: the kind, not the index
+    probe_ids: list[list[int]]  # the probe's token ids, one list per sequence
+    logprobs: list[list[float]]  # the log-probability of each next token of each sequence
+    params: dict[str, str]  # parameter name -> 16 hex digits
+    optimizer_step: int | None = None
+    lr: float | None = None
+    data: str | None = None  # digest of the dataloader's state
+    rng: str | None = None  # digest of the RNG states
+    probe_seconds: float | None = None
+    torch: str | None = None
+    version: int = VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True) + "\n"
+
+    def write(self, step_dir: Path) -> Path:
+        path = Path(step_dir) / NAME
+        files.atomic_write(path, self.to_json().encode())
+        return path
+
+    def summary(self) -> str:
+        tokens = sum(len(x) for x in self.logprobs)
+        lr = "unknown" if self.lr is None else f"{self.lr:.6g}"
+        took = f"; probe and digests took {self.probe_seconds * 1e3:.0f} ms" if self.probe_seconds is not None else ""
+        return (
+            f"step {self.step} at world size {self.world_size} on {self.device}: probe of {len(self.probe_ids)} "
+            f"sequences ({tokens} log-probs), {len(self.params)} parameter digests, optimizer step "
+            f"{self.optimizer_step}, lr {lr}{took}"
+        )
+
+
+def read(step_dir: Path) -> Certificate | None:
+    """The step folder's certificate; None when it has none (written before certificates, or by verl alone)."""
+    path = Path(step_dir) / NAME
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        from relay.common.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{path} cannot be read ({e})", "quarantine the checkpoint (`relay checkpoint validate RUN_DIR --quarantine`)"
+        ) from None
+    if not isinstance(d, dict) or d.get("version") != VERSION:
+        from relay.common.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{path} is not a version-{VERSION} certificate", "resume with the Relay that wrote it, or remove the file"
+        )
+    try:
+        return Certificate(**d)
+    except TypeError as e:
+        from relay.common.errors import CheckpointError
+
+        raise CheckpointError(f"{path} is malformed ({e})", "remove the file to resume uncertified") from None
+
+
+@dataclass
+class Comparison:
+    """What a resume's recomputed certificate says of the saved one."""
+
+    ok: bool
+    exact: bool  # the probe compared bit for bit (else within the tolerance)
+    max_logprob_diff: float
+    tolerance: float
+    problems: list[str] = field(default_factory=list)
+
+    def detail(self) -> str:
+        how = "exact" if self.exact else f"within {self.tolerance:g}"
+        probe = f"probe log-probs differ by at most {self.max_logprob_diff:.3g} ({how})"
+        return probe if self.ok else "; ".join(self.problems)
+
+
+def compare(saved: Certificate, now: Certificate, tolerance: float) -> Comparison:
+    """Compare a resume's certificate with the saved one (see the module's docstring for what is exact)."""
+    exact = saved.world_size == now.world_size and saved.device == now.device
+    problems: list[str] = []
+    differ = sorted(n for n in saved.params.keys() | now.params.keys() if saved.params.get(n) != now.params.get(n))
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        problems.append(f"{len(differ)} of {len(saved.params)} parameters hold other values than saved: {shown}")
+    for what, a, b in (
+        ("the optimizer's step", saved.optimizer_step, now.optimizer_step),
+        ("the learning rate", saved.lr, now.lr),
+        ("the dataloader's state", saved.data, now.data),
+    ):
+        if a != b:
+            problems.append(f"{what} is {b}, saved {a}")
+    if exact and saved.rng != now.rng:
+        problems.append("the RNG states differ from those saved")
+    diff = math.inf
+    if saved.probe_ids != now.probe_ids or [len(x) for x in saved.logprobs] != [len(x) for x in now.logprobs]:
+        problems.append("the probe is not the one saved")
+    else:
+        diffs = [
+            abs(a - b) for xs, ys in zip(saved.logprobs, now.logprobs, strict=True) for a, b in zip(xs, ys, strict=True)
+        ]
+        diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
+        if math.isnan(diff) or (diff > 0 if exact else diff > tolerance):
+            problems.append(f"the probe's log-probs differ from those saved by up to {diff:.3g}")
+    return Comparison(not problems, exact, diff, tolerance, problems)
+
+
+# ------------------------------------------------------------------------------------ digests
+
+
+def param_digests(model: Any, *, reduce: Any = None) -> dict[str, str]:
+    """{parameter name: 16 hex digits} of a model's parameters and persistent buffers, whatever their sharding:
+    each rank hashes its own pieces by their global indices; `reduce(list of int64 sums) -> list` adds the ranks'
+    sums (torch.distributed's all_reduce over a tensor; None at world size 1)."""
+    names, sums = [], []
+    for name, tensor in _named_state(model):
+        names.append(name)
+        sums.append(_piece_sum(tensor))
+    if reduce is not None:
+        sums = list(reduce(sums))
+    return {n: f"{s & _MASK64:016x}" for n, s in zip(names, sums, strict=True)}
+
+
+def _named_state(model: Any) -> Iterable[tuple[str, Any]]:
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(_persistent_buffers(model)):
+        for w in WRAPPERS:
+            name = name.replace(w, "")
+        if name not in seen:
+            seen.add(name)
+            yield name, t
+
+
+def _persistent_buffers(model: Any) -> Iterable[tuple[str, Any]]:
+    for mod_name, mod in model.named_modules():
+        skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b is not None and b_name not in skip:
+                yield (f"{mod_name}.{b_name}" if mod_name else b_name), b
+
+
+def _piece_sum(t: Any) -> int:
+    """This rank's share of a tensor's digest: its local piece hashed at its global flat offset. A DTensor piece
+    replicated over a mesh dimension counts only on that dimension's first coordinate (else ranks would add it
+    twice); a piece sharded other than along dim 0 is gathered whole and counted once."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return tensor_sum(t, 0)
+    mesh, placements = t.device_mesh, t.placements
+    coords = mesh.get_coordinate() or [0] * mesh.ndim
+    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coords, strict=True)):
+        return 0
+    if all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in placements):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        row = math.prod(t.shape[1:]) if len(t.shape) > 1 else 1
+        return tensor_sum(t.to_local(), offset[0] * row if offset else 0)
+    full = t.full_tensor()
+    return tensor_sum(full, 0) if all(c == 0 for c in coords) else 0
+
+
+def tensor_sum(t: Any, offset: int) -> int:
+    """Sum over a tensor's elements (flattened, starting at global flat index `offset`) of a splitmix64 mix of
+    the element's bits and its index, modulo 2^64: moving a value to another index changes it."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    bits = _bits(flat)
+    total = 0
+    for start in range(0, bits.numel(), _CHUNK):
+        x = bits[start : start + _CHUNK]
+        idx = torch.arange(offset + start, offset + start + x.numel(), dtype=torch.int64, device=x.device)
+        x = x * _M1 + idx
+        x = x ^ ((x >> 31) & ((1 << 33) - 1))  # a logical shift: torch's >> on int64 is arithmetic
+        x = x * _M2
+        x = x ^ ((x >> 29) & ((1 << 35) - 1))
+        x = x * _M3
+        x = x ^ ((x >> 32) & ((1 << 32) - 1))
+        total += int(x.sum())
+    return total & _MASK64
+
+
+def _bits(flat: Any) -> Any:
+    import torch
+
+    width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
+    if flat.dtype.is_floating_point or flat.dtype.is_complex:
+        flat = flat.contiguous().view(width)
+    return flat.to(torch.int64)
+
+
+def state_digest(obj: Any) -> str:
+    """A digest of nested state (dicts, lists, tuples, tensors, numpy arrays, numbers, strings), independent of
+    how it was serialized: RNG states, a dataloader's state_dict."""
+    h = hashlib.sha256()
+    _feed(h, obj)
+    return h.hexdigest()[:16]
+
+
+def _feed(h: Any, obj: Any) -> None:
+    if isinstance(obj, Mapping):
+        h.update(b"{")
+        for k in sorted(obj, key=str):
+            h.update(str(k).encode() + b":")
+            _feed(h, obj[k])
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for v in obj:
+            _feed(h, v)
+        h.update(b"]")
+    elif hasattr(obj, "detach"):  # a tensor
+        h.update(f"T{obj.dtype}{tuple(obj.shape)}".encode())
+        h.update(_tensor_bytes(obj))
+    elif hasattr(obj, "tobytes"):  # a numpy array
+        h.update(f"A{obj.dtype}{obj.shape}".encode() + obj.tobytes())
+    else:
+        h.update(repr(obj).encode())
+
+
+def _tensor_bytes(t: Any) -> bytes:
+    import torch
+
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""

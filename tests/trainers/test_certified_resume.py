@@ -1,0 +1,54 @@
+"""The CPU trainer certifies every resume (relay.checkpoints.certificate): a resumed chunk says so, and a
+checkpoint whose files are whole but whose values moved is refused, quarantined, and the run goes on from the
+checkpoint before it, bit for bit as an uninterrupted run."""
+
+import torch
+
+from relay.checkpoints import certificate
+from relay.runs import layout
+from relay.runs.metrics import read_events
+from support.helpers import DELETE, assert_bitwise_equal, model_state, read_metrics, relay_cli, train, write_spec
+
+
+def events(run_dir, kind):
+    return [e for e in read_events(run_dir) if e["event"] == kind]
+
+
+def test_a_row_swap_that_keeps_every_crc_is_refused_at_resume_and_the_run_falls_back(tmp_path):
+    spec = write_spec(tmp_path, **{"s3": DELETE, "trainer.settings.save_freq": 3})
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(spec, straight, 12)
+    train(spec, run, 6)
+    cert = certificate.read(layout.step_dir(run, 6))
+    # two optimizer steps a training step (two mini-batches)
+    assert cert is not None and cert.step == 6 and cert.optimizer_step == 12 and len(cert.probe_ids) == 4
+
+    # Step 6's model re-saved by torch with two rows of one matrix swapped: its zip CRCs hold, shapes and
+    # values are finite, and no manifest is there to compare checksums with (never validated).
+    shard = layout.step_dir(run, 6) / "actor" / layout.shard_name("model", 1, 0)
+    sd = torch.load(shard, weights_only=False)
+    key = next(k for k in sd if k.endswith("mlp.down_proj.weight"))
+    local = sd[key].to_local() if hasattr(sd[key], "to_local") else sd[key]
+    local[[0, 1]] = local[[1, 0]]
+    torch.save(sd, shard)
+    (layout.step_dir(run, 6) / "relay_manifest.json").unlink(missing_ok=True)
+
+    refused = relay_cli("train", str(spec), "--to-step", "12", "--checkpoint-dir", str(run))
+    assert refused.returncode != 0
+    out = refused.stdout + refused.stderr
+    assert "certificate does not hold" in out and key.removeprefix("_fsdp_wrapped_module.") in out, out[-3000:]
+    [event] = events(run, "certificate_refused")
+    assert event["step"] == 6 and event["fell_back_to"] == 3 and "parameters hold other values" in event["detail"]
+    assert [e["check"] for e in events(run, "quarantine")] == ["certificate"]
+    assert layout.read_tracker(run) == 3 and not layout.step_dir(run, 6).exists()
+
+    inspected = relay_cli("checkpoint", "inspect", str(layout.step_dir(run, 3)))
+    assert "certificate      step 3 at world size 1 on cpu: probe of 4 sequences" in inspected.stdout, inspected.stdout
+
+    again = train(spec, run, 12)
+    assert "certified resume from step 3" in again.stdout, again.stdout[-2000:]
+    assert_bitwise_equal(model_state(run / "global_step_12"), model_state(straight / "global_step_12"))
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 13))
+    assert [e.get("certificate") for e in events(run, "chunk_start")] == [None, "certified"]
+    report = relay_cli("report", str(run))
+    assert "chunk 2 resumed from step 3 (certified resume)" in report.stdout, report.stdout[-3000:]
