@@ -11,7 +11,7 @@ recomputed by the trainer at every resume, after loading and before the first st
 
 It is a fingerprint, not a proof of equality: it shows that the state a trainer loaded behaves as the state
 it saved on the probe, and that every parameter holds the same values at the same indices (a 64-bit sum of
-mixed element hashes: two different tensors collide with probability about 2^-64). It proves nothing about
+mixed element hashes: two different tensors collide with probability about 2^-32). It proves nothing about
 states the probe does not touch beyond that (an RNG or data position that is not in the checkpoint at all).
 
 Exactness: parameters, the optimizer's step, the LR, the data position and (at an unchanged world size) the RNG
@@ -42,9 +42,10 @@ VERSION = 1
 WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 _MASK64 = (1 << 64) - 1
-# splitmix64's constants, as signed 64-bit integers (torch has no unsigned 64-bit arithmetic).
-_M1, _M2, _M3 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-_CHUNK = 1 << 24  # elements hashed at a time: bounded temporaries on a GPU
+# A 32-bit mix per element (murmur3's finaliser constants), as signed 32-bit integers: an element's hash is a
+# function of its bits and its global index; the ranks' sums of them are added in 64 bits.
+_M1, _M2 = (c - (1 << 32) for c in (0x9E3779B9, 0x85EBCA6B))
+_CHUNK = 1 << 24  # 32-bit lanes hashed at a time: bounded temporaries on a GPU
 
 
 @dataclass
@@ -162,10 +163,11 @@ def param_digests(model: Any, *, reduce: Any = None) -> dict[str, str]:
     """{parameter name: 16 hex digits} of a model's parameters and persistent buffers, whatever their sharding:
     each rank hashes its own pieces by their global indices; `reduce(list of int64 sums) -> list` adds the ranks'
     sums (torch.distributed's all_reduce over a tensor; None at world size 1)."""
-    names, sums = [], []
+    names, pieces = [], []
     for name, tensor in _named_state(model):
         names.append(name)
-        sums.append(_piece_sum(tensor))
+        pieces.append(_local_piece(tensor))
+    sums = piece_sums(pieces)
     if reduce is not None:
         sums = list(reduce(sums))
     return {n: f"{s & _MASK64:016x}" for n, s in zip(names, sums, strict=True)}
@@ -189,56 +191,105 @@ def _persistent_buffers(model: Any) -> Iterable[tuple[str, Any]]:
                 yield (f"{mod_name}.{b_name}" if mod_name else b_name), b
 
 
-def _piece_sum(t: Any) -> int:
-    """This rank's share of a tensor's digest: its local piece hashed at its global flat offset. A DTensor piece
-    replicated over a mesh dimension counts only on that dimension's first coordinate (else ranks would add it
-    twice); a piece sharded other than along dim 0 is gathered whole and counted once."""
+def _local_piece(t: Any) -> tuple[Any, int] | None:
+    """This rank's piece of a tensor and its global flat offset; None where another rank counts it. A DTensor
+    piece replicated over a mesh dimension counts only on that dimension's first coordinate (else ranks would add
+    it twice); a piece sharded other than along dim 0 is gathered whole and counted once."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(t, DTensor):
-        return tensor_sum(t, 0)
+        return t, 0
     mesh, placements = t.device_mesh, t.placements
     coords = mesh.get_coordinate() or [0] * mesh.ndim
     if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coords, strict=True)):
-        return 0
+        return None
     if all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in placements):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
         row = math.prod(t.shape[1:]) if len(t.shape) > 1 else 1
-        return tensor_sum(t.to_local(), offset[0] * row if offset else 0)
+        return t.to_local(), (offset[0] * row if offset else 0)
     full = t.full_tensor()
-    return tensor_sum(full, 0) if all(c == 0 for c in coords) else 0
+    return (full, 0) if all(c == 0 for c in coords) else None
 
 
 def tensor_sum(t: Any, offset: int) -> int:
     """Sum over a tensor's elements (flattened, starting at global flat index `offset`) of a splitmix64 mix of
     the element's bits and its index, modulo 2^64: moving a value to another index changes it."""
+    return piece_sums([(t, offset)])[0]
+
+
+def piece_sums(pieces: list[tuple[Any, int] | None]) -> list[int]:
+    """tensor_sum of each (tensor, offset) piece (0 for None), the elements of many small tensors hashed together
+    in batches of up to _CHUNK lanes: a model's few hundred tensors cost a few vector operations, not a few
+    thousand. An element is hashed as 32-bit lanes (one, or two for an 8-byte dtype, at index 2i and 2i+1)."""
     import torch
 
-    flat = t.detach().reshape(-1)
-    bits = _bits(flat)
-    total = 0
-    for start in range(0, bits.numel(), _CHUNK):
-        x = bits[start : start + _CHUNK]
-        idx = torch.arange(offset + start, offset + start + x.numel(), dtype=torch.int64, device=x.device)
-        x = x * _M1 + idx
-        x = x ^ ((x >> 31) & ((1 << 33) - 1))  # a logical shift: torch's >> on int64 is arithmetic
-        x = x * _M2
-        x = x ^ ((x >> 29) & ((1 << 35) - 1))
-        x = x * _M3
-        x = x ^ ((x >> 32) & ((1 << 32) - 1))
-        total += int(x.sum())
-    return total & _MASK64
+    out = [0] * len(pieces)
+    batch: list[tuple[int, Any, int]] = []  # (piece index, lanes, global lane index of its first lane)
+    size = 0
+
+    def flush() -> None:
+        nonlocal batch, size
+        if not batch:
+            return
+        device = batch[0][1].device
+        lanes = torch.cat([b for _, b, _ in batch]) if len(batch) > 1 else batch[0][1]
+        # global lane indices modulo 2^32, as int32 (wrapping): each piece's start, then counting up
+        idx = torch.cat([torch.arange(b.numel(), dtype=torch.int32, device=device).add_(_wrap32(o)) for _, b, o in batch])
+        x = _mix(lanes, idx)
+        for (i, _piece, _offset), part in zip(batch, torch.split(x, [b.numel() for _, b, _ in batch]), strict=True):
+            out[i] = (out[i] + int(part.sum(dtype=torch.int64))) & _MASK64
+        batch, size = [], 0
+
+    for i, piece in enumerate(pieces):
+        if piece is None:
+            continue
+        t, offset = piece
+        lanes, per = _lanes(t.detach().reshape(-1))
+        for start in range(0, lanes.numel(), _CHUNK):
+            x = lanes[start : start + _CHUNK]
+            if batch and (x.device != batch[0][1].device or size + x.numel() > _CHUNK):
+                flush()
+            batch.append((i, x, offset * per + start))
+            size += x.numel()
+    flush()
+    return out
 
 
-def _bits(flat: Any) -> Any:
+def _wrap32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _mix(lanes: Any, idx: Any) -> Any:
+    """A 32-bit hash of (lane bits, lane index) in wrapping int32 arithmetic: multiply, xor-shift, multiply. In
+    place, into `idx` (fresh memory per operation costs more than the arithmetic)."""
     import torch
 
-    width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
+    x = idx.mul_(_M1)
+    x ^= lanes
+    x *= _M2
+    t = x >> 15
+    t &= 0x1FFFF  # a logical shift: torch's >> on int32 is arithmetic
+    x ^= t
+    x *= _M1
+    torch.bitwise_right_shift(x, 13, out=t)
+    t &= 0x7FFFF
+    x ^= t
+    return x
+
+
+def _lanes(flat: Any) -> tuple[Any, int]:
+    """A flat tensor's bits as int32 lanes, and lanes per element (2 for an 8-byte dtype, else 1)."""
+    import torch
+
+    size = flat.element_size()
+    if size in (4, 8):
+        return flat.contiguous().view(torch.int32), size // 4
     if flat.dtype.is_floating_point or flat.dtype.is_complex:
-        flat = flat.contiguous().view(width)
-    return flat.to(torch.int64)
+        flat = flat.contiguous().view(torch.int16 if size == 2 else torch.int8)
+    return flat.to(torch.int32), 1
 
 
 def state_digest(obj: Any) -> str:

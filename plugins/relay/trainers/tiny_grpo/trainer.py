@@ -365,8 +365,13 @@ class _TinyGRPO:
         ids = probe_ids if probe_ids is not None else self.probe_ids
         training = self.model.training
         self.model.eval()
+        # One forward over the probe, padded on the right: causal attention, so a pad never reaches the
+        # positions before it.
+        width = max(len(seq) for seq in ids)
+        padded = torch.tensor([seq + [task.VOCAB[task.PAD]] * (width - len(seq)) for seq in ids])
         with torch.no_grad():
-            logprobs = [self._logprobs(self.model, torch.tensor([seq]), 1)[0].tolist() for seq in ids]
+            lp = self._logprobs(self.model, padded, 1)
+        logprobs = [lp[i, : len(seq) - 1].tolist() for i, seq in enumerate(ids)]
         self.model.train(training)
         state: dict = next(iter(self.optim.state.values()), {})
         return certificate.Certificate(
