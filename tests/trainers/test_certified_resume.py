@@ -52,3 +52,62 @@ def test_a_row_swap_that_keeps_every_crc_is_refused_at_resume_and_the_run_falls_
     assert [e.get("certificate") for e in events(run, "chunk_start")] == [None, "certified"]
     report = relay_cli("report", str(run))
     assert "chunk 2 resumed from step 3 (certified resume)" in report.stdout, report.stdout[-3000:]
+
+
+def swap_rows(step_dir, suffix="mlp.down_proj.weight") -> str:
+    """Two rows of one matrix of the model swapped, re-saved by torch (its own CRCs hold); the manifest removed."""
+    shard = step_dir / "actor" / layout.shard_name("model", 1, 0)
+    sd = torch.load(shard, weights_only=False)
+    key = next(k for k in sd if k.endswith(suffix))
+    local = sd[key].to_local() if hasattr(sd[key], "to_local") else sd[key]
+    local[[0, 1]] = local[[1, 0]]
+    torch.save(sd, shard)
+    (step_dir / "relay_manifest.json").unlink(missing_ok=True)
+    return key
+
+
+def test_the_gate_loads_the_model_and_checks_its_certificate_offline(tmp_path):
+    from relay.preflight.admission import admit
+    from relay.runs.run import Run
+    from relay.spec.run_spec import load_spec
+
+    spec_path = write_spec(tmp_path, **{"s3": DELETE, "trainer.settings.save_freq": 3})
+    run_dir = tmp_path / "run"
+    train(spec_path, run_dir, 6)
+    run = Run(load_spec(spec_path), "t", run_dir, None)
+    good = admit(run, 3)
+    assert good.ok and "certificate" in good.manifest.checks, good.explain()
+    assert "✔ certificate: the model loaded offline reproduces its certificate" in good.report.summary()
+
+    key = swap_rows(layout.step_dir(run_dir, 6))
+    bad = admit(run, 6)
+    assert not bad.ok and bad.report.failed.name == "certificate", bad.explain()
+    assert key in bad.report.failed.detail and bad.fell_back_to == 3
+
+
+def test_a_hugging_face_export_is_published_only_if_it_reproduces_the_certificate(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from relay.checkpoints.gate import admit_dir
+    from relay.common.errors import CertificateError
+    from relay.s3.publication import export_hf, verify_export
+
+    spec = write_spec(tmp_path, **{"s3": DELETE})
+    run_dir = tmp_path / "run"
+    train(spec, run_dir, 6)
+    step_dir = layout.step_dir(run_dir, 6)
+    assert admit_dir(run_dir, 6).ok  # verl's merger reads only files the gate has proven
+    export = export_hf(run_dir, 6)
+    verified = verify_export(export, step_dir, 0.02)
+    assert "reproduces the certificate of global_step_6: 27 tensors are the checkpoint's, cast to torch.bfloat16" in verified
+
+    [weights] = export.glob("*.safetensors")
+    tensors = load_file(weights)
+    key = next(k for k in tensors if k.endswith("input_layernorm.weight"))
+    tensors[key] = tensors[key].flip(0).contiguous()  # the same values, in another order
+    save_file(tensors, weights, metadata={"format": "pt"})
+    try:
+        verify_export(export, step_dir, 0.02)
+        raise AssertionError("a changed export passed")
+    except CertificateError as e:
+        assert f"exported tensors that are not the checkpoint's: {key}" in e.what and "was not published" in e.fix

@@ -62,6 +62,7 @@ class Certificate:
     rng: str | None = None  # digest of the RNG states
     probe_seconds: float | None = None
     torch: str | None = None
+    pad_id: int = 0  # the token the probe's shorter sequences are padded with
     version: int = VERSION
 
     def to_json(self) -> str:
@@ -156,15 +157,38 @@ def compare(saved: Certificate, now: Certificate, tolerance: float) -> Compariso
     return Comparison(not problems, exact, diff, tolerance, problems)
 
 
-# ------------------------------------------------------------------------------------ digests
+# ------------------------------------------------------------------------------------ probe and digests
+
+
+def probe_logprobs(model: Any, probe_ids: list[list[int]], pad_id: int) -> list[list[float]]:
+    """The probe's log-probs under a causal LM (a Hugging Face model's `logits`): one forward in eval mode, no
+    gradient, no random draw, over the sequences padded on the right (causal attention: a pad never reaches the
+    positions before it); each sequence's next-token log-probs."""
+    import torch
+
+    training = model.training
+    model.eval()
+    width = max(len(seq) for seq in probe_ids)
+    device = next(model.parameters()).device
+    padded = torch.tensor([seq + [pad_id] * (width - len(seq)) for seq in probe_ids], device=device)
+    with torch.no_grad():
+        logits = model(input_ids=padded).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, padded[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+    model.train(training)
+    return [lp[i, : len(seq) - 1].tolist() for i, seq in enumerate(probe_ids)]
 
 
 def param_digests(model: Any, *, reduce: Any = None) -> dict[str, str]:
     """{parameter name: 16 hex digits} of a model's parameters and persistent buffers, whatever their sharding:
     each rank hashes its own pieces by their global indices; `reduce(list of int64 sums) -> list` adds the ranks'
     sums (torch.distributed's all_reduce over a tensor; None at world size 1)."""
+    return digests(named_state(model), reduce=reduce)
+
+
+def digests(named: Iterable[tuple[str, Any]], *, reduce: Any = None) -> dict[str, str]:
+    """param_digests of (name, tensor) pairs: a state dict's items, say."""
     names, pieces = [], []
-    for name, tensor in _named_state(model):
+    for name, tensor in named:
         names.append(name)
         pieces.append(_local_piece(tensor))
     sums = piece_sums(pieces)
@@ -173,7 +197,8 @@ def param_digests(model: Any, *, reduce: Any = None) -> dict[str, str]:
     return {n: f"{s & _MASK64:016x}" for n, s in zip(names, sums, strict=True)}
 
 
-def _named_state(model: Any) -> Iterable[tuple[str, Any]]:
+def named_state(model: Any) -> Iterable[tuple[str, Any]]:
+    """A model's parameters and persistent buffers by their own names (wrapper prefixes removed)."""
     seen = set()
     for name, t in list(model.named_parameters()) + list(_persistent_buffers(model)):
         for w in WRAPPERS:

@@ -58,6 +58,7 @@ def admit_dir(
     *,
     expected_step: int | None = None,
     smoke: Callable[[Path], str] | None = None,
+    certify: Callable[[Path], str] | None = None,
     run: str | None = None,
     fingerprint: str | None = None,
     expect_critic: bool | None = None,
@@ -67,7 +68,9 @@ def admit_dir(
     t0 = time.time()
     if run_dir.is_dir() and (done := swap.recover(run_dir)):  # a reshard killed mid-swap
         print(f"[relay] {done}", flush=True)
-    report = validate_checkpoint(run_dir, step, expected_step=expected_step, smoke=smoke, expect_critic=expect_critic)
+    report = validate_checkpoint(
+        run_dir, step, expected_step=expected_step, smoke=smoke, certify=certify, expect_critic=expect_critic
+    )
     if report.step is not None and run_dir.is_dir():  # what the gate costs a chunk (relay.insights.save_interval)
         record_event(run_dir, "validation", step=report.step, ok=report.ok, seconds=round(time.time() - t0, 3))
     if report.ok:

@@ -16,7 +16,10 @@ No checkpoint is resumed from, published or called latest until it has been prov
 - smoke (optional): a trainer-provided forward pass on a fixed prompt gives finite logits. A smoke check that
   cannot run here (a checkpoint too large, a world size it does not load) raises Skipped: the level is
   recorded as skipped, with why, never as passed; the manifest lists the levels that ran apart from those
-  skipped. The trainer's certificate check at resume (relay.checkpoints.certificate) covers what it left.
+  skipped.
+- certificate (optional): the checkpoint's model, loaded offline, reproduces its certificate (the parameters'
+  digests exactly, the probe's log-probs within the tolerance; relay.checkpoints.certificate). Skipped, saying
+  why, for a checkpoint without one or a trainer without an offline check; the trainer checks it at resume.
 
 Each file is mapped, not copied: its checksums (every core, segment by segment) and its loading read the
 same page-cache pages; two files are loaded at a time.
@@ -39,7 +42,7 @@ from relay.common.errors import CheckpointError
 from relay.runs import layout
 from relay.runs.record import LEGACY_INCARNATION, folder_incarnation
 
-LEVELS = ("structure", "consistency", "integrity", "loadability", "numerics", "smoke")
+LEVELS = ("structure", "consistency", "integrity", "loadability", "numerics", "smoke", "certificate")
 
 
 class Skipped(Exception):
@@ -116,6 +119,7 @@ def validate_checkpoint(
     upto: str = "numerics",
     expect_critic: bool | None = None,
     smoke: Callable[[Path], str] | None = None,
+    certify: Callable[[Path], str] | None = None,
     checked: dict[str, FileResult] | None = None,
 ) -> CheckReport:
     """Validate global_step_<step> of a run (default: the step the tracker names), level by level up
@@ -158,6 +162,14 @@ def validate_checkpoint(
             report.checks.append(Check("smoke", True, str(why), skipped=True))
         except Exception as e:  # noqa: BLE001 - a failed forward pass, whatever it raised, makes the checkpoint invalid
             report.add("smoke", False, f"forward pass failed: {e}")
+            return report
+    if certify is not None:
+        try:
+            report.add("certificate", True, certify(ckpt))
+        except Skipped as why:
+            report.checks.append(Check("certificate", True, str(why), skipped=True))
+        except CheckpointError as e:
+            report.add("certificate", False, e.what)
     return report
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
+from relay.checkpoints import certificate
 from relay.checkpoints.gate import Admission, admit_dir
+from relay.checkpoints.validate import Skipped
 from relay.runs.run import Run
 from relay.spec.kinds import KINDS
 from relay.spec.run_spec import spec_from_json
@@ -24,6 +27,22 @@ def smoke_check(spec):
     return None if fn is None else (lambda step_dir: fn(spec, step_dir))
 
 
+def certify_check(spec):
+    """The gate's offline certificate check for this spec: the trainer's, where the checkpoint has a certificate
+    and the trainer an offline check; a skip that says why otherwise (the trainer checks it at resume)."""
+    fn = KINDS[spec.trainer.kind].certify_function()
+
+    def check(step_dir: Path) -> str:
+        saved = certificate.read(step_dir)
+        if saved is None:
+            raise Skipped("no certificate (saved before certificates, or by verl's trainer): it resumes uncertified")
+        if fn is None:
+            raise Skipped(f"{spec.trainer.kind} has no offline check; its trainer checks the certificate at resume")
+        return fn(spec, step_dir, saved)
+
+    return check
+
+
 def admit(run: Run, step: int, *, expected_step: int | None = None) -> Admission:
     """Validate global_step_<step> of a run (with the trainer's smoke check)."""
     spec = run.spec
@@ -32,6 +51,7 @@ def admit(run: Run, step: int, *, expected_step: int | None = None) -> Admission
         step,
         expected_step=expected_step,
         smoke=smoke_check(spec),
+        certify=certify_check(spec),
         run=run.name,
         fingerprint=spec.settings_fingerprint(),
         expect_critic=spec.settings.has_critic,

@@ -1,5 +1,6 @@
 """Publishing a chunk's validated checkpoint: S3 (files, manifest, latest), a Hugging Face model for
-milestones and the final step (verl's model merger), then retention, locally and in S3."""
+milestones and the final step (verl's model merger, verified against the checkpoint's certificate before it is
+uploaded), then retention, locally and in S3."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from relay.checkpoints import retention
+from relay.checkpoints import certificate, manifest, retention
 from relay.checkpoints.manifest import unchanged_since_validation
-from relay.common.errors import CheckpointError
+from relay.common.errors import CertificateError, CheckpointError
 from relay.runs import layout
 from relay.runs.metrics import record_event
 from relay.runs.run import Run
@@ -34,6 +35,7 @@ class Publication:
     seconds: float
     latest_moved: bool
     hf_uri: str | None = None
+    hf_verified: str | None = None  # what the export's check against the certificate found
     deleted_local: list[int] = field(default_factory=list)
     published_retention: dict = field(default_factory=dict)
 
@@ -80,9 +82,58 @@ def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str
     return f"s3://{store.bucket}/{key_prefix}/"
 
 
+def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
+    """The Hugging Face export, loaded with transformers, against the checkpoint's certificate: at world size 1,
+    every exported tensor is the checkpoint's (whose digests are the certificate's) cast to the export's dtype, so
+    an export that lost or changed a tensor names it; and the probe's log-probs are within `tolerance` (the
+    export's architecture and config read as the trainer's). CertificateError otherwise. A checkpoint without a
+    certificate: said, not verified."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relay.checkpoints import safeload
+
+    saved = certificate.read(step_dir)
+    if saved is None:
+        return f"not verified: {step_dir.name} has no certificate"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(torch.device("cpu"))
+    exported = dict(certificate.named_state(model))
+    problems: list[str] = []
+    shards = sorted((step_dir / "actor").glob("model_world_size_*_rank_*.pt"))
+    checked = "the probe only (the checkpoint is sharded: its tensors are compared by verl's merge)"
+    if len(shards) == 1:
+        state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in safeload.load(shards[0], mmap=True).items()}
+        ours = certificate.digests((n, state[n]) for n in saved.params if n in state)
+        if changed := sorted(n for n in saved.params if ours.get(n) != saved.params[n]):
+            problems.append(f"the checkpoint's own tensors are not those certified: {', '.join(changed[:5])}")
+        missing = sorted(n for n in state if n in saved.params and n not in exported)
+        cast = certificate.digests((n, state[n].to(exported[n].dtype)) for n in state if n in exported)
+        differ = sorted(n for n, d in cast.items() if d != certificate.digests([(n, exported[n])])[n])
+        if missing:
+            problems.append(f"tensors missing from the export: {', '.join(missing[:5])}")
+        if differ:
+            problems.append(f"exported tensors that are not the checkpoint's: {', '.join(differ[:5])}")
+        checked = f"{len(cast)} tensors are the checkpoint's, cast to {next(iter(exported.values())).dtype}"
+    now = replace(saved, device="hf-export", logprobs=certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id))
+    diffs = [abs(a - b) for xs, ys in zip(saved.logprobs, now.logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
+    largest = max(diffs, default=0.0)
+    if not largest <= tolerance:  # NaN too
+        problems.append(f"the probe's log-probs differ from the certificate's by up to {largest:.3g} (> {tolerance:g})")
+    if problems:
+        raise CertificateError(
+            f"the Hugging Face export {folder} does not reproduce the certificate of {step_dir.name}: "
+            + "; ".join(problems),
+            f"it was not published. Remove {folder} and publish the step again: the export is made anew from the "
+            "checkpoint, which passed the gate",
+        )
+    return f"reproduces the certificate of {step_dir.name}: {checked}; probe log-probs within {largest:.3g}"
+
+
 def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publication:
     spec, run_dir = run.spec, run.dir
     t0 = time.time()
+    if spec.checkpoints.certificate_before_publish:
+        _require_offline_certificate(run, step)
     r = store.publish(run.name, run_dir, step)
     history.publish(store, run.folder)  # restored with the checkpoint on a host that lost the folder
     pub = Publication(
@@ -99,7 +150,9 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
     policy = spec.checkpoints
     if policy.hf_export and policy.is_milestone(step, spec.total_steps):
         hf_key = store.run_key(run.name, HF_DIR, layout.step_name(step))
-        pub.hf_uri = publish_folder(store, export_hf(run_dir, step), hf_key)
+        export = export_hf(run_dir, step)
+        pub.hf_verified = verify_export(export, layout.step_dir(run_dir, step), policy.export_tolerance)
+        pub.hf_uri = publish_folder(store, export, hf_key)
     record_event(
         run_dir,
         "publish",
@@ -108,9 +161,23 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
         uploaded=pub.uploaded,
         skipped=pub.skipped,
         hf_uri=pub.hf_uri,
+        hf_verified=pub.hf_verified,
         seconds=round(time.time() - t0, 3),
     )  # the upload and export: the goodput ledger
     published = {m.step for m in store.published(run.name)}
     pub.deleted_local = retention.apply_local(run_dir, policy, spec.total_steps, published)
     pub.published_retention = retention.apply_published(store, run.name, policy, spec.total_steps, run_dir=run_dir)
     return pub
+
+
+def _require_offline_certificate(run: Run, step: int) -> None:
+    """checkpoints.certificate_before_publish: the gate's manifest must record the certificate level as run."""
+    m = manifest.read(layout.step_dir(run.dir, step))
+    if m is None or "certificate" not in m.checks:
+        why = (m.skipped.get("certificate") if m is not None else None) or "the gate has not admitted it"
+        raise CertificateError(
+            f"step {step} of run {run.name} is not published: checkpoints.certificate_before_publish asks for the "
+            f"gate's offline certificate check, which did not run ({why})",
+            "the checkpoint is kept and the run goes on from it; turn checkpoints.certificate_before_publish off to "
+            "publish checkpoints the gate cannot certify, or train with a trainer that writes certificates",
+        )

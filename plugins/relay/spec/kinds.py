@@ -22,6 +22,9 @@ class TrainerKind:
     train_chunk: str  # "module:function" implementing the chunk contract (see contract.py)
     description: str
     smoke: str | None = None  # "module:function(spec, step_dir) -> str": a forward pass on a checkpoint
+    # "module:function(spec, step_dir, certificate) -> str": the checkpoint's model compared offline with its
+    # certificate (relay.checkpoints.certificate); raises CertificateError when it does not hold
+    certify: str | None = None
     resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
     job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
 
@@ -35,6 +38,9 @@ class TrainerKind:
 
     def smoke_function(self) -> Callable[..., str] | None:
         return _load(self.smoke) if self.smoke else None
+
+    def certify_function(self) -> Callable[..., str] | None:
+        return _load(self.certify) if self.certify else None
 
     def resolved_settings(self, spec: object, train_rows: int | None = None) -> dict[str, Any]:
         return _load(self.resolved)(spec, train_rows) if self.resolved else {}
@@ -50,6 +56,7 @@ KINDS: dict[str, TrainerKind] = {
         train_chunk="relay.trainers.tiny_grpo.trainer:train_chunk",
         description="a small, real GRPO trainer on CPU built from verl's parts (demo and CI)",
         smoke="relay.trainers.tiny_grpo.trainer:smoke",
+        certify="relay.trainers.tiny_grpo.trainer:certify",
         resolved="relay.trainers.tiny_grpo.trainer:resolved_settings",
     ),
     "verl_ppo": TrainerKind(

@@ -100,6 +100,21 @@ class CheckpointPolicy(StrictModel):
             "after a reshard or on another device kind (exact otherwise; relay.checkpoints.certificate)"
         ),
     )
+    export_tolerance: float = Field(
+        default=0.02,
+        ge=0,
+        description=(
+            "the largest difference allowed between the probe's log-probs as certified and under the Hugging Face "
+            "export (verl's merger writes bfloat16; its weights must still be the checkpoint's, cast)"
+        ),
+    )
+    certificate_before_publish: bool = Field(
+        default=False,
+        description=(
+            "publish only checkpoints whose certificate the gate checked offline (the model loaded and compared); "
+            "one it could not check (no certificate, a trainer without an offline check) is kept but not published"
+        ),
+    )
     keep_local: int = Field(default=3, ge=1, description="validated and published checkpoints kept on local storage")
     keep_published: int = Field(default=5, ge=1, description="newest published checkpoints kept in S3")
     milestone_every: int = Field(

@@ -136,21 +136,46 @@ def build_model(settings):
     return Qwen2ForCausalLM(config)
 
 
-def smoke(spec, step_dir) -> str:
-    """Load a checkpoint's weights (safely) into a fresh model; one forward pass on a fixed prompt."""
-    import torch
-
+def _checkpoint_model(spec, step_dir):
+    """A fresh model with a checkpoint's weights (loaded safely), or Skipped at a world size the trainer never
+    writes."""
     world_size = len(list((step_dir / "actor").glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
         raise Skipped(f"world size {world_size} (the CPU trainer trains at world size 1)")
     state = safeload.load(step_dir / "actor" / layout.shard_name("model", 1, 0), mmap=True)
     model = build_model(spec.settings)
     model.load_state_dict({k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()})
+    return model.eval()
+
+
+def smoke(spec, step_dir) -> str:
+    """Load a checkpoint's weights (safely) into a fresh model; one forward pass on a fixed prompt."""
+    import torch
+
+    model = _checkpoint_model(spec, step_dir)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([task.encode_prompt("3+4=")])).logits
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("the logits of the fixed prompt '3+4=' are not finite")
     return f"forward pass on '3+4=': finite logits, argmax next token {task.ID_TO_TOKEN[int(logits[0, -1].argmax())]!r}"
+
+
+def certify(spec, step_dir, saved) -> str:
+    """The checkpoint's model, loaded offline without FSDP, against its certificate: every parameter's digest
+    exactly, the probe's log-probs within checkpoints.certificate_tolerance (another forward path than the
+    trainer's). The optimizer, data and RNG pieces are the trainer's to check at resume."""
+    from dataclasses import replace
+
+    from relay.checkpoints import certificate
+    from relay.common.errors import CertificateError
+
+    model = _checkpoint_model(spec, step_dir)
+    logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
+    now = replace(saved, device="offline", logprobs=logprobs, params=certificate.param_digests(model))
+    c = certificate.compare(saved, now, spec.checkpoints.certificate_tolerance)
+    if not c.ok:
+        raise CertificateError(f"the model of {step_dir.name} does not reproduce its certificate: {c.detail()}")
+    return f"the model loaded offline reproduces its certificate: {len(now.params)} parameter digests equal, {c.detail()}"
 
 
 PROBE_SEQUENCES = 4
@@ -363,16 +388,7 @@ class _TinyGRPO:
         torch = self.torch
         t0 = time.perf_counter()
         ids = probe_ids if probe_ids is not None else self.probe_ids
-        training = self.model.training
-        self.model.eval()
-        # One forward over the probe, padded on the right: causal attention, so a pad never reaches the
-        # positions before it.
-        width = max(len(seq) for seq in ids)
-        padded = torch.tensor([seq + [task.VOCAB[task.PAD]] * (width - len(seq)) for seq in ids])
-        with torch.no_grad():
-            lp = self._logprobs(self.model, padded, 1)
-        logprobs = [lp[i, : len(seq) - 1].tolist() for i, seq in enumerate(ids)]
-        self.model.train(training)
+        logprobs = certificate.probe_logprobs(self.model, ids, task.VOCAB[task.PAD])
         state: dict = next(iter(self.optim.state.values()), {})
         return certificate.Certificate(
             step=step,
@@ -387,6 +403,7 @@ class _TinyGRPO:
             rng=certificate.state_digest(BaseCheckpointManager.get_rng_state()),
             probe_seconds=round(time.perf_counter() - t0, 4),
             torch=torch.__version__,
+            pad_id=task.VOCAB[task.PAD],
         )
 
     def restore(self, folder) -> None:
