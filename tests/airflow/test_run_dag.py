@@ -114,7 +114,7 @@ def test_checkpoints_are_validated_published_and_announced(killed_run, airflow_h
         assert (run_dir(spec_path, "killed") / f"global_step_{step}" / "relay_manifest.json").is_file()
     from relay.runs.metrics import read_events
 
-    [final] = [e for e in read_events(run_dir(spec_path, "killed")) if e["event"] == "publish" and e["step"] == STEPS]
+    final = [e for e in read_events(run_dir(spec_path, "killed")) if e["event"] == "publish" and e["step"] == STEPS][-1]
     assert final["hf_verified"].startswith(f"reproduces the certificate of global_step_{STEPS}: "), final
     events = asset_events(airflow_home, "relay_t_checkpoints")
     assert [(e["asset"], e["run"], e["step"]) for e in events] == [
