@@ -1,7 +1,11 @@
 """The CPU trainer certifies every resume (relay.checkpoints.certificate): a resumed chunk says so, and a
 checkpoint whose files are whole but whose values moved is refused, quarantined, and the run goes on from the
-checkpoint before it, bit for bit as an uninterrupted run."""
+checkpoint before it, bit for bit as an uninterrupted run. The gate checks certificates offline, and a Hugging
+Face export is published only if it reproduces its checkpoint's."""
 
+import shutil
+
+import pytest
 import torch
 
 from relay.checkpoints import certificate
@@ -10,29 +14,44 @@ from relay.runs.metrics import read_events
 from support.helpers import DELETE, assert_bitwise_equal, model_state, read_metrics, relay_cli, train, write_spec
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The test spec saving every 3 steps (no S3): an uninterrupted run 0 -> 12, and a run 0 -> 6 to copy."""
+    root = tmp_path_factory.mktemp("certified")
+    spec = write_spec(root, **{"s3": DELETE, "trainer.settings.save_freq": 3})
+    train(spec, root / "straight", 12)
+    train(spec, root / "six", 6)
+    return {"spec": spec, "straight": root / "straight", "six": root / "six"}
+
+
+def run_at_six(trained, tmp_path):
+    return shutil.copytree(trained["six"], tmp_path / "run")
+
+
 def events(run_dir, kind):
     return [e for e in read_events(run_dir) if e["event"] == kind]
 
 
-def test_a_row_swap_that_keeps_every_crc_is_refused_at_resume_and_the_run_falls_back(tmp_path):
-    spec = write_spec(tmp_path, **{"s3": DELETE, "trainer.settings.save_freq": 3})
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    train(spec, straight, 12)
-    train(spec, run, 6)
+def swap_rows(step_dir, suffix="mlp.down_proj.weight") -> str:
+    """Two rows of one matrix of the model swapped, re-saved by torch (its own CRCs hold); the manifest removed,
+    as for a checkpoint never validated."""
+    shard = step_dir / "actor" / layout.shard_name("model", 1, 0)
+    sd = torch.load(shard, weights_only=False)
+    key = next(k for k in sd if k.endswith(suffix))
+    local = sd[key].to_local() if hasattr(sd[key], "to_local") else sd[key]
+    local[[0, 1]] = local[[1, 0]]
+    torch.save(sd, shard)
+    (step_dir / "relay_manifest.json").unlink(missing_ok=True)
+    return key
+
+
+def test_a_row_swap_that_keeps_every_crc_is_refused_at_resume_and_the_run_falls_back(trained, tmp_path):
+    spec, run = trained["spec"], run_at_six(trained, tmp_path)
     cert = certificate.read(layout.step_dir(run, 6))
     # two optimizer steps a training step (two mini-batches)
     assert cert is not None and cert.step == 6 and cert.optimizer_step == 12 and len(cert.probe_ids) == 4
 
-    # Step 6's model re-saved by torch with two rows of one matrix swapped: its zip CRCs hold, shapes and
-    # values are finite, and no manifest is there to compare checksums with (never validated).
-    shard = layout.step_dir(run, 6) / "actor" / layout.shard_name("model", 1, 0)
-    sd = torch.load(shard, weights_only=False)
-    key = next(k for k in sd if k.endswith("mlp.down_proj.weight"))
-    local = sd[key].to_local() if hasattr(sd[key], "to_local") else sd[key]
-    local[[0, 1]] = local[[1, 0]]
-    torch.save(sd, shard)
-    (layout.step_dir(run, 6) / "relay_manifest.json").unlink(missing_ok=True)
-
+    key = swap_rows(layout.step_dir(run, 6))
     refused = relay_cli("train", str(spec), "--to-step", "12", "--checkpoint-dir", str(run))
     assert refused.returncode != 0
     out = refused.stdout + refused.stderr
@@ -47,34 +66,20 @@ def test_a_row_swap_that_keeps_every_crc_is_refused_at_resume_and_the_run_falls_
 
     again = train(spec, run, 12)
     assert "certified resume from step 3" in again.stdout, again.stdout[-2000:]
-    assert_bitwise_equal(model_state(run / "global_step_12"), model_state(straight / "global_step_12"))
+    assert_bitwise_equal(model_state(run / "global_step_12"), model_state(trained["straight"] / "global_step_12"))
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 13))
     assert [e.get("certificate") for e in events(run, "chunk_start")] == [None, "certified"]
     report = relay_cli("report", str(run))
     assert "chunk 2 resumed from step 3 (certified resume)" in report.stdout, report.stdout[-3000:]
 
 
-def swap_rows(step_dir, suffix="mlp.down_proj.weight") -> str:
-    """Two rows of one matrix of the model swapped, re-saved by torch (its own CRCs hold); the manifest removed."""
-    shard = step_dir / "actor" / layout.shard_name("model", 1, 0)
-    sd = torch.load(shard, weights_only=False)
-    key = next(k for k in sd if k.endswith(suffix))
-    local = sd[key].to_local() if hasattr(sd[key], "to_local") else sd[key]
-    local[[0, 1]] = local[[1, 0]]
-    torch.save(sd, shard)
-    (step_dir / "relay_manifest.json").unlink(missing_ok=True)
-    return key
-
-
-def test_the_gate_loads_the_model_and_checks_its_certificate_offline(tmp_path):
+def test_the_gate_loads_the_model_and_checks_its_certificate_offline(trained, tmp_path):
     from relay.preflight.admission import admit
     from relay.runs.run import Run
     from relay.spec.run_spec import load_spec
 
-    spec_path = write_spec(tmp_path, **{"s3": DELETE, "trainer.settings.save_freq": 3})
-    run_dir = tmp_path / "run"
-    train(spec_path, run_dir, 6)
-    run = Run(load_spec(spec_path), "t", run_dir, None)
+    run_dir = run_at_six(trained, tmp_path)
+    run = Run(load_spec(trained["spec"]), "t", run_dir, None)
     good = admit(run, 3)
     assert good.ok and "certificate" in good.manifest.checks, good.explain()
     assert "✔ certificate: the model loaded offline reproduces its certificate" in good.report.summary()
@@ -85,16 +90,14 @@ def test_the_gate_loads_the_model_and_checks_its_certificate_offline(tmp_path):
     assert key in bad.report.failed.detail and bad.fell_back_to == 3
 
 
-def test_a_hugging_face_export_is_published_only_if_it_reproduces_the_certificate(tmp_path):
+def test_a_hugging_face_export_is_published_only_if_it_reproduces_the_certificate(trained, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from relay.checkpoints.gate import admit_dir
     from relay.common.errors import CertificateError
     from relay.s3.publication import export_hf, verify_export
 
-    spec = write_spec(tmp_path, **{"s3": DELETE})
-    run_dir = tmp_path / "run"
-    train(spec, run_dir, 6)
+    run_dir = run_at_six(trained, tmp_path)
     step_dir = layout.step_dir(run_dir, 6)
     assert admit_dir(run_dir, 6).ok  # verl's merger reads only files the gate has proven
     export = export_hf(run_dir, 6)
@@ -106,8 +109,7 @@ def test_a_hugging_face_export_is_published_only_if_it_reproduces_the_certificat
     key = next(k for k in tensors if k.endswith("input_layernorm.weight"))
     tensors[key] = tensors[key].flip(0).contiguous()  # the same values, in another order
     save_file(tensors, weights, metadata={"format": "pt"})
-    try:
+    with pytest.raises(CertificateError) as refused:
         verify_export(export, step_dir, 0.02)
-        raise AssertionError("a changed export passed")
-    except CertificateError as e:
-        assert f"exported tensors that are not the checkpoint's: {key}" in e.what and "was not published" in e.fix
+    assert f"exported tensors that are not the checkpoint's: {key}" in refused.value.what
+    assert "was not published" in refused.value.fix
