@@ -17,7 +17,8 @@ export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 .venv/bin/mypy
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec .venv/bin/python -m pytest -m "not services" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile -q "$@"
+  exec .venv/bin/python -m pytest -m "not services" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+    -q "$@"
 fi
 # --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes, and 4 to 5 more for a run resharded
 # from world size 2 to 1; tests/conftest.py: VERL_E2E).

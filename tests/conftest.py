@@ -42,6 +42,7 @@ SLOW_FIRST = (
     "faults/test_corruption.py",
     "faults/test_s3_faults.py",
     "trainers/test_tiny_grpo.py",
+    "trainers/test_certified_resume.py",
     "faults/test_s3_outage.py",
     "faults/test_corruption_stack.py",
     "jobs/test_local_head.py",

@@ -91,26 +91,17 @@ def test_verls_fsdp_engine_builds_steps_saves_and_loads_the_tiny_model_on_the_cp
     model = make_tiny_model(tmp_path / "model")
     ckpt = tmp_path / "run" / "global_step_1" / "actor"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
-    results = []
-    for mode in ("step", "load"):
-        r = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "support" / "verl_engine_cpu.py"),
-                str(model),
-                str(ckpt),
-                mode,
-                str(free_port()),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**clean, "VERL_LOGGING_LEVEL": "WARN", **ENV},
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-        results.append(json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:]))
-    step, load = results
-    assert step["engine"] == load["engine"] == "FSDPEngineWithLMHead" and step["device"] == "cpu"
-    assert step["grad_norm"] > 0 and step["lr"] == 0.01 and "lm_head.weight" in step["moved"]
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "support" / "verl_engine_cpu.py"), str(model), str(ckpt), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**clean, "VERL_LOGGING_LEVEL": "WARN", **ENV},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert got["engine"] == got["fresh_engine"] == "FSDPEngineWithLMHead" and got["device"] == "cpu"
+    assert got["grad_norm"] > 0 and got["lr"] == 0.01 and "lm_head.weight" in got["moved"]
     assert (ckpt / "model_world_size_1_rank_0.pt").is_file() and (ckpt / "optim_world_size_1_rank_0.pt").is_file()
-    assert load["equal"], "the weights loaded by a fresh engine are the ones saved"
+    assert got["fresh_differs"], "a fresh engine starts from the model's own weights"
+    assert got["equal"], "the weights loaded by a fresh engine are the ones saved"
