@@ -43,6 +43,7 @@ from relay.checkpoints import manifest  # noqa: E402
 from relay.checkpoints.validate import validate_checkpoint, write_manifest  # noqa: E402
 from relay.devstack import stack  # noqa: E402
 from relay.runs import layout  # noqa: E402
+from relay.runs.folder import RunFolder  # noqa: E402
 from relay.s3.store import CheckpointStore, s3_client  # noqa: E402
 
 
@@ -128,9 +129,10 @@ def validate_once(run: Path) -> tuple[float, int]:
 def relay_restore(uri: str, dest: Path) -> tuple[float, int]:
     return in_child(
         f"from relay.s3.restore import restore\nfrom relay.s3.store import CheckpointStore, s3_client\n"
+        f"from relay.runs.folder import RunFolder\n"
         f"import torch.distributed.tensor\n"
         f"store = CheckpointStore(s3_client(), {uri!r})",
-        f"assert restore(store, 'bench', Path({str(dest)!r}), log=print) == (1, store.step_uri('bench', 1))",
+        f"assert restore(store, RunFolder('bench', Path({str(dest)!r})), log=print) == (1, store.step_uri('bench', 1))",
     )
 
 
@@ -152,7 +154,7 @@ def s5cmd_cp(s5cmd: Path, src: str, dest: str) -> float:
 def relay_publish(run: Path, uri: str) -> float:
     store = CheckpointStore(s3_client(), uri)
     t = time.perf_counter()
-    result = store.publish("bench", run, 1)
+    result = store.publish(RunFolder("bench", run), 1)
     dt = time.perf_counter() - t
     assert not result.skipped
     return dt

@@ -5,8 +5,9 @@ Chunk 2's Ray job is SIGKILLed mid-chunk (after step 3, before the checkpoint of
 of the chunk's train task resumes it from chunk 1's checkpoint; every checkpoint is validated (the smoke
 check included) and published to the session's S3.
 
-Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 4, the fifth job): every step once,
-the same LR, data order (dataset indices per step), rewards and resume point, and bitwise equal weights at step 4;
+Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 6, the fifth job): every step once,
+the same LR (the spec's warmup and cosine decay), data order (dataset indices per step), rewards and resume point,
+and bitwise equal weights and optimizer state at step 6;
 and the step trained twice equals its first try (relay.insights.audit): the same reward, loss, KL, LR and data order.
 The graceful stop and the relay-train-only version of this comparison are verl's own lane
 (tests/trainers/test_verl_cpu_fit.py, `./scripts/test.sh --verl`).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import yaml
 
 from relay.checkpoints.gate import admit_dir
@@ -78,10 +80,10 @@ def dag_run(airflow_home, s3_server, tmp_path_factory):
         finally:
             if dag.proc.poll() is None:
                 dag.proc.kill()
-        # The uninterrupted run: the shipped spec, one job 0 -> 4 (past the kill and the resume), on the same head.
+        # The uninterrupted run: the shipped spec, one job 0 -> 6, on the same head.
         base = tmp_path_factory.mktemp("verl_straight")
         straight, log = base / "run", base / "straight.log"
-        straight_rc = relay_train(straight, 4, head.address, log).wait(timeout=JOB_TIMEOUT)
+        straight_rc = relay_train(straight, 6, head.address, log).wait(timeout=JOB_TIMEOUT)
     return {
         "run_dir": run_dir,
         "spec": spec_path,
@@ -108,18 +110,62 @@ def test_airflows_retry_resumes_the_killed_chunk_and_every_step_is_trained_once(
     assert all(r["lr"] is not None and r["sample_indices"] for r in read_metrics(run))
 
 
+def test_every_verl_resume_is_certified_by_verls_own_workers(dag_run):
+    """Each save writes the certificate computed in verl's workers; each resume (chunk 2's two tries, chunk 3)
+    recomputes it there after verl's load and finds it exact (relay.checkpoints.certificate)."""
+    from relay.checkpoints import certificate, manifest
+
+    run = dag_run["run_dir"]
+    for step in (2, 4, 6):
+        cert = certificate.read(layout.step_dir(run, step))
+        assert cert is not None and cert.step == step and cert.device == "cpu" and len(cert.probe_ids) == 4
+        assert cert.optimizer_step == step and len(cert.params) > 10  # one optimizer step a training step
+        assert "relay_certificate.json" in manifest.read(layout.step_dir(run, step)).files, "its checksums cover it"
+    checks = [e for e in read_events(run) if e["event"] == "resume_certificate"]
+    assert [(e["step"], e["certificate"]) for e in checks] == [(2, "certified"), (2, "certified"), (4, "certified")]
+    assert "certified resume from step 4: probe log-probs differ by at most 0 (exact)" in dag_run["out"]
+
+
 def test_the_resumed_run_has_the_uninterrupted_runs_lr_data_order_rewards_and_weights(dag_run):
-    """Steps 1 to 4 of the DAG's run (chunk 1, the killed try of chunk 2 and Airflow's retry from step 2) against one
-    job 0 -> 4: the same LR, dataset indices and rewards at every step, and the weights of step 4 bit for bit."""
+    """Steps 1 to 6 of the DAG's run (three chunks, the killed try of chunk 2 and Airflow's retry from step 2)
+    against one job 0 -> 6: the same LR (a warmup and a cosine decay over the run's steps), dataset indices and
+    rewards at every step, and the weights and optimizer state of step 6 bit for bit."""
     assert dag_run["returncode"] == 0, dag_run["out"][-6000:]
     assert dag_run["straight_rc"] == 0, dag_run["straight_out"][-6000:]
     straight = dag_run["straight"]
     assert [e["resumed_from"] for e in read_events(straight) if e["event"] == "chunk_start"] == [0]
-    rows, base = read_metrics(dag_run["run_dir"])[:4], read_metrics(straight)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] == [r["step"] for r in base]
+    rows, base = read_metrics(dag_run["run_dir"]), read_metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in base]
     for key in ("lr", "sample_indices", "reward_mean"):
         assert [r[key] for r in rows] == [r[key] for r in base], key
-    assert_bitwise_equal(model_state(layout.step_dir(dag_run["run_dir"], 4)), model_state(layout.step_dir(straight, 4)))
+    lr = [r["lr"] for r in rows]
+    assert lr[0] < lr[1] and lr[5] < lr[2], f"a warmup, then a decay: {lr}"
+    chunked, one_job = layout.step_dir(dag_run["run_dir"], 6), layout.step_dir(straight, 6)
+    assert_bitwise_equal(model_state(chunked), model_state(one_job))
+    a, b = optimizer_state(chunked), optimizer_state(one_job)
+    assert a.keys() == b.keys() and any(hasattr(v, "dtype") for v in a.values())
+    differ = [k for k in a if not (torch.equal(a[k], b[k]) if hasattr(a[k], "dtype") else a[k] == b[k])]
+    assert not differ, f"the optimizer states differ at {differ[:5]}"
+
+
+def optimizer_state(step_dir) -> dict:
+    """The actor's optimizer state at a checkpoint, flattened to {path: tensor or value} (Relay's safe loader)."""
+    from relay.checkpoints import safeload
+
+    flat: dict = {}
+
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}/{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{prefix}/{i}", x)
+        else:
+            flat[prefix] = v.to_local() if hasattr(v, "to_local") else v
+
+    walk("", safeload.load(step_dir / "actor" / "optim_world_size_1_rank_0.pt", mmap=False))
+    return flat
 
 
 def test_the_step_trained_twice_equals_its_first_try(dag_run):

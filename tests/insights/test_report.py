@@ -13,6 +13,7 @@ from relay.common import files
 from relay.insights import report
 from relay.preflight import guard
 from relay.runs import layout
+from relay.runs.folder import RunFolder
 from relay.runs.run import Run
 from relay.spec.plan import ChunkPlan
 from relay.spec.run_spec import load_spec
@@ -117,7 +118,7 @@ def test_published_report_and_a_report_rebuilt_from_s3(resumed, tmp_path):
     spec, run_dir = resumed["spec"], resumed["run_dir"]
     assert admit_dir(run_dir, STEPS).ok  # the gate writes the manifest; then S3 holds step 12
     store = store_for_spec(spec)
-    store.publish("r", run_dir, STEPS)
+    store.publish(RunFolder("r", run_dir), STEPS)
     out = report.publish(Run.of(spec, "r"), store)
     base = f"{spec.s3.uri}/r"
     assert out["html_uri"] == f"{base}/report/report.html" and out["png_uri"] == f"{base}/report/report.png"

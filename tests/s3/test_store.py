@@ -14,6 +14,7 @@ import pytest
 from relay.checkpoints import retention
 from relay.checkpoints.gate import admit_dir
 from relay.runs import layout
+from relay.runs.folder import RunFolder
 from relay.s3.restore import restore
 from relay.s3.store import CheckpointStore, s3_client
 from relay.spec.run_spec import CheckpointPolicy
@@ -49,11 +50,11 @@ def objects(store, run, step):
 
 @pytest.mark.services
 def test_publish_is_verified_idempotent_and_moves_latest_last(big_run, store):
-    first = store.publish("run", big_run, 1)
+    first = store.publish(RunFolder("run", big_run), 1)
     assert first.latest_moved and not first.skipped and store.latest("run")["step"] == 1
     head = store.head(store.step_key("run", 1, "actor/optim_world_size_1_rank_0.pt"))
     assert head["ChecksumType"] == "FULL_OBJECT" and head["ContentLength"] > 5 << 20  # a multipart object
-    again = store.publish("run", big_run, 1)
+    again = store.publish(RunFolder("run", big_run), 1)
     assert not again.uploaded and len(again.skipped) == len(first.uploaded), "nothing is uploaded twice"
     listing = relay_cli("checkpoint", "ls", store.uri, "--run", "run")
     assert "step       1  published" in listing.stdout and "latest" in listing.stdout
@@ -61,12 +62,12 @@ def test_publish_is_verified_idempotent_and_moves_latest_last(big_run, store):
 
 @pytest.mark.services
 def test_a_killed_publish_leaves_latest_and_completes_on_rerun(big_run, store):
-    store.publish("run", big_run, 1)
+    store.publish(RunFolder("run", big_run), 1)
     code = (
         "import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-        "from relay.s3.store import CheckpointStore, s3_client; "
+        "from relay.s3.store import CheckpointStore, s3_client; from relay.runs.folder import RunFolder; "
         f"CheckpointStore(s3_client(), {store.uri!r}, part_size=5 << 20, concurrency=1)"
-        f".publish('run', Path({str(big_run)!r}), 2)"
+        f".publish(RunFolder('run', Path({str(big_run)!r})), 2)"
     )
     proc = subprocess.Popen([PY, "-c", code], cwd=ROOT)
     deadline = time.time() + 60
@@ -79,7 +80,7 @@ def test_a_killed_publish_leaves_latest_and_completes_on_rerun(big_run, store):
     assert store.latest("run")["step"] == 1, "latest never points at an incomplete checkpoint"
     assert [m.step for m in store.published("run")] == [1]
 
-    rerun = store.publish("run", big_run, 2)
+    rerun = store.publish(RunFolder("run", big_run), 2)
     assert rerun.skipped, "files already there are not uploaded again"
     assert rerun.aborted_uploads >= 0 and rerun.latest_moved and store.latest("run")["step"] == 2
     uploads = store.client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.run_key("run") + "/")
@@ -88,8 +89,8 @@ def test_a_killed_publish_leaves_latest_and_completes_on_rerun(big_run, store):
 
 @pytest.mark.services
 def test_restore_picks_the_newest_valid_published_checkpoint(big_run, store, tmp_path):
-    store.publish("run", big_run, 1)
-    store.publish("run", big_run, 2)
+    store.publish(RunFolder("run", big_run), 1)
+    store.publish(RunFolder("run", big_run), 2)
     # Damage step 2 in S3: a restore must skip it and take step 1.
     key = store.step_key("run", 2, "data.pt")
     store.client.put_object(Bucket=store.bucket, Key=key, Body=b"not what the manifest says")
@@ -108,7 +109,7 @@ def test_a_restore_fetches_each_file_in_ranges_in_place_and_refuses_a_changed_by
 
     from relay.common.errors import CheckpointError
 
-    store.publish("run", big_run, 1)
+    store.publish(RunFolder("run", big_run), 1)
     m = store.manifest("run", 1)
     ranges = []
     store.client.meta.events.register(
@@ -142,7 +143,7 @@ def test_unreachable_s3_is_a_clear_error(small_run, tmp_path):
     run = shutil.copytree(small_run, tmp_path / "run")
     assert admit_dir(run, 1).ok
     with pytest.raises(StoreError, match="unreachable"):
-        CheckpointStore(client, "s3://relay/x").publish("run", run, 1)
+        CheckpointStore(client, "s3://relay/x").publish(RunFolder("run", run), 1)
 
 
 @pytest.mark.services
@@ -152,7 +153,7 @@ def test_retention_keeps_latest_milestones_and_waits_a_grace_period(tmp_path, st
         shutil.copytree(small / "global_step_1", run / f"global_step_{step}")
         layout.write_tracker(run, step)
         assert admit_dir(run, step).ok
-        store.publish("run", run, step)
+        store.publish(RunFolder("run", run), step)
     policy = CheckpointPolicy(keep_local=2, keep_published=2, milestone_every=20, delete_grace_minutes=10)
     published = {m.step for m in store.published("run")}
 
@@ -185,7 +186,7 @@ def test_keep_best_keeps_the_best_steps_by_their_metric_across_chunks_and_proces
                 shutil.copytree(small / "global_step_1", run / f"global_step_{step}")
                 layout.write_tracker(run, step)
                 assert admit_dir(run, step).ok
-                store.publish("run", run, step)
+                store.publish(RunFolder("run", run), step)
                 f.write(json.dumps({"step": step, "reward_mean": reward[step], "loss": 0.0}) + "\n")
 
     run.mkdir()
@@ -223,7 +224,7 @@ def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, s
     for step in (1, 2):
         verl_checkpoint.make(run, step=step)
         assert admit_dir(run, step).ok
-        store.publish("run", run, step)
+        store.publish(RunFolder("run", run), step)
     assert store.latest("run")["step"] == 2
     old = store.manifest("run", 2)
     shutil.rmtree(layout.step_dir(run, 2))
@@ -231,8 +232,8 @@ def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, s
     assert admit_dir(run, 2).ok
     code = (
         "import sys; sys.path.insert(0, 'plugins'); from pathlib import Path; "
-        "from relay.s3.store import CheckpointStore, s3_client; "
-        f"CheckpointStore(s3_client(), {store.uri!r}).publish('run', Path({str(run)!r}), 2)"
+        "from relay.s3.store import CheckpointStore, s3_client; from relay.runs.folder import RunFolder; "
+        f"CheckpointStore(s3_client(), {store.uri!r}).publish(RunFolder('run', Path({str(run)!r})), 2)"
     )
     killed = subprocess.run(
         [PY, "-c", code],
@@ -244,8 +245,8 @@ def test_a_changed_step_is_withdrawn_before_its_objects_are_replaced(tmp_path, s
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert store.manifest("run", 2) is None and store.latest("run")["step"] == 1
     assert [m.step for m in store.published("run")] == [1]
-    store.publish("run", run, 2)
+    store.publish(RunFolder("run", run), 2)
     new = store.manifest("run", 2)
     assert new.files != old.files and store.latest("run")["step"] == 2
     dest = tmp_path / "restored"
-    assert restore(store, "run", dest)[0] == 2 and admit_dir(dest, 2).ok
+    assert restore(store, RunFolder("run", dest))[0] == 2 and admit_dir(dest, 2).ok

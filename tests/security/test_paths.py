@@ -15,6 +15,7 @@ from relay.checkpoints import manifest
 from relay.common import files
 from relay.common.errors import CheckpointError, RelayError, SpecError
 from relay.runs import layout
+from relay.runs.folder import RunFolder
 from relay.spec.run_spec import load_spec, spec_from_dict
 from support.helpers import DEMO_SPEC, relay_cli, write_spec
 
@@ -157,7 +158,7 @@ def test_a_published_manifest_listing_dot_dot_is_never_restored(s3_server, tmp_p
     store.client.put_object(Bucket="relay", Key=f"{store.prefix}/r/global_step_5/escaped.txt", Body=b"owned")
     logs: list[str] = []
     run_dir = tmp_path / "a" / "b" / "c" / "r"
-    assert restore(store, "r", run_dir, log=logs.append) is None
+    assert restore(store, RunFolder("r", run_dir), log=logs.append) is None
     assert any("skipping" in m and "../../../../escaped.txt" in m for m in logs), logs
     assert not list(tmp_path.rglob("escaped.txt"))
     # A manifest that names another step than its key's is refused too (copied from elsewhere).

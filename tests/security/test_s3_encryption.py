@@ -19,6 +19,7 @@ import pytest
 
 from relay.checkpoints import integrity, manifest
 from relay.common.errors import StoreError
+from relay.runs.folder import RunFolder
 from relay.s3.store import CheckpointStore, client_config
 from support.ports import free_ports
 
@@ -60,7 +61,7 @@ def _checkpoint(root: Path, step: int = 4) -> Path:
 
 
 def _exercise(store: CheckpointStore, run_dir: Path, tmp: Path) -> None:
-    store.publish("r", run_dir, 4)
+    store.publish(RunFolder("r", run_dir), 4)
     (tmp / "frozen.parquet").write_bytes(b"rows")
     store.put_file(store.run_key("r", "data", "frozen.parquet"), tmp / "frozen.parquet")
     store.put_bytes(store.run_key("r", "report", "report.html"), b"<html></html>", "text/html")
@@ -159,7 +160,7 @@ def test_kms_settings_travel_with_every_upload(s3_server, tmp_path):
         extra_args={"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/relay"},
     )
     with pytest.raises(StoreError) as e:
-        store.publish("r", _checkpoint(tmp_path), 4)
+        store.publish(RunFolder("r", _checkpoint(tmp_path)), 4)
     assert "ServerSideEncryption=aws:kms" in e.value.fix and "SSEKMSKeyId=alias/relay" in e.value.fix
     assert all(p.get("SSEKMSKeyId") == "alias/relay" for op, p in calls if op in UPLOADS) and calls
 
@@ -174,7 +175,7 @@ def test_a_server_without_sse_refuses_and_the_error_says_what_to_do(s3_server, t
         extra_args={"ServerSideEncryption": "AES256"},
     )
     with pytest.raises(StoreError) as e:
-        store.publish("r", _checkpoint(tmp_path), 4)
+        store.publish(RunFolder("r", _checkpoint(tmp_path)), 4)
     assert "ServerSideEncryption=AES256" in e.value.fix and "security.toml" in e.value.fix
     assert [p.get("ServerSideEncryption") for op, p in calls if op in UPLOADS][:1] == ["AES256"]
     # latest.json never moved: nothing half-published is called latest.

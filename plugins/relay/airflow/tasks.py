@@ -130,7 +130,7 @@ def reshard_to_spec(spec_path: str, **context) -> dict | None:
             return None
         store = checkpoint_store(run.spec)
         if store is not None:  # S3's copy of the step is the resharded one from now on, as the local one is
-            store.publish(run.name, run.dir, result.step)
+            store.publish(run.folder, result.step)
     except RelayError as e:
         notify_error(context, run, e, action="the chunk was not started; the run's checkpoints are kept.")
         raise AirflowFailException(str(e)) from None

@@ -190,7 +190,7 @@ def digests(named: Iterable[tuple[str, Any]], *, reduce: Any = None) -> dict[str
     names, pieces = [], []
     for name, tensor in named:
         names.append(name)
-        pieces.append(_local_piece(tensor))
+        pieces.append(local_piece(tensor))
     sums = piece_sums(pieces)
     if reduce is not None:
         sums = list(reduce(sums))
@@ -216,7 +216,7 @@ def _persistent_buffers(model: Any) -> Iterable[tuple[str, Any]]:
                 yield (f"{mod_name}.{b_name}" if mod_name else b_name), b
 
 
-def _local_piece(t: Any) -> tuple[Any, int] | None:
+def local_piece(t: Any) -> tuple[Any, int] | None:
     """This rank's piece of a tensor and its global flat offset; None where another rank counts it. A DTensor
     piece replicated over a mesh dimension counts only on that dimension's first coordinate (else ranks would add
     it twice); a piece sharded other than along dim 0 is gathered whole and counted once."""

@@ -55,7 +55,7 @@ def cmd_checkpoint_publish(args) -> int:
         print(admission.explain(), file=sys.stderr)
         return 1
     store = _store(args.uri, args)
-    result = store.publish(args.run or run_dir.name, run_dir, step)
+    result = store.publish(RunFolder(args.run or run_dir.name, run_dir), step)
     history.publish(store, RunFolder(args.run or run_dir.name, run_dir))
     print(
         f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
@@ -67,7 +67,7 @@ def cmd_checkpoint_publish(args) -> int:
 
 def cmd_checkpoint_restore(args) -> int:
     run_dir = Path(args.dir)
-    restored = restore(_store(args.uri), args.run or run_dir.name, run_dir, step=args.step)
+    restored = restore(_store(args.uri), RunFolder(args.run or run_dir.name, run_dir), step=args.step)
     if restored is None:
         print(f"no valid published checkpoint of run {args.run or run_dir.name} under {args.uri}", file=sys.stderr)
         return 1

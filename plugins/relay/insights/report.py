@@ -598,6 +598,10 @@ def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:
                     certificate=e.get("certificate"),
                 )
             )
+        elif e.get("event") == "resume_certificate":  # verl's trainer checks it after chunk_start, in its actor
+            a = next((a for a in reversed(out) if a.attempt == str(e.get("attempt"))), None)
+            if a is not None:
+                a.certificate = e.get("certificate")
         elif e.get("event") == "chunk_end":
             a = next((a for a in reversed(out) if a.attempt == str(e.get("attempt")) and not a.finished), None)
             if a is not None:

@@ -134,7 +134,7 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
     t0 = time.time()
     if spec.checkpoints.certificate_before_publish:
         _require_offline_certificate(run, step)
-    r = store.publish(run.name, run_dir, step)
+    r = store.publish(run.folder, step)
     history.publish(store, run.folder)  # restored with the checkpoint on a host that lost the folder
     pub = Publication(
         run.name,

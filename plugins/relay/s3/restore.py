@@ -31,24 +31,22 @@ from relay.s3.store import CheckpointStore, StoreError, store_for_spec
 
 def restore(
     store: CheckpointStore,
-    run: str,
-    run_dir: Path,
+    folder: RunFolder,
     *,
     step: int | None = None,
     above: int = 0,
-    incarnation: str | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[int, str] | None:
     """Restore the newest valid published checkpoint of the run's incarnation (at most `step`, newer than
-    `above`) into run_dir; set the tracker. incarnation None: the one S3 holds (a restore on purpose,
-    `relay checkpoint restore`); a folder that holds another incarnation is refused. A folder without a
+    `above`) into the run's folder; set the tracker. folder.incarnation None: the one S3 holds (a restore on
+    purpose, `relay checkpoint restore`); a folder that holds another incarnation is refused. A folder without a
     run record gets the published one.
 
     Candidates are tried newest first; one of another incarnation is never taken, one that fails its
     checksums or its validation is skipped. Returns (step, uri), or None when nothing valid is published.
     """
-    run_dir = Path(run_dir)
-    incarnation = incarnation or store.incarnation(run)
+    run, run_dir = folder.name, Path(folder.path)
+    incarnation = folder.incarnation or store.incarnation(run)
     local = folder_incarnation(run_dir) if run_dir.is_dir() else None
     if local is not None and incarnation is not None and local != incarnation:
         raise StoreError(
@@ -100,9 +98,7 @@ def restore(
             layout.write_tracker(run_dir, m.step)
             if local is None:
                 _restore_record(store, run, run_dir, incarnation, uri)
-            history.restore(
-                store, RunFolder(run, run_dir, incarnation), m.step
-            )  # each step's row and every event, not only the weights
+            history.restore(store, RunFolder(run, run_dir, incarnation), m.step)  # every row and event, not only weights
         record_event(run_dir, "restore", step=m.step, uri=uri)
         return m.step, uri
     return None
@@ -130,11 +126,4 @@ def _restore_record(store: CheckpointStore, run: str, run_dir: Path, incarnation
 def restore_for_resume(run: Run, above: int = 0) -> tuple[int, str] | None:
     """Called by a trainer whose run has no valid local checkpoint newer than `above`: restore one of the run's
     own incarnation (run.incarnation) from S3 if one is published."""
-    return restore(
-        store_for_spec(run.spec),
-        run.name,
-        run.dir,
-        above=above,
-        incarnation=run.incarnation,
-        log=lambda msg: print(f"[relay] {msg}", flush=True),
-    )
+    return restore(store_for_spec(run.spec), run.folder, above=above, log=lambda msg: print(f"[relay] {msg}", flush=True))

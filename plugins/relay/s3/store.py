@@ -41,6 +41,7 @@ from relay.common.errors import CheckpointError, RelayError, StoreError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
 from relay.runs import layout
+from relay.runs.folder import RunFolder
 from relay.runs.record import RECORD, incarnation_of
 from relay.spec.run_spec import RUN_NAME_PATTERN, check_run_name
 
@@ -384,8 +385,10 @@ class CheckpointStore:
             )
 
     # ------------------------------------------------------------------------------ publish
-    def publish(self, run: str, run_dir: Path, step: int) -> PublishResult:
-        """Upload a validated checkpoint (its manifest must be in its folder), then its manifest, then latest."""
+    def publish(self, folder: RunFolder, step: int) -> PublishResult:
+        """Upload a validated checkpoint of the run's folder (its manifest must be in its step folder) under the
+        run's name, then its manifest, then latest."""
+        run, run_dir = folder.name, folder.path
         t0 = time.time()
         step_dir = layout.step_dir(run_dir, step)
         m = manifest.read(step_dir)

@@ -10,8 +10,10 @@ RelayChunkTrainer is a subclass of verl's own PPOTrainerSync. It changes only th
 - `_validate`: verl validates on its last step; a chunk's end is not the run's end, so validation
   there is skipped unless the spec asks for it (validate_every_chunk) or test_freq falls on it.
 - `_load_checkpoint`: the step verl resumes from must be the one Relay validated just before.
-- `_save_checkpoint`: verl's own save, into Relay's staging folder, then the fenced commit (rename
-  to global_step_N, tracker written atomically, holding the run's lease), as every Relay trainer does.
+- `_save_checkpoint`: verl's own save, into Relay's staging folder, then the checkpoint's certificate (computed
+  in verl's workers: relay.trainers.verl_ppo.certify), then the fenced commit (rename to global_step_N, tracker
+  written atomically, holding the run's lease), as every Relay trainer does. `_load_checkpoint` checks the
+  certificate after verl loaded it, before the first step.
 - `_balance_batch`: the step's responses are put in one order (dataset index, place in the group) before
   verl balances them, so that the order they were generated in changes no bit of training.
 - every step: the run's lease is checked and one row goes to metrics.jsonl.
@@ -43,8 +45,9 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from relay.common.faultpoint import fault_point
 from relay.runs import layout
+from relay.runs.metrics import record_event
 from relay.runs.phases import record_phase
-from relay.trainers.verl_ppo import placement, verl_chunk
+from relay.trainers.verl_ppo import certify, placement, verl_chunk
 from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
 
@@ -126,7 +129,46 @@ class RelayChunkTrainer(PPOTrainerSync):
                 "run `python -m relay doctor SPEC --run RUN` and retry the chunk",
             )
         verl_chunk.say(f"verl resumed at step {self.global_steps}" if self.global_steps else "verl starts at step 0")
+        if self.relay.resume_step:
+            self._relay_certify_resume(self.relay.resume_step)
         self._relay_phase("checkpoint_loaded")
+
+    # ---- certificates: written at every save, checked at every resume (relay.checkpoints.certificate)
+    def _relay_pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad if pad is not None else getattr(self.tokenizer, "eos_token_id", 0) or 0)
+
+    def _relay_certify_save(self, staged, step: int) -> None:
+        """The certificate of what verl just saved, into the staged step folder (before the commit). A certificate
+        that cannot be computed never fails the save: it is said, and the step resumes uncertified."""
+        try:
+            if getattr(self, "_relay_probe_ids", None) is None:
+                self._relay_probe_ids = certify.probe_ids(self.train_dataset, self.tokenizer, self.relay_session.spec.seed)
+            cert = certify.certificate_of(self, step, self._relay_probe_ids, self._relay_pad_id())
+        except Exception as e:  # noqa: BLE001 - whatever verl's workers raised: the save itself stands
+            verl_chunk.say(f"no certificate for step {step} ({type(e).__name__}: {e}); it will resume uncertified")
+            return
+        cert.write(staged)
+        verl_chunk.say(f"certificate of step {step}: {cert.summary()}")
+
+    def _relay_certify_resume(self, step: int) -> None:
+        """After verl's load, before the first step: the workers' certificate of what they loaded against the saved
+        one (ChunkSession.certify: refused, quarantined and fallen back when it does not hold)."""
+        session = self.relay_session
+        session.certify(
+            layout.step_dir(self.relay.run_dir, step),
+            lambda ids: certify.certificate_of(self, step, ids, self._relay_pad_id()),
+        )
+        req = session.req
+        record_event(
+            session.run_dir,
+            "resume_certificate",
+            chunk=req.chunk,
+            attempt=req.attempt,
+            step=step,
+            certificate=session.certificate,
+            seconds=getattr(session, "_certify_s", None),
+        )
 
     def on_init_end(self):
         super().on_init_end()  # verl's sync trainer hands the (loaded) weights to the rollout here
@@ -158,6 +200,7 @@ class RelayChunkTrainer(PPOTrainerSync):
                     self.config.trainer.default_local_dir = real_dir
             staged = layout.step_dir(staging_root, step)
             verl_chunk.remove_rollout_state(staged)
+            self._relay_certify_save(staged, step)
             session.commit(step, staged)
 
         shutil.rmtree(staging_root, ignore_errors=True)

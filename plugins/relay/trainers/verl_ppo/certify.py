@@ -1,0 +1,108 @@
+"""The certificate of verl's actor (relay.checkpoints.certificate), computed inside verl's own workers at any
+world size.
+
+`worker_piece` runs in every actor worker at once (Ray's `__ray_call__` on the worker group's actors: the
+function runs in the actor, beside verl's worker object): each rank hashes its own FSDP2 shards by their global
+indices, the sums are all-reduced over the workers' process group (so no rank gathers a tensor), and every rank
+runs the probe over the whole probe batch (never split by data-parallel rank or micro-batch: FSDP's forward
+needs every rank anyway), inside the engine's eval mode (which loads offloaded parameters). Nothing draws from a
+random generator. `certificate_of` assembles rank 0's answer with what the trainer holds (the dataloader).
+
+The probe: a few rows of the training data chosen by the run's seed, each its prompt through the tokenizer's
+chat template and its ground truth's tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+PROBE_SEQUENCES = 4
+
+
+def probe_ids(dataset: Any, tokenizer: Any, seed: int) -> list[list[int]]:
+    """The run's probe: PROBE_SEQUENCES rows of verl's dataset chosen by the seed alone (a generator of its own)."""
+    picked = random.Random(f"relay-probe-{seed}").sample(range(len(dataset)), min(PROBE_SEQUENCES, len(dataset)))
+    out = []
+    for i in sorted(picked):
+        row = dataset[i]
+        prompt = tokenizer.apply_chat_template(row["raw_prompt"], add_generation_prompt=True, tokenize=True)
+        if hasattr(prompt, "keys"):  # a BatchEncoding in newer transformers
+            prompt = prompt["input_ids"]
+        truth = str((row.get("reward_model") or {}).get("ground_truth", ""))
+        out.append([int(t) for t in prompt] + tokenizer.encode(truth, add_special_tokens=False))
+    return out
+
+
+def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """In one actor worker (its Ray actor): this rank's part of the certificate, the parameter digests all-reduced."""
+    import torch
+    import torch.distributed as dist
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+    from verl.utils.device import get_device_name
+
+    from relay.checkpoints import certificate
+
+    engine = _actor(worker).actor.engine
+    module = engine.module
+    with engine.eval_mode():
+        named = list(certificate.named_state(module))
+        sums = certificate.piece_sums([certificate.local_piece(t) for _, t in named])
+        device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
+        total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(total)  # int64 wraps: the sum modulo 2^64, as at world size 1
+        logprobs = certificate.probe_logprobs(module, ids, pad_id)
+    state: dict = next(iter(engine.optimizer.state.values()), {})
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return {
+        "rank": dist.get_rank() if dist.is_initialized() else 0,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "device": get_device_name(),
+        "params": {n: f"{int(v) & ((1 << 64) - 1):016x}" for (n, _), v in zip(named, total.tolist(), strict=True)},
+        "logprobs": logprobs,
+        "optimizer_step": int(state["step"]) if "step" in state else None,
+        "lr": float(scheduler.get_last_lr()[0]) if scheduler is not None else float(engine.optimizer.param_groups[0]["lr"]),
+        "rng": certificate.state_digest(BaseCheckpointManager.get_rng_state()),
+        "torch": torch.__version__,
+    }
+
+
+def _actor(worker: Any) -> Any:
+    """verl's worker object that holds the actor engine, inside the Ray actor (colocated workers are a dict)."""
+    for candidate in [
+        worker,
+        *getattr(worker, "worker_dict", {}).values(),
+        *getattr(worker, "fused_worker_dict", {}).values(),
+    ]:
+        if getattr(getattr(candidate, "actor", None), "engine", None) is not None:
+            return candidate
+    raise RuntimeError(f"no actor engine in {type(worker).__name__}: verl's worker layout changed")
+
+
+def certificate_of(trainer: Any, step: int, ids: list[list[int]], pad_id: int) -> Any:
+    """The certificate of the state verl's actor holds now (every worker at once), and the trainer's data position."""
+    import ray
+
+    from relay.checkpoints import certificate
+
+    t0 = time.perf_counter()
+    workers = trainer.actor_rollout_wg.workers
+    pieces = ray.get([w.__ray_call__.remote(worker_piece, ids, pad_id) for w in workers])
+    first = min(pieces, key=lambda p: p["rank"])
+    return certificate.Certificate(
+        step=step,
+        world_size=first["world_size"],
+        device=first["device"],
+        probe_ids=ids,
+        logprobs=first["logprobs"],
+        params=first["params"],
+        optimizer_step=first["optimizer_step"],
+        lr=first["lr"],
+        data=certificate.state_digest(trainer.train_dataloader.state_dict()),
+        rng=first["rng"],
+        probe_seconds=round(time.perf_counter() - t0, 4),
+        torch=first["torch"],
+        pad_id=pad_id,
+    )
