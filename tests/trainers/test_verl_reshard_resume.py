@@ -2,7 +2,8 @@
 `./scripts/test.sh --verl`, marked verl_e2e): include/runs/verl_tiny_cpu.yaml at n_gpus_per_node 2 trains
 chunk 1 (0 -> 2) on a Ray head with two logical GPUs; one copy of the run goes on at world size 2 (2 -> 4), the
 other is resharded in place to world size 1 (`relay checkpoint reshard`) and goes on at world size 1 through
-`relay train` with checkpoints.on_world_size_change: reshard.
+`relay train` with checkpoints.on_world_size_change: reshard; a third copy has its two ranks' model shards
+swapped (same shapes, finite, its checksums made again), which verl loads and the certificate refuses.
 
 What is equal, and the tolerance for the rest: the data order and the LR at steps 3 and 4 exactly, and the
 rewards too (the weights after step 2 are the same bits, and generation is seeded per sample); the loss
@@ -25,7 +26,7 @@ from relay.devstack import stack
 from relay.jobs import local_head
 from relay.runs import layout
 from support.helpers import read_metrics, relay_cli
-from support.verl_jobs import SPEC, finish, relay_train
+from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, relay_train
 
 pytestmark = pytest.mark.verl_e2e
 
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.verl_e2e
 def spec_at(path, checkpoint_dir, n_gpus: int, policy: str = "refuse"):
     d = yaml.safe_load(SPEC.read_text())
     d["trainer"]["settings"]["n_gpus_per_node"] = n_gpus
+    d["trainer"]["settings"]["save_freq"] = 1  # a checkpoint at every step: step 1 to fall back to
     d["checkpoint_dir"] = str(checkpoint_dir)
     d["checkpoints"]["on_world_size_change"] = policy
     d["data"]["train_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["train_files"]]
@@ -46,23 +48,64 @@ def full_model(step_dir, world_size: int) -> dict:
     return {k: torch.cat([sd[k].to_local() if hasattr(sd[k], "to_local") else sd[k] for sd in sds], 0) for k in sds[0]}
 
 
+def swap_rank_shards(run_dir, step: int) -> list[str]:
+    """Rank 0's and rank 1's pieces of every parameter whose pieces have one shape swapped, each shard re-saved by
+    torch (its zip CRCs hold); the manifest made again by the gate, as for a checkpoint validated after the
+    change. Returns the parameters swapped."""
+    from relay.checkpoints.gate import admit_dir
+
+    actor = layout.step_dir(run_dir, step) / "actor"
+    paths = [actor / layout.shard_name("model", 2, r) for r in (0, 1)]
+    a, b = (torch.load(p, weights_only=False) for p in paths)
+    swapped = []
+    for k in a:
+        la = a[k].to_local() if hasattr(a[k], "to_local") else a[k]
+        lb = b[k].to_local() if hasattr(b[k], "to_local") else b[k]
+        if la.shape == lb.shape and not torch.equal(la, lb):
+            held = la.clone()
+            la.copy_(lb)
+            lb.copy_(held)
+            swapped.append(k)
+    torch.save(a, paths[0])
+    torch.save(b, paths[1])
+    (layout.step_dir(run_dir, step) / manifest.NAME).unlink()
+    assert admit_dir(run_dir, step).ok, "shapes, values and checksums hold: the gate admits it"
+    return swapped
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("verl_reshard")
     two = spec_at(base / "two.yaml", base / "at2", 2)
     one = spec_at(base / "one.yaml", base / "at1", 1, policy="reshard")
     run2, run1 = base / "at2" / "verl_tiny_cpu", base / "at1" / "verl_tiny_cpu"
+    swap = base / "swapped" / "verl_tiny_cpu"
     with local_head.local_head(
         stack.ray_cli(), stack.ray_env(local_s3=False), num_cpus=stack.head_cpus(), num_gpus=2, avoid=stack.stack_ray_ports()
     ) as head:
         finish(relay_train(run2, 2, head.address, base / "c1.log", spec=two), base / "c1.log")
         shutil.copytree(run2, run1)
+        shutil.copytree(run2, swap)
         finish(relay_train(run2, 4, head.address, base / "c2.log", spec=two), base / "c2.log")
+        swapped = swap_rank_shards(swap, 2)
+        refused_rc = relay_train(swap, 4, head.address, base / "swap.log", spec=two).wait(timeout=JOB_TIMEOUT)
+        refused = (base / "swap.log").read_text(errors="replace")
+        retried = finish(relay_train(swap, 4, head.address, base / "swap2.log", spec=two), base / "swap2.log")
     reshard = relay_cli("checkpoint", "reshard", str(run1), "--world-size", "1")
     assert reshard.returncode == 0, reshard.stdout + reshard.stderr
     with stack.private_ray_head() as head:  # one logical GPU, as `relay train` starts with nothing running
         log = finish(relay_train(run1, 4, head.address, base / "c2-at1.log", spec=one), base / "c2-at1.log")
-    return {"two": run2, "one": run1, "log": log, "reshard": reshard.stdout}
+    return {
+        "two": run2,
+        "one": run1,
+        "log": log,
+        "reshard": reshard.stdout,
+        "swap": swap,
+        "swapped": swapped,
+        "refused_rc": refused_rc,
+        "refused": refused,
+        "retried": retried,
+    }
 
 
 def test_the_run_resharded_to_one_trains_on_like_the_run_that_stayed_at_two(runs):
@@ -81,3 +124,30 @@ def test_the_run_resharded_to_one_trains_on_like_the_run_that_stayed_at_two(runs
         assert b[step]["kl"] == pytest.approx(a[step]["kl"], rel=2e-2)
     wa, wb = full_model(layout.step_dir(runs["two"], 4), 2), full_model(layout.step_dir(runs["one"], 4), 1)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-2
+
+
+def test_the_resharded_resume_is_certified_within_the_tolerance(runs):
+    """World size 2 -> 1: every parameter's digest is the same at any sharding (exact), the probe within
+    checkpoints.certificate_tolerance, and the log says by how much."""
+    import re
+
+    m = re.search(r"certified resume from step 2: probe log-probs differ by at most (\S+) \(within 0.001\)", runs["log"])
+    assert m, runs["log"][-4000:]
+    assert float(m.group(1)) <= 1e-3
+
+
+def test_two_ranks_shards_swapped_are_refused_by_the_certificate_and_the_run_falls_back(runs):
+    from relay.runs.metrics import read_events
+
+    assert runs["swapped"], "some parameters' two pieces have one shape"
+    assert runs["refused_rc"] != 0
+    assert "certificate does not hold" in runs["refused"] and "parameters hold other values" in runs["refused"]
+    [event] = [e for e in read_events(runs["swap"]) if e["event"] == "certificate_refused"]
+    assert event["step"] == 2 and event["fell_back_to"] == 1
+    assert "certified resume from step 1: probe log-probs differ by at most 0 (exact)" in runs["retried"]
+    a = {r["step"]: r for r in read_metrics(runs["two"])}
+    b = {r["step"]: r for r in read_metrics(runs["swap"])}
+    for step in (2, 3, 4):
+        assert (a[step]["sample_indices"], a[step]["lr"]) == (b[step]["sample_indices"], b[step]["lr"])
+    wa, wb = full_model(layout.step_dir(runs["two"], 4), 2), full_model(layout.step_dir(runs["swap"], 4), 2)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "trained again from step 1: step 4 is the same bits"

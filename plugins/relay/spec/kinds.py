@@ -66,6 +66,7 @@ KINDS: dict[str, TrainerKind] = {
         description="verl's main_ppo (v1 sync trainer) on a GPU Ray cluster, one chunk per job or one supervised job",
         resolved="relay.trainers.verl_ppo.trainer:resolved_settings",
         smoke="relay.trainers.verl_ppo.smoke:smoke",
+        certify="relay.trainers.verl_ppo.smoke:certify",
         job_env="relay.trainers.verl_ppo.trainer:job_env",
     ),
 }

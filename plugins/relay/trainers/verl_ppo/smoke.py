@@ -22,30 +22,37 @@ PROMPT = "3+4="
 MAX_BYTES = 2 << 30
 
 
-def smoke(spec, step_dir: Path) -> str:
+def _checkpoint_model(spec, step_dir: Path):
+    """(the model in float32 with the shard's weights, the shard's tensors as stored, its config, the huggingface/
+    folder), or Skipped where one host's worker cannot load it."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     actor = Path(step_dir) / "actor"
     world_size = len(list(actor.glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
-        raise Skipped(f"world size {world_size} (the smoke check loads a whole model from one shard)")
+        raise Skipped(f"world size {world_size} (the gate loads a whole model from one shard)")
     shard = actor / layout.shard_name("model", 1, 0)
     if shard.stat().st_size > MAX_BYTES:
-        raise Skipped(
-            f"the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the smoke check loads models under 2 GiB)"
-        )
+        raise Skipped(f"the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the gate loads models under 2 GiB)")
     hf = actor / "huggingface"
     config = AutoConfig.from_pretrained(hf)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=spec.settings.attention or "sdpa", dtype=torch.float32
     )
-    state = safeload.load(shard, mmap=True)
-    state = {k: (v.to_local() if hasattr(v, "to_local") else v).float() for k, v in state.items()}
+    stored = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in safeload.load(shard, mmap=True).items()}
+    state = {k: v.float() for k, v in stored.items()}
     if getattr(config, "tie_word_embeddings", False):
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
     model.load_state_dict(state, strict=True)
-    model.eval()
+    return model.eval(), stored, config, hf
+
+
+def smoke(spec, step_dir: Path) -> str:
+    import torch
+    from transformers import AutoTokenizer
+
+    model, _, config, hf = _checkpoint_model(spec, step_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -54,3 +61,29 @@ def smoke(spec, step_dir: Path) -> str:
         raise ValueError(f"the logits of the fixed prompt {PROMPT!r} are not finite")
     top = tokenizer.decode([int(logits[0, -1].argmax())])
     return f"forward pass on {PROMPT!r} ({config.architectures[0]} from huggingface/): finite logits, argmax {top!r}"
+
+
+def certify(spec, step_dir: Path, saved) -> str:
+    """The checkpoint against the certificate verl's workers wrote: every parameter of the shard, as stored, has
+    its certified digest, and the model loaded offline gives the probe's log-probs within
+    checkpoints.certificate_tolerance (another forward path than the workers')."""
+    from relay.checkpoints import certificate
+    from relay.common.errors import CertificateError
+
+    model, stored, _, _ = _checkpoint_model(spec, step_dir)
+    ours = certificate.digests((n, stored[n]) for n in saved.params if n in stored)
+    problems = []
+    if differ := sorted(n for n in saved.params if ours.get(n) != saved.params[n]):
+        problems.append(f"{len(differ)} of {len(saved.params)} parameters are not those certified: {', '.join(differ[:5])}")
+    logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
+    diffs = [abs(a - b) for xs, ys in zip(saved.logprobs, logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
+    largest = max(diffs, default=0.0)
+    tolerance = spec.checkpoints.certificate_tolerance
+    if not largest <= tolerance:
+        problems.append(f"the probe's log-probs differ from the certificate's by up to {largest:.3g} (> {tolerance:g})")
+    if problems:
+        raise CertificateError(f"{Path(step_dir).name} does not reproduce its certificate: " + "; ".join(problems))
+    return (
+        f"the model loaded offline reproduces its certificate: {len(ours)} parameter digests equal, probe log-probs "
+        f"within {largest:.3g}"
+    )
