@@ -18,6 +18,7 @@ and a logical GPU than the session's head (2 CPUs, for the suite's many small ch
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -194,3 +195,37 @@ def test_each_verl_chunk_records_its_start_up_phases(dag_run):
     events = read_events(dag_run["run_dir"])
     for attempt in [e["attempt"] for e in events if e["event"] == "chunk_start"]:
         assert list(phase_marks(events, attempt)) == list(STARTUP), attempt
+
+
+def test_a_reshard_keeps_the_certificate_and_rows_rotated_in_one_shard_are_refused(dag_run, tmp_path):
+    """Step 6 resharded 1 -> 2 -> 1 (`relay checkpoint reshard`'s code): every parameter's digest is the same at
+    any sharding, so the gate's offline check of the certificate passes on the way back. With one tensor's rows
+    rotated in rank 1's shard at world size 2 (its checksums made again: an injected fault), the way back is
+    refused by the certificate, naming the tensor."""
+    from relay.checkpoints.gate import admit_dir
+    from relay.checkpoints.reshard import reshard
+    from relay.preflight.admission import admit
+    from relay.runs.run import Run
+
+    spec = load_spec(dag_run["spec"], check_environment=False)
+    at2, rotated = tmp_path / "at2", tmp_path / "rotated"
+    reshard(dag_run["run_dir"], 2, step=6, out=at2)
+    back = tmp_path / "back"
+    reshard(at2, 1, step=6, out=back)
+    good = admit(Run(spec, RUN, back), 6)
+    assert good.ok and "certificate" in good.manifest.checks, good.explain()
+
+    shutil.copytree(at2, rotated)
+    shard = layout.step_dir(rotated, 6) / "actor" / layout.shard_name("model", 2, 1)
+    sd = torch.load(shard, weights_only=False)
+    key = next(k for k in sd if k.endswith("mlp.gate_proj.weight"))
+    local = sd[key].to_local()
+    local.copy_(torch.roll(local.clone(), 1, dims=0))
+    torch.save(sd, shard)
+    (layout.step_dir(rotated, 6) / "relay_manifest.json").unlink(missing_ok=True)
+    assert admit_dir(rotated, 6).ok, "shapes, values and checksums hold at world size 2"
+    bad_back = tmp_path / "bad_back"
+    reshard(rotated, 1, step=6, out=bad_back)
+    bad = admit(Run(spec, RUN, bad_back), 6)
+    assert not bad.ok and bad.report.failed.name == "certificate", bad.explain()
+    assert key in bad.report.failed.detail

@@ -84,3 +84,12 @@ def test_a_certificate_reads_back_as_written(tmp_path):
     assert certificate.read(tmp_path) == c
     assert certificate.read(tmp_path / "nothing") is None
     assert "probe of 1 sequences (2 log-probs), 1 parameter digests" in c.summary()
+
+
+def test_fsdp1_flat_parameter_digests_compare_only_at_their_world_size():
+    saved = cert(portable=False)
+    after_reshard = cert(portable=False, world_size=2, params={"w": "00000000000000bb"}, rng="other")
+    assert compare(saved, after_reshard, 1e-3).ok, "flat parameters are cut by world size: only the probe compares"
+    c = compare(saved, cert(portable=False, params={"w": "00000000000000bb"}), 1e-3)
+    assert not c.ok and "parameters hold other values" in c.detail()
+    assert certificate.portable(torch.nn.Linear(2, 2)), "a plain module's digests are portable"

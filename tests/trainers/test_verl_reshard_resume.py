@@ -68,7 +68,7 @@ def swap_rank_shards(run_dir, step: int) -> list[str]:
             swapped.append(k)
     torch.save(a, paths[0])
     torch.save(b, paths[1])
-    (layout.step_dir(run_dir, step) / manifest.NAME).unlink()
+    (layout.step_dir(run_dir, step) / manifest.NAME).unlink(missing_ok=True)
     assert admit_dir(run_dir, step).ok, "shapes, values and checksums hold: the gate admits it"
     return swapped
 

@@ -63,6 +63,10 @@ class Certificate:
     probe_seconds: float | None = None
     torch: str | None = None
     pad_id: int = 0  # the token the probe's shorter sequences are padded with
+    # False where the digests are of FSDP1's flat parameters (one per wrapped unit, cut by world size): they
+    # compare only at the world size they were taken at
+    portable: bool = True
+    probe_dtype: str = "float32"  # the dtype the probe's logits were computed in (bfloat16 under mixed precision)
     version: int = VERSION
 
     def to_json(self) -> str:
@@ -132,6 +136,8 @@ def compare(saved: Certificate, now: Certificate, tolerance: float) -> Compariso
     exact = saved.world_size == now.world_size and saved.device == now.device
     problems: list[str] = []
     differ = sorted(n for n in saved.params.keys() | now.params.keys() if saved.params.get(n) != now.params.get(n))
+    if differ and not (saved.portable and now.portable) and saved.world_size != now.world_size:
+        differ = []  # FSDP1's flat parameters are cut by world size: not comparable after a reshard
     if differ:
         shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
         problems.append(f"{len(differ)} of {len(saved.params)} parameters hold other values than saved: {shown}")
@@ -164,6 +170,11 @@ def probe_logprobs(model: Any, probe_ids: list[list[int]], pad_id: int) -> list[
     """The probe's log-probs under a causal LM (a Hugging Face model's `logits`): one forward in eval mode, no
     gradient, no random draw, over the sequences padded on the right (causal attention: a pad never reaches the
     positions before it); each sequence's next-token log-probs."""
+    return probe(model, probe_ids, pad_id)[0]
+
+
+def probe(model: Any, probe_ids: list[list[int]], pad_id: int) -> tuple[list[list[float]], str]:
+    """probe_logprobs, and the dtype the logits were computed in ("bfloat16" under FSDP's mixed precision)."""
     import torch
 
     training = model.training
@@ -172,10 +183,11 @@ def probe_logprobs(model: Any, probe_ids: list[list[int]], pad_id: int) -> list[
     device = next(model.parameters()).device
     padded = torch.tensor([seq + [pad_id] * (width - len(seq)) for seq in probe_ids], device=device)
     with torch.no_grad():
-        logits = model(input_ids=padded).logits[:, :-1].float()
-        lp = torch.log_softmax(logits, -1).gather(-1, padded[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+        logits = model(input_ids=padded).logits[:, :-1]
+        dtype = str(logits.dtype).removeprefix("torch.")
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, padded[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
     model.train(training)
-    return [lp[i, : len(seq) - 1].tolist() for i, seq in enumerate(probe_ids)]
+    return [lp[i, : len(seq) - 1].tolist() for i, seq in enumerate(probe_ids)], dtype
 
 
 def param_digests(model: Any, *, reduce: Any = None) -> dict[str, str]:
@@ -195,6 +207,11 @@ def digests(named: Iterable[tuple[str, Any]], *, reduce: Any = None) -> dict[str
     if reduce is not None:
         sums = list(reduce(sums))
     return {n: f"{s & _MASK64:016x}" for n, s in zip(names, sums, strict=True)}
+
+
+def portable(model: Any) -> bool:
+    """Whether the model's parameter digests are independent of the sharding: not FSDP1's flat parameters."""
+    return not any(type(p).__name__ == "FlatParameter" for p in model.parameters())
 
 
 def named_state(model: Any) -> Iterable[tuple[str, Any]]:

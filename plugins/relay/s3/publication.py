@@ -151,7 +151,7 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
     if policy.hf_export and policy.is_milestone(step, spec.total_steps):
         hf_key = store.run_key(run.name, HF_DIR, layout.step_name(step))
         export = export_hf(run_dir, step)
-        pub.hf_verified = verify_export(export, layout.step_dir(run_dir, step), policy.export_tolerance)
+        pub.hf_verified = verify_export(export, layout.step_dir(run_dir, step), policy.offline_tolerance)
         pub.hf_uri = publish_folder(store, export, hf_key)
     record_event(
         run_dir,

@@ -100,12 +100,14 @@ class CheckpointPolicy(StrictModel):
             "after a reshard or on another device kind (exact otherwise; relay.checkpoints.certificate)"
         ),
     )
-    export_tolerance: float = Field(
+    offline_tolerance: float = Field(
         default=0.02,
         ge=0,
         description=(
-            "the largest difference allowed between the probe's log-probs as certified and under the Hugging Face "
-            "export (verl's merger writes bfloat16; its weights must still be the checkpoint's, cast)"
+            "the largest difference allowed between the probe's log-probs as the trainer certified them and as "
+            "computed offline, without FSDP: the gate's certificate check and a Hugging Face export's (another "
+            "forward path and dtype: verl's mixed precision, the merger's bfloat16); the parameters' digests "
+            "are compared exactly all the same"
         ),
     )
     certificate_before_publish: bool = Field(

@@ -162,7 +162,7 @@ def smoke(spec, step_dir) -> str:
 
 def certify(spec, step_dir, saved) -> str:
     """The checkpoint's model, loaded offline without FSDP, against its certificate: every parameter's digest
-    exactly, the probe's log-probs within checkpoints.certificate_tolerance (another forward path than the
+    exactly, the probe's log-probs within checkpoints.offline_tolerance (another forward path than the
     trainer's). The optimizer, data and RNG pieces are the trainer's to check at resume."""
     from dataclasses import replace
 
@@ -172,7 +172,7 @@ def certify(spec, step_dir, saved) -> str:
     model = _checkpoint_model(spec, step_dir)
     logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
     now = replace(saved, device="offline", logprobs=logprobs, params=certificate.param_digests(model))
-    c = certificate.compare(saved, now, spec.checkpoints.certificate_tolerance)
+    c = certificate.compare(saved, now, spec.checkpoints.offline_tolerance)
     if not c.ok:
         raise CertificateError(f"the model of {step_dir.name} does not reproduce its certificate: {c.detail()}")
     return f"the model loaded offline reproduces its certificate: {len(now.params)} parameter digests equal, {c.detail()}"

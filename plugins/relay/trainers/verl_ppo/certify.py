@@ -53,7 +53,7 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
         total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
         if dist.is_initialized():
             dist.all_reduce(total)  # int64 wraps: the sum modulo 2^64, as at world size 1
-        logprobs = certificate.probe_logprobs(module, ids, pad_id)
+        logprobs, probe_dtype = certificate.probe(module, ids, pad_id)
     state: dict = next(iter(engine.optimizer.state.values()), {})
     scheduler = getattr(engine, "lr_scheduler", None)
     return {
@@ -66,6 +66,8 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
         "lr": float(scheduler.get_last_lr()[0]) if scheduler is not None else float(engine.optimizer.param_groups[0]["lr"]),
         "rng": certificate.state_digest(BaseCheckpointManager.get_rng_state()),
         "torch": torch.__version__,
+        "portable": certificate.portable(module),
+        "probe_dtype": probe_dtype,
     }
 
 
@@ -105,4 +107,6 @@ def certificate_of(trainer: Any, step: int, ids: list[list[int]], pad_id: int) -
         probe_seconds=round(time.perf_counter() - t0, 4),
         torch=first["torch"],
         pad_id=pad_id,
+        portable=first["portable"],
+        probe_dtype=first["probe_dtype"],
     )

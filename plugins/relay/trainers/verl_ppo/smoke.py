@@ -31,10 +31,16 @@ def _checkpoint_model(spec, step_dir: Path):
     actor = Path(step_dir) / "actor"
     world_size = len(list(actor.glob("model_world_size_*_rank_*.pt")))
     if world_size != 1:
-        raise Skipped(f"world size {world_size} (the gate loads a whole model from one shard)")
+        raise Skipped(
+            f"world size {world_size} (the gate loads a whole model from one shard; the certificate is checked at "
+            "resume, in the trainer's workers)"
+        )
     shard = actor / layout.shard_name("model", 1, 0)
     if shard.stat().st_size > MAX_BYTES:
-        raise Skipped(f"the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the gate loads models under 2 GiB)")
+        raise Skipped(
+            f"the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the gate loads models under 2 GiB; the "
+            "certificate is checked at resume, in the trainer's workers)"
+        )
     hf = actor / "huggingface"
     config = AutoConfig.from_pretrained(hf)
     model = AutoModelForCausalLM.from_config(
@@ -66,19 +72,24 @@ def smoke(spec, step_dir: Path) -> str:
 def certify(spec, step_dir: Path, saved) -> str:
     """The checkpoint against the certificate verl's workers wrote: every parameter of the shard, as stored, has
     its certified digest, and the model loaded offline gives the probe's log-probs within
-    checkpoints.certificate_tolerance (another forward path than the workers')."""
+    checkpoints.offline_tolerance (another forward path than the workers')."""
+    import torch
+
     from relay.checkpoints import certificate
     from relay.common.errors import CertificateError
 
+    if not saved.portable:
+        raise Skipped("the certificate holds FSDP1's flat parameters: the trainer checks it at resume")
     model, stored, _, _ = _checkpoint_model(spec, step_dir)
     ours = certificate.digests((n, stored[n]) for n in saved.params if n in stored)
     problems = []
     if differ := sorted(n for n in saved.params if ours.get(n) != saved.params[n]):
         problems.append(f"{len(differ)} of {len(saved.params)} parameters are not those certified: {', '.join(differ[:5])}")
-    logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
+    # in the dtype the workers' forward ran in (FSDP's mixed precision computes in bfloat16), from these weights
+    logprobs = certificate.probe_logprobs(model.to(getattr(torch, saved.probe_dtype)), saved.probe_ids, saved.pad_id)
     diffs = [abs(a - b) for xs, ys in zip(saved.logprobs, logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
     largest = max(diffs, default=0.0)
-    tolerance = spec.checkpoints.certificate_tolerance
+    tolerance = spec.checkpoints.offline_tolerance
     if not largest <= tolerance:
         problems.append(f"the probe's log-probs differ from the certificate's by up to {largest:.3g} (> {tolerance:g})")
     if problems:
