@@ -181,7 +181,7 @@ DRIFTS = {
     "rollout.n": ("trainer.settings.rollout_n", 4),
     "adv_estimator": ("trainer.settings.adv_estimator", "rloo"),
     "world size": ("trainer.settings.world_size", 2),
-    "LR schedule": ("trainer.settings.optim.schedule", "cosine"),
+    "LR schedule": ("trainer.settings.optim.schedule", "constant"),
 }
 
 

@@ -256,7 +256,8 @@ def test_the_spec_passes_relays_check_with_its_data(tmp_path, monkeypatch):
     s = spec.settings
     assert (spec.trainer.kind, s.rollout_name, s.adv_estimator, s.fsdp_version) == ("verl_ppo", "hf", "grpo", 2)
     assert (s.rollout_n, spec.chunk_steps, spec.total_steps, s.nnodes, s.n_gpus_per_node) == (4, 2, 6, 1, 1)
-    assert s.optim.lr_scheduler_type == "constant" and not s.optim.horizon_dependent
+    # a warmup and a cosine decay over the run's steps: a chunk that reset or stretched the schedule would show
+    assert (s.optim.lr_scheduler_type, s.optim.lr_warmup_steps) == ("cosine", 2) and s.optim.horizon_dependent
     assert s.steps_available(256) >= spec.total_steps
     assert Path(s.model_path).is_absolute()
     assert s.device == "cpu" and s.tiny_model and s.attention == "sdpa"
@@ -289,6 +290,6 @@ def test_the_spec_composes_into_verls_config_for_a_cpu_and_passes_verls_validati
     assert (cfg.data.train_batch_size, a.rollout.n, a.actor.ppo_mini_batch_size) == (4, 4, 4)
     assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (64, 16)
     assert cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes == 1 and list(cfg.trainer.logger) == ["console"]
-    assert a.actor.optim.lr_scheduler_type == "constant" and cfg.trainer.total_training_steps == 6
+    assert a.actor.optim.lr_scheduler_type == "cosine" and cfg.trainer.total_training_steps == 6
     assert cfg.trainer.save_freq == 2 and cfg.algorithm.adv_estimator == "grpo"
     overrides.check_config(cfg)  # verl.utils.config.validate_config, as main_ppo runs it
