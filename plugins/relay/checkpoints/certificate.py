@@ -89,7 +89,7 @@ class Certificate:
 
 
 def read(step_dir: Path) -> Certificate | None:
-    """The step folder's certificate; None when it has none (written before certificates, or by verl alone)."""
+    """The step folder's certificate; None when it has none (written before certificates, or without Relay)."""
     path = Path(step_dir) / NAME
     try:
         d = json.loads(path.read_text())

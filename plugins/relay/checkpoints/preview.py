@@ -216,7 +216,7 @@ def inspect_dir(path: Path, step: int | None = None, *, verify: bool = True) -> 
     _read_state(preview, step_dir, report.world_size)
     cert = certificate.read(step_dir)
     preview.certificate = (
-        cert.summary() if cert else "none: resumes uncertified (saved before certificates, or by verl alone)"
+        cert.summary() if cert else "none: resumes uncertified (saved before certificates, or without Relay)"
     )
     _params_of(preview, m, step_dir)
     _run_context(preview, read_record(run_dir), _metrics(run_dir))

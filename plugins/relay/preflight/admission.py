@@ -35,7 +35,7 @@ def certify_check(spec):
     def check(step_dir: Path) -> str:
         saved = certificate.read(step_dir)
         if saved is None:
-            raise Skipped("no certificate (saved before certificates, or by verl's trainer): it resumes uncertified")
+            raise Skipped("no certificate (saved before certificates, or without Relay): it resumes uncertified")
         if fn is None:
             raise Skipped(f"{spec.trainer.kind} has no offline check; its trainer checks the certificate at resume")
         return fn(spec, step_dir, saved)

@@ -106,7 +106,8 @@ class ChunkSession:
             self.certificate = "uncertified"
             self.say(
                 f"uncertified resume from step {step}: {step_dir.name} has no certificate (saved before "
-                "certificates, or by verl alone); its files passed validation"
+                "certificates, without Relay, or its certificate could not be computed: its save's log says why); "
+                "its files passed validation"
             )
             return
         t0 = time.perf_counter()
