@@ -38,6 +38,8 @@ def certify_check(spec):
             raise Skipped("no certificate (saved before certificates, or without Relay): it resumes uncertified")
         if fn is None:
             raise Skipped(f"{spec.trainer.kind} has no offline check; its trainer checks the certificate at resume")
+        if not spec.checkpoints.smoke:
+            raise Skipped("checkpoints.smoke is off: the gate loads no model; the trainer checks the certificate at resume")
         return fn(spec, step_dir, saved)
 
     return check

@@ -89,8 +89,8 @@ class CheckpointPolicy(StrictModel):
     )
     smoke: bool = Field(
         default=True,
-        description="also run the trainer's forward-pass smoke check (the CPU "
-        "trainer's; verl's at world size 1 and under 2 GiB)",
+        description="also run the trainer's forward-pass smoke check and its offline certificate check (the CPU "
+        "trainer's; verl's at world size 1 and under 2 GiB): the gate loads the model",
     )
     certificate_tolerance: float = Field(
         default=1e-3,
