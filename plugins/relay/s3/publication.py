@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relay.checkpoints import certificate, manifest, retention
@@ -83,13 +83,16 @@ def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str
 
 
 def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
-    """The Hugging Face export, loaded with transformers, against the checkpoint's certificate: at world size 1,
-    every exported tensor is the checkpoint's (whose digests are the certificate's) cast to the export's dtype, so
-    an export that lost or changed a tensor names it; and the probe's log-probs are within `tolerance` (the
-    export's architecture and config read as the trainer's). CertificateError otherwise. A checkpoint without a
-    certificate: said, not verified."""
+    """The Hugging Face export, loaded with transformers, against the checkpoint and its certificate. At world size 1:
+    the checkpoint's own tensors are the certified ones (digests), every exported tensor is the checkpoint's cast to
+    the export's dtype (an export that lost or changed a tensor names it), and the export's probe equals, within
+    `tolerance`, the probe of the checkpoint's weights cast alike in the architecture of its huggingface/ folder (so
+    the export's config and code read the weights as the trainer did; a comparison with the certified log-probs
+    themselves would measure the dtype's rounding, which grows as a model sharpens). A sharded checkpoint: the
+    export's probe against the certificate's, within `tolerance`. CertificateError otherwise; a checkpoint without
+    a certificate: said, not verified."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from relay.checkpoints import safeload
 
@@ -98,8 +101,10 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
         return f"not verified: {step_dir.name} has no certificate"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(torch.device("cpu"))
     exported = dict(certificate.named_state(model))
+    logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
     problems: list[str] = []
     shards = sorted((step_dir / "actor").glob("model_world_size_*_rank_*.pt"))
+    reference, against = saved.logprobs, "the certificate's"
     checked = "the probe only (the checkpoint is sharded: its tensors are compared by verl's merge)"
     if len(shards) == 1:
         state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in safeload.load(shards[0], mmap=True).items()}
@@ -113,12 +118,20 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
             problems.append(f"tensors missing from the export: {', '.join(missing[:5])}")
         if differ:
             problems.append(f"exported tensors that are not the checkpoint's: {', '.join(differ[:5])}")
-        checked = f"{len(cast)} tensors are the checkpoint's, cast to {next(iter(exported.values())).dtype}"
-    now = replace(saved, device="hf-export", logprobs=certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id))
-    diffs = [abs(a - b) for xs, ys in zip(saved.logprobs, now.logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
+        dtype = next(iter(exported.values())).dtype
+        checked = f"{len(cast)} tensors are the checkpoint's, cast to {dtype}"
+        ref = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(step_dir / "actor" / "huggingface"),
+            dtype=dtype,
+            attn_implementation=model.config._attn_implementation,
+        )
+        ref.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+        reference = certificate.probe_logprobs(ref, saved.probe_ids, saved.pad_id)
+        against = "the checkpoint's weights' (cast alike)"
+    diffs = [abs(a - b) for xs, ys in zip(reference, logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
     largest = max(diffs, default=0.0)
     if not largest <= tolerance:  # NaN too
-        problems.append(f"the probe's log-probs differ from the certificate's by up to {largest:.3g} (> {tolerance:g})")
+        problems.append(f"the probe's log-probs differ from {against} by up to {largest:.3g} (> {tolerance:g})")
     if problems:
         raise CertificateError(
             f"the Hugging Face export {folder} does not reproduce the certificate of {step_dir.name}: "
@@ -126,7 +139,7 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
             f"it was not published. Remove {folder} and publish the step again: the export is made anew from the "
             "checkpoint, which passed the gate",
         )
-    return f"reproduces the certificate of {step_dir.name}: {checked}; probe log-probs within {largest:.3g}"
+    return f"reproduces the certificate of {step_dir.name}: {checked}; probe log-probs within {largest:.3g} of {against}"
 
 
 def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publication:
