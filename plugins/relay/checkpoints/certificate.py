@@ -17,7 +17,9 @@ states the probe does not touch beyond that (an RNG or data position that is not
 Exactness: parameters, the optimizer's step, the LR, the data position and (at an unchanged world size) the RNG
 digest are compared exactly. The probe's log-probabilities are exact where the world size and the device
 kind are unchanged and the kernels deterministic (Relay's CPU trainer pins threads and deterministic
-algorithms); after a reshard or on another device or kernel they are compared within `tolerance`.
+algorithms); after a reshard or on another device or kernel they are compared within `tolerance`. FSDP1's flat
+parameters (one per wrapped unit, cut by world size) are not portable: their digests compare only at the world
+size they were taken at.
 
 Written before the commit, beside the manifest that the gate writes later: the manifest's checksums cover it.
 Plain torch, no spec; a trainer computes its probe and passes the pieces here.
