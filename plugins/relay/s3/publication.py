@@ -120,12 +120,12 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
             problems.append(f"exported tensors that are not the checkpoint's: {', '.join(differ[:5])}")
         dtype = next(iter(exported.values())).dtype
         checked = f"{len(cast)} tensors are the checkpoint's, cast to {dtype}"
-        ref = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(step_dir / "actor" / "huggingface"),
-            dtype=dtype,
-            attn_implementation=model.config._attn_implementation,
-        )
-        ref.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+        config = AutoConfig.from_pretrained(step_dir / "actor" / "huggingface")
+        ref = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model.config._attn_implementation)
+        weights = {k: v.to(dtype) for k, v in state.items()}
+        if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in weights:
+            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        ref.load_state_dict(weights, strict=True)
         reference = certificate.probe_logprobs(ref, saved.probe_ids, saved.pad_id)
         against = "the checkpoint's weights' (cast alike)"
     diffs = [abs(a - b) for xs, ys in zip(reference, logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
