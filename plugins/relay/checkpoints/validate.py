@@ -155,22 +155,33 @@ def validate_checkpoint(
         return report
     if depth >= LEVELS.index("numerics") and not _compare_with_previous(report, run_dir, step):
         return report
-    if smoke is not None:
-        try:
-            report.add("smoke", True, smoke(ckpt))
-        except Skipped as why:
-            report.checks.append(Check("smoke", True, str(why), skipped=True))
-        except Exception as e:  # noqa: BLE001 - a failed forward pass, whatever it raised, makes the checkpoint invalid
-            report.add("smoke", False, f"forward pass failed: {e}")
-            return report
+    # a failed forward pass, whatever it raised, makes the checkpoint invalid; a certificate fails on what it says
+    if smoke is not None and not _trainer_level(
+        report, "smoke", smoke, ckpt, Exception, lambda e: f"forward pass failed: {e}"
+    ):
+        return report
     if certify is not None:
-        try:
-            report.add("certificate", True, certify(ckpt))
-        except Skipped as why:
-            report.checks.append(Check("certificate", True, str(why), skipped=True))
-        except CheckpointError as e:
-            report.add("certificate", False, e.what)
+        _trainer_level(report, "certificate", certify, ckpt, CheckpointError, lambda e: e.what)
     return report
+
+
+def _trainer_level(
+    report: CheckReport,
+    name: str,
+    check: Callable[[Path], str],
+    ckpt: Path,
+    fails: type[Exception],
+    detail: Callable[[Any], str],
+) -> bool:
+    """A level the trainer provides: passed (its detail), skipped (Skipped: why, never counted as passed), or failed
+    (an exception of class `fails`, said by `detail`)."""
+    try:
+        return report.add(name, True, check(ckpt))
+    except Skipped as why:
+        report.checks.append(Check(name, True, str(why), skipped=True))
+        return True
+    except fails as e:
+        return report.add(name, False, detail(e))
 
 
 # --------------------------------------------------------------------------------- structure

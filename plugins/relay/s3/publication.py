@@ -113,7 +113,8 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
             problems.append(f"the checkpoint's own tensors are not those certified: {', '.join(changed[:5])}")
         missing = sorted(n for n in state if n in saved.params and n not in exported)
         cast = certificate.digests((n, state[n].to(exported[n].dtype)) for n in state if n in exported)
-        differ = sorted(n for n, d in cast.items() if d != certificate.digests([(n, exported[n])])[n])
+        theirs = certificate.digests((n, exported[n]) for n in cast)
+        differ = sorted(n for n, d in cast.items() if d != theirs[n])
         if missing:
             problems.append(f"tensors missing from the export: {', '.join(missing[:5])}")
         if differ:
