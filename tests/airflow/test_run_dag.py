@@ -235,3 +235,53 @@ def test_validation_can_run_where_the_checkpoint_lives_on_the_cluster(airflow_ho
     assert [str(j.status) for j in validated] == ["SUCCEEDED"]
     assert (run_dir(spec, "onray") / "global_step_6" / "relay_manifest.json").is_file()
     assert "checkpoint valid" in r.stdout and "✔ numerics" in r.stdout
+
+
+@pytest.mark.fault
+def test_warm_chunks_train_in_one_job_and_a_kill_in_a_warm_chunk_resumes_cold(airflow_home, uninterrupted, fault_row):
+    """chunks.handoff warm, three chunks of 4 steps and a drill that kills the trainer after step 10: chunk 1's job
+    goes on warm into chunks 2 and 3, whose train tasks admit and take it over; the kill in chunk 3 fails its try,
+    and the retry starts a new job from checkpoint 8. Every chunk is validated and published as a cold one is, and
+    the run ends bitwise equal to the uninterrupted one."""
+    spec_path = write_spec(
+        airflow_home["runs"], name="warm", chunk_steps=4, **{"chunks.handoff": "warm", "airflow.approvals": False}
+    )
+    rd = run_dir(spec_path, "warm")
+    r = dags_test(airflow_home, "relay_warm", {"run": "warm", "relay_fault": {"kill_at": "after_step@10"}})
+    assert r.returncode == 0, r.stdout[-5000:]
+    starts = [e for e in read_events(rd) if e["event"] == "chunk_start"]
+    assert [(e["chunk"], e["resumed_from"], e["warm"]) for e in starts] == [
+        (1, 0, False),
+        (2, 4, True),
+        (3, 8, True),
+        (3, 8, False),
+    ], "chunks 2 and 3 start warm in chunk 1's job; the retry after the kill starts cold"
+    assert starts[0]["attempt"] == starts[1]["attempt"] == starts[2]["attempt"] != starts[3]["attempt"]
+    assert "went on warm into chunk 2" in r.stdout and "admitted and took over Ray job" in r.stdout
+    assert layout.read_tracker(rd) == STEPS
+    assert [row["step"] for row in read_metrics(rd)] == list(range(1, STEPS + 1))
+    retrained = [row["step"] for row in read_jsonl(rd / SUPERSEDED)]
+    assert retrained and min(retrained) == 9, "only the killed warm chunk's steps after checkpoint 8"
+    assert_bitwise_equal(model_state(rd / f"global_step_{STEPS}"), uninterrupted)
+    store = store_for_spec(load_spec(spec_path, check_environment=False))
+    assert [m.step for m in store.published("warm")] == [4, 8, 12], "each chunk validated and published"
+    g = goodput.ledger(rd)
+    assert g is not None and [(a.chunk, a.warm, a.outcome) for a in g.attempts] == [
+        (1, False, "finished"),
+        (2, True, "finished"),
+        (3, True, "killed"),
+        (3, False, "finished"),
+    ]
+    assert [a.parts.get("startup", 0) > 0 for a in g.attempts] == [True, False, False, True], (
+        "start-up only in chunk 1 and after the failure"
+    )
+    fault_row(
+        case="warm-chunk-kill",
+        layer="full stack (Airflow, Ray, S3)",
+        fault="the trainer is killed after step 10, in chunk 3, which its job started warm after committing chunk 2",
+        action="chunk 3's try failed; its retry started a new job that resumed cold from checkpoint 8 (rows 9.. of the "
+        "warm job kept in metrics.superseded.jsonl)",
+        steps_lost=len(retrained),
+        run_dir=rd,
+        store=store,
+    )

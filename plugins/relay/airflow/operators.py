@@ -6,15 +6,18 @@ execute():
   1. The chunk is done when the run's latest valid checkpoint has reached its end step: finish at
      once, with success (a skip would cascade to the later chunks).
   2. The checks before a chunk (settings, data, the deadline, a fallback a person must approve).
-  3. Re-attach to this try's job, adopt a healthy job of an earlier try, or stop the run's other jobs and
-     submit a new one under the run's lease (relay.jobs.submission, which `relay train` shares); defer.
-execute_complete(): succeed only when the job succeeded and the run's checkpoint reached the end step.
+  3. Take over the job that went on warm into this chunk (admit it: relay.runs.handoff), re-attach to this
+     try's job, adopt a healthy job of an earlier try, or stop the run's other jobs and submit a new one under
+     the run's lease (relay.jobs.submission, which `relay train` shares); defer.
+execute_complete(): succeed only when the job succeeded, or committed the chunk's end step and went on warm into
+the next chunk (HANDED_OFF), and the run's checkpoint reached the end step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -35,7 +38,7 @@ from relay.airflow.notifiers import (
 )
 from relay.airflow.task_ids import RUN_TASK
 from relay.airflow.tasks import publish_report, training_run
-from relay.airflow.triggers import CheckpointTrigger, RayJobTrigger
+from relay.airflow.triggers import HANDED_OFF, CheckpointTrigger, RayJobTrigger
 from relay.alerts import stall_limit_s
 from relay.checkpoints import manifest
 from relay.checkpoints.preview import inspect_dir
@@ -50,7 +53,7 @@ from relay.jobs.ray_jobs import LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, sub
 from relay.preflight import admission
 from relay.preflight.admission import admit, parse_job_output
 from relay.preflight.checks import before_chunk
-from relay.runs import failure_cause, layout
+from relay.runs import failure_cause, handoff, layout
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.metrics import read_events, record_event
 from relay.runs.phases import record_job_times, record_phase
@@ -180,6 +183,8 @@ class RayChunkOperator(ChunkTaskOperator):
                 run, allow_drift=context["params"].get("allow_drift") or [], dag_run=context["dag_run"].run_id
             )
         except RelayError as e:
+            if (warm := handoff.refuse(run.dir, chunk.index, e.what)) is not None:
+                self.log.warning("Ray job %s went on warm into %s: refused, it stops without committing", warm, chunk)
             notify_error(
                 context,
                 run,
@@ -214,7 +219,11 @@ class RayChunkOperator(ChunkTaskOperator):
     def _mark_job_times(self, run: Run, chunk, hook, sub_id: str) -> None:
         """The job's start and end as Ray recorded them (the ledger's submission, start-up and teardown)."""
         try:
-            record_job_times(run.dir, hook.jobs.get(sub_id), chunk=chunk.index)
+            job = hook.jobs.get(sub_id)
+            if job is not None and job.metadata.get("relay_chunk") != str(chunk.index):
+                # A job that went on warm into this chunk started for an earlier one: its start is that chunk's.
+                job = replace(job, start_time=None)
+            record_job_times(run.dir, job, chunk=chunk.index)
         except (OSError, RelayError) as e:
             self.log.warning("run %s: the times of Ray job %s were not recorded (%s)", run, sub_id, e)
 
@@ -258,6 +267,25 @@ class RayChunkOperator(ChunkTaskOperator):
         self._submission_id = job.submission_id
         if job.action == "submit":
             self._submit(context, hook, run, chunk, job.submission_id, latest)
+        elif job.action == "warm":
+            token = run.folder.lease().current() or {}
+            handoff.admit(
+                run.dir,
+                chunk.index,
+                attempt=job.submission_id,
+                token=int(token.get("token") or 0),
+                by=f"{context['ti'].task_id} try {context['ti'].try_number} of DAG run {context['dag_run'].run_id}",
+            )
+            if (state_store := context.get("task_state_store")) is not None:
+                state_store.set(JOB_STATE_KEY, job.submission_id)
+            self.log.info(
+                "%s of run %s: admitted and took over Ray job %s, which starts this chunk warm (%s): %s",
+                chunk,
+                run,
+                job.submission_id,
+                job.why,
+                ray_job_page(hook.dashboard_url, job.submission_id),
+            )
         elif job.action == "adopt":
             self.log.info(
                 "%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
@@ -346,6 +374,7 @@ class RayChunkOperator(ChunkTaskOperator):
                 adoptable=True,
                 stop_grace_s=stop_grace,
                 run_dir=str(run.dir),
+                handoff_chunk=chunk.index + 1 if spec.chunks.handoff == "warm" and chunk.index < chunk.count else None,
             ),
             method_name="execute_complete",
             # The trigger enforces the deadline itself (it stops the job); Airflow's own timeout, a little later,
@@ -417,12 +446,14 @@ class RayChunkOperator(ChunkTaskOperator):
     @staticmethod
     def _drill_env(context, run: Run, chunk) -> dict[str, str]:
         """A crash drill asked for in the DAG run's conf (`relay_fault`, the demo's provoked resume): armed in
-        the chunk's job once per DAG run, so the retry that resumes is not killed again."""
+        every job of the DAG run until it fired once, so that it fires in whichever job trains its step (a job
+        that went on warm from an earlier chunk too) and the retry that resumes is not killed again."""
         drill = (context["dag_run"].conf or {}).get("relay_fault")
         if not drill:
             return {}
         dag_run = hashlib.sha256(context["dag_run"].run_id.encode()).hexdigest()[:8]
-        return drill_env(drill, relay_dir(run.dir, "drills", f"{dag_run}-c{chunk.index:02d}.fired"))
+        which = hashlib.sha256(repr(drill).encode()).hexdigest()[:8]
+        return drill_env(drill, relay_dir(run.dir, "drills", f"{dag_run}-{which}.fired"))
 
     def execute_complete(self, context, event: dict) -> dict:
         run, chunk = self._context(context)
@@ -454,6 +485,8 @@ class RayChunkOperator(ChunkTaskOperator):
                 details=job_log_tail(spec, event),
                 action=f"stopped Ray job {event['submission_id']}; {then}",
             )
+        if status == HANDED_OFF:
+            return self._done(context, run, chunk, event.get("message") or "handed off warm")
         if status != "SUCCEEDED":
             self._failed(context, run, chunk, event, status)
         return self._done(context, run, chunk, f"job {event['submission_id']} succeeded")

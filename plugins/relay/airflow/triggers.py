@@ -27,12 +27,13 @@ from asgiref.sync import sync_to_async
 from relay.alerts.stall import StallWatch
 from relay.common.progress import STEP_LINE
 from relay.jobs.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
-from relay.runs import heartbeat
+from relay.runs import handoff, heartbeat
 from relay.runs.layout import checkpoint_reached
 
 # Once the chunk's last step is in the log, the job's end (its save, then the driver's exit) is polled this often:
 # the task resumes within this of the job's end instead of within a whole poll interval (2 s by default).
 ENDING_POLL_S = 0.25
+HANDED_OFF = "HANDED_OFF"  # the job committed the chunk's end step and trains the next chunk (a warm handoff)
 FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  # a person's mark ends the task
 
 
@@ -50,6 +51,7 @@ class RayJobTrigger(BaseTrigger):
         adoptable: bool = False,
         stop_grace_s: float = 0.0,
         run_dir: str | None = None,
+        handoff_chunk: int | None = None,
     ):
         super().__init__()
         self.address = address
@@ -63,6 +65,9 @@ class RayJobTrigger(BaseTrigger):
         self.adoptable = adoptable  # a cleared task's next try may adopt the job (a chunk's): leave it running
         self.stop_grace_s = stop_grace_s  # a job this trigger stops may take this long to save its step and end
         self.run_dir = run_dir  # where the attempt's heartbeat is (None: the log's step lines only)
+        # With a warm handoff: the next chunk's index. The task's part ends (HANDED_OFF) once the job committed this
+        # chunk's end and went on warm into that chunk (relay.runs.handoff), without waiting for the job's end.
+        self.handoff_chunk = handoff_chunk
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -79,6 +84,7 @@ class RayJobTrigger(BaseTrigger):
                 "adoptable": self.adoptable,
                 "stop_grace_s": self.stop_grace_s,
                 "run_dir": self.run_dir,
+                "handoff_chunk": self.handoff_chunk,
             },
         )
 
@@ -127,6 +133,16 @@ class RayJobTrigger(BaseTrigger):
                 ending = any(int(step) >= self.end_step for step in STEP_LINE.findall("\n".join(new))) or (
                     beat is not None and beat >= self.end_step
                 )
+            # This chunk's part is done once its end is committed and the job went on warm into the next chunk,
+            # whatever befalls the job after that (a failure there is the next chunk's).
+            if (ending or state.status in TERMINAL) and self.handoff_chunk is not None and self.run_dir is not None:
+                if await asyncio.to_thread(handoff.went_on, self.run_dir, self.handoff_chunk, self.submission_id):
+                    yield self._event(
+                        HANDED_OFF,
+                        f"job {self.submission_id} committed step {self.end_step} and went on warm into chunk "
+                        f"{self.handoff_chunk}",
+                    )
+                    return
             if state.status in TERMINAL:
                 yield self._event(state.status, state.message, exit_code=state.exit_code)
                 return

@@ -109,6 +109,13 @@ class StoppedEarly(RelayError):
     cause = "preempted"
 
 
+class HandoffStopped(StoppedEarly):
+    """A job that went on warm into the next chunk stopped without committing any of that chunk's steps: the chunk
+    was refused at its admission, not admitted in time, the previous chunk's checkpoint failed the gate, or a stop
+    came before the admission (relay.runs.handoff). The chunk's next try starts cold from the latest valid
+    checkpoint."""
+
+
 class RayJobError(RelayError):
     """The Ray cluster is unreachable, or a chunk's job failed."""
 

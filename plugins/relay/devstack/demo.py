@@ -1,6 +1,7 @@
 """The local demo: start the stack, trigger the demo spec's DAG like the UI does, with a crash drill that
 kills chunk 2's trainer once mid-chunk to show the resume, wait for the run, and say where everything
-is. It exits non-zero when the run fails or no retry resumed chunk 2 from its start step."""
+is and which chunks started warm (chunks.handoff). It exits non-zero when the run fails or no retry resumed
+chunk 2 from its start step."""
 
 from __future__ import annotations
 
@@ -107,7 +108,14 @@ def _summary(run: Run, state: str) -> None:
         say(f"reward_mean: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     for e in read_events(run_dir):
         if e["event"] == "chunk_start":
-            say(f"chunk {e['chunk']} attempt {e['attempt']}: resumed from step {e['resumed_from']}")
+            how = (
+                "started warm in the job of the chunk before (no start-up)"
+                if e.get("warm")
+                else "a new job, resumed"
+                if e["resumed_from"]
+                else "a new job, started"
+            )
+            say(f"chunk {e['chunk']} attempt {e['attempt']}: {how} from step {e['resumed_from']}")
     for e in read_events(run_dir):
         if e["event"] == "publish":
             say(

@@ -38,6 +38,7 @@ PARTS = {
     "submission": "the train task running -> its Ray job running: Relay's checks before a chunk, the submission, "
     "Ray's runtime env",
     "startup": "the job (or `relay train`'s process) running -> its first step: imports, model build, resume load",
+    "handoff": "a warm chunk's start in the job that ended the chunk before: its end's commit -> its first step",
     "training": "steps whose results the run kept",
     "trained_twice": "steps trained again after a resume: their first try (rows in metrics.superseded.jsonl)",
     "save": "checkpoint saves and their commits",
@@ -49,7 +50,7 @@ PARTS = {
 }
 # Which part takes an instant where several ran. Publication is not among them: chunk k publishes while chunk
 # k+1 trains, so it counts only where the run waited on it (`_gap`); the other parts are gaps.
-PRIORITY = ("save", "validation", "trained_twice", "training", "startup", "submission")
+PRIORITY = ("save", "validation", "trained_twice", "training", "handoff", "startup", "submission")
 INTERRUPTED = ("failed", "killed", "stopped")
 OPENING = ("task_started", "job_submitted", "job_started")  # the marks that may open an attempt
 
@@ -67,6 +68,7 @@ class Attempt:
     start: float = 0.0
     end: float = 0.0
     outcome: str = "running"  # finished | failed | killed | stopped | running
+    warm: bool = False  # started warm, in the job that trained the chunk before (chunks.handoff: warm)
     cause: str | None = None  # where classified (chunk_failed), or the reason a stopped attempt gave
     last_step: int | None = None  # the last step it trained
     steps_kept: int = 0
@@ -259,16 +261,17 @@ def build(events: list[dict], kept: list[dict], superseded: list[dict]) -> Ledge
 
 
 def attempts_of(events: list[dict], kept: Sequence[dict] = (), superseded: Sequence[dict] = ()) -> list[Attempt]:
-    """The run's chunk attempts, in order, with their outcome. One attempt per Ray job (a train task's later try
-    that adopted the job joins it) and one per `relay train` process (all of them named "local": a new
-    chunk_start begins a new one)."""
+    """The run's chunk attempts, in order, with their outcome. One attempt per Ray job and chunk (a train task's
+    later try that adopted the job joins it; a job that went on warm into the next chunk begins another there) and
+    one per `relay train` process (all of them named "local": a new chunk_start begins a new one)."""
     timed = sorted(
         ((t, i, e) for i, e in enumerate(events) if (t := epoch(e.get("time"))) is not None), key=lambda x: (x[0], x[1])
     )
     out: list[Attempt] = []
 
-    def latest(attempt) -> Attempt | None:  # events come in time order: the newest attempt of that name is theirs
-        return next((a for a in reversed(out) if a.attempt == attempt), None)
+    def latest(attempt, chunk=None) -> Attempt | None:
+        """Events come in time order: the newest attempt of that name (and chunk, where both have one) is theirs."""
+        return next((a for a in reversed(out) if a.attempt == attempt and (chunk is None or a.chunk in (None, chunk))), None)
 
     for t, _, e in timed:
         kind, attempt = e.get("event"), e.get("attempt")
@@ -276,7 +279,7 @@ def attempts_of(events: list[dict], kept: Sequence[dict] = (), superseded: Seque
             continue
         attempt = str(attempt)
         if kind == PHASE and e.get("phase") in OPENING:  # recorded before the trainer's chunk_start (Ray's time)
-            a = latest(attempt)
+            a = latest(attempt, e.get("chunk"))
             if a is None:
                 out.append(a := Attempt(attempt, chunk=e.get("chunk"), start=t))
             if e.get("phase") == "task_started":
@@ -284,16 +287,17 @@ def attempts_of(events: list[dict], kept: Sequence[dict] = (), superseded: Seque
             a._marks.setdefault(e["phase"], t)  # a later try that adopts the job keeps the first try's start
             continue
         if kind == "chunk_start":
-            a = latest(attempt)
+            a = latest(attempt, e.get("chunk"))
             if a is None or "chunk_start" in a._marks:  # relay train's processes are all "local"
                 out.append(a := Attempt(attempt, start=t))
             a._marks["chunk_start"] = t
+            a.warm = bool(e.get("warm"))
             a.chunk = e.get("chunk") if e.get("chunk") is not None else a.chunk
             a.resumed_from, a.to_step = int(e.get("resumed_from") or 0), int(e.get("to_step") or 0)
             if (p := epoch(e.get("process_started"))) is not None and abs(p - t) < 86400:
                 a._marks["process_started"] = p
             continue
-        a = latest(attempt)
+        a = latest(attempt, e.get("chunk"))
         if a is None:
             continue
         if kind == PHASE:
@@ -349,7 +353,9 @@ def _spans(attempts: list[Attempt], events: list[dict]) -> list[tuple[float, flo
         if "task_started" in m and trainer > m["task_started"]:
             spans.append((m["task_started"], trainer, "submission", a))
         first = a._rows[0][0] if a._rows else None
-        spans.append((trainer, first if first is not None else max(trainer, _trainer_end(a)), "startup", a))
+        spans.append(
+            (trainer, first if first is not None else max(trainer, _trainer_end(a)), "handoff" if a.warm else "startup", a)
+        )
         previous_end = None
         for begin, end, _, is_kept in a._rows:
             # The time between two steps (the next batch drawn, the row written) goes to the next step.

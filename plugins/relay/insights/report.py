@@ -63,6 +63,7 @@ PART_COLOURS = {  # the goodput ledger's parts (relay.insights.goodput.PARTS): k
     "validation": "#17becf",
     "publication": "#bcbd22",
     "startup": "#ff7f0e",
+    "handoff": "#ffbb78",
     "submission": "#9467bd",
     "scheduling": "#8c564b",
     "teardown": "#e377c2",
@@ -109,6 +110,7 @@ class Attempt:
     finished: bool = False
     chunk: int | None = None
     certificate: str | None = None  # the resume's: certified or uncertified (relay.checkpoints.certificate)
+    warm: bool = False  # started warm, in the job that trained the chunk before (chunks.handoff: warm)
 
 
 @dataclass
@@ -596,6 +598,7 @@ def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:
                     _ts(e.get("time")),
                     chunk=e.get("chunk"),
                     certificate=e.get("certificate"),
+                    warm=bool(e.get("warm")),
                 )
             )
         elif e.get("event") == "resume_certificate":  # verl's trainer checks it after chunk_start, in its actor
@@ -603,7 +606,14 @@ def _attempts(events: list[dict], all_rows: list[dict]) -> list[Attempt]:
             if a is not None:
                 a.certificate = e.get("certificate")
         elif e.get("event") == "chunk_end":
-            a = next((a for a in reversed(out) if a.attempt == str(e.get("attempt")) and not a.finished), None)
+            a = next(
+                (
+                    a
+                    for a in reversed(out)
+                    if a.attempt == str(e.get("attempt")) and not a.finished and a.chunk in (None, e.get("chunk"))
+                ),
+                None,
+            )
             if a is not None:
                 a.finished, a.ended, a.seconds = True, _ts(e.get("time")), e.get("seconds")
     for i, a in enumerate(out):
@@ -642,10 +652,11 @@ def _chunks(
         for n, a in enumerate(tries, 1):
             if a.resumed_from > 0:
                 kind = "retry" if n > 1 else "resume"
+                how = "started warm at" if a.warm else "resumed from"
                 label = (
-                    f"chunk {index} retry (attempt {n}) resumed from step {a.resumed_from}"
+                    f"chunk {index} retry (attempt {n}) {how} step {a.resumed_from}"
                     if n > 1
-                    else f"chunk {index} resumed from step {a.resumed_from}"
+                    else f"chunk {index} {how} step {a.resumed_from}"
                 ) + (f" ({a.certificate} resume)" if a.certificate else "")
                 markers.append(Marker(a.resumed_from, kind, label, index, n))
         markers.append(Marker(end, "chunk", f"chunk {index} ends", index))

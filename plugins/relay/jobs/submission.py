@@ -2,6 +2,9 @@
 through here, so one writer per run holds whoever starts the job.
 
 decide(): what a train task's try does about its chunk's job, in this order:
+  0. a job of the run went on warm into this chunk (relay.runs.handoff) and still runs under the run's lease with
+     the spec this try loaded: take it over ("warm"; the caller admits it). With another spec it is refused (it
+     stops without committing) and the chunk starts cold;
   1. this try's job already exists (its deterministic submission id): re-attach to a live one; a
      succeeded one is done; one that ended otherwise is the try's failure (the next try resumes);
   2. a live job of this chunk from an earlier try still trains well (it holds the run's lease and made
@@ -21,12 +24,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from relay.jobs.ray_jobs import LIVE, JobState, RayJobs
+from relay.runs import handoff
 from relay.runs.metrics import MetricsLog
 from relay.runs.run import Run
 from relay.spec.plan import Chunk
 from relay.trainers.contract import ChunkRequest
 
-Action = Literal["reattach", "adopt", "submit", "succeeded", "ended"]
+Action = Literal["warm", "reattach", "adopt", "submit", "succeeded", "ended"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ def decide(
 ) -> JobDecision:
     """What this try does about its chunk's job (see the module's docstring). remembered: the submission id
     an earlier try stored in Airflow's task state; warn: where a passed-over earlier job is said."""
+    if (warm := warm_job(jobs, run, chunk, warn=warn)) is not None:
+        return warm
     existing = jobs.get(sub_id)
     if existing is not None:
         action: Action = (
@@ -61,6 +67,26 @@ def decide(
         job, why = adopted
         return JobDecision("adopt", job.submission_id, why, job)
     return JobDecision("submit", sub_id)
+
+
+def warm_job(jobs: RayJobs, run: Run, chunk: Chunk, *, warn: Callable[[str], None]) -> JobDecision | None:
+    """The job that went on warm into this chunk, if this try can take it over (see the module's docstring)."""
+    record = handoff.warm(run.dir, chunk.index)
+    if record is None:
+        return None
+    attempt = str(record.get("attempt"))
+    state = jobs.get(attempt)
+    if state is None or state.status not in LIVE or not run.folder.lease().holds(attempt):
+        return None  # it ended (a kill, a stop) or was fenced out: this chunk starts cold
+    if record.get("spec") != handoff.spec_digest(run.spec.to_json()):
+        handoff.refuse(run.dir, chunk.index, "the run's spec changed since the job started: the chunk starts cold")
+        warn(
+            f"Ray job {attempt} went on warm into {chunk}, but the run's spec changed since it started: it is refused "
+            "(it stops without committing) and the chunk starts a new job"
+        )
+        return None
+    why = f"it committed step {record.get('from_step')} and went on warm into this chunk (lease token {record.get('token')})"
+    return JobDecision("warm", attempt, why, state)
 
 
 def healthy_earlier_job(

@@ -27,6 +27,7 @@ class TrainerKind:
     certify: str | None = None
     resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
     job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
+    warm_handoff: bool = False  # its chunk function goes on with the next chunk's steps (spec chunks.handoff: warm)
 
     def settings_model(self) -> type[BaseModel]:
         model: type[BaseModel] = _load(self.settings)
@@ -58,6 +59,7 @@ KINDS: dict[str, TrainerKind] = {
         smoke="relay.trainers.tiny_grpo.trainer:smoke",
         certify="relay.trainers.tiny_grpo.trainer:certify",
         resolved="relay.trainers.tiny_grpo.trainer:resolved_settings",
+        warm_handoff=True,
     ),
     "verl_ppo": TrainerKind(
         name="verl_ppo",

@@ -154,6 +154,32 @@ class CheckpointPolicy(StrictModel):
         return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
 
 
+class ChunkPolicy(StrictModel):
+    """How one chunk hands over to the next (none of it is resume-critical: a warm and a cold run are the same run)."""
+
+    handoff: Literal["warm", "cold"] = Field(
+        default="cold",
+        description=(
+            "warm: a chunk's job that ends without a failure goes on with the next chunk's steps, which that chunk's "
+            "train task admits (its checks) and adopts; no start-up is paid again. cold: every chunk is a new job "
+            "that resumes from the latest valid checkpoint. The CPU trainer (tiny_grpo) only; verl_ppo runs cold"
+        ),
+    )
+    restart_every: int = Field(
+        default=0,
+        ge=0,
+        description="with handoff warm: a fresh job every N chunks (stacks that leak memory over a long job); 0: never",
+    )
+    admission_timeout_minutes: float = Field(
+        default=30,
+        gt=0,
+        description=(
+            "with handoff warm: how long a job that trained ahead waits, at its chunk's first save, for that chunk's "
+            "train task to admit it; then it stops without committing and the chunk's try starts cold"
+        ),
+    )
+
+
 class AuditSpec(StrictModel):
     """The replay audit of steps trained twice (relay.insights.audit)."""
 
@@ -386,6 +412,9 @@ class RunSpec(StrictModel):
     checkpoints: CheckpointPolicy = Field(
         default_factory=CheckpointPolicy, description="validation, retention and exports of checkpoints"
     )
+    chunks: ChunkPolicy = Field(
+        default_factory=ChunkPolicy, description="how a chunk hands over to the next: warm (the same job) or cold"
+    )
     ray: RaySpec = Field(default_factory=RaySpec, description="the Ray cluster the chunks run on")
     s3: S3Spec | None = Field(None, description="where validated checkpoints are published; none: nothing is published")
     alerts: AlertSpec = Field(default_factory=AlertSpec, description="who is told what, and when a job counts as stalled")
@@ -577,10 +606,23 @@ def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool 
     spec = spec.model_copy(update=updates)
     spec._source = source
     _check_templates(spec)
+    _check_handoff(spec)
     _register_secrets(spec)
     if check_environment:
         check_spec_environment(spec)
     return spec
+
+
+def _check_handoff(spec: RunSpec) -> None:
+    kind = KINDS[spec.trainer.kind]
+    if spec.chunks.handoff == "warm" and not kind.warm_handoff:
+        raise SpecError(
+            spec.source,
+            "chunks.handoff",
+            f"trainer kind {kind.name} has no warm handoff: each of its chunks starts a new job",
+            f"use chunks.handoff: cold (the default) for {kind.name}; kinds with a warm handoff: "
+            + ", ".join(k.name for k in KINDS.values() if k.warm_handoff),
+        )
 
 
 def _register_secrets(spec: RunSpec) -> None:

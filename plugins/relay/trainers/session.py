@@ -24,22 +24,34 @@ from relay.checkpoints import certificate
 from relay.checkpoints.resume import find_resume_point, quarantine
 from relay.checkpoints.validate import Check, CheckReport
 from relay.common import files
-from relay.common.errors import CertificateError, CheckpointError, DiskFullError, RunError, StoppedEarly
+from relay.common.errors import (
+    CertificateError,
+    CheckpointError,
+    DiskFullError,
+    HandoffStopped,
+    RunError,
+    StoppedEarly,
+)
 from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
 from relay.common.timestamps import process_started
 from relay.data.freeze import frozen_files, verify_frozen
-from relay.runs import heartbeat, layout
+from relay.runs import handoff, heartbeat, layout
 from relay.runs.failure_cause import cgroup_oom_kills
 from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.record import folder_incarnation
 from relay.runs.run import Run
 from relay.s3.restore import restore_for_resume
+from relay.spec.plan import ChunkPlan
 from relay.trainers.contract import ChunkRequest
 from relay.trainers.stopping import GracefulStop
 
 
 class ChunkSession:
+    # (class defaults: verl's actor session is built without __init__)
+    chunks_trained = 1  # chunks this job has trained (warm handoffs + 1), for chunks.restart_every
+    awaiting: int | None = None  # the step this job went on warm from, until its chunk is admitted
+
     def __init__(self, req: ChunkRequest, *, forward_stop=None, training_started=None):
         self.req = req
         self.spec = req.spec
@@ -175,6 +187,7 @@ class ChunkSession:
             attempt=self.req.attempt,
             resumed_from=self.resume_step,
             to_step=self.req.to_step,
+            warm=False,
             lease_token=self.token,
             superseded_rows=dropped,
             restored_from=self.resume.restored_from,
@@ -204,6 +217,8 @@ class ChunkSession:
     def step_done(self, step: int, seconds: float, **values: float) -> None:
         """One metrics row and one progress line per step; stop at once if the lease was lost."""
         self.lease.check(self.token)
+        if self.awaiting is not None:
+            self._check_admission(step, wait=False)
         self._step_times.append(seconds)
         row = {
             "step": step,
@@ -273,6 +288,8 @@ class ChunkSession:
         """The staging folder to write checkpoint <step> into (see staging_dir). A write that fails removes
         it, so a failed save never leaves the disk fuller than before; a full disk is said plainly, with
         the checkpoint the run still has and what to do."""
+        if self.awaiting is not None:  # a warm chunk commits nothing before its train task admitted it
+            self._check_admission(step, wait=True)
         staged = self.staging_dir(step)
         self._save_started = time.time()
         try:
@@ -318,10 +335,105 @@ class ChunkSession:
         self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
         return final
 
-    def finish(self, end_step: int) -> None:
-        self.stopping.close()
-        self.metrics.close()
-        heartbeat.clear(self.run_dir, self.req.attempt)
+    # ------------------------------------------------------------------------------ warm handoff
+    def hand_off(self, step: int) -> bool:
+        """After committing the chunk's end step `step`: go on warm into the next chunk (True) or end the job
+        (False). Warm when the spec asks for it, a next chunk exists, chunks.restart_every is not reached and
+        no stop was asked; the chunk's end and the next chunk's start are recorded as for a new job
+        (`chunk_start` with `warm: true`), and nothing of the next chunk is committed before its train task
+        admits it (relay.runs.handoff)."""
+        spec, chunk = self.spec, self.req.chunk
+        if spec.chunks.handoff != "warm" or chunk is None or step >= spec.total_steps:
+            return False
+        if spec.chunks.restart_every and self.chunks_trained >= spec.chunks.restart_every:
+            self.say(
+                f"chunk {chunk} ends this job: a fresh one every {spec.chunks.restart_every} chunk(s) (chunks.restart_every)"
+            )
+            return False
+        if (why := self.stop_reason()) is not None:
+            self.say(f"chunk {chunk} ends this job ({why}): the next chunk starts cold")
+            return False
+        self.finish_chunk(step, handoff="warm")
+        nxt = ChunkPlan.from_spec(spec).chunk_for_step(step + 1)
+        self.req.chunk, self.req.to_step = nxt.index, nxt.end_step
+        self.resume_step, self.awaiting, self.certificate, self._certify_s = step, step, None, None
+        self.chunks_trained += 1
+        self._t0 = time.time()
+        handoff.went_warm(
+            self.run_dir,
+            nxt.index,
+            attempt=self.req.attempt,
+            from_step=step,
+            token=self.token,
+            spec=handoff.spec_digest(spec.to_json()),
+        )
+        record_event(
+            self.run_dir,
+            "chunk_start",
+            chunk=nxt.index,
+            attempt=self.req.attempt,
+            resumed_from=step,
+            to_step=nxt.end_step,
+            warm=True,
+            lease_token=self.token,
+            superseded_rows=0,
+            host=socket.gethostname(),
+        )
+        self.say(
+            f"run {self.req.run}: chunk {nxt.index} starts warm from step {step} in this job (no start-up), trains to "
+            f"step {nxt.end_step} of {spec.total_steps}; it commits once its train task admits it"
+        )
+        return True
+
+    def _check_admission(self, step: int, *, wait: bool) -> None:
+        """A warm chunk's admission: go on once admitted (its train task took it over); stop without committing
+        when it was refused, the checkpoint it went on from is no longer the run's latest (the gate quarantined
+        it), a stop is asked before the admission, or (wait=True: at its first save) none came in time."""
+        chunk, from_step = self.req.chunk, self.awaiting
+        assert chunk is not None and from_step is not None
+        until = time.time() + self.spec.chunks.admission_timeout_minutes * 60
+        said = False
+        while True:
+            got = handoff.answer(self.run_dir, chunk, self.req.attempt)
+            if got is not None and got.get("admitted"):
+                self.awaiting = None
+                self.say(f"chunk {chunk} admitted by {got.get('by')}: it commits under lease token {self.token}")
+                return
+            why = None
+            if got is not None:
+                why = f"its train task refused it: {got.get('why')}"
+            elif layout.read_tracker(self.run_dir) != from_step or not layout.step_dir(self.run_dir, from_step).is_dir():
+                why = f"checkpoint {from_step}, which it went on from, is no longer the run's latest (the gate refused it?)"
+            elif (stop := self.stop_reason()) is not None:
+                why = f"{stop} before its train task admitted it"
+            elif wait and time.time() > until:
+                why = (
+                    f"no admission within chunks.admission_timeout_minutes ({self.spec.chunks.admission_timeout_minutes:g})"
+                )
+            if why is not None:
+                record_event(
+                    self.run_dir,
+                    "handoff_refused",
+                    chunk=chunk,
+                    attempt=self.req.attempt,
+                    step=step,
+                    from_step=from_step,
+                    why=why,
+                )
+                self.record_stop(step, f"warm chunk not admitted: {why}")
+                raise HandoffStopped(
+                    f"chunk {chunk} went on warm from step {from_step} and trained to step {step}, but {why}: nothing "
+                    f"of it was committed; the tracker still names step {layout.read_tracker(self.run_dir)}",
+                    f"nothing: chunk {chunk}'s try starts a new job from the latest valid checkpoint",
+                )
+            if not wait:
+                return
+            if not said:
+                self.say(f"chunk {chunk}: waiting for its train task's admission before committing step {step}")
+                said = True
+            time.sleep(0.2)
+
+    def finish_chunk(self, end_step: int, **fields) -> None:
         record_event(
             self.run_dir,
             "chunk_end",
@@ -329,7 +441,14 @@ class ChunkSession:
             attempt=self.req.attempt,
             end_step=end_step,
             seconds=round(time.time() - self._t0, 3),
+            **fields,
         )
+
+    def finish(self, end_step: int) -> None:
+        self.stopping.close()
+        self.metrics.close()
+        heartbeat.clear(self.run_dir, self.req.attempt)
+        self.finish_chunk(end_step)
 
 
 STOPPED_EVENT = "chunk_stopped"

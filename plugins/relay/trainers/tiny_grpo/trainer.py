@@ -99,7 +99,8 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
             s = spec.settings
             if step == req.to_step or (s.save_freq and step % s.save_freq == 0):
                 save()
-            if step == req.to_step:
+            # The chunk's end: the job ends, or goes on warm with the next chunk's steps (spec chunks.handoff).
+            if step == req.to_step and not session.hand_off(step):
                 break
             # Asked to stop (SIGTERM, a stop request, save_before)? Before the next batch is drawn: the saved
             # dataloader state must be the one the next step starts from.
