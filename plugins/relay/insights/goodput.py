@@ -38,7 +38,8 @@ PARTS = {
     "submission": "the train task running -> its Ray job running: Relay's checks before a chunk, the submission, "
     "Ray's runtime env",
     "startup": "the job (or `relay train`'s process) running -> its first step: imports, model build, resume load",
-    "handoff": "a warm chunk's start in the job that ended the chunk before: its end's commit -> its first step",
+    "handoff": "a warm chunk's start in the job that ended the chunk before (its end's commit -> its first step), "
+    "and its wait for the chunk's admission before its first commit",
     "training": "steps whose results the run kept",
     "trained_twice": "steps trained again after a resume: their first try (rows in metrics.superseded.jsonl)",
     "save": "checkpoint saves and their commits",
@@ -364,8 +365,12 @@ def _spans(attempts: list[Attempt], events: list[dict]) -> list[tuple[float, flo
             spans.append((begin, end, "training" if is_kept else "trained_twice", a))
             previous_end = end
         for e in a._events:
+            if e.get("event") == "handoff_wait" and _num(e.get("seconds")):
+                spans.append((e["_t"] - float(e["seconds"]), e["_t"], "handoff", a))
             if e.get("event") == "checkpoint" and _num(e.get("seconds")):
-                spans.append((e["_t"] - float(e["seconds"]), e["_t"], "save", a))
+                # A save off the critical path: only its copy, which training waited for, ending at blocking_until.
+                until = float(e["blocking_until"]) if _num(e.get("blocking_until")) else e["_t"]
+                spans.append((until - float(e["seconds"]), until, "save", a))
                 if isinstance(e.get("step"), int):
                     committed[e["step"]] = a
     for e in events:

@@ -28,6 +28,7 @@ class TrainerKind:
     resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
     job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
     warm_handoff: bool = False  # its chunk function goes on with the next chunk's steps (spec chunks.handoff: warm)
+    async_save: bool = False  # it saves off the critical path (spec checkpoints.async_save)
 
     def settings_model(self) -> type[BaseModel]:
         model: type[BaseModel] = _load(self.settings)
@@ -60,6 +61,7 @@ KINDS: dict[str, TrainerKind] = {
         certify="relay.trainers.tiny_grpo.trainer:certify",
         resolved="relay.trainers.tiny_grpo.trainer:resolved_settings",
         warm_handoff=True,
+        async_save=True,
     ),
     "verl_ppo": TrainerKind(
         name="verl_ppo",

@@ -117,6 +117,14 @@ class CheckpointPolicy(StrictModel):
             "one it could not check (no certificate, a trainer without an offline check) is kept but not published"
         ),
     )
+    async_save: bool = Field(
+        default=False,
+        description=(
+            "save off the critical path: the trainer copies the state into host buffers (kept from one save to the "
+            "next) and trains on while a thread writes, fsyncs and commits it; the same bytes on disk; at most one "
+            "save in flight, a copy that does not fit in host memory saved synchronously. Relay's CPU trainer only"
+        ),
+    )
     keep_local: int = Field(default=3, ge=1, description="validated and published checkpoints kept on local storage")
     keep_published: int = Field(default=5, ge=1, description="newest published checkpoints kept in S3")
     milestone_every: int = Field(
@@ -614,6 +622,7 @@ def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool 
 
 
 def _check_handoff(spec: RunSpec) -> None:
+    """What only some trainer kinds can do: a warm handoff, saves off the critical path."""
     kind = KINDS[spec.trainer.kind]
     if spec.chunks.handoff == "warm" and not kind.warm_handoff:
         raise SpecError(
@@ -622,6 +631,14 @@ def _check_handoff(spec: RunSpec) -> None:
             f"trainer kind {kind.name} has no warm handoff: each of its chunks starts a new job",
             f"use chunks.handoff: cold (the default) for {kind.name}; kinds with a warm handoff: "
             + ", ".join(k.name for k in KINDS.values() if k.warm_handoff),
+        )
+    if spec.checkpoints.async_save and not kind.async_save:
+        raise SpecError(
+            spec.source,
+            "checkpoints.async_save",
+            f"trainer kind {kind.name} saves synchronously: it has no save off the critical path yet",
+            f"leave checkpoints.async_save false for {kind.name}; kinds that save off the critical path: "
+            + ", ".join(k.name for k in KINDS.values() if k.async_save),
         )
 
 

@@ -14,8 +14,9 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,8 @@ class ChunkSession:
     # (class defaults: verl's actor session is built without __init__)
     chunks_trained = 1  # chunks this job has trained (warm handoffs + 1), for chunks.restart_every
     awaiting: int | None = None  # the step this job went on warm from, until its chunk is admitted
+    _in_flight: threading.Thread | None = None  # the save being written off the critical path
+    _in_flight_error: BaseException | None = None
 
     def __init__(self, req: ChunkRequest, *, forward_stop=None, training_started=None):
         self.req = req
@@ -256,6 +259,7 @@ class ChunkSession:
     def stopped_early(self, step: int, reason: str, *, record: bool = True) -> StoppedEarly:
         """The error that ends a chunk stopped as asked after committing step `step` (or before training one);
         record=False when the trainer recorded the stop itself (verl's, in its actor)."""
+        self.wait_for_save()
         if record:
             self.record_stop(step, reason)
         trained = step - self.resume_step
@@ -295,22 +299,76 @@ class ChunkSession:
         try:
             yield staged
         except BaseException as e:
-            free = _free_bytes(self.run_dir)
-            shutil.rmtree(staged, ignore_errors=True)
-            if not _disk_full(e, free):
+            failed = self._save_failed(step, staged, e)
+            if failed is e:
                 raise
-            last = layout.read_tracker(self.run_dir)
-            raise DiskFullError(
-                f"the checkpoint disk is full: saving step {step} under {self.run_dir} failed ({e.__class__.__name__}: "
-                f"{str(e).splitlines()[0][:200] if str(e) else 'no space left'}; {free / 2**20:.1f} MiB free when it "
-                f"failed). The partial checkpoint was removed; the tracker still names "
-                f"{f'step {last}' if last else 'no checkpoint'}, which is intact",
-                f"free space on that volume (or lower checkpoints.keep_local), then retry the chunk: it resumes from "
-                f"{f'step {last}' if last else 'step 0'}",
-            ) from e
+            raise failed from e
 
-    def commit(self, step: int, staged: Path) -> Path:
-        """Publish a staged checkpoint as global_step_<step> and point the tracker at it (lease-fenced)."""
+    def _save_failed(self, step: int, staged: Path, e: BaseException) -> BaseException:
+        """What a failed save raises, once its staging folder is removed: a full disk said plainly, else the error."""
+        free = _free_bytes(self.run_dir)
+        shutil.rmtree(staged, ignore_errors=True)
+        if not _disk_full(e, free):
+            return e
+        last = layout.read_tracker(self.run_dir)
+        return DiskFullError(
+            f"the checkpoint disk is full: saving step {step} under {self.run_dir} failed ({e.__class__.__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else 'no space left'}; {free / 2**20:.1f} MiB free when it "
+            f"failed). The partial checkpoint was removed; the tracker still names "
+            f"{f'step {last}' if last else 'no checkpoint'}, which is intact",
+            f"free space on that volume (or lower checkpoints.keep_local), then retry the chunk: it resumes from "
+            f"{f'step {last}' if last else 'step 0'}",
+        )
+
+    def save_off_critical_path(
+        self, step: int, snapshot: Callable[[Path], Callable[[], None]], sync: Callable[[Path], None]
+    ) -> None:
+        """Save step `step` while training goes on (checkpoints.async_save, relay.trainers.async_save): on this
+        thread, `snapshot(staged)` copies what the save writes into host buffers (the trainer's save code, its
+        barriers and the certificate's probe included: the blocking time) and returns the writes; a thread of its
+        own writes them, fsyncs and commits under the lease (the token re-checked). At most one save is in flight:
+        this first waits for the one before. A copy that does not fit in the host's memory is saved here, with
+        `sync(staged)`, as a synchronous save."""
+        from relay.trainers.async_save import NoRoomForCopy
+
+        self.wait_for_save()
+        with self.saving(step) as staged:
+            t0 = time.time()
+            try:
+                write = snapshot(staged)
+            except NoRoomForCopy as e:
+                self.say(f"step {step} is saved synchronously: {e}")
+                shutil.rmtree(staged, ignore_errors=True)
+                staged.mkdir(parents=True)
+                sync(staged)
+                self.commit(step, staged)
+                return
+            blocking = round(time.time() - t0, 4)
+        self._in_flight = threading.Thread(
+            target=self._write_and_commit, args=(step, staged, write, blocking, time.time()), name=f"relay-save-{step}"
+        )
+        self._in_flight.start()
+
+    def _write_and_commit(self, step: int, staged: Path, write: Callable[[], None], blocking: float, until: float) -> None:
+        try:
+            write()
+            self.commit(step, staged, blocking=(blocking, until))
+        except BaseException as e:  # noqa: BLE001 - raised on the trainer's thread by wait_for_save
+            self._in_flight_error = self._save_failed(step, staged, e)
+
+    def wait_for_save(self) -> None:
+        """Wait for the save in flight, if any, to be committed; its failure is raised here."""
+        thread, self._in_flight = self._in_flight, None
+        if thread is None:
+            return
+        thread.join()
+        error, self._in_flight_error = self._in_flight_error, None
+        if error is not None:
+            raise error
+
+    def commit(self, step: int, staged: Path, *, blocking: tuple[float, float] | None = None) -> Path:
+        """Publish a staged checkpoint as global_step_<step> and point the tracker at it (lease-fenced). blocking: a
+        save off the critical path's (seconds training waited for it, when that wait ended)."""
         fault_point("before_fsync", step)
         files.fsync_tree(staged)
         final = layout.step_dir(self.run_dir, step)
@@ -329,9 +387,13 @@ class ChunkSession:
             fault_point("after_tracker", step)
         started = self._save_started
         self._save_s = round(time.time() - started, 3) if started else None
-        record_event(
-            self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt, seconds=self._save_s
+        # The ledger's save is what training waited for: the whole save, or an async save's copy alone.
+        timing = (
+            {"seconds": self._save_s}
+            if blocking is None
+            else {"seconds": blocking[0], "blocking_until": blocking[1], "written_seconds": self._save_s}
         )
+        record_event(self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt, **timing)
         self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
         return final
 
@@ -342,6 +404,7 @@ class ChunkSession:
         no stop was asked; the chunk's end and the next chunk's start are recorded as for a new job
         (`chunk_start` with `warm: true`), and nothing of the next chunk is committed before its train task
         admits it (relay.runs.handoff)."""
+        self.wait_for_save()  # the chunk's end is committed before the chunk ends
         spec, chunk = self.spec, self.req.chunk
         if spec.chunks.handoff != "warm" or chunk is None or step >= spec.total_steps:
             return False
@@ -391,13 +454,23 @@ class ChunkSession:
         it), a stop is asked before the admission, or (wait=True: at its first save) none came in time."""
         chunk, from_step = self.req.chunk, self.awaiting
         assert chunk is not None and from_step is not None
-        until = time.time() + self.spec.chunks.admission_timeout_minutes * 60
+        began = time.time()
+        until = began + self.spec.chunks.admission_timeout_minutes * 60
         said = False
         while True:
             got = handoff.answer(self.run_dir, chunk, self.req.attempt)
             if got is not None and got.get("admitted"):
                 self.awaiting = None
                 self.say(f"chunk {chunk} admitted by {got.get('by')}: it commits under lease token {self.token}")
+                if said:  # the job waited for its admission: a part of the handoff (relay.insights.goodput)
+                    record_event(
+                        self.run_dir,
+                        "handoff_wait",
+                        chunk=chunk,
+                        attempt=self.req.attempt,
+                        step=step,
+                        seconds=round(time.time() - began, 3),
+                    )
                 return
             why = None
             if got is not None:
@@ -445,6 +518,7 @@ class ChunkSession:
         )
 
     def finish(self, end_step: int) -> None:
+        self.wait_for_save()  # a chunk never ends before its last save is committed
         self.stopping.close()
         self.metrics.close()
         heartbeat.clear(self.run_dir, self.req.attempt)

@@ -77,14 +77,22 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
         # After loading, before the first step: the state loaded is the state saved, or the resume is refused.
         session.certify(resume_from, lambda probe_ids: trainer.certificate(start, probe_ids))
     session.begin()
+    if spec.checkpoints.async_save:
+        session.say(trainer.prepare_host_buffers())
     checkpoint = None
     step = saved = start
 
     def save() -> None:
         nonlocal checkpoint, saved
-        with session.saving(step) as staged:
-            trainer.save(staged, step)
-            checkpoint = session.commit(step, staged)
+        if spec.checkpoints.async_save:  # the copy now, the files and the commit while the next steps train
+            session.save_off_critical_path(
+                step, lambda staged: trainer.snapshot(staged, step), lambda staged: trainer.save(staged, step)
+            )
+            checkpoint = layout.step_dir(session.run_dir, step)
+        else:
+            with session.saving(step) as staged:
+                trainer.save(staged, step)
+                checkpoint = session.commit(step, staged)
         saved = step
 
     session.stopping.training_started()  # a SIGTERM now waits for the step's end and its save
@@ -250,6 +258,9 @@ class _TinyGRPO:
             generator=loader_gen,
         )
         self.steps_per_epoch = len(self.loader)
+        from relay.trainers.async_save import HostBuffers
+
+        self.host_buffers = HostBuffers()  # saves off the critical path: kept from one save to the next
         self.epoch = 0
         self.ckpt = FSDPCheckpointManager(
             model=self.model,
@@ -379,9 +390,65 @@ class _TinyGRPO:
         self.torch.save(self.loader.state_dict(), folder / "data.pt")
         self.certificate(step).write(folder)
 
-    def certificate(self, step: int, probe_ids: list[list[int]] | None = None):
+    def snapshot(self, folder, step: int):
+        """What save() writes, taken now (relay.trainers.async_save): verl's save code runs as in save(), its
+        barriers and small files included, with each torch.save deferred into host buffers; then the certificate
+        (its probe runs now). Returns the writes, for the save's thread: the same files, byte for byte."""
+        from dataclasses import replace
+
+        from relay.checkpoints import certificate
+        from relay.trainers.async_save import DeferredWrites
+
+        deferred = DeferredWrites(self.host_buffers)
+        with deferred.collecting():
+            self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
+            self.torch.save(self.loader.state_dict(), folder / "data.pt")
+        # The parameters' digests from the copy, on the save's thread: the copy holds the values saved, and a
+        # digest depends only on a tensor's values and global indices (FSDP2's DTensors keep their own specs).
+        copy = deferred.copied(layout.shard_name("model", 1, 0))
+        names = [n for n, _ in certificate.named_state(self.model)]
+        later = self.s.fsdp_version == 2 and copy is not None and sorted(copy) == sorted(names)
+        cert = self.certificate(step, params={} if later else None)  # the probe now: it needs the live model
+
+        def write() -> None:
+            deferred.write(before=lambda path: path.name == "data.pt" and fault_point("mid_save", step))
+            done = replace(cert, params=certificate.digests((n, copy[n]) for n in names)) if later else cert
+            done.write(folder)
+
+        return write
+
+    def prepare_host_buffers(self) -> str:
+        """The host buffers of saves off the critical path, allocated (and their pages touched) before the first
+        step: the model's state, and the optimizer's once it has one (a run's first save allocates those)."""
+        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+        from verl.utils.fsdp_utils import get_fsdp_state_ctx
+
+        from relay.trainers.async_save import MEMORY_MARGIN, GiB, available_memory
+
+        with get_fsdp_state_ctx(
+            self.model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+        ):
+            states = {layout.shard_name("model", 1, 0): self.model.state_dict()}
+            if self.optim.state:
+                states[layout.shard_name("optim", 1, 0)] = self.optim.state_dict()
+            need = sum(self.host_buffers.missing_bytes(k, v) for k, v in states.items())
+            free = available_memory()
+            if free is not None and need > free - MEMORY_MARGIN:
+                return (
+                    f"saves off the critical path (checkpoints.async_save): their host buffers ({need / GiB:.2f} GiB) "
+                    f"do not fit beside {free / GiB:.2f} GiB available: each save that cannot copy is synchronous"
+                )
+            for key, state in states.items():
+                self.host_buffers.mirror(key, state)
+        return (
+            f"saves off the critical path (checkpoints.async_save): {self.host_buffers.nbytes / GiB:.3f} GiB of host "
+            "buffers allocated before the first step"
+        )
+
+    def certificate(self, step: int, probe_ids: list[list[int]] | None = None, *, params: dict | None = None):
         """The certificate of the state held now: the probe's log-probs in eval mode (no RNG drawn, nothing
-        trained), the parameters' digests, the optimizer's step and LR, the data position and the RNG states."""
+        trained), the parameters' digests (unless given), the optimizer's step and LR, the data position and the
+        RNG states."""
         from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
         from relay.checkpoints import certificate
@@ -397,7 +464,7 @@ class _TinyGRPO:
             device="cpu",
             probe_ids=ids,
             logprobs=logprobs,
-            params=certificate.param_digests(self.model),
+            params=params if params is not None else certificate.param_digests(self.model),
             optimizer_step=int(state["step"]) if "step" in state else None,
             lr=float(self.scheduler.get_last_lr()[0]),
             data=certificate.state_digest(self.loader.state_dict()),

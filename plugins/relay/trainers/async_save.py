@@ -1,0 +1,161 @@
+"""Saves off the critical path (`checkpoints.async_save`): the trainer copies what a save writes into host buffers
+and trains on while a thread writes the copy.
+
+The copy is taken on the trainer's main thread, through the trainer's own save code (verl's
+FSDPCheckpointManager.save_checkpoint, its barriers included) with `torch.save` deferred: each object it would
+write is mirrored, tensor by tensor, into buffers kept from one save to the next (a fresh copy per save pays page
+faults that cost more than half a synchronous save), and the writes are replayed later by the save's thread.
+The mirror keeps every tensor's type, sharding spec (a DTensor's own spec object, whose cached hash is pickled),
+`requires_grad` and a state dict's `_metadata`, so the files are byte for byte those of a synchronous save.
+
+The session (relay.trainers.session) keeps at most one save in flight, commits it under the lease only after
+its files are written and fsynced, and waits for it before the next save, the chunk's end or the process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+MEMORY_MARGIN = 1 * GiB  # what the buffers leave free on the host, at least
+
+
+class HostBuffers:
+    """Buffers for the tensors of the objects a save writes, keyed by the file's name and the tensor's place in the
+    object, allocated once and reused while the shapes stay the same."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def missing_bytes(self, key: str, obj: Any) -> int:
+        """What mirroring `obj` would allocate anew."""
+        return sum(
+            t.numel() * t.element_size() for place, t in _tensors(obj, (key,)) if not _fits(self._buffers.get(place), t)
+        )
+
+    def mirror(self, key: str, obj: Any) -> Any:
+        return self._mirror(obj, (key,))
+
+    def _mirror(self, x: Any, place: tuple) -> Any:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(x, DTensor):
+            local = self._copy(x._local_tensor, place)
+            out: Any = DTensor(local, x._spec, requires_grad=x.requires_grad)
+            return torch.nn.Parameter(out, requires_grad=x.requires_grad) if isinstance(x, torch.nn.Parameter) else out
+        if isinstance(x, torch.Tensor):
+            out = self._copy(x, place)
+            if isinstance(x, torch.nn.Parameter):
+                return torch.nn.Parameter(out, requires_grad=x.requires_grad)
+            return out.requires_grad_(x.requires_grad) if x.requires_grad else out
+        if isinstance(x, dict):
+            d = type(x)((k, self._mirror(v, (*place, k))) for k, v in x.items())
+            if hasattr(x, "_metadata"):  # a state dict's: pickled with it
+                d._metadata = x._metadata  # type: ignore[attr-defined]
+            return d
+        if isinstance(x, (list, tuple)):
+            items = [self._mirror(v, (*place, i)) for i, v in enumerate(x)]
+            return items if isinstance(x, list) else type(x)(items) if not hasattr(x, "_fields") else type(x)(*items)
+        return x  # numbers, strings, None: immutable, taken as they are
+
+    def _copy(self, t: Any, place: tuple) -> Any:
+        import torch
+
+        buf = self._buffers.get(place)
+        if not _fits(buf, t):
+            # Pinned where a GPU is: the copy from the device then runs at full speed.
+            pin = t.device.type == "cuda" and torch.cuda.is_available()
+            buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[place] = buf
+        buf.copy_(t.detach(), non_blocking=False)
+        return buf
+
+
+def _fits(buf: Any, t: Any) -> bool:
+    return buf is not None and buf.dtype == t.dtype and buf.size() == t.size() and buf.stride() == t.stride()
+
+
+def _tensors(x: Any, place: tuple) -> Iterator[tuple[tuple, Any]]:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        yield place, x._local_tensor
+    elif isinstance(x, torch.Tensor):
+        yield place, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _tensors(v, (*place, k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _tensors(v, (*place, i))
+
+
+class NoRoomForCopy(Exception):
+    """The host buffers a save's copy needs do not fit in the host's available memory: that save is synchronous."""
+
+
+class DeferredWrites:
+    """The `torch.save` calls of a save, collected while it runs on the main thread (see the module docstring)."""
+
+    def __init__(self, buffers: HostBuffers):
+        self.buffers = buffers
+        self.writes: list[tuple[Any, Path]] = []
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[DeferredWrites]:
+        import torch
+
+        real = torch.save
+
+        def deferred(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            if args or kwargs or not isinstance(f, (str, Path)):
+                return real(obj, f, *args, **kwargs)  # not a plain save to a file: as asked, now
+            key = Path(f).name
+            need = self.buffers.missing_bytes(key, obj)
+            free = available_memory()
+            if need and free is not None and need > free - MEMORY_MARGIN:
+                raise NoRoomForCopy(
+                    f"the host copy of {key} needs {need / GiB:.2f} GiB more of host buffers, and "
+                    f"{free / GiB:.2f} GiB are available (less {MEMORY_MARGIN / GiB:.0f} GiB kept free)"
+                )
+            self.writes.append((self.buffers.mirror(key, obj), Path(f)))
+            return None
+
+        torch.save = deferred
+        try:
+            yield self
+        finally:
+            torch.save = real
+
+    def copied(self, name: str) -> Any:
+        """The copy of what was to be saved as file `name` (None if nothing was)."""
+        return next((obj for obj, path in self.writes if path.name == name), None)
+
+    def write(self, before: Callable[[Path], Any] | None = None) -> None:
+        """Replay the collected saves (the save's thread); `before(path)` runs before each (a fault point)."""
+        import torch
+
+        for obj, path in self.writes:
+            if before is not None:
+                before(path)
+            torch.save(obj, path)
+
+
+def available_memory() -> int | None:
+    """The host's available memory in bytes (MemAvailable), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
