@@ -93,6 +93,7 @@ def async_save_ratio() -> str:
     base["data"]["val_files"] = [str(ROOT / f) for f in base["data"]["val_files"]]
     spec_path.write_text(yaml.safe_dump(base, sort_keys=False))
     spec = load_spec(spec_path, check_environment=False)
+    tiny._quiet_verl()
     trainer = tiny._TinyGRPO(spec, spec.data.train_files)
     for p in trainer.model.parameters():  # one AdamW step: the optimizer's state, as after a real step
         p.grad = p.detach().new_zeros(p.shape)
@@ -217,6 +218,11 @@ def main() -> int:
     print(
         f"the steps' own time per chunk: uninterrupted {per_chunk(straight_dir)}s, warm {per_chunk(measured['warm'][2])}s "
         "(the chunk tasks beside the trainer on this machine's cores: validation, publication, the next chunk's checks)"
+    )
+    own = sum(r["seconds"] for r in read_jsonl(measured["warm"][2] / "metrics.jsonl"))
+    print(
+        f"the warm run's first step -> last commit over its own steps' time: {measured['warm'][0] / own:.2f} "
+        "(what its chunk boundaries add, beside the steps the tasks slowed)"
     )
     print(f"RATIO warm chunks / uninterrupted job wall time: {measured['warm'][0] / baseline:.2f}x")
     print(

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.s3.store import store_for_spec
 from relay.spec.run_spec import load_spec
 from support.helpers import (
+    ROOT,
     assert_bitwise_equal,
     dags_test,
     jobs_of_run,
@@ -285,3 +287,45 @@ def test_warm_chunks_train_in_one_job_and_a_kill_in_a_warm_chunk_resumes_cold(ai
         run_dir=rd,
         store=store,
     )
+
+
+def test_a_warm_chunk_refused_at_its_admission_stops_its_job_without_a_commit(airflow_home, ray_address, tmp_path):
+    """The training data changes while chunk 1 trains (data.on_source_change: fail): chunk 2's train task refuses
+    to start it, and the job that went on warm into chunk 2 stops without committing anything of it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from relay.runs import handoff
+
+    data = tmp_path / "train.parquet"
+    shutil.copyfile(ROOT / "include" / "data" / "arith_train.parquet", data)
+    spec_path = write_spec(
+        airflow_home["runs"],
+        name="warmrefused",
+        chunk_steps=4,
+        **{"chunks.handoff": "warm", "airflow.approvals": False, "data.train_files": [str(data)], "data.val_files": []},
+    )
+    rd = run_dir(spec_path, "refused")
+    dag_test = start_dags_test(airflow_home, "relay_warmrefused", {"run": "refused"})
+    deadline = time.time() + 600
+    while time.time() < deadline and not any(e["event"] == "chunk_start" for e in _events(rd)):
+        time.sleep(0.1)
+    rows = pq.read_table(data).to_pylist()
+    pq.write_table(pa.Table.from_pylist(rows[1:] + rows[:1]), data)  # the source changed after its freeze
+    returncode, out = dag_test.wait()
+    assert returncode != 0, "the DAG run fails: chunk 2 was refused"
+    assert "refused, it stops without committing" in out, out[-5000:]
+    assert layout.read_tracker(rd) == 4 and not (rd / "global_step_8").exists(), "nothing of chunk 2 committed"
+    refused = [e for e in read_events(rd) if e["event"] == "handoff_refused"]
+    assert len(refused) == 1 and refused[0]["chunk"] == 2 and "its train task refused it" in refused[0]["why"], refused
+    record = handoff.warm(rd, 2)
+    assert record is not None and handoff.answer(rd, 2, record["attempt"])["admitted"] is False
+    jobs = RayJobs(ray_address)
+    deadline = time.time() + 60
+    while jobs.live_jobs_of_run("warmrefused", "refused") and time.time() < deadline:
+        time.sleep(0.5)
+    assert jobs.get(record["attempt"]).status == "FAILED", "the warm job ended (exit 4: stopped without a commit)"
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return read_events(run_dir) if (run_dir / "events.jsonl").exists() else []

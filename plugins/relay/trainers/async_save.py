@@ -70,7 +70,7 @@ class HostBuffers:
         import torch
 
         buf = self._buffers.get(place)
-        if not _fits(buf, t):
+        if buf is None or not _fits(buf, t):
             # Pinned where a GPU is: the copy from the device then runs at full speed.
             pin = t.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)

@@ -410,8 +410,12 @@ class _TinyGRPO:
         later = self.s.fsdp_version == 2 and copy is not None and sorted(copy) == sorted(names)
         cert = self.certificate(step, params={} if later else None)  # the probe now: it needs the live model
 
+        def before(path) -> None:
+            if path.name == "data.pt":  # as in save(): a kill here leaves a half-written staging folder
+                fault_point("mid_save", step)
+
         def write() -> None:
-            deferred.write(before=lambda path: path.name == "data.pt" and fault_point("mid_save", step))
+            deferred.write(before=before)
             done = replace(cert, params=certificate.digests((n, copy[n]) for n in names)) if later else cert
             done.write(folder)
 
