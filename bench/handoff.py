@@ -1,26 +1,24 @@
-"""Warm chunks against one uninterrupted job: what a chunk boundary costs when nothing fails.
+"""Warm chunks against one uninterrupted job (what a chunk boundary costs when nothing fails), and saves off the
+critical path against synchronous saves. On a local stack of the benchmark's own (it refuses to run beside one).
 
-Two specs made from the demo's, 300 GRPO steps of Relay's CPU trainer in 3 chunks of 100 (about 7 s of steps per
-chunk here, longer than Airflow takes to validate a chunk and admit the next), one with `chunks.handoff: warm`
-and one cold, each run through its DAG on a local stack of the benchmark's own (it refuses to run beside one),
-and the baseline: the same spec trained 0 -> 300 by one `relay train` process (the CPU trainer's `relay train`
-runs in its own process, not as a Ray job), on the same machine with the stack up.
+Every run is timed the same way, from its own records: from the first step's start (its metrics row's time less
+its seconds) to the commit of the last checkpoint (its `checkpoint` event); the DAG runs also from the trigger
+to the DAG run's success, against the baseline process's start to end (the rest is the preflight tasks, the
+first chunk's start-up, and the last chunk's validation and publication).
 
-All three are timed the same way, from their records: from the first step's start (its metrics row's time less
-its seconds) to the commit of the last checkpoint (its `checkpoint` event). The DAG runs are also timed from the
-trigger to the DAG run's success, against the baseline process's start to end; the rest is Airflow's
-scheduling of the last chunk's validate and publish tasks and the finish task.
-
-Prints `RATIO warm chunks / uninterrupted job wall time: N.NNx` and the goodput ledger's start-up and handoff per
-chunk of the warm run.
-
-Then saves off the critical path (`checkpoints.async_save`), in this process: the CPU trainer with a larger model
-(4 layers of width 2048: 0.2 billion parameters, whose weights and AdamW state are 2.5 GB), its optimizer state
-made by one AdamW step on zero gradients. A synchronous save (verl's save code, data.pt and the certificate,
-then fsync, as a chunk's save) against an async save's blocking part (the copy into host buffers allocated before,
-the same save code and certificate), each taken three times alternately, medians; the async save's files are then
-written and compared, byte for byte, with the synchronous save's. Prints
-`RATIO async save blocking / synchronous save: N.NNx`.
+1. verl's CPU spec (include/runs/verl_tiny_cpu.yaml: 6 steps in 3 chunks of 2). The baseline: one `relay train`
+   Ray job 0 -> 6 on the stack's head. Against it, through the DAG: warm chunks (`chunks.handoff: warm`), cold
+   chunks, and supervised mode. Prints `RATIO warm chunks / uninterrupted job wall time: N.NNx`.
+2. Relay's CPU trainer, two specs made from the demo's: 300 steps in 3 chunks of 100 (about 5 s of steps per
+   chunk), warm and cold, against one `relay train` process of the same spec (it runs in its own process, not
+   as a Ray job). Plain lines: what is left of a warm run's boundary is the chunk tasks' CPU on this machine.
+3. Saves off the critical path (`checkpoints.async_save`), in this process: the CPU trainer with a larger model
+   (4 layers of width 2048: 0.2 billion parameters, whose weights and AdamW state are 2 GiB), its optimizer state
+   made by one AdamW step on zero gradients. A synchronous save (verl's save code, data.pt and the certificate,
+   then fsync, as a chunk's save) against an async save's blocking part (the copy into host buffers allocated
+   before, the same save code, the certificate's probe), three of each alternately, medians; each async save's
+   files are then written and compared, byte for byte, with the synchronous save's. Prints
+   `RATIO async save blocking / synchronous save: N.NNx`.
 
 Run with ./scripts/bench.sh handoff
 """
@@ -62,14 +60,26 @@ def write_specs(folder: Path) -> dict[str, Path]:
         spec = {**base, "name": f"bench_{handoff}", "chunks": {"handoff": handoff}}
         out[handoff] = folder / f"bench_{handoff}.yaml"
         out[handoff].write_text(yaml.safe_dump(spec, sort_keys=False))
+    verl = yaml.safe_load((ROOT / "include" / "runs" / "verl_tiny_cpu.yaml").read_text())
+    verl["data"]["train_files"] = [str(ROOT / f) for f in verl["data"]["train_files"]]
+    verl["data"]["val_files"] = [str(ROOT / f) for f in verl["data"]["val_files"]]
+    for name, mode, handoff in (
+        ("warm", "chunked", "warm"),
+        ("cold", "chunked", "cold"),
+        ("supervised", "supervised", "cold"),
+    ):
+        spec = {**verl, "name": f"bench_verl_{name}", "chunks": {"handoff": handoff}}
+        spec["trainer"] = {**verl["trainer"], "settings": {**verl["trainer"]["settings"], "mode": mode}}
+        out[f"verl_{name}"] = folder / f"bench_verl_{name}.yaml"
+        out[f"verl_{name}"].write_text(yaml.safe_dump(spec, sort_keys=False))
     return out
 
 
-def steps_to_commit(run_dir: Path) -> float:
+def steps_to_commit(run_dir: Path, total: int = TOTAL) -> float:
     """The first step's start to the last checkpoint's commit, from the run's own records."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     first = float(rows[0]["time"]) - float(rows[0]["seconds"])
-    commits = [e for e in read_events(run_dir) if e.get("event") == "checkpoint" and e.get("step") == TOTAL]
+    commits = [e for e in read_events(run_dir) if e.get("event") == "checkpoint" and e.get("step") == total]
     return float(epoch(commits[-1]["time"]) or 0.0) - first
 
 
@@ -139,6 +149,47 @@ def async_save_ratio() -> str:
     return f"RATIO async save blocking / synchronous save: {block / sync:.2f}x"
 
 
+def run_dag(api: AirflowAPI, spec_path: Path, run: str) -> tuple[float, Path] | None:
+    """Trigger the spec's DAG for `run` and wait: (trigger -> success seconds, the run's folder), None if it failed."""
+    spec = load_spec(spec_path, check_environment=False)
+    api.wait_for_dag(spec.dag_id)
+    t0 = time.time()
+    run_id = api.trigger(spec.dag_id, {"run": run, "alert_channels": []})["dag_run_id"]
+    state = api.wait_for_run(spec.dag_id, run_id, timeout=1800)["state"]
+    if state != "success":
+        print(f"{spec.dag_id}: the DAG run ended {state}; see the Airflow UI", file=sys.stderr)
+        return None
+    return time.time() - t0, spec.run_dir(run)
+
+
+def measure_verl(api: AirflowAPI, specs: dict[str, Path], stamp: str) -> dict | None:
+    """verl's CPU spec (include/runs/verl_tiny_cpu.yaml, 6 steps in 3 chunks of 2): one `relay train` Ray job
+    0 -> 6 on the stack's head (the baseline), then the DAG with warm chunks, cold chunks and supervised mode."""
+    total = load_spec(specs["verl_cold"], check_environment=False).total_steps
+    straight = f"bench-verl-straight-{stamp}"
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-m", "relay", "train", str(specs["verl_cold"]), "--to-step", str(total), "--run", straight],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    process_s = time.time() - t0
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-2000:], file=sys.stderr)
+        return None
+    out: dict = {
+        "baseline": steps_to_commit(load_spec(specs["verl_cold"], check_environment=False).run_dir(straight), total),
+        "process_s": process_s,
+    }
+    for name in ("warm", "cold", "supervised"):
+        got = run_dag(api, specs[f"verl_{name}"], f"bench-verl-{name}-{stamp}")
+        if got is None:
+            return None
+        out[name] = (steps_to_commit(got[1], total), got[0], got[1])
+    return out
+
+
 def chunks_rows(run_dir: Path) -> list[list[dict]]:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     return [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)]
@@ -187,17 +238,13 @@ def main() -> int:
         api = AirflowAPI(info["airflow"], info["user"], info["password"])
         measured = {}
         for handoff in ("warm", "cold"):
-            spec = load_spec(specs[handoff], check_environment=False)
-            api.wait_for_dag(spec.dag_id)
-            run = f"bench-{handoff}-{stamp}"
-            t0 = time.time()
-            run_id = api.trigger(spec.dag_id, {"run": run, "alert_channels": []})["dag_run_id"]
-            state = api.wait_for_run(spec.dag_id, run_id, timeout=1800)["state"]
-            dag_s = time.time() - t0
-            if state != "success":
-                print(f"{spec.dag_id}: the DAG run ended {state}; see the Airflow UI", file=sys.stderr)
+            got = run_dag(api, specs[handoff], f"bench-{handoff}-{stamp}")
+            if got is None:
                 return 1
-            measured[handoff] = (steps_to_commit(spec.run_dir(run)), dag_s, spec.run_dir(run))
+            measured[handoff] = (steps_to_commit(got[1]), got[0], got[1])
+        verl = measure_verl(api, specs, stamp)
+        if verl is None:
+            return 1
     finally:
         stack.down(wait_s=120)
 
@@ -224,13 +271,33 @@ def main() -> int:
         f"the warm run's first step -> last commit over its own steps' time: {measured['warm'][0] / own:.2f} "
         "(what its chunk boundaries add, beside the steps the tasks slowed)"
     )
-    print(f"RATIO warm chunks / uninterrupted job wall time: {measured['warm'][0] / baseline:.2f}x")
+    print(f"CPU trainer: warm chunks / one process, first step to last commit: {measured['warm'][0] / baseline:.2f}x")
+    print(f"CPU trainer: cold chunks / one process, first step to last commit: {measured['cold'][0] / baseline:.2f}x")
     print(
-        f"RATIO cold chunks / uninterrupted job wall time, first step to last commit: {measured['cold'][0] / baseline:.2f}x"
+        f"CPU trainer: trigger to DAG run success (warm) / one process start to end: {measured['warm'][1] / process_s:.2f}x"
     )
+
+    b = verl["baseline"]
+    print("\nverl's CPU spec, 6 steps in 3 chunks of 2; baseline: one `relay train` Ray job 0 -> 6 on the same head:")
+    print(f"  first step -> last commit {b:.2f}s; the job's process {verl['process_s']:.2f}s")
+    for name in ("warm", "cold", "supervised"):
+        s_, dag_s, run_dir = verl[name]
+        print(f"  {name}: first step -> last commit {s_:.2f}s; trigger -> DAG run success {dag_s:.2f}s")
+        g = goodput.ledger(run_dir)
+        if g is not None:
+            print(
+                "    "
+                + "; ".join(
+                    f"chunk {a.chunk} {'warm' if a.warm else 'new job'}: startup {a.parts.get('startup', 0):.1f}s"
+                    for a in g.attempts
+                )
+            )
+    print(f"RATIO warm chunks / uninterrupted job wall time: {verl['warm'][0] / b:.2f}x")
+    print(f"RATIO cold chunks (verl) / uninterrupted job, first step to last commit: {verl['cold'][0] / b:.2f}x")
+    print(f"RATIO supervised mode (verl) / uninterrupted job, first step to last commit: {verl['supervised'][0] / b:.2f}x")
     print(
-        f"RATIO trigger-to-success of the DAG run with handoff on / uninterrupted process start-to-end: "
-        f"{measured['warm'][1] / process_s:.2f}x"
+        f"RATIO trigger-to-success of the verl DAG run with handoff on / uninterrupted job's process: "
+        f"{verl['warm'][1] / verl['process_s']:.2f}x"
     )
     print(async_save_ratio())
     return 0

@@ -28,7 +28,7 @@ from relay.trainers.contract import ChunkRequest
 TOTAL, CHUNK = 30, 10
 
 
-def make_spec(tmp_path: Path, *, chunk_steps=CHUNK, optim=None, **settings):
+def make_spec(tmp_path: Path, *, chunk_steps=CHUNK, optim=None, chunks=None, **settings):
     from relay.trainers.tiny_grpo import task
 
     data = tmp_path / "data"
@@ -63,6 +63,8 @@ def make_spec(tmp_path: Path, *, chunk_steps=CHUNK, optim=None, **settings):
         "checkpoints": {"smoke": False},
         "data": {"train_files": [str(data / "train.parquet")], "val_files": [str(data / "val.parquet")]},
     }
+    if chunks:
+        d["chunks"] = chunks
     return spec_from_dict(d, check_environment=False)
 
 
@@ -251,6 +253,58 @@ def test_three_chunks_equal_one_unchunked_run_lr_and_data_at_every_step(tmp_path
     rows = [json.loads(x) for x in (chunked.run_dir("chunked") / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31)) and rows[0]["reward_mean"] == 0.5
     assert [r["chunk"] for r in rows] == [1] * 10 + [2] * 10 + [3] * 10
+
+
+def test_warm_chunks_run_in_one_trainer_and_are_the_unchunked_run(tmp_path, gpu_stand_ins, capsys):
+    """chunks.handoff warm: chunk 1's job goes on into chunks 2 and 3 in the same verl trainer (its loop bound moved
+    to each next chunk's end once the chunk's end is committed), each admitted as its train task does; the LR and
+    the prompts at every step are the unchunked run's."""
+    import threading
+    import time
+
+    from relay.runs import handoff
+    from relay.runs.metrics import read_events
+
+    log = gpu_stand_ins
+    warm = make_spec(tmp_path, chunks={"handoff": "warm"})
+    run_dir = warm.run_dir("warm")
+    done = threading.Event()
+
+    def admit():  # what chunk k's train task does once its checks pass
+        admitted: set[int] = set()
+        while not done.is_set():
+            for k in (2, 3):
+                if k not in admitted and (record := handoff.warm(run_dir, k)) is not None:
+                    handoff.admit(run_dir, k, attempt=record["attempt"], token=record["token"], by="the test's task")
+                    admitted.add(k)
+            time.sleep(0.01)
+
+    task = threading.Thread(target=admit, daemon=True)
+    task.start()
+    try:
+        [result] = run_chunks(warm, "warm", [10])
+    finally:
+        done.set()
+        task.join()
+    assert (result.resumed_from, result.end_step) == (0, 30)
+    assert log["trainer_cls"] == ["RelayChunkTrainer"], "one trainer for the three chunks: one start-up"
+    assert log["saved"] == [10, 20, 30] and layout.read_tracker(run_dir) == 30
+    assert log["validated"] == [0, 30], "not at the chunk ends"
+    events = read_events(run_dir)
+    starts = [(e["chunk"], e["resumed_from"], e["warm"]) for e in events if e["event"] == "chunk_start"]
+    assert starts == [(1, 0, False), (2, 10, True), (3, 20, True)]
+    ends = [(e["chunk"], e["end_step"], e.get("handoff")) for e in events if e["event"] == "chunk_end"]
+    assert ends == [(1, 10, "warm"), (2, 20, "warm"), (3, 30, None)]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["chunk"] for r in rows] == [1] * 10 + [2] * 10 + [3] * 10
+    assert "[relay] step 30/30 chunk 3" in capsys.readouterr().out
+    warm_lr, warm_batches = dict(log["lr"]), dict(log["batches"])
+
+    for k in ("lr", "batches", "saved", "validated", "steps"):
+        log[k].clear()
+    run_chunks(make_spec(tmp_path, chunk_steps=TOTAL), "straight", [30])
+    assert [warm_lr[s] for s in range(1, 31)] == [log["lr"][s] for s in range(1, 31)]
+    assert warm_batches == log["batches"]
 
 
 def test_a_killed_chunk_resumes_from_the_latest_checkpoint_and_matches(tmp_path, gpu_stand_ins):

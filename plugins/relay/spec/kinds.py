@@ -72,6 +72,7 @@ KINDS: dict[str, TrainerKind] = {
         smoke="relay.trainers.verl_ppo.smoke:smoke",
         certify="relay.trainers.verl_ppo.smoke:certify",
         job_env="relay.trainers.verl_ppo.trainer:job_env",
+        warm_handoff=True,
     ),
 }
 

@@ -170,7 +170,7 @@ class ChunkPolicy(StrictModel):
         description=(
             "warm: a chunk's job that ends without a failure goes on with the next chunk's steps, which that chunk's "
             "train task admits (its checks) and adopts; no start-up is paid again. cold: every chunk is a new job "
-            "that resumes from the latest valid checkpoint. The CPU trainer (tiny_grpo) only; verl_ppo runs cold"
+            "that resumes from the latest valid checkpoint. Not in verl_ppo's supervised mode (one job already)"
         ),
     )
     restart_every: int = Field(
@@ -631,6 +631,14 @@ def _check_handoff(spec: RunSpec) -> None:
             f"trainer kind {kind.name} has no warm handoff: each of its chunks starts a new job",
             f"use chunks.handoff: cold (the default) for {kind.name}; kinds with a warm handoff: "
             + ", ".join(k.name for k in KINDS.values() if k.warm_handoff),
+        )
+    if spec.chunks.handoff == "warm" and getattr(spec.settings, "mode", "chunked") == "supervised":
+        raise SpecError(
+            spec.source,
+            "chunks.handoff",
+            "supervised mode runs the whole run as one job already: there is no chunk to hand off",
+            "use trainer.settings.mode: chunked with chunks.handoff: warm (one job across chunks, each chunk still "
+            "checked and admitted), or supervised with chunks.handoff: cold",
         )
     if spec.checkpoints.async_save and not kind.async_save:
         raise SpecError(

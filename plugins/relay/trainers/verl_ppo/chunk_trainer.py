@@ -99,16 +99,25 @@ class RelayChunkTrainer(PPOTrainerSync):
                 )
             # Lower only the loop bound: the horizon was written above, and the workers' schedulers
             # are built from it after this returns.
-            self.total_training_steps = c.end_step
+            self.total_training_steps = self._relay_loop_bound()
         elif self.total_training_steps != c.end_step:
             from relay.trainers.verl_ppo.horizon import HorizonError
 
             raise HorizonError(f"verl's loop bound is {self.total_training_steps}, the chunk ends at {c.end_step}")
+        else:
+            self.total_training_steps = self._relay_loop_bound()
         verl_chunk.say(
             f"chunk trainer: loop stops at step {self.total_training_steps}; LR horizon {optim_horizon} "
             f"optimizer steps (run total {c.total_steps}, {c.strategy})"
         )
         self._relay_phase("dataloader_ready")
+
+    def _relay_loop_bound(self) -> int:
+        """The chunk's end; with warm chunks one chunk further (never past the run's end), so that verl's loop does
+        not end at the chunk's end (its last step returns from fit): the chunk's end is saved by save_freq, and
+        the loop is ended there (the bound lowered to it) unless the job goes on warm (_relay_hand_off)."""
+        c = self.relay
+        return min(c.total_steps, c.end_step + c.warm_chunk_steps) if c.warm_chunk_steps else c.end_step
 
     # ---- resume: verl must resume from the checkpoint Relay validated
     def _load_checkpoint(self):
@@ -230,6 +239,22 @@ class RelayChunkTrainer(PPOTrainerSync):
         if indices is not None:
             row["sample_indices"] = indices
         self.relay_session.record_step(step, float(timing_raw.get("step", 0.0)), epoch=epoch, **row)
+        if self.relay.warm_chunk_steps and step == self.relay.end_step < self.relay.total_steps:
+            self._relay_hand_off(step)
+
+    # ---- a warm handoff: the chunk's end is saved and committed; the loop goes on into the next chunk
+    def _relay_hand_off(self, step: int) -> None:
+        """After the chunk's last step (saved by verl's save_freq, committed, its row recorded) and before verl's
+        loop tests its bound: the session goes on into the next chunk (ChunkSession.hand_off: nothing of it
+        committed before its train task admits it) and the bound moves one chunk further; or the job ends here,
+        the bound lowered to this step (as a graceful stop ends verl's loop)."""
+        session = self.relay_session
+        if not session.hand_off(step):
+            self.total_training_steps = step
+            return
+        self.relay.end_step = session.req.to_step
+        self.total_training_steps = self._relay_loop_bound()
+        verl_chunk.say(f"chunk {session.req.chunk} goes on warm in this trainer, to step {session.req.to_step}")
 
     def on_train_begin(self):
         super().on_train_begin()

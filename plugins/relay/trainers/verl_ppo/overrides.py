@@ -67,15 +67,17 @@ def quote(value) -> str:
 
 def save_freq(spec) -> int:
     s = spec.settings
-    if s.mode == "supervised":
+    warm = spec.chunks.handoff == "warm"
+    if s.mode == "supervised" or warm:
         freq = s.save_freq or spec.chunk_steps
         # (the job itself sees the whole run as one chunk, its save_freq already checked by the DAG)
         if spec.chunk_steps < spec.total_steps and spec.chunk_steps % freq:
             raise SpecError(
                 spec.source,
                 "trainer.settings.save_freq",
-                f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}: in supervised mode "
-                "every chunk's end step must be saved",
+                f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}: "
+                f"{'with warm chunks' if warm else 'in supervised mode'} every chunk's end step must be saved "
+                "by verl's save_freq (its loop does not end there)",
                 f"use a divisor of {spec.chunk_steps}, or 0",
             )
         return freq

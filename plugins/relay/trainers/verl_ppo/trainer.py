@@ -32,9 +32,11 @@ from relay.checkpoints import manifest
 from relay.checkpoints.validate import write_manifest
 from relay.common.errors import ChunkEndedEarly, RelayError
 from relay.common.progress import step_line
+from relay.common.timestamps import epoch
 from relay.runs import layout
 from relay.runs.metrics import JsonlFollower, read_events
 from relay.runs.phases import phase_marks, record_phase
+from relay.spec.plan import ChunkPlan
 from relay.trainers import stopping
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession, stop_of
@@ -147,6 +149,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
             test_freq=s.test_freq,
             tracking_env=tracking_env(req),
             run_dir=str(run_dir),
+            warm_chunk_steps=spec.chunk_steps if spec.chunks.handoff == "warm" and s.mode != "supervised" else 0,
         ),
     )
 
@@ -159,6 +162,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     finally:
         watcher.stop()
         latest = _tracker(run_dir)
+        _last_chunk_of_job(session)  # a warm handoff in the actor: the chunk the job ended in
         session.finish(latest or start)
     if latest is None or latest < req.to_step:
         if (stopped := stop_of(run_dir, req.attempt)) is not None:  # the actor saved and stopped, as asked
@@ -171,6 +175,17 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     return ChunkResult(
         req.run.name, start, req.to_step, req.to_step - start, time.time() - t0, str(layout.step_dir(run_dir, req.to_step))
     )
+
+
+def _last_chunk_of_job(session: ChunkSession) -> None:
+    """The chunk the job trained last: its own, or the last one its actor went on into warm (its `chunk_start`
+    events), so that the driver's end of the job, its checks and its result name that chunk."""
+    req = session.req
+    starts = [e for e in read_events(session.run_dir) if e.get("event") == "chunk_start" and e.get("attempt") == req.attempt]
+    if starts and starts[-1].get("warm"):
+        req.chunk, req.to_step = starts[-1]["chunk"], int(starts[-1]["to_step"])
+        session.resume_step = int(starts[-1]["resumed_from"])
+        session._t0 = epoch(starts[-1].get("time")) or session._t0  # its chunk_end's seconds: that chunk's
 
 
 def run_verl(config, graceful: GracefulStop | None = None) -> None:
@@ -234,9 +249,11 @@ class ProgressWatcher:
                 continue
             self.last = step
             self._times.append(float(row.get("seconds") or 0.0))
-            self.session.say(
-                step_line(step, self.session.spec.total_steps, self.session.req.chunk, self.end, self._times[-20:], row)
-            )
+            # (a warm handoff in the actor: the row's chunk, which ends where the plan says)
+            chunk, end = row.get("chunk", self.session.req.chunk), self.end
+            if chunk != self.session.req.chunk and step <= self.session.spec.total_steps:
+                end = ChunkPlan.from_spec(self.session.spec).chunk_for_step(step).end_step
+            self.session.say(step_line(step, self.session.spec.total_steps, chunk, end, self._times[-20:], row))
             printed.append(step)
         return printed
 

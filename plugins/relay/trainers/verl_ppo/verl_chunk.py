@@ -39,6 +39,7 @@ class VerlChunk:
     test_freq: int = -1
     tracking_env: dict = field(default_factory=dict)  # WANDB_RUN_ID, WANDB_RESUME, MLFLOW_RUN_ID...
     run_dir: str = ""
+    warm_chunk_steps: int = 0  # chunks.handoff warm: the chunk's length (the loop runs one chunk past the end)
 
     def encode(self) -> str:
         return base64.b64encode(json.dumps(asdict(self), sort_keys=True).encode()).decode()
@@ -200,6 +201,8 @@ def actor_session(chunk: VerlChunk):
         def record_step(self, step: int, seconds: float, **values) -> None:
             """One metrics.jsonl row (the driver prints the progress line); stop at once if the lease was lost."""
             self.lease.check(self.token)
+            if self.awaiting is not None:  # a warm chunk not admitted yet (relay.runs.handoff)
+                self._check_admission(step, wait=False)
             self._step_times.append(seconds)
             self.metrics.append(
                 {
