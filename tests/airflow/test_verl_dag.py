@@ -1,9 +1,10 @@
-"""verl's own trainer in CI, as a DAG: include/runs/verl_tiny_cpu.yaml's three chunks run through real Airflow
-code (`airflow dags test`), each chunk a Ray job running verl's TaskRunner and PPOTrainerSync.fit() (its FSDP
-engine, reference model, GRPO advantage, FSDPCheckpointManager; the hf rollout stands in for vLLM only).
-Chunk 2's Ray job is SIGKILLed mid-chunk (after step 3, before the checkpoint of step 4) and Airflow's retry
-of the chunk's train task resumes it from chunk 1's checkpoint; every checkpoint is validated (the smoke
-check included) and published to the session's S3.
+"""verl's own trainer in CI, as a DAG: include/runs/verl_tiny_cpu.yaml's three chunks, with warm chunks
+(`chunks.handoff: warm`), run through real Airflow code (`airflow dags test`), on Ray jobs running verl's
+TaskRunner and PPOTrainerSync.fit() (its FSDP engine, reference model, GRPO advantage, FSDPCheckpointManager;
+the hf rollout stands in for vLLM only). Chunk 1's job goes on warm into chunk 2 and is SIGKILLed there (after
+step 3, before the checkpoint of step 4); the chunk's try starts a new job that resumes cold from chunk 1's
+checkpoint and goes on warm into chunk 3. Every checkpoint is validated (the smoke check included) and
+published to the session's S3.
 
 Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 6, the fifth job): every step once,
 the same LR (the spec's warmup and cosine decay), data order (dataset indices per step), rewards and resume point,
@@ -53,6 +54,7 @@ def verl_spec(folder, ray_conn_id: str):
     d.setdefault("s3", {})["uri"] = f"s3://relay/test-verl-{int(time.time())}"
     d["ray"]["conn_id"] = ray_conn_id
     d["airflow"]["approvals"] = False
+    d["chunks"] = {"handoff": "warm"}
     path = folder / "verl_tiny_cpu.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
@@ -67,7 +69,8 @@ def dag_run(airflow_home, s3_server, tmp_path_factory):
             airflow_home, "relay_verl_tiny_cpu", {"run": RUN}, env={"AIRFLOW_CONN_RELAY_VERL_RAY": head.address}
         )
         try:
-            # Chunk 2's first try: its job's driver SIGKILLed after step 3's row, before step 4's checkpoint.
+            # Chunk 1's job, gone on warm into chunk 2: its driver SIGKILLed after step 3's row, before step 4's
+            # checkpoint (which it could not commit before chunk 2's admission anyway).
             wait_for_step(run_dir, 3, set())
             pid = job_driver_pid(run_dir)
             assert pid is not None, "chunk 2's Ray job driver was not found"
@@ -103,17 +106,23 @@ def test_airflows_retry_resumes_the_killed_chunk_and_every_step_is_trained_once(
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in read_jsonl(run / SUPERSEDED)] == [3], "the killed try's step 3, trained again"
     starts = [e for e in read_events(run) if e["event"] == "chunk_start"]
-    assert [(e["chunk"], e["resumed_from"]) for e in starts] == [(1, 0), (2, 2), (2, 2), (3, 4)]
-    assert starts[1]["attempt"].endswith("-c02-t1") and starts[2]["attempt"].endswith("-c02-t2"), (
-        "the resume is Airflow's second try of chunk 2's train task"
+    assert [(e["chunk"], e["resumed_from"], e["warm"]) for e in starts] == [
+        (1, 0, False),
+        (2, 2, True),
+        (2, 2, False),
+        (3, 4, True),
+    ], "chunk 2 starts warm in chunk 1's job, is killed, starts again in a new job, which goes on warm into chunk 3"
+    assert starts[0]["attempt"] == starts[1]["attempt"] and starts[0]["attempt"].endswith("-c01-t1")
+    assert starts[2]["attempt"] == starts[3]["attempt"] and starts[2]["attempt"][-7:] in ("-c02-t1", "-c02-t2"), (
+        "the new job is a try of chunk 2's train task (its first, if the kill came before it adopted the warm job)"
     )
-    assert "verl resumed at step 2" in dag_run["out"] and "verl resumed at step 4" in dag_run["out"]
+    assert "verl resumed at step 2" in dag_run["out"]
     assert all(r["lr"] is not None and r["sample_indices"] for r in read_metrics(run))
 
 
 def test_every_verl_resume_is_certified_by_verls_own_workers(dag_run):
-    """Each save writes the certificate computed in verl's workers; each resume (chunk 2's two tries, chunk 3)
-    recomputes it there after verl's load and finds it exact (relay.checkpoints.certificate)."""
+    """Each save writes the certificate computed in verl's workers; the resume (chunk 2's new job; the warm chunks
+    load nothing) recomputes it there after verl's load and finds it exact (relay.checkpoints.certificate)."""
     from relay.checkpoints import certificate, manifest
 
     run = dag_run["run_dir"]
@@ -123,13 +132,13 @@ def test_every_verl_resume_is_certified_by_verls_own_workers(dag_run):
         assert cert.optimizer_step == step and len(cert.params) > 10  # one optimizer step a training step
         assert "relay_certificate.json" in manifest.read(layout.step_dir(run, step)).files, "its checksums cover it"
     checks = [e for e in read_events(run) if e["event"] == "resume_certificate"]
-    assert [(e["step"], e["certificate"]) for e in checks] == [(2, "certified"), (2, "certified"), (4, "certified")]
-    assert "certified resume from step 4: probe log-probs differ by at most 0 (exact)" in dag_run["out"]
+    assert [(e["step"], e["certificate"]) for e in checks] == [(2, "certified")]
+    assert "certified resume from step 2: probe log-probs differ by at most 0 (exact)" in dag_run["out"]
 
 
 def test_the_resumed_run_has_the_uninterrupted_runs_lr_data_order_rewards_and_weights(dag_run):
-    """Steps 1 to 6 of the DAG's run (three chunks, the killed try of chunk 2 and Airflow's retry from step 2)
-    against one job 0 -> 6: the same LR (a warmup and a cosine decay over the run's steps), dataset indices and
+    """Steps 1 to 6 of the DAG's run (three chunks, two of them warm, the killed warm job and the new job from
+    step 2) against one job 0 -> 6: the same LR (a warmup and a cosine decay over the run's steps), dataset indices and
     rewards at every step, and the weights and optimizer state of step 6 bit for bit."""
     assert dag_run["returncode"] == 0, dag_run["out"][-6000:]
     assert dag_run["straight_rc"] == 0, dag_run["straight_out"][-6000:]
