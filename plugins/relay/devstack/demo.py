@@ -41,8 +41,8 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
             # only, before it saves (a graceful stop would save first); Airflow's retry resumes it.
             conf["relay_fault"] = {"kill_at": f"after_step@{kill_at}"}
             say(
-                f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): Airflow's "
-                f"retry resumes it from its latest checkpoint, step {spec.chunk_steps}"
+                f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): a new job "
+                f"resumes it from its latest checkpoint, step {spec.chunk_steps}"
             )
         dag_run = api.trigger(spec.dag_id, conf)
         say(f"triggered {spec.dag_id}, DAG run {dag_run['dag_run_id']}, training run {demo_run}")
