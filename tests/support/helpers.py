@@ -34,7 +34,7 @@ def spec_dict(**overrides) -> dict:
     """The demo spec, shrunk for tests, with dotted-key overrides ("trainer.settings.rollout_n": 4)."""
     d = yaml.safe_load(DEMO_SPEC.read_text())
     d["total_steps"], d["chunk_steps"] = 12, 6
-    d.pop("chunks", None)  # the default handoff (cold); a test that wants warm says so
+    d["chunks"] = {"handoff": "cold"}  # a new job per chunk, as most tests assert; a test of warm chunks says so
     d["threads"] = 1  # two test workers share two cores
     d["airflow"] = {"retries": 2, "retry_delay_seconds": 1}
     d["ray"]["poll_seconds"] = 0.5

@@ -63,8 +63,7 @@ def make_spec(tmp_path: Path, *, chunk_steps=CHUNK, optim=None, chunks=None, **s
         "checkpoints": {"smoke": False},
         "data": {"train_files": [str(data / "train.parquet")], "val_files": [str(data / "val.parquet")]},
     }
-    if chunks:
-        d["chunks"] = chunks
+    d["chunks"] = chunks or {"handoff": "cold"}  # (warm chunks wait for each chunk's admission: a test's own)
     return spec_from_dict(d, check_environment=False)
 
 
@@ -189,10 +188,11 @@ def gpu_stand_ins(monkeypatch):
 
 
 def run_chunks(spec, run: str, ends: list[int]) -> list:
+    """Each chunk as a DAG's job (a warm spec's job goes on into the next chunk, as the DAG's does)."""
     from relay.trainers.verl_ppo.trainer import train_chunk
 
     return [
-        train_chunk(ChunkRequest(run=Run.of(spec, run), to_step=end, chunk=i + 1, attempt=f"{run}-c{i + 1}"))
+        train_chunk(ChunkRequest(run=Run.of(spec, run), to_step=end, chunk=i + 1, attempt=f"{run}-c{i + 1}", handoff=True))
         for i, end in enumerate(ends)
     ]
 
@@ -535,3 +535,16 @@ def test_a_failed_supervised_job_is_resubmitted_and_resumes(tmp_path, gpu_stand_
     r = train_chunk(ChunkRequest(run=Run.of(view, "s"), to_step=TOTAL, chunk=1, attempt="s-c01-t2"))
     assert r.resumed_from == 20 and log["saved"] == [10, 20, 30]
     assert [log["lr"][s] for s in range(1, 31)] == verl_lrs(spec, TOTAL, TOTAL)
+
+
+def test_chunks_are_warm_by_default_where_the_run_can_be_and_asking_for_warm_elsewhere_is_refused(tmp_path):
+    empty = {"handoff": None}
+    assert make_spec(tmp_path, chunks=empty).warm_chunks, "chunked, save_freq 0: warm"
+    assert not make_spec(tmp_path, chunks={"handoff": "cold"}).warm_chunks
+    assert not make_spec(tmp_path, chunks=empty, mode="supervised").warm_chunks, "one job already"
+    assert not make_spec(tmp_path, chunks=empty, save_freq=3).warm_chunks, "3 does not divide chunk_steps 10"
+    assert make_spec(tmp_path, chunks=empty, save_freq=5).warm_chunks
+    for settings, said in (({"mode": "supervised"}, "supervised mode"), ({"save_freq": 3}, "does not divide")):
+        with pytest.raises(SpecError) as e:
+            make_spec(tmp_path, chunks={"handoff": "warm"}, **settings)
+        assert e.value.key == "chunks.handoff" and said in str(e.value), str(e.value)

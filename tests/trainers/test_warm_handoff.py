@@ -26,7 +26,7 @@ from relay.runs.metrics import read_events
 from relay.runs.run import Run
 from relay.spec.run_spec import load_spec
 from relay.trainers.contract import ENV_VAR, ChunkRequest
-from support.helpers import assert_bitwise_equal, model_state, read_metrics, write_spec
+from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli, write_spec
 
 TOTAL, CHUNK = 9, 3  # three chunks of three steps
 
@@ -39,7 +39,7 @@ def _job(spec_path: Path, run: str, *, chunk: int | None, to_step: int, answer=N
     """The chunk's job in a process of its own; `answer(run_dir, record)` plays the next chunk's train task for
     each warm record the job writes. (returncode, output)"""
     spec = load_spec(spec_path, check_environment=False)
-    req = ChunkRequest(run=Run.of(spec, run), to_step=to_step, chunk=chunk, attempt=f"job-{run}-{chunk}")
+    req = ChunkRequest(run=Run.of(spec, run), to_step=to_step, chunk=chunk, attempt=f"job-{run}-{chunk}", handoff=True)
     run_dir = spec.run_dir(run)
     p = subprocess.Popen(
         [sys.executable, "-m", "relay.trainers.job"],
@@ -153,3 +153,13 @@ def test_a_warm_chunk_that_is_not_admitted_commits_nothing(tmp_path, chunk_one, 
         (3, True, "stopped"),
     ]
     assert g.failures[-1].chunk == 3 and g.failures[-1].cause.startswith("stopped: warm chunk not admitted")
+
+
+def test_chunks_are_warm_by_default_but_relay_train_never_goes_on_into_a_chunk_nothing_admits(tmp_path):
+    spec = write_spec(tmp_path, name="w", total_steps=TOTAL, chunk_steps=CHUNK, s3=None, **{"chunks.handoff": None})
+    assert load_spec(spec, check_environment=False).warm_chunks
+    assert not load_spec(_spec(tmp_path / "cold"), check_environment=False).warm_chunks, "the tests' specs say cold"
+    r = relay_cli("train", str(spec), "--to-step", str(CHUNK), "--offline", timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    run_dir = load_spec(spec, check_environment=False).run_dir("w")
+    assert layout.read_tracker(run_dir) == CHUNK and handoff.warm(run_dir, 2) is None, "the chunk's end ends it"

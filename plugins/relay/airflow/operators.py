@@ -330,6 +330,7 @@ class RayChunkOperator(ChunkTaskOperator):
             env=self._drill_env(context, run, chunk),
             metadata=lambda req: job_metadata(req, dag_run_id, ti.try_number),
             stop_others_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+            handoff=True,  # with warm chunks, the next chunk's train task admits and takes over the job
         )
         if done.stopped:
             self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s", run, done.stopped)
@@ -374,7 +375,7 @@ class RayChunkOperator(ChunkTaskOperator):
                 adoptable=True,
                 stop_grace_s=stop_grace,
                 run_dir=str(run.dir),
-                handoff_chunk=chunk.index + 1 if spec.chunks.handoff == "warm" and chunk.index < chunk.count else None,
+                handoff_chunk=chunk.index + 1 if spec.warm_chunks and chunk.index < chunk.count else None,
             ),
             method_name="execute_complete",
             # The trigger enforces the deadline itself (it stops the job); Airflow's own timeout, a little later,

@@ -131,10 +131,14 @@ class Submitted:
     stopped: list[str]  # the run's other live jobs stopped first
 
 
-def chunk_request(run: Run, to_step: int, sub_id: str, *, chunk: int | None, restore: bool = True) -> ChunkRequest:
+def chunk_request(
+    run: Run, to_step: int, sub_id: str, *, chunk: int | None, restore: bool = True, handoff: bool = False
+) -> ChunkRequest:
     """The job's request, with the run's lease taken for sub_id now (the token travels in the request)."""
     token = run.folder.lease().acquire(sub_id)
-    return ChunkRequest(run=run, to_step=to_step, chunk=chunk, attempt=sub_id, lease_token=token, restore=restore)
+    return ChunkRequest(
+        run=run, to_step=to_step, chunk=chunk, attempt=sub_id, lease_token=token, restore=restore, handoff=handoff
+    )
 
 
 def submit_chunk(
@@ -148,6 +152,7 @@ def submit_chunk(
     env: dict[str, str] | None = None,
     restore: bool = True,
     stop_others_wait_s: float | None = None,
+    handoff: bool = False,
 ) -> Submitted:
     """Submit the chunk's job under a lease taken for it. stop_others_wait_s: stop every other live job of the
     run first, waiting up to that long for each to save its step (the DAG's train task: one writer per run);
@@ -155,7 +160,7 @@ def submit_chunk(
     stopped = (
         [] if stop_others_wait_s is None else jobs.stop_run(run.spec.name, run.name, keep=sub_id, wait_s=stop_others_wait_s)
     )
-    req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore)
+    req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore, handoff=handoff)
     # (the trainer kind's job_env, e.g. verl's cpu platform for device cpu, is added by RayJobs.submit)
     jobs.submit(req, sub_id, metadata(req), env)
     return Submitted(req, stopped)

@@ -28,6 +28,7 @@ class TrainerKind:
     resolved: str | None = None  # "module:function(spec, train_rows) -> dict": settings the trainer derives
     job_env: str | None = None  # "module:function(req) -> dict[str, str]": extra environment of its Ray jobs
     warm_handoff: bool = False  # its chunk function goes on with the next chunk's steps (spec chunks.handoff: warm)
+    warm_blocker: str | None = None  # "module:function(spec) -> str | None": why a spec of it cannot run warm
     async_save: bool = False  # it saves off the critical path (spec checkpoints.async_save)
 
     def settings_model(self) -> type[BaseModel]:
@@ -46,6 +47,9 @@ class TrainerKind:
 
     def resolved_settings(self, spec: object, train_rows: int | None = None) -> dict[str, Any]:
         return _load(self.resolved)(spec, train_rows) if self.resolved else {}
+
+    def warm_blocker_of(self, spec: object) -> str | None:
+        return _load(self.warm_blocker)(spec) if self.warm_blocker else None
 
     def job_environment(self, req: object) -> dict[str, str]:
         return _load(self.job_env)(req) if self.job_env else {}
@@ -73,6 +77,7 @@ KINDS: dict[str, TrainerKind] = {
         certify="relay.trainers.verl_ppo.smoke:certify",
         job_env="relay.trainers.verl_ppo.trainer:job_env",
         warm_handoff=True,
+        warm_blocker="relay.trainers.verl_ppo.settings:warm_blocker",
     ),
 }
 

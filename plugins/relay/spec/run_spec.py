@@ -165,12 +165,13 @@ class CheckpointPolicy(StrictModel):
 class ChunkPolicy(StrictModel):
     """How one chunk hands over to the next (none of it is resume-critical: a warm and a cold run are the same run)."""
 
-    handoff: Literal["warm", "cold"] = Field(
-        default="cold",
+    handoff: Literal["warm", "cold"] | None = Field(
+        default=None,
         description=(
             "warm: a chunk's job that ends without a failure goes on with the next chunk's steps, which that chunk's "
             "train task admits (its checks) and adopts; no start-up is paid again. cold: every chunk is a new job "
-            "that resumes from the latest valid checkpoint. Not in verl_ppo's supervised mode (one job already)"
+            "that resumes from the latest valid checkpoint. Empty: warm where the run can be (not in verl_ppo's "
+            "supervised mode, which is one job already, nor with a verl save_freq that does not divide chunk_steps)"
         ),
     )
     restart_every: int = Field(
@@ -459,6 +460,13 @@ class RunSpec(StrictModel):
         return self._source
 
     @property
+    def warm_chunks(self) -> bool:
+        """Whether a chunk that ends without a failure goes on in the same job (chunks.handoff; empty: where it can)."""
+        if self.chunks.handoff is not None:
+            return self.chunks.handoff == "warm"
+        return warm_blocker(self) is None
+
+    @property
     def dag_id(self) -> str:
         return f"relay_{self.name}"
 
@@ -621,24 +629,24 @@ def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool 
     return spec
 
 
-def _check_handoff(spec: RunSpec) -> None:
-    """What only some trainer kinds can do: a warm handoff, saves off the critical path."""
+def warm_blocker(spec: RunSpec) -> str | None:
+    """Why this run's chunks cannot hand over warm (None: they can): its trainer kind has no warm handoff, or the
+    kind's own reason (verl's supervised mode, a save_freq that does not divide chunk_steps)."""
     kind = KINDS[spec.trainer.kind]
-    if spec.chunks.handoff == "warm" and not kind.warm_handoff:
+    if not kind.warm_handoff:
+        return f"trainer kind {kind.name} has no warm handoff: each of its chunks starts a new job"
+    return kind.warm_blocker_of(spec)
+
+
+def _check_handoff(spec: RunSpec) -> None:
+    """What only some runs can do: a warm handoff (asked for), saves off the critical path."""
+    kind = KINDS[spec.trainer.kind]
+    if spec.chunks.handoff == "warm" and (why := warm_blocker(spec)) is not None:
         raise SpecError(
             spec.source,
             "chunks.handoff",
-            f"trainer kind {kind.name} has no warm handoff: each of its chunks starts a new job",
-            f"use chunks.handoff: cold (the default) for {kind.name}; kinds with a warm handoff: "
-            + ", ".join(k.name for k in KINDS.values() if k.warm_handoff),
-        )
-    if spec.chunks.handoff == "warm" and getattr(spec.settings, "mode", "chunked") == "supervised":
-        raise SpecError(
-            spec.source,
-            "chunks.handoff",
-            "supervised mode runs the whole run as one job already: there is no chunk to hand off",
-            "use trainer.settings.mode: chunked with chunks.handoff: warm (one job across chunks, each chunk still "
-            "checked and admitted), or supervised with chunks.handoff: cold",
+            f"warm chunks cannot run here: {why}",
+            "use chunks.handoff: cold, or leave it empty (warm where the run can be)",
         )
     if spec.checkpoints.async_save and not kind.async_save:
         raise SpecError(

@@ -27,6 +27,9 @@ class ChunkRequest:
     attempt: str = "local"  # who is training: a Ray submission id, or local:<host>:<pid>
     lease_token: int | None = None  # None: take the lease in this process (the CLI)
     restore: bool = True  # with no valid local checkpoint, restore the newest published one (spec.s3)
+    # A DAG's job: with warm chunks, go on into the next chunk, whose train task admits it. Never `relay train`'s:
+    # nothing would admit its next chunk.
+    handoff: bool = False
 
     @property
     def spec(self) -> RunSpec:

@@ -406,7 +406,7 @@ class ChunkSession:
         admits it (relay.runs.handoff)."""
         self.wait_for_save()  # the chunk's end is committed before the chunk ends
         spec, chunk = self.spec, self.req.chunk
-        if spec.chunks.handoff != "warm" or chunk is None or step >= spec.total_steps:
+        if not self.req.handoff or not spec.warm_chunks or chunk is None or step >= spec.total_steps:
             return False
         if spec.chunks.restart_every and self.chunks_trained >= spec.chunks.restart_every:
             self.say(

@@ -67,7 +67,7 @@ def quote(value) -> str:
 
 def save_freq(spec) -> int:
     s = spec.settings
-    warm = spec.chunks.handoff == "warm"
+    warm = spec.warm_chunks and s.mode != "supervised"
     if s.mode == "supervised" or warm:
         freq = s.save_freq or spec.chunk_steps
         # (the job itself sees the whole run as one chunk, its save_freq already checked by the DAG)

@@ -245,3 +245,18 @@ class VerlPPOSettings(StrictModel):
     def steps_available(self, train_rows: int) -> int:
         """Training steps the data can supply: full batches per epoch (drop_last) times epochs, as verl counts."""
         return (train_rows // self.train_batch_size) * self.total_epochs
+
+
+def warm_blocker(spec) -> str | None:
+    """Why a verl_ppo spec's chunks cannot hand over warm (None: they can): supervised mode is one job already, and
+    verl's loop saves a warm chunk's end through save_freq only (it does not end there)."""
+    s = spec.settings
+    if s.mode == "supervised":
+        return "supervised mode runs the whole run as one job already: there is no chunk to hand off"
+    freq = s.save_freq or spec.chunk_steps
+    if spec.chunk_steps < spec.total_steps and spec.chunk_steps % freq:
+        return (
+            f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}: with warm chunks every chunk's end step "
+            "must be saved by verl's save_freq (its loop does not end there)"
+        )
+    return None

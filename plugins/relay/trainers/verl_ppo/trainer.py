@@ -149,7 +149,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
             test_freq=s.test_freq,
             tracking_env=tracking_env(req),
             run_dir=str(run_dir),
-            warm_chunk_steps=spec.chunk_steps if spec.chunks.handoff == "warm" and s.mode != "supervised" else 0,
+            warm_chunk_steps=spec.chunk_steps if spec.warm_chunks and s.mode != "supervised" else 0,
         ),
     )
 
