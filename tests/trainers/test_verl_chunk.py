@@ -537,6 +537,16 @@ def test_a_failed_supervised_job_is_resubmitted_and_resumes(tmp_path, gpu_stand_
     assert [log["lr"][s] for s in range(1, 31)] == verl_lrs(spec, TOTAL, TOTAL)
 
 
+def test_warm_chunks_validate_at_each_chunks_end_when_the_spec_asks(tmp_path):
+    """A warm chunk's end is not verl's last step, so verl validates there only through test_freq."""
+    from relay.trainers.verl_ppo import overrides
+
+    warm = {"handoff": "warm"}
+    assert overrides.test_freq(make_spec(tmp_path, chunks=warm, validate_every_chunk=True)) == CHUNK
+    assert overrides.test_freq(make_spec(tmp_path, chunks=warm)) == TOTAL + 1, "the run's end alone"
+    assert overrides.test_freq(make_spec(tmp_path, validate_every_chunk=True)) == TOTAL + 1, "cold: verl's last step"
+
+
 def test_chunks_are_warm_by_default_where_the_run_can_be_and_asking_for_warm_elsewhere_is_refused(tmp_path):
     empty = {"handoff": None}
     assert make_spec(tmp_path, chunks=empty).warm_chunks, "chunked, save_freq 0: warm"

@@ -88,9 +88,10 @@ def test_freq(spec) -> int:
     """verl's test_freq. verl validates on its last step only when test_freq > 0, so without a spec's own
     test_freq Relay passes total_steps + 1: positive, and a multiple of no step, so the run's end alone
     validates (a chunk's end, verl's last step in its job, is skipped by RelayChunkTrainer._validate).
-    Supervised mode validates at every chunk's end through test_freq = chunk_steps when the spec asks."""
+    Supervised mode and warm chunks (whose chunk ends are not verl's last step either) validate at every chunk's
+    end through test_freq = chunk_steps when the spec asks."""
     s = spec.settings
-    if s.mode == "supervised" and s.validate_every_chunk and s.test_freq <= 0:
+    if (s.mode == "supervised" or spec.warm_chunks) and s.validate_every_chunk and s.test_freq <= 0:
         return spec.chunk_steps
     return s.test_freq if s.test_freq > 0 else spec.total_steps + 1
 
