@@ -149,6 +149,22 @@ def async_save_ratio() -> str:
     return f"RATIO async save blocking / synchronous save: {block / sync:.2f}x"
 
 
+def train_straight(spec_path: Path, run: str, to_step: int, *args: str) -> tuple[float, Path] | None:
+    """The baseline: `relay train` 0 -> to_step as a user runs it. (its process's seconds, the run's folder), None
+    if it failed."""
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-m", "relay", "train", str(spec_path), "--to-step", str(to_step), "--run", run, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-2000:], file=sys.stderr)
+        return None
+    return time.time() - t0, load_spec(spec_path, check_environment=False).run_dir(run)
+
+
 def run_dag(api: AirflowAPI, spec_path: Path, run: str) -> tuple[float, Path] | None:
     """Trigger the spec's DAG for `run` and wait: (trigger -> success seconds, the run's folder), None if it failed."""
     spec = load_spec(spec_path, check_environment=False)
@@ -167,19 +183,12 @@ def measure_verl(api: AirflowAPI, specs: dict[str, Path], stamp: str) -> dict | 
     0 -> 6 on the stack's head (the baseline), then the DAG with warm chunks, cold chunks and supervised mode."""
     total = load_spec(specs["verl_cold"], check_environment=False).total_steps
     straight = f"bench-verl-straight-{stamp}"
-    t0 = time.time()
-    r = subprocess.run(
-        [sys.executable, "-m", "relay", "train", str(specs["verl_cold"]), "--to-step", str(total), "--run", straight],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    process_s = time.time() - t0
-    if r.returncode != 0:
-        print(r.stdout[-3000:], r.stderr[-2000:], file=sys.stderr)
+    got = train_straight(specs["verl_cold"], straight, total)
+    if got is None:
         return None
+    process_s, straight_dir = got
     out: dict = {
-        "baseline": steps_to_commit(load_spec(specs["verl_cold"], check_environment=False).run_dir(straight), total),
+        "baseline": steps_to_commit(straight_dir, total),
         "process_s": process_s,
     }
     for name in ("warm", "cold", "supervised"):
@@ -211,29 +220,10 @@ def main() -> int:
     try:
         # The baseline on the same machine with the same stack up and idle: one process 0 -> TOTAL.
         straight = f"bench-straight-{stamp}"
-        t0 = time.time()
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "relay",
-                "train",
-                str(specs["cold"]),
-                "--to-step",
-                str(TOTAL),
-                "--run",
-                straight,
-                "--offline",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
-        process_s = time.time() - t0
-        if r.returncode != 0:
-            print(r.stdout[-2000:], r.stderr[-2000:], file=sys.stderr)
+        got = train_straight(specs["cold"], straight, TOTAL, "--offline")
+        if got is None:
             return 1
-        straight_dir = load_spec(specs["cold"], check_environment=False).run_dir(straight)
+        process_s, straight_dir = got
         baseline = steps_to_commit(straight_dir)
         api = AirflowAPI(info["airflow"], info["user"], info["password"])
         measured = {}

@@ -120,13 +120,8 @@ class DeferredWrites:
             if args or kwargs or not isinstance(f, (str, Path)):
                 return real(obj, f, *args, **kwargs)  # not a plain save to a file: as asked, now
             key = Path(f).name
-            need = self.buffers.missing_bytes(key, obj)
-            free = available_memory()
-            if need and free is not None and need > free - MEMORY_MARGIN:
-                raise NoRoomForCopy(
-                    f"the host copy of {key} needs {need / GiB:.2f} GiB more of host buffers, and "
-                    f"{free / GiB:.2f} GiB are available (less {MEMORY_MARGIN / GiB:.0f} GiB kept free)"
-                )
+            if (short := no_room_for(self.buffers.missing_bytes(key, obj))) is not None:
+                raise NoRoomForCopy(f"the host copy of {key} {short}")
             self.writes.append((self.buffers.mirror(key, obj), Path(f)))
             return None
 
@@ -148,6 +143,18 @@ class DeferredWrites:
             if before is not None:
                 before(path)
             torch.save(obj, path)
+
+
+def no_room_for(need: int) -> str | None:
+    """Why `need` more bytes of host buffers do not fit beside the host's available memory (less MEMORY_MARGIN),
+    in words ("needs ... GiB more ..."); None when they fit or the memory cannot be read."""
+    free = available_memory()
+    if not need or free is None or need <= free - MEMORY_MARGIN:
+        return None
+    return (
+        f"needs {need / GiB:.2f} GiB more of host buffers, and {free / GiB:.2f} GiB are available "
+        f"(less {MEMORY_MARGIN / GiB:.0f} GiB kept free)"
+    )
 
 
 def available_memory() -> int | None:

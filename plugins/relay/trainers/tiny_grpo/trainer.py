@@ -427,7 +427,7 @@ class _TinyGRPO:
         from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
         from verl.utils.fsdp_utils import get_fsdp_state_ctx
 
-        from relay.trainers.async_save import MEMORY_MARGIN, GiB, available_memory
+        from relay.trainers.async_save import GiB, no_room_for
 
         with get_fsdp_state_ctx(
             self.model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
@@ -435,12 +435,11 @@ class _TinyGRPO:
             states = {layout.shard_name("model", 1, 0): self.model.state_dict()}
             if self.optim.state:
                 states[layout.shard_name("optim", 1, 0)] = self.optim.state_dict()
-            need = sum(self.host_buffers.missing_bytes(k, v) for k, v in states.items())
-            free = available_memory()
-            if free is not None and need > free - MEMORY_MARGIN:
+            short = no_room_for(sum(self.host_buffers.missing_bytes(k, v) for k, v in states.items()))
+            if short is not None:
                 return (
-                    f"saves off the critical path (checkpoints.async_save): their host buffers ({need / GiB:.2f} GiB) "
-                    f"do not fit beside {free / GiB:.2f} GiB available: each save that cannot copy is synchronous"
+                    f"saves off the critical path (checkpoints.async_save): the state {short}: each save that cannot "
+                    "copy is synchronous"
                 )
             for key, state in states.items():
                 self.host_buffers.mirror(key, state)
