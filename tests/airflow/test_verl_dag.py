@@ -20,11 +20,9 @@ and a logical GPU than the session's head (2 CPUs, for the suite's many small ch
 from __future__ import annotations
 
 import shutil
-import time
 
 import pytest
 import torch
-import yaml
 
 from relay.checkpoints.gate import admit_dir
 from relay.devstack import stack
@@ -35,55 +33,24 @@ from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
 from relay.s3.store import store_for_spec
 from relay.spec.run_spec import load_spec
-from support.faults import alive, kill
-from support.helpers import ROOT, assert_bitwise_equal, model_state, read_metrics, start_dags_test
-from support.verl_jobs import JOB_TIMEOUT, SPEC, job_driver_pid, relay_train, wait_for_step
+from support.helpers import assert_bitwise_equal, model_state, read_metrics
+from support.verl_jobs import JOB_TIMEOUT, SPEC, dag_spec, dag_with_chunk_2_killed, optimizer_state, relay_train
 
 pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
 
 RUN = "ci"
 
 
-def verl_spec(folder, ray_conn_id: str):
-    """The shipped verl spec with this module's checkpoint folder, S3 prefix and Ray connection; approvals off
-    (`airflow dags test` has no API server to answer a question with)."""
-    d = yaml.safe_load(SPEC.read_text())
-    d["checkpoint_dir"] = str(folder / "ckpt")
-    d["data"]["train_files"] = [str(ROOT / f) for f in d["data"]["train_files"]]
-    d["data"]["val_files"] = [str(ROOT / f) for f in d["data"]["val_files"]]
-    d.setdefault("s3", {})["uri"] = f"s3://relay/test-verl-{int(time.time())}"
-    d["ray"]["conn_id"] = ray_conn_id
-    d["airflow"]["approvals"] = False
-    d["chunks"] = {"handoff": "warm"}
-    path = folder / "verl_tiny_cpu.yaml"
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
-
-
 @pytest.fixture(scope="module")
 def dag_run(airflow_home, s3_server, tmp_path_factory):
-    spec_path = verl_spec(airflow_home["runs"], "relay_verl_ray")
+    spec_path = dag_spec(SPEC, airflow_home["runs"], "relay_verl_ray", chunks={"handoff": "warm"})
     run_dir = load_spec(spec_path, check_environment=False).run_dir(RUN)
     with stack.private_ray_head() as head:
-        dag = start_dags_test(
-            airflow_home, "relay_verl_tiny_cpu", {"run": RUN}, env={"AIRFLOW_CONN_RELAY_VERL_RAY": head.address}
+        # Chunk 1's job, gone on warm into chunk 2: its driver SIGKILLed after step 3's row, before step 4's
+        # checkpoint (which it could not commit before chunk 2's admission anyway).
+        returncode, out = dag_with_chunk_2_killed(
+            airflow_home, "relay_verl_tiny_cpu", RUN, run_dir, {"AIRFLOW_CONN_RELAY_VERL_RAY": head.address}
         )
-        try:
-            # Chunk 1's job, gone on warm into chunk 2: its driver SIGKILLed after step 3's row, before step 4's
-            # checkpoint (which it could not commit before chunk 2's admission anyway).
-            wait_for_step(run_dir, 3, set())
-            pid = job_driver_pid(run_dir)
-            assert pid is not None, "chunk 2's Ray job driver was not found"
-            assert not (run_dir / "global_step_4").exists(), "the kill came too late: step 4 is saved"
-            kill(pid)
-            deadline = time.time() + 30  # SIGKILL is delivered, and a 700 MB driver torn down, when the kernel gets
-            while alive(pid) and time.time() < deadline:  # to it: not at once on two loaded cores
-                time.sleep(0.05)
-            assert not alive(pid), f"chunk 2's job driver {pid} outlived its SIGKILL by 30 s"
-            returncode, out = dag.wait(timeout=3 * JOB_TIMEOUT)
-        finally:
-            if dag.proc.poll() is None:
-                dag.proc.kill()
         # The uninterrupted run: the shipped spec, one job 0 -> 6, on the same head.
         base = tmp_path_factory.mktemp("verl_straight")
         straight, log = base / "run", base / "straight.log"
@@ -156,26 +123,6 @@ def test_the_resumed_run_has_the_uninterrupted_runs_lr_data_order_rewards_and_we
     assert a.keys() == b.keys() and any(hasattr(v, "dtype") for v in a.values())
     differ = [k for k in a if not (torch.equal(a[k], b[k]) if hasattr(a[k], "dtype") else a[k] == b[k])]
     assert not differ, f"the optimizer states differ at {differ[:5]}"
-
-
-def optimizer_state(step_dir) -> dict:
-    """The actor's optimizer state at a checkpoint, flattened to {path: tensor or value} (Relay's safe loader)."""
-    from relay.checkpoints import safeload
-
-    flat: dict = {}
-
-    def walk(prefix, v):
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(f"{prefix}/{k}", x)
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(f"{prefix}/{i}", x)
-        else:
-            flat[prefix] = v.to_local() if hasattr(v, "to_local") else v
-
-    walk("", safeload.load(step_dir / "actor" / "optim_world_size_1_rank_0.pt", mmap=False))
-    return flat
 
 
 def test_the_step_trained_twice_equals_its_first_try(dag_run):

@@ -4,18 +4,22 @@ Ray job (tests/trainers/test_verl_cpu_fit.py, test_verl_reshard_resume.py; tests
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import yaml
 
+from relay.common.faultpoint import FAULT_ENV
 from relay.runs import layout
 from relay.runs.metrics import read_jsonl
+from relay.trainers import stopping
 from support.faults import alive, kill
-from support.helpers import PY, ROOT, read_metrics
+from support.helpers import PY, ROOT, read_metrics, start_dags_test
 
 SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"
+ASYNC_SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu_async.yaml"  # verl's colocate_async trainer
 JOB_TIMEOUT = 900
 
 
@@ -43,9 +47,9 @@ def relay_train(run_dir: Path, to_step: int, ray_address: str, log: Path, spec: 
     )
 
 
-def with_job_env(path: Path, env: dict[str, str]) -> Path:
+def with_job_env(path: Path, env: dict[str, str], spec: Path = SPEC) -> Path:
     """The verl spec with `env` in its chunk jobs' environment (ray.env_vars), written to `path`."""
-    d = yaml.safe_load(SPEC.read_text())
+    d = yaml.safe_load(spec.read_text())
     d.setdefault("ray", {}).setdefault("env_vars", {}).update(env)
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
@@ -102,3 +106,82 @@ def two_chunks_with_a_kill(run_dir: Path, ray_address: str, logs: Path, settle_s
     time.sleep(settle_s)
     assert layout.read_tracker(run_dir) == 2 and not (run_dir / "global_step_4").exists()
     return (logs / "c2.log").read_text(errors="replace")
+
+
+def optimizer_state(step_dir) -> dict:
+    """The actor's optimizer state at a checkpoint, flattened to {path: tensor or value} (Relay's safe loader)."""
+    from relay.checkpoints import safeload
+
+    flat: dict = {}
+
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}/{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{prefix}/{i}", x)
+        else:
+            flat[prefix] = v.to_local() if hasattr(v, "to_local") else v
+
+    walk("", safeload.load(step_dir / "actor" / "optim_world_size_1_rank_0.pt", mmap=False))
+    return flat
+
+
+def dag_spec(source: Path, folder: Path, ray_conn_id: str, **changes) -> Path:
+    """A shipped verl spec for a DAG test: this module's checkpoint folder, an S3 prefix of its own, its Ray connection,
+    approvals off (`airflow dags test` has no API server to answer a question with), and `changes` on top."""
+    d = yaml.safe_load(source.read_text())
+    d["checkpoint_dir"] = str(folder / "ckpt")
+    d["data"]["train_files"] = [str(ROOT / f) for f in d["data"]["train_files"]]
+    d["data"]["val_files"] = [str(ROOT / f) for f in d["data"]["val_files"]]
+    d.setdefault("s3", {})["uri"] = f"s3://relay/test-{d['name'].replace('_', '-')}-{int(time.time())}"
+    d["ray"]["conn_id"] = ray_conn_id
+    d["airflow"]["approvals"] = False
+    d.update(changes)
+    path = folder / source.name
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+def dag_with_chunk_2_killed(airflow_home: dict, dag_id: str, run: str, run_dir: Path, env: dict) -> tuple[int, str]:
+    """`airflow dags test` of a verl spec's DAG whose chunk 2 job (chunk 1's, gone on warm into chunk 2) is SIGKILLed
+    after step 3's row, before step 4's checkpoint. Returns the DAG test's return code and output."""
+    dag = start_dags_test(airflow_home, dag_id, {"run": run}, env=env)
+    try:
+        wait_for_step(run_dir, 3, set())
+        pid = job_driver_pid(run_dir)
+        assert pid is not None, "chunk 2's Ray job driver was not found"
+        assert not (run_dir / "global_step_4").exists(), "the kill came too late: step 4 is saved"
+        kill(pid)
+        deadline = time.time() + 30  # SIGKILL is delivered, and a 700 MB driver torn down, when the kernel gets
+        while alive(pid) and time.time() < deadline:  # to it: not at once on two loaded cores
+            time.sleep(0.05)
+        assert not alive(pid), f"chunk 2's job driver {pid} outlived its SIGKILL by 30 s"
+        return dag.wait(timeout=3 * JOB_TIMEOUT)
+    finally:
+        if dag.proc.poll() is None:
+            dag.proc.kill()
+
+
+def stopped_gracefully(run_dir: Path, after: int, to_step: int, ray_address: str, logs: Path, spec: Path = SPEC) -> int:
+    """`relay train` to_step, SIGTERMed once its actor is held at the end of step `after`: the driver passes the stop
+    on to verl's actor, which saves that step through verl's own save path and ends. Returns its exit code."""
+    held = logs / f"held-at-step-{after}"
+    held_spec = with_job_env(
+        logs / f"held-{spec.name}", {FAULT_ENV: f"verl_step_end@{after}", "RELAY_FAULT_ONCE": str(held)}, spec
+    )
+    log = logs / f"stopped-at-{after}.log"
+    proc = relay_train(run_dir, to_step, ray_address, log, held_spec)
+    try:
+        deadline = time.time() + JOB_TIMEOUT
+        while not held.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert held.exists(), log.read_text(errors="replace")[-6000:]
+        proc.send_signal(signal.SIGTERM)
+        requests = layout.relay_dir(run_dir, stopping.STOP_DIR)  # the driver's request to its actor
+        while not (requests.is_dir() and any(requests.iterdir())) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        Path(f"{held}.go").touch()
+    return proc.wait(timeout=JOB_TIMEOUT)

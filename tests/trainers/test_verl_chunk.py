@@ -320,6 +320,18 @@ def test_a_killed_chunk_resumes_from_the_latest_checkpoint_and_matches(tmp_path,
     assert [log["lr"][s] for s in range(1, 21)] == verl_lrs(spec, TOTAL, 20)
 
 
+def test_relay_train_of_a_warm_spec_to_a_step_inside_a_chunk_saves_that_step(tmp_path, gpu_stand_ins):
+    """`relay train --to-step 15` of a spec whose chunks go on warm (a DAG's jobs do; relay train's never): verl's
+    loop ends at step 15 and saves it, although 15 is no chunk's end and save_freq does not fall on it."""
+    log = gpu_stand_ins
+    spec = make_spec(tmp_path, chunks={"handoff": "warm"})
+    from relay.trainers.verl_ppo.trainer import train_chunk
+
+    r = train_chunk(ChunkRequest(run=Run.of(spec, "w"), to_step=15, chunk=2, attempt="w-c2-t1"))
+    assert r.end_step == 15 and layout.read_tracker(spec.run_dir("w")) == 15
+    assert log["saved"] == [10, 15] and max(log["steps"]) == 15
+
+
 def test_a_stop_asked_after_a_step_saves_it_through_verls_save_and_the_next_chunk_resumes_there(
     tmp_path, gpu_stand_ins, monkeypatch
 ):
@@ -405,25 +417,34 @@ def test_verl_and_relay_must_agree_on_the_resume_step(tmp_path, gpu_stand_ins, m
 
 def test_registration_lives_in_verls_registry_and_verl_refuses_a_second_class():
     from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer, trainer_base
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     from relay.trainers.verl_ppo import chunk_trainer, verl_chunk
+    from relay.trainers.verl_ppo.async_trainer import AsyncPrompts
 
     cls = chunk_trainer.RelayChunkTrainer
-    assert issubclass(cls, PPOTrainerSync) and cls.__mro__[1] is PPOTrainerSync
+    assert cls.__mro__[1:3] == (chunk_trainer.RelayChunk, PPOTrainerSync)  # verl's hooks under Relay's, nothing between
+    async_cls = chunk_trainer.RelayColocateAsyncTrainer
+    assert async_cls.__mro__[1:4] == (AsyncPrompts, chunk_trainer.RelayChunk, PPOTrainerColocateAsync)
     with pytest.raises(ValueError, match="already registered"):  # why install() swaps the entry itself
         register_trainer("sync")(cls)
     try:
         assert chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound")) is cls
         assert get_trainer_cls("sync") is cls
         assert chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound")) is cls  # idempotent
+        as_async = verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound", trainer_mode="colocate_async")
+        assert chunk_trainer.install(as_async) is async_cls and get_trainer_cls("colocate_async") is async_cls
         trainer_base.TRAINER_REGISTRY["sync"] = type("Other", (PPOTrainerSync,), {})
         from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
         with pytest.raises(VerlContractError, match="another plugin replaced it"):
             chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound"))
+        with pytest.raises(VerlContractError, match="no chunk trainer for verl's trainer_mode 'separate_async'"):
+            chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound", trainer_mode="separate_async"))
     finally:
         trainer_base.TRAINER_REGISTRY["sync"] = PPOTrainerSync
+        trainer_base.TRAINER_REGISTRY["colocate_async"] = PPOTrainerColocateAsync
 
 
 def test_the_task_runner_is_verls_with_the_install_inside_its_run():

@@ -137,6 +137,40 @@ def test_supervised_mode_saves_every_chunk_and_runs_to_the_end(tmp_path):
         overrides_for(spec_of(tmp_path, mode="supervised", save_freq=4))
 
 
+def test_colocate_async_composes_with_relays_sampler_and_passes_verls_validation(tmp_path):
+    """trainer_mode colocate_async: verl's async trainer, its warm-up batches, Relay's first-in-first-out sampler
+    (loaded by verl's custom_sampler hook) and no prompt dropped for staleness; resume-critical."""
+    from verl.utils.import_utils import load_extern_type
+
+    from relay.trainers.verl_ppo import overrides
+
+    spec = spec_of(tmp_path, trainer_mode="colocate_async", warmup_batches=2)
+    cfg = overrides.compose(overrides_for(spec))
+    v1 = cfg.trainer.v1
+    assert v1.trainer_mode == "colocate_async" and v1.colocate_async.num_warmup_batches == 2
+    assert v1.sampler.max_off_policy_threshold is None
+    sampler = load_extern_type(v1.sampler.custom_sampler.path, v1.sampler.custom_sampler.name)
+    assert sampler.__module__ == "relay.trainers.verl_ppo.async_trainer" and sampler.__name__ == "FirstInFirstOut"
+    overrides.check_config(cfg)
+    crit = spec.resume_critical()
+    assert crit["trainer.settings.trainer_mode"] == "colocate_async" and crit["trainer.settings.warmup_batches"] == 2
+    assert as_dict(overrides_for(spec_of(tmp_path)))["trainer.v1.trainer_mode"] == "'sync'"  # the default
+
+
+@pytest.mark.parametrize(
+    "settings, why",
+    [
+        ({"trainer_mode": "separate_async"}, "separate_async is not run by Relay yet"),
+        ({"trainer_mode": "colocate_async", "mode": "supervised"}, "runs in mode chunked"),
+        ({"trainer_mode": "colocate_async", "warmup_batches": 0}, "warmup_batches"),
+        ({"trainer_mode": "colocate_async", "overrides": ["trainer.v1.sampler.max_off_policy_threshold=2"]}, "Relay sets"),
+    ],
+)
+def test_async_settings_relay_cannot_resume_exactly_are_refused(tmp_path, settings, why):
+    with pytest.raises(SpecError, match=why):
+        spec_of(tmp_path, **settings)
+
+
 @pytest.mark.parametrize(
     "item, why",
     [

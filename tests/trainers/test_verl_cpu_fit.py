@@ -19,21 +19,17 @@ in several processes.
 from __future__ import annotations
 
 import signal
-import time
-from pathlib import Path
 
 import pytest
 
 from relay.checkpoints.gate import admit_dir
-from relay.common.faultpoint import FAULT_ENV
 from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
 from relay.spec.run_spec import load_spec
-from relay.trainers import stopping
 from relay.trainers.verl_ppo import chunk_trainer
 from support.helpers import assert_bitwise_equal, model_state, read_metrics
-from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, relay_train, two_chunks_with_a_kill, with_job_env
+from support.verl_jobs import SPEC, finish, relay_train, stopped_gracefully, two_chunks_with_a_kill
 
 
 def E2E(test):
@@ -56,24 +52,8 @@ def runs(tmp_path_factory, ray_address):
     # The retry resumes from step 2, and is stopped gracefully in step 3: `relay train` gets SIGTERM and stops its
     # job (Ray's SIGTERM, its SIGKILL only after the spec's stop grace); the driver passes the stop on to verl's
     # actor, held at the end of step 3 until then, which saves step 3 through verl's own save path and ends.
-    held = base / "held-at-step-3"
-    held_spec = with_job_env(base / "verl_tiny_cpu.yaml", {FAULT_ENV: "verl_step_end@3", "RELAY_FAULT_ONCE": str(held)})
-    proc = relay_train(chunked, 4, ray_address, base / "c3.log", held_spec)
-    try:
-        deadline = time.time() + JOB_TIMEOUT
-        while not held.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert held.exists(), (base / "c3.log").read_text(errors="replace")[-6000:]
-        proc.send_signal(signal.SIGTERM)
-        stop_requests = layout.relay_dir(chunked, stopping.STOP_DIR)  # the driver's request to its actor
-        while (
-            not (stop_requests.is_dir() and any(stop_requests.iterdir())) and proc.poll() is None and time.time() < deadline
-        ):
-            time.sleep(0.2)
-    finally:
-        Path(f"{held}.go").touch()
-    assert proc.wait(timeout=JOB_TIMEOUT) == 128 + signal.SIGTERM
-    stopped_log = (base / "c3.log").read_text(errors="replace")
+    assert stopped_gracefully(chunked, 3, 4, ray_address, base) == 128 + signal.SIGTERM
+    stopped_log = (base / "stopped-at-3.log").read_text(errors="replace")
     assert layout.read_tracker(chunked) == 3, stopped_log[-6000:]
 
     # And the rest: `relay train` again resumes from step 3, the graceful stop's checkpoint.
@@ -189,9 +169,15 @@ def test_the_chunk_trainer_is_verls_own_loop():
     # (Relay's own: the chunk's edges, the batch's order, the metrics row, the graceful stop after a step; each
     # calls verl's method: on_step_end, for one, hands the weights to the rollout as verl's does, and saves through
     # verl's _save_checkpoint when asked to stop)
-    assert cls.on_step_end is not PPOTrainerSync.on_step_end and cls._save_checkpoint.__qualname__.startswith(
-        "RelayChunkTrainer."
-    )
+    assert cls.on_step_end is not PPOTrainerSync.on_step_end and cls._save_checkpoint.__qualname__.startswith("RelayChunk.")
+    # verl's async trainer under the same edges: its warm-up, its fully async client and its abort are verl's
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+
+    acls = chunk_trainer.RelayColocateAsyncTrainer
+    for name in ("fit", "_step_once", "_setup", "_update_actor", "_compute_advantage", "init", "_load_checkpoint"):
+        assert getattr(acls, name) is getattr(cls, name), name
+    assert acls.get_llm_client is PPOTrainerColocateAsync.get_llm_client
+    assert acls._add_async_warmup_batches is PPOTrainer._add_async_warmup_batches
     runner = relay_task_runner()
     assert issubclass(runner, original_class(TaskRunnerV1))
     assert runner.init_agent_loop_manager is original_class(TaskRunnerV1).init_agent_loop_manager

@@ -63,7 +63,7 @@ def add_commands(sub) -> None:
     s = sub.add_parser(
         "audit",
         help="the replay audit: each step trained twice (after a resume) against its first "
-        "try; exit 0 consistent, 1 diverged",
+        "try, and for verl's async trainer every prompt trained once; exit 0 consistent, 1 diverged",
     )
     s.add_argument(
         "run_dir",

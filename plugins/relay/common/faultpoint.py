@@ -20,6 +20,9 @@ ALLOC_ENV = "RELAY_FAULT_ALLOC_AT"
 # <what>[,<what>...]: what the system refuses, as some do (rename_exchange: renameat2's RENAME_EXCHANGE, EINVAL
 # on NFS and other filesystems), so that the fallback a refusal takes is tested where the system allows it
 REFUSE_ENV = "RELAY_FAULT_REFUSE"
+# <what>@<step>: what a trainer loses there, as some frameworks do (inflight: a batch of prompts in flight, before
+# the save of that step), so that the check that must catch the loss is tested against a real one
+DROP_ENV = "RELAY_FAULT_DROP_AT"
 # The trainer's points, in the order a step reaches them (the kill matrix draws from these). A publish
 # has one more: publish_files, its files uploaded, its manifest and `latest` not yet.
 FAULT_PHASES = ("after_step", "mid_save", "before_fsync", "before_rename", "after_rename", "after_tracker")
@@ -55,6 +58,11 @@ def fault_point(phase: str, step: int) -> None:
 def refused(what: str) -> bool:
     """Whether the fault suite makes the system refuse `what` here (RELAY_FAULT_REFUSE); one lookup when unset."""
     return what in os.environ.get(REFUSE_ENV, "").split(",")
+
+
+def dropped(what: str, step: int) -> bool:
+    """Whether the fault suite makes the trainer lose `what` at this step (RELAY_FAULT_DROP_AT; ONCE works alike)."""
+    return _armed(DROP_ENV, what, step)
 
 
 def exhaust_memory(headroom_mb: int) -> None:

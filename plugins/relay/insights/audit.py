@@ -10,6 +10,9 @@ Every logged value is compared except bookkeeping (when and by whom a step was t
 comparison is exact unless the spec's `audit.tolerance` allows an absolute difference for a metric (verl on
 GPUs: its generation need not repeat bit for bit); `"*"` there applies to every metric it does not name.
 Relay's CPU trainer and verl's CPU path are exact. `relay audit RUN_DIR` runs it at any time.
+
+For verl's asynchronous trainers it also runs the prompt audit (relay.insights.prompts): every prompt handed out
+trained exactly once, with the staleness of a run never stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay.insights.prompts import PromptAudit, audit_prompts
 from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_jsonl
 
@@ -50,10 +54,11 @@ class AuditReport:
     steps: list[int] = field(default_factory=list)  # the steps trained twice that were compared
     divergences: list[Divergence] = field(default_factory=list)
     not_retrained: list[int] = field(default_factory=list)  # superseded steps the run has not trained again yet
+    prompts: PromptAudit | None = None  # verl's async trainers: each prompt handed out trained once
 
     @property
     def consistent(self) -> bool:
-        return not self.divergences
+        return not self.divergences and (self.prompts is None or self.prompts.consistent)
 
     def summary(self) -> str:
         if not self.compared:
@@ -74,6 +79,8 @@ class AuditReport:
             lines.append(f"  ... and {len(self.divergences) - 20} more")
         if self.not_retrained:
             lines.append(f"  not trained again yet: step(s) {_ranges(self.not_retrained)}")
+        if self.prompts is not None:
+            lines.append(self.prompts.summary())
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -84,7 +91,8 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
     """Compare every superseded row of a run with the row its step has now."""
     run_dir = Path(run_dir)
     report = AuditReport(str(run_dir))
-    kept = {r["step"]: r for r in read_jsonl(run_dir / layout.METRICS) if isinstance(r.get("step"), int)}
+    rows = read_jsonl(run_dir / layout.METRICS)
+    kept = {r["step"]: r for r in rows if isinstance(r.get("step"), int)}
     steps = set()
     for first in read_jsonl(run_dir / SUPERSEDED):
         step = first.get("step")
@@ -105,6 +113,7 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
                 )
     report.steps = sorted(steps)
     report.not_retrained = sorted(set(report.not_retrained))
+    report.prompts = audit_prompts(run_dir, rows)
     return report
 
 

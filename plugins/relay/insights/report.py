@@ -185,6 +185,8 @@ class Report:
             lines.append(self.goodput.summary())
         if self.audit is not None and self.audit.compared:
             lines.append(self.audit.summary().splitlines()[0])
+        if self.audit is not None and self.audit.prompts is not None:
+            lines.append(self.audit.prompts.summary().splitlines()[0])
         if self.save_interval is not None:
             lines.append(f"save interval: {self.save_interval.advice()}")
         data = self.data_fingerprint[:16] if self.data_fingerprint else "none (data never frozen)"
@@ -404,6 +406,7 @@ document.addEventListener("click", (ev) => {{
 </table>
 <h2>Goodput</h2>
 {ledger}
+{self._prompts_html()}
 <h2>Incidents: retries, quarantines, fallbacks, restores, drift</h2>
 <ul id="markers">{marks or "<li>none</li>"}</ul>
 <h2>Decisions</h2>
@@ -416,6 +419,27 @@ document.addEventListener("click", (ev) => {{
 {SUPERSEDED}).</p>
 </body></html>
 """
+
+    def _prompts_html(self) -> str:
+        """An asynchronous trainer's steps: the policy version each trained and its staleness (relay.insights.prompts)."""
+        p = self.audit.prompts if self.audit is not None else None
+        if p is None:
+            return ""
+        e = html.escape
+        body = "\n".join(
+            f'<tr class="staleness" data-step="{r["step"]}"><td>{r["step"]}</td>'
+            f"<td>{e(', '.join(sorted({str(v) for v in r.get('policy_versions', [])})))}</td>"
+            f"<td>{e(', '.join(sorted({str(v) for v in p.staleness.get(r['step'], [])})) or '—')}</td>"
+            f"<td>{len(r.get('prompt_seqs', []))}</td><td>{len(r.get('handed_out_seqs', []))}</td></tr>"
+            for r in self.rows
+            if "prompt_seqs" in r
+        )
+        return f"""<h2>Prompts and staleness (asynchronous trainer)</h2>
+<pre id="prompt-audit">{e(p.summary())}</pre>
+<table id="staleness"><tr><th>step</th><th>policy version generated with</th><th>staleness (steps)</th>
+<th>prompts trained</th><th>prompts handed out</th></tr>
+{body}
+</table>"""
 
     def _goodput_html(self) -> str:
         """The ledger's parts (run totals) and its table of failures."""

@@ -136,29 +136,39 @@ class ChunkSession:
                 f"optimizer's step and LR, the data position and the RNG states as saved (checked in {self._certify_s:.3f}s)"
             )
             return
-        dest = quarantine(self.run_dir, CheckReport(str(self.run_dir), step, [Check("certificate", False, c.detail())]))
+        raise self.refuse_resume(
+            "certificate", f"its certificate does not hold, the state loaded is not the state saved ({c.detail()})"
+        )
+
+    def refuse_resume(self, check: str, detail: str) -> CheckpointError:
+        """After loading, before the first step: the resume checkpoint failed `check` (the certificate; an async run's
+        prompts in flight). It is quarantined, the tracker falls back to the newest valid checkpoint, and the error
+        to raise says so (cause refused: the retry resumes from the fallback)."""
+        step = self.resume_step
+        dest = quarantine(self.run_dir, CheckReport(str(self.run_dir), step, [Check(check, False, detail)]))
         try:
             fell_back: int | None = find_resume_point(self.run_dir).step
         except CheckpointError:
             fell_back = None
         record_event(
             self.run_dir,
-            "certificate_refused",
+            f"{check}_refused",
             step=step,
             chunk=self.req.chunk,
             attempt=self.req.attempt,
-            detail=c.detail(),
+            detail=detail,
             quarantined_to=str(dest),
             fell_back_to=fell_back,
         )
         then = (
-            f"the tracker now names step {fell_back}, whose certificate is checked when it is resumed"
+            f"the tracker now names step {fell_back}, which is checked alike when it is resumed"
             if fell_back
             else "no valid checkpoint is left locally"
         )
-        raise CertificateError(
-            f"refused to resume run {self.req.run} from step {step}: its certificate does not hold, the state loaded "
-            f"is not the state saved ({c.detail()}). The checkpoint is quarantined to {dest}; {then}",
+        error = CertificateError if check == "certificate" else CheckpointError
+        return error(
+            f"refused to resume run {self.req.run} from step {step}: {detail}. The checkpoint is quarantined to {dest}; "
+            f"{then}",
             f"look at {dest} (how was it changed since its save?); then retry the chunk: it resumes from "
             + (f"step {fell_back}" if fell_back else "a published checkpoint, or needs fresh_start"),
         )

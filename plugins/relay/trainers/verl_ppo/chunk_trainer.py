@@ -1,6 +1,9 @@
-"""verl's v1 sync trainer, made to stop at a chunk's end step without moving the LR schedule's horizon.
+"""verl's v1 trainers, made to stop at a chunk's end step without moving the LR schedule's horizon.
 
-RelayChunkTrainer is a subclass of verl's own PPOTrainerSync. It changes only this:
+RelayChunk holds what Relay changes in verl's PPOTrainer, for each trainer mode: RelayChunkTrainer is it over
+verl's own PPOTrainerSync, RelayColocateAsyncTrainer over PPOTrainerColocateAsync with the async rule of
+relay.trainers.verl_ppo.async_trainer (prompts generated under the weights they were handed out with, trained
+first in, first out, the ones in flight saved and restored). It changes only this:
 
 - `_init_dataloader`: verl computes total_training_steps (the run's total, from the override) and
   writes the optimizer horizon from it; then, and only then, the loop bound `self.total_training_steps`
@@ -25,11 +28,11 @@ RelayChunkTrainer is a subclass of verl's own PPOTrainerSync. It changes only th
   waits for them without a timeout (relay.trainers.verl_ppo.placement); on the cpu platform each worker
   reserves one CPU, not verl's three.
 
-It is registered where verl looks it up: TRAINER_REGISTRY["sync"], inside the TaskRunner actor
+It is registered where verl looks it up: TRAINER_REGISTRY[<trainer_mode>], inside the TaskRunner actor
 (runner.RelayTaskRunner calls install()), never in the job's driver, whose registry the actor
 never sees. verl's register_trainer refuses a second class under a name it has, and the trainer
-mode must stay "sync" (verl tests `trainer_mode != "sync"` in several places), so install() swaps
-the entry itself, after checking that it holds verl's PPOTrainerSync.
+mode must stay verl's name (verl tests `trainer_mode != "sync"` in several places), so install() swaps
+the entry itself, after checking that it holds verl's own class of that mode.
 
 It imports verl at module level: only the TaskRunner actor (runner.RelayTaskRunner.run) and the tests import
 it; what the job's driver needs of a chunk is in verl_chunk, which imports no verl.
@@ -41,6 +44,8 @@ import shutil
 import time
 
 from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from relay.common.faultpoint import fault_point
@@ -48,14 +53,16 @@ from relay.runs import layout
 from relay.runs.metrics import record_event
 from relay.runs.phases import record_phase
 from relay.trainers.verl_ppo import certify, placement, verl_chunk
+from relay.trainers.verl_ppo.async_trainer import AsyncPrompts
 from relay.trainers.verl_ppo.verl_contract import VerlContractError
 
 
-class RelayChunkTrainer(PPOTrainerSync):
-    """verl's sync trainer for one chunk of a Relay run (see the module's docstring)."""
+class RelayChunk(PPOTrainer):
+    """What Relay changes in verl's trainer for one chunk of a run, whatever its mode (see the module's docstring)."""
 
     __relay_chunk__ = True
     total_training_steps: int  # set by verl's _init_dataloader (mypy takes verl's trainer as Any)
+    _relay_indices: list[int] | None  # the dataset rows the step trained (sync: its fetch; async: its batch)
 
     def __init__(self, config):
         super().__init__(config)
@@ -139,8 +146,12 @@ class RelayChunkTrainer(PPOTrainerSync):
             )
         verl_chunk.say(f"verl resumed at step {self.global_steps}" if self.global_steps else "verl starts at step 0")
         if self.relay.resume_step:
+            self._relay_after_load(self.relay.resume_step)
             self._relay_certify_resume(self.relay.resume_step)
         self._relay_phase("checkpoint_loaded")
+
+    def _relay_after_load(self, step: int) -> None:
+        """After verl loaded step's checkpoint (the async modes check the prompts in flight it restored)."""
 
     # ---- certificates: written at every save, checked at every resume (relay.checkpoints.certificate)
     def _relay_pad_id(self) -> int:
@@ -199,6 +210,7 @@ class RelayChunkTrainer(PPOTrainerSync):
         step = self.global_steps
         session = self.relay_session
         real_dir = self.config.trainer.default_local_dir
+        self._relay_before_save(step)
         with session.saving(step) as staging_root:  # checks the lease; a failed save is removed
             with open_dict(self.config):
                 self.config.trainer.default_local_dir = str(staging_root)
@@ -208,11 +220,19 @@ class RelayChunkTrainer(PPOTrainerSync):
                 with open_dict(self.config):
                     self.config.trainer.default_local_dir = real_dir
             staged = layout.step_dir(staging_root, step)
-            verl_chunk.remove_rollout_state(staged)
+            self._relay_staged(staged, step)
             self._relay_certify_save(staged, step)
             session.commit(step, staged)
 
         shutil.rmtree(staging_root, ignore_errors=True)
+
+    def _relay_before_save(self, step: int) -> None:
+        """Before verl saves step (the async modes' fault point that loses prompts in flight)."""
+
+    def _relay_staged(self, staged, step: int) -> None:
+        """verl's save of step, staged, before its certificate and commit: the sync trainer keeps no rollout state
+        (verl's transfer_queue/ holds nothing a sync resume loads); the async modes add their prompt ledger."""
+        verl_chunk.remove_rollout_state(staged)
 
     # ---- every step: the lease and one metrics row, with the dataset indices the step trained on
     def _next_train_batch(self, num_prompts=None):
@@ -234,13 +254,15 @@ class RelayChunkTrainer(PPOTrainerSync):
         self._relay_step_done(global_steps, epoch, metrics, timing_raw)
 
     def _relay_step_done(self, step, epoch, metrics, timing_raw):
-        row = verl_chunk.metrics_row(metrics)
-        indices = getattr(self, "_relay_indices", None)
-        if indices is not None:
-            row["sample_indices"] = indices
+        row = {**verl_chunk.metrics_row(metrics), **self._relay_trained_fields()}
         self.relay_session.record_step(step, float(timing_raw.get("step", 0.0)), epoch=epoch, **row)
         if self.relay.warm_chunk_steps and step == self.relay.end_step < self.relay.total_steps:
             self._relay_hand_off(step)
+
+    def _relay_trained_fields(self) -> dict:
+        """The prompts the step trained, for its metrics row: their dataset indices (sync: the step's own fetch)."""
+        indices = getattr(self, "_relay_indices", None)
+        return {} if indices is None else {"sample_indices": indices}
 
     # ---- a warm handoff: the chunk's end is saved and committed; the loop goes on into the next chunk
     def _relay_hand_off(self, step: int) -> None:
@@ -290,20 +312,41 @@ class RelayChunkTrainer(PPOTrainerSync):
         verl_chunk.say(f"stopping after step {self.global_steps} ({why}): its checkpoint is committed")
 
 
+class RelayChunkTrainer(RelayChunk, PPOTrainerSync):
+    """verl's sync trainer for one chunk of a Relay run."""
+
+
+class RelayColocateAsyncTrainer(AsyncPrompts, RelayChunk, PPOTrainerColocateAsync):
+    """verl's colocate_async trainer for one chunk of a Relay run, resumed exactly (see async_trainer)."""
+
+
+# trainer_mode -> (Relay's class, verl's own class it replaces in verl's registry)
+TRAINERS: dict[str, tuple[type, type]] = {
+    "sync": (RelayChunkTrainer, PPOTrainerSync),
+    "colocate_async": (RelayColocateAsyncTrainer, PPOTrainerColocateAsync),
+}
+
+
 def install(chunk: verl_chunk.VerlChunk) -> type:
-    """In the TaskRunner actor: make verl's trainer lookup ("sync") return RelayChunkTrainer for this chunk."""
-    cls = RelayChunkTrainer
-    current = trainer_base.TRAINER_REGISTRY.get("sync")
-    if current is not cls and current is not PPOTrainerSync:
+    """In the TaskRunner actor: make verl's trainer lookup (the chunk's trainer_mode) return Relay's class for it."""
+    mode = chunk.trainer_mode
+    if mode not in TRAINERS:
         raise VerlContractError(
-            f"verl's TRAINER_REGISTRY['sync'] holds {current!r}, not verl's PPOTrainerSync: "
+            f"Relay has no chunk trainer for verl's trainer_mode {mode!r}", f"use one of {sorted(TRAINERS)}"
+        )
+    cls, verls = TRAINERS[mode]
+    current = trainer_base.TRAINER_REGISTRY.get(mode)
+    if current is not cls and current is not verls:
+        raise VerlContractError(
+            f"verl's TRAINER_REGISTRY[{mode!r}] holds {current!r}, not verl's {verls.__name__}: "
             "another plugin replaced it; Relay will not overwrite it",
             "remove the other registration, or run this spec without it",
         )
     verl_chunk.activate(chunk)
-    trainer_base.TRAINER_REGISTRY["sync"] = cls
-    if get_trainer_cls("sync") is not cls:
+    trainer_base.TRAINER_REGISTRY[mode] = cls
+    if get_trainer_cls(mode) is not cls:
         raise VerlContractError(
-            "verl's get_trainer_cls('sync') does not return the registry's entry", "pin verl 0.9.1 (Relay's contract tests)"
+            f"verl's get_trainer_cls({mode!r}) does not return the registry's entry",
+            "pin verl 0.9.1 (Relay's contract tests)",
         )
     return cls

@@ -19,6 +19,7 @@ What Relay sets, and why:
 - data.train_files / val_files: the run's frozen copies, never the source paths.
 - ray_kwargs.ray_init.address: the cluster the job runs on, never a new local Ray.
 - rollout.agent.default_agent_loop: with the hf rollout, its agent loop (hf_rollout.RelaySingleTurnAgentLoop).
+- trainer.v1.*: the spec's trainer_mode; for colocate_async its warm-up batches and Relay's sampler (async_overrides).
 - trainer.device: the spec's device (cpu: Relay's cpu platform, see cpu_platform.py).
 - the models' attn_implementation (override_config, an empty mapping in verl's yaml, hence '+'): the
   spec's, else sdpa on a CPU (verl's default flash_attention_2 needs flash-attn and a GPU).
@@ -87,7 +88,7 @@ def save_freq(spec) -> int:
 def test_freq(spec) -> int:
     """verl's test_freq. verl validates on its last step only when test_freq > 0, so without a spec's own
     test_freq Relay passes total_steps + 1: positive, and a multiple of no step, so the run's end alone
-    validates (a chunk's end, verl's last step in its job, is skipped by RelayChunkTrainer._validate).
+    validates (a chunk's end, verl's last step in its job, is skipped by RelayChunk._validate).
     Supervised mode and warm chunks (whose chunk ends are not verl's last step either) validate at every chunk's
     end through test_freq = chunk_steps when the spec asks."""
     s = spec.settings
@@ -147,7 +148,7 @@ def chunk_overrides(
         "trainer.del_local_ckpt_after_load": False,
         "trainer.device": s.device,
         "trainer.use_v1": True,
-        "trainer.v1.trainer_mode": "sync",
+        "trainer.v1.trainer_mode": s.trainer_mode,
         "data.train_files": list(data["train"]),
         "data.val_files": list(data["val"]),
         "data.train_batch_size": s.train_batch_size,
@@ -185,6 +186,8 @@ def chunk_overrides(
         "algorithm.adv_estimator": s.adv_estimator,
         "algorithm.use_kl_in_reward": s.use_kl_in_reward,
     }
+    if s.trainer_mode == "colocate_async":
+        out.update(async_overrides(s))
     if s.rollout_name == HF_ROLLOUT:
         out["actor_rollout_ref.rollout.agent.default_agent_loop"] = HF_AGENT_LOOP
     if s.has_critic:
@@ -195,6 +198,17 @@ def chunk_overrides(
         models = ["actor_rollout_ref.model"] + (["critic.model"] if s.has_critic else [])
         lines += [f"+{m}.override_config.attn_implementation={quote(s.attention)}" for m in models]
     return lines + [o.strip() for o in s.overrides]
+
+
+def async_overrides(s) -> dict:
+    """The async rule (relay.trainers.verl_ppo.async_trainer): Relay's first-in-first-out sampler, and no prompt
+    dropped for staleness (each one is trained `warmup_batches` steps after it was handed out, by design)."""
+    return {
+        "trainer.v1.colocate_async.num_warmup_batches": s.warmup_batches,
+        "trainer.v1.sampler.max_off_policy_threshold": None,
+        "trainer.v1.sampler.custom_sampler.path": "pkg://relay.trainers.verl_ppo.async_trainer",
+        "trainer.v1.sampler.custom_sampler.name": "FirstInFirstOut",
+    }
 
 
 def compose(overrides: list[str]):

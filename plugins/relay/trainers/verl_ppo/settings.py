@@ -36,7 +36,7 @@ RELAY_OWNED_KEYS = (
     "trainer.del_local_ckpt_after_load",
     "trainer.default_hdfs_dir",
     "trainer.use_v1",
-    "trainer.v1.trainer_mode",
+    "trainer.v1",
     "trainer.val_only",
     "trainer.device",
     "data.train_files",
@@ -93,6 +93,18 @@ class VerlPPOSettings(StrictModel):
         "chunked",
         description="chunked: one Ray job per chunk, each stops at the chunk's end step; supervised: "
         "one long job saving every chunk_steps, each chunk task waits for its checkpoint",
+    )
+    trainer_mode: Literal["sync", "colocate_async", "separate_async"] = critical(
+        "sync",
+        description="verl's v1 trainer: sync (generate, then train, each step), colocate_async (prompts handed out "
+        "warmup_batches steps ahead, generated on the training GPUs between steps); separate_async is not run by "
+        "Relay yet (docs/gpu-cluster.md)",
+    )
+    warmup_batches: int = critical(
+        1,
+        ge=1,
+        description="colocate_async: batches handed out ahead of training (verl's num_warmup_batches); a step trains "
+        "samples generated this many steps before it",
     )
     model_path: str = critical(min_length=1, description="Hugging Face model folder on shared storage")
     tiny_model: bool = critical(
@@ -213,6 +225,18 @@ class VerlPPOSettings(StrictModel):
             )
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             raise ValueError("flash_attention_2 needs a GPU: on device cpu use sdpa or eager")
+        return self
+
+    @model_validator(mode="after")
+    def _trainer_mode(self) -> VerlPPOSettings:
+        if self.trainer_mode == "separate_async":
+            raise ValueError(
+                "trainer_mode separate_async is not run by Relay yet: an exact resume needs the rollout's weights "
+                "version at every save and a checkpoint engine on its own GPUs (docs/gpu-cluster.md says what is "
+                "missing); use colocate_async, or sync"
+            )
+        if self.trainer_mode != "sync" and self.mode == "supervised":
+            raise ValueError(f"trainer_mode {self.trainer_mode} runs in mode chunked (its chunks may go on warm)")
         return self
 
     @property

@@ -87,7 +87,8 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     if req.lease_token is None:
         req.lease_token = req.run.folder.lease().acquire(f"local:{socket.gethostname()}:{os.getpid()}")
-    moved = hygiene.remove_rollout_state(run_dir)  # before anything validates or loads the folders
+    # before anything validates or loads the folders (the async modes resume what is in flight from it)
+    moved = hygiene.remove_rollout_state(run_dir) if s.trainer_mode == "sync" else []
     # verl trains in its TaskRunner actor, which Ray does not signal: a SIGTERM here, once verl's loop runs (its
     # first_step_begins mark), is passed on through the attempt's stop file, which the actor reads after each step
     # (relay.trainers.stopping); before it, the driver ends at once.
@@ -149,7 +150,9 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
             test_freq=s.test_freq,
             tracking_env=tracking_env(req),
             run_dir=str(run_dir),
-            warm_chunk_steps=spec.chunk_steps if spec.warm_chunks and s.mode != "supervised" else 0,
+            # only a DAG's job goes on warm (relay train's ends at its --to-step, saved there as verl's last step)
+            warm_chunk_steps=spec.chunk_steps if req.handoff and spec.warm_chunks and s.mode != "supervised" else 0,
+            trainer_mode=s.trainer_mode,
         ),
     )
 

@@ -40,6 +40,7 @@ class VerlChunk:
     tracking_env: dict = field(default_factory=dict)  # WANDB_RUN_ID, WANDB_RESUME, MLFLOW_RUN_ID...
     run_dir: str = ""
     warm_chunk_steps: int = 0  # chunks.handoff warm: the chunk's length (the loop runs one chunk past the end)
+    trainer_mode: str = "sync"  # verl's trainer.v1.trainer_mode: the chunk trainer installed under it
 
     def encode(self) -> str:
         return base64.b64encode(json.dumps(asdict(self), sort_keys=True).encode()).decode()
@@ -91,7 +92,7 @@ def active_chunk() -> VerlChunk:
         from relay.common.errors import RelayError
 
         raise RelayError(
-            "RelayChunkTrainer was built without a chunk (install() was not called in this process)",
+            "Relay's chunk trainer was built without a chunk (install() was not called in this process)",
             "run verl through relay.trainers.verl_ppo (the TaskRunner installs the chunk)",
             retry_helps=False,
         )
