@@ -125,3 +125,35 @@ def test_without_the_checkpoints_the_prompts_after_the_newest_trained_count_as_i
     shutil.rmtree(layout.step_dir(lost, 5))
     layout.tracker_path(lost).unlink()
     assert [s["seq"] for s in audit(lost).prompts.skipped] == [8, 9, 10, 11]
+
+
+def test_doctor_says_what_is_in_flight_and_that_a_lost_queue_would_be_refused(tmp_path):
+    from relay.insights.doctor import prompts_in_flight
+    from relay.runs.run import Run
+    from relay.spec.run_spec import spec_from_dict
+
+    def run_of(mode):
+        settings = {"model_path": "/m", "trainer_mode": mode}
+        d = {
+            "name": "a",
+            "trainer": {"kind": "verl_ppo", "settings": settings},
+            "total_steps": 6,
+            "chunk_steps": 2,
+            "seed": 1,
+            "threads": 1,
+            "checkpoint_dir": str(tmp_path),
+            "data": {"train_files": ["/d/t.parquet"], "val_files": ["/d/v.parquet"]},
+        }
+        spec = spec_from_dict(d, check_environment=False)
+        return Run(spec, "r", tmp_path / "r")
+
+    assert prompts_in_flight(run_of("sync")) is None
+    run = run_of("colocate_async")
+    assert prompts_in_flight(run).detail.startswith("no checkpoint yet")
+    train(run.dir, 4)
+    (layout.step_dir(run.dir, 4) / "transfer_queue").mkdir()
+    found = prompts_in_flight(run)
+    assert found.ok and "4 prompt(s) in flight at step 4" in found.detail
+    (layout.step_dir(run.dir, 4) / "transfer_queue").rmdir()
+    found = prompts_in_flight(run)
+    assert not found.ok and "transfer_queue/ that holds them is gone" in found.detail and "restore step 4" in found.fix

@@ -26,6 +26,7 @@ from relay.preflight import attention as attn
 from relay.preflight import guard
 from relay.runs import failure_cause, layout
 from relay.runs.metrics import read_events
+from relay.runs.prompt_ledger import PromptLedger
 from relay.runs.record import read_record
 from relay.runs.run import Run
 
@@ -309,6 +310,31 @@ def data(run: Run) -> Finding:
     return Finding("data", True, f"frozen copies and sources match ({shas})")
 
 
+def prompts_in_flight(run: Run) -> Finding | None:
+    """verl's async trainer: the prompts in flight at the newest checkpoint, and verl's queue that holds them
+    (relay.runs.prompt_ledger); a resume without it would be refused (quarantined, the tracker moved back)."""
+    if getattr(run.spec.settings, "trainer_mode", "sync") == "sync":
+        return None
+    step = layout.read_tracker(run.dir)
+    if not step:
+        return Finding("prompts", True, "no checkpoint yet: the first step hands out the warm-up batches")
+    folder = layout.step_dir(run.dir, step)
+    try:
+        ledger = PromptLedger.read(folder)
+    except RelayError as e:
+        return Finding("prompts", False, e.what, e.fix or "")
+    rows = sorted(p.index for p in ledger.live.values())
+    held = f"{len(rows)} prompt(s) in flight at step {step} (dataset rows {rows[:8]}{' ...' if len(rows) > 8 else ''})"
+    if rows and not (folder / "transfer_queue").is_dir():
+        return Finding(
+            "prompts",
+            False,
+            f"{held}, but verl's transfer_queue/ that holds them is gone: the resume would skip them and is refused",
+            f"restore step {step} from S3 (`relay checkpoint restore`), or let the resume fall back to an earlier step",
+        )
+    return Finding("prompts", True, f"{held}, held in verl's transfer_queue/; {ledger.next_seq} handed out so far")
+
+
 def settings(run: Run) -> Finding:
     """Every resume-critical setting, as preflight.settings checks them (no allow_drift here)."""
     spec = run.spec
@@ -395,6 +421,7 @@ def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Find
         algorithm(run),
         data(run),
         settings(run),
+        prompts_in_flight(run),
         attention(run),
         last_failure(run),
         save_interval(run),

@@ -3,8 +3,8 @@
 In verl's async modes the batch a step trains is not the batch it fetched: prompts are handed out ahead (the
 warm-up batches, then one batch a step) and trained steps later. Each prompt gets a number when it is handed out
 (`seq`: the run's count of prompts fetched from the dataloader, continued across chunks and resumes), and keeps
-its dataset row (`index`), the step that handed it out and the policy version it is generated with. verl knows a
-prompt by a random uuid; the ledger maps it to that identity, so that
+its dataset row (`index`) and the step that handed it out. verl knows a prompt by a random uuid; the ledger maps
+it to that identity, so that
 
 - the sampler trains prompts first in, first out (relay.trainers.verl_ppo.async_trainer.FirstInFirstOut),
 - a step's batch is put in one order (by seq) whatever order its responses finished in,
@@ -20,11 +20,11 @@ Plain Python: no verl import (the audit and the tests read it anywhere).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from relay.common.errors import CheckpointError, RelayError
+from relay.common.files import atomic_write_json
 
 PROMPTS = "relay_prompts.json"  # in a step folder of an async run: the prompts in flight at that step
 VERSION = 1
@@ -91,11 +91,7 @@ class PromptLedger:
             "next_seq": self.next_seq,
             "in_flight": [asdict(p) for p in sorted(self.live.values(), key=lambda p: p.seq)],
         }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body, indent=1))
-        with tmp.open("rb") as f:
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        atomic_write_json(path, body)
         return path
 
     @classmethod
@@ -112,8 +108,8 @@ class PromptLedger:
             raise CheckpointError(
                 f"{path} is missing: this checkpoint of an asynchronous run does not say which prompts were in flight "
                 "at its step, so a resume could skip or repeat them",
-                "resume from a checkpoint Relay saved in this trainer_mode (`relay checkpoints list`), or start the run "
-                "again",
+                "resume from an earlier checkpoint saved in this trainer_mode (`relay doctor SPEC --run RUN` lists the "
+                "valid ones), or start the run again",
             ) from None
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path} is unreadable ({e})", "resume from an earlier checkpoint") from None
