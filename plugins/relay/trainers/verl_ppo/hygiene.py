@@ -1,8 +1,8 @@
 """Pre-resume hygiene for verl's main_ppo, as field guides ask for it by hand before every resume.
 
-1. Rollout-engine state left in a checkpoint folder (verl's async modes write `transfer_queue/`:
-   in-flight rollout prompts) is moved out before anything reads the folder: a sync trainer never
-   loads it, it is not model state, and it is not Relay's to publish. It is kept under
+1. In the sync mode, rollout-engine state left in a checkpoint folder (verl's async modes write
+   `transfer_queue/`: in-flight rollout prompts; an async run resumes from it) is moved out before anything reads
+   the folder: a sync trainer never loads it, it is not model state, and it is not Relay's to publish. It is kept under
    .relay/rollout_state/, not deleted. A manifest that listed it is set aside with it, so the
    checkpoint is validated afresh, every level, by the resume that follows.
 2. The tracker and the folders agree: Relay's resume (the checkpoint validator: quarantine,
