@@ -54,7 +54,8 @@ class PromptLedger:
 
     def train(self, uids: list[str]) -> list[Prompt]:
         """The prompts a step trained (its batch's uids, each once), in seq order; they leave the ledger."""
-        unknown = [u for u in dict.fromkeys(uids) if u not in self.live]
+        uids = list(dict.fromkeys(uids))
+        unknown = [u for u in uids if u not in self.live]
         if unknown:
             raise RelayError(
                 f"the step trained {len(unknown)} prompt(s) the ledger never handed out (uids {unknown[:3]}): "
@@ -62,8 +63,7 @@ class PromptLedger:
                 "pin verl 0.9.1 (its _submit_batch_to_rollout hands every prompt out)",
                 retry_helps=False,
             )
-        trained = sorted((self.live.pop(u) for u in dict.fromkeys(uids)), key=lambda p: p.seq)
-        return trained
+        return sorted((self.live.pop(u) for u in uids), key=lambda p: p.seq)
 
     def row_done(self) -> list[tuple[int, int]]:
         """The prompts (seq, dataset index) handed out since the last row (for this row), and start a new count."""

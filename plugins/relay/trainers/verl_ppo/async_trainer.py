@@ -112,9 +112,11 @@ class AsyncPrompts(PPOTrainer):
     def _relay_drain(self) -> None:
         """Wait until no prompt of the training partition is pending or running (the hf rollout, and any engine
         between verl's abort and resume, would otherwise generate it partly under the next weights)."""
-        said = time.time()
+        said, pause = time.time(), 0.02
         while any(t.get("is_prompt") and t.get("status") in IN_FLIGHT for t in _train_items().values()):
-            time.sleep(0.02)
+            # each poll lists the partition (a Ray call): soon at first, then at most twice a second
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
             if time.time() - said > 60:
                 verl_chunk.say(f"step {self.global_steps}: waiting for the prompts in flight to finish generating")
                 said = time.time()

@@ -34,6 +34,7 @@ from relay.common.errors import SpecError
 from relay.runs.run import Run
 from relay.trainers.verl_ppo import tracking
 from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
+from relay.trainers.verl_ppo.settings import unsaved_chunk_end
 from relay.trainers.verl_ppo.verl_contract import HF_AGENT_LOOP, HF_ROLLOUT
 
 # the only '+' overrides: not in verl's yaml, their parent is
@@ -69,19 +70,15 @@ def quote(value) -> str:
 def save_freq(spec) -> int:
     s = spec.settings
     warm = spec.warm_chunks and s.mode != "supervised"
-    if s.mode == "supervised" or warm:
-        freq = s.save_freq or spec.chunk_steps
-        # (the job itself sees the whole run as one chunk, its save_freq already checked by the DAG)
-        if spec.chunk_steps < spec.total_steps and spec.chunk_steps % freq:
-            raise SpecError(
-                spec.source,
-                "trainer.settings.save_freq",
-                f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}: "
-                f"{'with warm chunks' if warm else 'in supervised mode'} every chunk's end step must be saved "
-                "by verl's save_freq (its loop does not end there)",
-                f"use a divisor of {spec.chunk_steps}, or 0",
-            )
-        return freq
+    # (the job itself sees the whole run as one chunk, its save_freq already checked by the DAG)
+    if (s.mode == "supervised" or warm) and (why := unsaved_chunk_end(spec)):
+        raise SpecError(
+            spec.source,
+            "trainer.settings.save_freq",
+            f"{why}: {'with warm chunks' if warm else 'in supervised mode'} every chunk's end step must be saved "
+            "by verl's save_freq (its loop does not end there)",
+            f"use a divisor of {spec.chunk_steps}, or 0",
+        )
     return s.save_freq or spec.chunk_steps
 
 

@@ -272,16 +272,22 @@ class VerlPPOSettings(StrictModel):
         return (train_rows // self.train_batch_size) * self.total_epochs
 
 
+def unsaved_chunk_end(spec) -> str | None:
+    """Why verl's save_freq would miss a chunk's end step (None: it saves each one). A job whose loop does not end at
+    a chunk's end (warm chunks, supervised mode) saves that step through save_freq only."""
+    freq = spec.settings.save_freq or spec.chunk_steps
+    if spec.chunk_steps < spec.total_steps and spec.chunk_steps % freq:
+        return f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}"
+    return None
+
+
 def warm_blocker(spec) -> str | None:
     """Why a verl_ppo spec's chunks cannot hand over warm (None: they can): supervised mode is one job already, and
     verl's loop saves a warm chunk's end through save_freq only (it does not end there)."""
-    s = spec.settings
-    if s.mode == "supervised":
+    if spec.settings.mode == "supervised":
         return "supervised mode runs the whole run as one job already: there is no chunk to hand off"
-    freq = s.save_freq or spec.chunk_steps
-    if spec.chunk_steps < spec.total_steps and spec.chunk_steps % freq:
+    if why := unsaved_chunk_end(spec):
         return (
-            f"save_freq {freq} does not divide chunk_steps {spec.chunk_steps}: with warm chunks every chunk's end step "
-            "must be saved by verl's save_freq (its loop does not end there)"
+            f"{why}: with warm chunks every chunk's end step must be saved by verl's save_freq (its loop does not end there)"
         )
     return None
