@@ -3,21 +3,28 @@
 # tests need (PostgreSQL if it is down, a Ray head; the tests start S3 and Airflow themselves), run
 # pytest, stop what it started.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/checkpoints -x).
-# --fast first: the fast lane, every test not marked `services` (tests/conftest.py says which are);
-# nothing is installed but .venv and nothing is started (scripts/test.sh --fast tests/spec -x).
+# --fast first: the fast lane, the unit tests: every test marked neither `services` (tests/conftest.py says which
+# are) nor `processes` (trainers and ranks in processes of their own); nothing is installed but .venv and nothing
+# is started (scripts/test.sh --fast tests/spec -x). --local first: every test that needs no service, the
+# `processes` ones included (a few minutes).
 # --verl first: verl's trainer end to end on CPUs, its own lane (tests/trainers/test_verl_cpu_fit.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+# Bytecode cached in __pycache__ (gitignored) where these machines set PYTHONDONTWRITEBYTECODE: pytest keeps its
+# rewritten test modules there and every process of the tests Relay's own modules, so a second run collects in
+# about half the time.
+unset PYTHONDONTWRITEBYTECODE
 # Lint, import order and layout first (ruff check, ruff format), then types (mypy over plugins/relay; the core
 # layers strictly; settings of all in pyproject.toml): seconds, not a test run.
 .venv/bin/ruff check --quiet
 .venv/bin/ruff format --check --quiet || { echo "[test] run .venv/bin/ruff format to lay the code out" >&2; exit 1; }
 .venv/bin/mypy
-if [ "${1:-}" = "--fast" ]; then
+if [ "${1:-}" = "--fast" ] || [ "${1:-}" = "--local" ]; then
+  lane=$([ "$1" = "--fast" ] && echo "not services and not processes" || echo "not services")
   shift
-  exec .venv/bin/python -m pytest -m "not services" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+  exec .venv/bin/python -m pytest -m "$lane" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
     -q "$@"
 fi
 # --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes, and 4 to 5 more for a run resharded

@@ -56,8 +56,8 @@ SLOW_FIRST = (
 # A test that needs a service (the S3 server, Ray or Airflow) is marked `services`: every test under tests/e2e
 # and tests/faults (SERVICE_FOLDERS), and elsewhere by its own mark (a module's pytestmark, or a test's). The
 # session's S3 server starts for the first such test only, and a test that asks for a service's fixture without
-# the mark is an error at collection, so the fast lane (`scripts/test.sh --fast`: `-m "not services"`) runs
-# every other test with nothing started.
+# the mark is an error at collection, so `-m "not services"` (`scripts/test.sh --local`) runs every other test
+# with nothing started.
 # verl's own trainer end to end on CPUs (tests/trainers/test_verl_cpu_fit.py, marked verl_e2e): five verl jobs,
 # each a dozen processes importing torch and verl, 7 to 12 minutes of both cores. Beside the rest of the suite
 # on this 2-core machine it pushed CI past its 30 minutes, so it runs in a lane of its own: RELAY_VERL_E2E=1
@@ -77,6 +77,16 @@ SERVICE_FIXTURES = {
     "airflow",
 }
 SERVICE_FOLDERS = ("/tests/e2e/", "/tests/faults/")  # system tests: every one of them
+# A test that runs a trainer, verl's engine, torch.distributed ranks or a fresh interpreter is marked `processes`
+# (no service, but seconds to a minute of CPU each): by its module's pytestmark, its own mark, or a fixture below
+# that does so for it. The fast lane (`scripts/test.sh --fast`) leaves them out: it is the unit tests, in under two
+# minutes; `scripts/test.sh --local` runs them too, and the full suite runs everything.
+PROCESS_FIXTURES = {
+    "verl_checkpoints",  # verl's checkpoints written by torch.distributed ranks (tests/checkpoints/test_validate.py)
+    "resumed",  # a CPU run killed and resumed (tests/insights/test_replay_audit.py)
+    "killed",  # the same, for the goodput ledger (tests/insights/test_goodput.py)
+    "small_run",  # a short CPU run (tests/s3/test_store.py)
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks added here
@@ -91,6 +101,8 @@ def pytest_collection_modifyitems(config, items):
         path = item.path.as_posix()
         if "/tests/faults/" in path:  # the fault suite (`-m fault`): tests/faults/, and the cases marked elsewhere
             item.add_marker(pytest.mark.fault)
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
         if any(folder in path for folder in SERVICE_FOLDERS):
             item.add_marker(pytest.mark.services)
         elif SERVICE_FIXTURES & set(item.fixturenames) and item.get_closest_marker("services") is None:

@@ -7,6 +7,8 @@ import pytest
 
 from support.helpers import PY, ROOT, write_spec
 
+pytestmark = pytest.mark.processes  # every case parsed in a fresh interpreter: not in the fast lane
+
 PARSE = """
 import importlib, json, os, sys
 sys.path[:0] = [{plugins!r}, {dags!r}]

@@ -2,12 +2,12 @@
 
 import pytest
 
-from relay.airflow.notifiers import Channels, deliver
 from support.alerts import an_alert
 from support.polling import wait_for
 from support.receivers import MailSink
 
 pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
+# (Airflow is imported by the tests, not at collection: every worker of the fast lane collects this module)
 
 
 @pytest.fixture
@@ -20,6 +20,8 @@ def conns(receivers, monkeypatch):
 
 
 def test_an_alert_reaches_email_slack_and_the_webhook(conns):
+    from relay.airflow.notifiers import Channels, deliver
+
     alert = an_alert()
     results = deliver(
         alert, Channels(("oncall@example.com", "ml@example.com"), "relay_smtp", "relay_slack", "relay_webhook")
@@ -37,6 +39,8 @@ def test_an_alert_reaches_email_slack_and_the_webhook(conns):
 
 
 def test_a_broken_channel_is_reported_and_never_raises(conns):
+    from relay.airflow.notifiers import Channels, deliver
+
     results = deliver(an_alert(), Channels(("oncall@example.com",), "relay_smtp", None, "relay_broken_webhook"))
     assert results["email:relay_smtp"] == "sent"
     assert results["webhook:relay_broken_webhook"].startswith("failed: ConnectionError")
@@ -44,6 +48,8 @@ def test_a_broken_channel_is_reported_and_never_raises(conns):
 
 
 def test_no_channel_sends_nothing():
+    from relay.airflow.notifiers import Channels, deliver
+
     assert deliver(an_alert(), Channels((), "smtp_default", None, None)) == {}
 
 
@@ -87,6 +93,8 @@ def test_an_unconfigured_channel_is_one_warning_per_run_not_an_error_per_alert(t
 
 
 def test_the_local_stacks_mail_sink_keeps_each_alert_as_a_file(tmp_path, monkeypatch):
+    from relay.airflow.notifiers import Channels, deliver
+
     """`relay stack up` points smtp_default at its mail sink: an alert e-mail lands in its folder as a .eml file."""
     import email
     import email.policy

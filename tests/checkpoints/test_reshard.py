@@ -30,6 +30,8 @@ from relay.runs import layout
 from support import verl_checkpoint
 from support.helpers import relay_cli
 
+pytestmark = pytest.mark.processes  # verl's checkpoints written and loaded by torch.distributed ranks: not in the fast lane
+
 SIZES = (1, 2, 3, 4)
 VERL_WROTE = (1, 2, 3)
 SHAPE = {"hidden": 24, "layers": 2, "vocab": 67}  # 67 rows: cut unevenly at 2, 3 and 4 (34/33, 23/23/21, 17x3/16)

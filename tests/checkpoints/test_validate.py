@@ -139,6 +139,7 @@ def test_parameter_shapes_must_match_the_previous_checkpoint(verl_checkpoints, t
     assert report.failed.name == "numerics" and "at step 1 it had" in report.failed.detail
 
 
+@pytest.mark.processes
 def test_checkpoint_validate_runs_the_safe_checks_by_default(verl_checkpoints, tmp_path):
     """`relay checkpoint validate DIR`, no flags: NaN weights and a pickle that would run code are refused
     (exit 1) with the check named; --quick keeps structure, consistency and integrity only."""

@@ -13,10 +13,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from relay.common.faultpoint import KILL_ENV
 from relay.runs import layout
 from relay.runs.metrics import read_events
 from support.helpers import ROOT, assert_bitwise_equal, model_state, read_metrics, relay_cli, write_spec
+
+pytestmark = pytest.mark.processes  # trainer jobs in processes of their own: not in the fast lane
 
 SAME_BYTES = """
 import json, shutil, sys

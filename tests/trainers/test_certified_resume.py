@@ -13,6 +13,8 @@ from relay.runs import layout
 from relay.runs.metrics import read_events
 from support.helpers import DELETE, assert_bitwise_equal, model_state, read_metrics, relay_cli, train, write_spec
 
+pytestmark = pytest.mark.processes  # trainer jobs in processes of their own: not in the fast lane
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

@@ -8,6 +8,8 @@ from relay.s3.store import CheckpointStore, store_for_spec
 from relay.spec.run_spec import load_spec
 from support.helpers import assert_bitwise_equal, digests, model_state, read_metrics, relay_cli, train
 
+pytestmark = pytest.mark.processes  # trainer jobs in processes of their own: not in the fast lane
+
 
 @pytest.mark.services
 def test_a_confirmed_fresh_start_from_the_cli_starts_again_and_keeps_the_old_run(baseline, tmp_path):

@@ -131,6 +131,7 @@ def test_relay_train_sigtermed_mid_chunk_saves_its_step_and_the_resume_loses_non
     )
 
 
+@pytest.mark.processes
 def test_a_save_before_too_close_for_a_step_ends_the_chunk_at_once_and_loses_nothing(tmp_path):
     soon = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 5))
     spec = write_spec(tmp_path, save_before=soon)

@@ -81,6 +81,7 @@ def test_reward_rises_within_60_steps(tmp_path):
     assert last > first + 0.1, f"mean reward did not rise: first 10 steps {first:.3f}, last 20 {last:.3f}"
 
 
+@pytest.mark.processes
 def test_a_chunks_log_carries_its_step_lines_and_no_known_noise(tmp_path):
     """What a person reads in a chunk's log: Relay's step lines (the ETA of the chunk and of the run, named), and no
     warning of verl's platform detection on a host without an accelerator or of torchdata's deprecated torch call.
@@ -106,6 +107,7 @@ def test_a_chunks_log_carries_its_step_lines_and_no_known_noise(tmp_path):
         assert noise not in out, f"{noise!r} in the chunk's log:\n{out[-3000:]}"
 
 
+@pytest.mark.processes
 def test_airflows_task_processes_skip_the_pathspec_deprecation(tmp_path):
     """Every Airflow process of the local stack (and the compose file's) ignores pathspec's deprecation warning that
     Airflow's .airflowignore reader sets off in every task's log (Airflow's configuration, imported first, shows

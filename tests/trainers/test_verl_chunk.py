@@ -25,6 +25,8 @@ from relay.runs.run import Run
 from relay.spec.run_spec import spec_from_dict
 from relay.trainers.contract import ChunkRequest
 
+pytestmark = pytest.mark.processes  # verl's trainer classes and engine in this process, seconds a test: not in the fast lane
+
 TOTAL, CHUNK = 30, 10
 
 

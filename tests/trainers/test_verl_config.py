@@ -275,6 +275,7 @@ def test_the_chunk_travels_to_the_task_runner_inside_verls_config(tmp_path):
     assert c.skip_validation_at(20) and not c.skip_validation_at(30) and not c.skip_validation_at(19)
 
 
+@pytest.mark.processes
 def test_the_dag_file_stays_light_with_a_verl_spec(tmp_path):
     """Loading a verl_ppo spec (as the DAG processor does) imports neither verl, torch, ray nor hydra."""
     import subprocess

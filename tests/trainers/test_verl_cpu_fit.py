@@ -27,7 +27,6 @@ from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
 from relay.spec.run_spec import load_spec
-from relay.trainers.verl_ppo import chunk_trainer
 from support.helpers import assert_bitwise_equal, model_state, read_metrics
 from support.verl_jobs import SPEC, finish, relay_train, stopped_gracefully, two_chunks_with_a_kill
 
@@ -147,6 +146,7 @@ def test_the_chunk_trainer_is_verls_own_loop():
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+    from relay.trainers.verl_ppo import chunk_trainer  # verl: imported by this test, not at collection
     from relay.trainers.verl_ppo.runner import relay_task_runner
     from relay.trainers.verl_ppo.verl_contract import original_class
 

@@ -10,12 +10,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from relay.checkpoints.validate import validate_checkpoint
 from relay.trainers.verl_ppo.tiny_model import make_tiny_model
 from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM_ENV as ENV
 from support import verl_checkpoint
 from support.helpers import ROOT
 from support.ports import free_port
+
+pytestmark = pytest.mark.processes  # verl's engine on the cpu platform, in processes of its own: not in the fast lane
 
 PROBE = """
 import json, warnings

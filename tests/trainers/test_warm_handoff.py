@@ -28,6 +28,8 @@ from relay.spec.run_spec import load_spec
 from relay.trainers.contract import ENV_VAR, ChunkRequest
 from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli, write_spec
 
+pytestmark = pytest.mark.processes  # trainer jobs in processes of their own: not in the fast lane
+
 TOTAL, CHUNK = 9, 3  # three chunks of three steps
 
 
