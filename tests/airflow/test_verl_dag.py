@@ -3,12 +3,13 @@
 TaskRunner and PPOTrainerSync.fit() (its FSDP engine, reference model, GRPO advantage, FSDPCheckpointManager;
 the hf rollout stands in for vLLM only). Chunk 1's job goes on warm into chunk 2 and is SIGKILLed there (after
 step 3, before the checkpoint of step 4); the chunk's try starts a new job that resumes cold from chunk 1's
-checkpoint and goes on warm into chunk 3. Every checkpoint is validated (the smoke check included) and
-published to the session's S3.
+checkpoint and goes on warm into chunk 3. The run saves off the critical path (`checkpoints.async_save`: verl's
+workers copy their shards and write them on threads of their own). Every checkpoint is validated (the smoke check
+included) and published to the session's S3.
 
-Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 6, the fifth job): every step once,
-the same LR (the spec's warmup and cosine decay), data order (dataset indices per step), rewards and resume point,
-and bitwise equal weights and optimizer state at step 6;
+Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 6, the fifth job, saving synchronously):
+every step once, the same LR (the spec's warmup and cosine decay), data order (dataset indices per step), rewards and
+resume point, bitwise equal weights and optimizer state at step 6, and the same bytes in its shard files;
 and the step trained twice equals its first try (relay.insights.audit): the same reward, loss, KL, LR and data order.
 The graceful stop and the relay-train-only version of this comparison are verl's own lane
 (tests/trainers/test_verl_cpu_fit.py, `./scripts/test.sh --verl`).
@@ -20,9 +21,11 @@ and a logical GPU than the session's head (2 CPUs, for the suite's many small ch
 from __future__ import annotations
 
 import shutil
+import zipfile
 
 import pytest
 import torch
+import yaml
 
 from relay.checkpoints.gate import admit_dir
 from relay.devstack import stack
@@ -34,7 +37,16 @@ from relay.runs.phases import STARTUP, phase_marks
 from relay.s3.store import store_for_spec
 from relay.spec.run_spec import load_spec
 from support.helpers import assert_bitwise_equal, model_state, read_metrics
-from support.verl_jobs import JOB_TIMEOUT, SPEC, dag_spec, dag_with_chunk_2_killed, optimizer_state, relay_train
+from support.verl_jobs import (
+    JOB_TIMEOUT,
+    SPEC,
+    dag_spec,
+    dag_with_chunk_2_killed,
+    full_model,
+    optimizer_state,
+    relay_train,
+    swap_rank_shards,
+)
 
 pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
 
@@ -43,7 +55,9 @@ RUN = "ci"
 
 @pytest.fixture(scope="module")
 def dag_run(airflow_home, s3_server, tmp_path_factory):
-    spec_path = dag_spec(SPEC, airflow_home["runs"], "relay_verl_ray", chunks={"handoff": "warm"})
+    # Saves off the critical path (checkpoints.async_save) in the DAG's run; the uninterrupted job saves synchronously.
+    checkpoints = {**yaml.safe_load(SPEC.read_text())["checkpoints"], "async_save": True}
+    spec_path = dag_spec(SPEC, airflow_home["runs"], "relay_verl_ray", chunks={"handoff": "warm"}, checkpoints=checkpoints)
     run_dir = load_spec(spec_path, check_environment=False).run_dir(RUN)
     with stack.private_ray_head() as head:
         # Chunk 1's job, gone on warm into chunk 2: its driver SIGKILLed after step 3's row, before step 4's
@@ -125,6 +139,29 @@ def test_the_resumed_run_has_the_uninterrupted_runs_lr_data_order_rewards_and_we
     assert not differ, f"the optimizer states differ at {differ[:5]}"
 
 
+def test_verls_workers_saved_off_the_critical_path_the_bytes_of_a_synchronous_save(dag_run):
+    """checkpoints.async_save in verl's FSDP workers (relay.trainers.verl_ppo.worker_saves): every checkpoint of the
+    DAG's run was copied while training waited and written by the workers' threads, committed only after; the
+    uninterrupted job saved synchronously. Step 6's shards hold byte for byte the synchronous save's tensor storages
+    (their pickles differ between any two processes: torch writes a random serialization id, and a device mesh's
+    hash)."""
+    saves = [e for e in read_events(dag_run["run_dir"]) if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [2, 4, 6] and all("written_seconds" in e for e in saves), saves
+    assert not any("written_seconds" in e for e in read_events(dag_run["straight"]) if e["event"] == "checkpoint")
+    assert "of host buffers allocated before the first step" in dag_run["out"]
+    chunked, one_job = layout.step_dir(dag_run["run_dir"], 6) / "actor", layout.step_dir(dag_run["straight"], 6) / "actor"
+    for name in (layout.shard_name("model", 1, 0), layout.shard_name("optim", 1, 0)):
+        a, b = storages(chunked / name), storages(one_job / name)
+        assert a.keys() == b.keys() and len(a) > 10 and a == b, name
+    assert not list((dag_run["run_dir"] / ".relay" / "staging").glob("*")), "nothing left in staging"
+
+
+def storages(shard) -> dict[str, bytes]:
+    """The tensor storages of a torch.save archive (its data/ records), by name."""
+    with zipfile.ZipFile(shard) as z:
+        return {n.split("/", 1)[1]: z.read(n) for n in z.namelist() if n.split("/")[1:2] == ["data"]}
+
+
 def test_the_step_trained_twice_equals_its_first_try(dag_run):
     """verl's generation is seeded per sample and verl restores every RNG it saves: the resumed step 3 repeats
     the killed try's step 3 bit for bit, every logged metric (reward, loss, KL, LR, the dataset indices)."""
@@ -185,3 +222,62 @@ def test_a_reshard_keeps_the_certificate_and_rows_rotated_in_one_shard_are_refus
     bad = admit(Run(spec, RUN, bad_back), 6)
     assert not bad.ok and bad.report.failed.name == "certificate", bad.explain()
     assert key in bad.report.failed.detail
+
+
+@pytest.fixture(scope="module")
+def swapped(dag_run, tmp_path_factory):
+    """The DAG's run copied and taken to world size 2: step 6 resharded 1 -> 2 (`relay checkpoint reshard`'s code)
+    and its two ranks' model pieces swapped (same shapes, finite, its checksums made again: the gate admits it);
+    `relay train` of the copy at world size 2 (checkpoints.on_world_size_change: reshard), then again."""
+    from relay.checkpoints.reshard import reshard
+    from relay.jobs import local_head
+
+    assert dag_run["returncode"] == 0, dag_run["out"][-6000:]
+    base = tmp_path_factory.mktemp("verl_swapped")
+    run = base / "run"
+    shutil.copytree(dag_run["run_dir"], run)
+    reshard(run, 2, step=6)
+    names = swap_rank_shards(run, 6)
+    d = yaml.safe_load(dag_run["spec"].read_text())
+    d["trainer"]["settings"]["n_gpus_per_node"] = 2
+    d["checkpoints"]["on_world_size_change"] = "reshard"
+    spec = base / "at2.yaml"
+    spec.write_text(yaml.safe_dump(d, sort_keys=False))
+    with local_head.local_head(
+        stack.ray_cli(), stack.ray_env(local_s3=False), num_cpus=stack.head_cpus(), num_gpus=2, avoid=stack.stack_ray_ports()
+    ) as head:
+        refused = relay_train(run, 6, head.address, base / "refused.log", spec=spec).wait(timeout=JOB_TIMEOUT)
+        tracker_after = layout.read_tracker(run)
+        retried = relay_train(run, 6, head.address, base / "retried.log", spec=spec).wait(timeout=JOB_TIMEOUT)
+    return {
+        "run": run,
+        "names": names,
+        "refused_rc": refused,
+        "refused": (base / "refused.log").read_text(errors="replace"),
+        "tracker_after": tracker_after,
+        "retried_rc": retried,
+        "retried": (base / "retried.log").read_text(errors="replace"),
+    }
+
+
+def test_two_ranks_shards_swapped_pass_integrity_and_are_refused_by_the_certificate_at_resume(dag_run, swapped):
+    """verl's trainer at world size 2 loads the swapped step 6 and its workers' certificate refuses it: quarantined,
+    the tracker back at step 4; the next `relay train` reshards step 4 to world size 2, resumes from it certified
+    within the tolerance, and trains steps 5 and 6 as the DAG's run did (the same data order, LR and rewards; the
+    weights within 1e-2: two ranks sum their gradients in another order)."""
+    assert swapped["names"], "some parameters' two pieces have one shape"
+    log = swapped["refused"]
+    assert swapped["refused_rc"] != 0, log[-6000:]
+    assert "certificate does not hold" in log and "parameters hold other values" in log, log[-6000:]
+    [event] = [e for e in read_events(swapped["run"]) if e["event"] == "certificate_refused"]
+    assert (event["step"], event["fell_back_to"], swapped["tracker_after"]) == (6, 4, 4)
+    assert swapped["retried_rc"] == 0, swapped["retried"][-6000:]
+    assert "certified resume from step 4" in swapped["retried"], swapped["retried"][-6000:]
+    assert layout.read_tracker(swapped["run"]) == 6
+    a = {r["step"]: r for r in read_metrics(dag_run["run_dir"])}
+    b = {r["step"]: r for r in read_metrics(swapped["run"])}
+    for step in (5, 6):
+        assert (a[step]["sample_indices"], a[step]["lr"]) == (b[step]["sample_indices"], b[step]["lr"]), step
+        assert a[step]["reward_mean"] == b[step]["reward_mean"], step
+    wa, wb = full_model(layout.step_dir(dag_run["run_dir"], 6), 1), full_model(layout.step_dir(swapped["run"], 6), 2)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-2

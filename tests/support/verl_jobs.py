@@ -185,3 +185,41 @@ def stopped_gracefully(run_dir: Path, after: int, to_step: int, ray_address: str
     finally:
         Path(f"{held}.go").touch()
     return proc.wait(timeout=JOB_TIMEOUT)
+
+
+def full_model(step_dir, world_size: int) -> dict:
+    """A verl checkpoint's model parameters, its ranks' FSDP2 pieces put together (dim 0)."""
+    import torch
+
+    from relay.checkpoints.safeload import load
+
+    sds = [load(step_dir / "actor" / layout.shard_name("model", world_size, r)) for r in range(world_size)]
+    return {k: torch.cat([sd[k].to_local() if hasattr(sd[k], "to_local") else sd[k] for sd in sds], 0) for k in sds[0]}
+
+
+def swap_rank_shards(run_dir, step: int) -> list[str]:
+    """Rank 0's and rank 1's pieces of every parameter whose pieces have one shape swapped, each shard re-saved by
+    torch (its zip CRCs hold); the manifest made again by the gate, as for a checkpoint validated after the
+    change. Returns the parameters swapped."""
+    import torch
+
+    from relay.checkpoints import manifest
+    from relay.checkpoints.gate import admit_dir
+
+    actor = layout.step_dir(run_dir, step) / "actor"
+    paths = [actor / layout.shard_name("model", 2, r) for r in (0, 1)]
+    a, b = (torch.load(p, weights_only=False) for p in paths)
+    swapped = []
+    for k in a:
+        la = a[k].to_local() if hasattr(a[k], "to_local") else a[k]
+        lb = b[k].to_local() if hasattr(b[k], "to_local") else b[k]
+        if la.shape == lb.shape and not torch.equal(la, lb):
+            held = la.clone()
+            la.copy_(lb)
+            lb.copy_(held)
+            swapped.append(k)
+    torch.save(a, paths[0])
+    torch.save(b, paths[1])
+    (layout.step_dir(run_dir, step) / manifest.NAME).unlink(missing_ok=True)
+    assert admit_dir(run_dir, step).ok, "shapes, values and checksums hold: the gate admits it"
+    return swapped

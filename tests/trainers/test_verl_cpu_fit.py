@@ -21,14 +21,24 @@ from __future__ import annotations
 import signal
 
 import pytest
+import yaml
 
 from relay.checkpoints.gate import admit_dir
+from relay.common.faultpoint import KILL_ENV
 from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.phases import STARTUP, phase_marks
 from relay.spec.run_spec import load_spec
 from support.helpers import assert_bitwise_equal, model_state, read_metrics
-from support.verl_jobs import SPEC, finish, relay_train, stopped_gracefully, two_chunks_with_a_kill
+from support.verl_jobs import (
+    JOB_TIMEOUT,
+    SPEC,
+    finish,
+    relay_train,
+    stopped_gracefully,
+    two_chunks_with_a_kill,
+    with_job_env,
+)
 
 
 def E2E(test):
@@ -181,3 +191,48 @@ def test_the_chunk_trainer_is_verls_own_loop():
     runner = relay_task_runner()
     assert issubclass(runner, original_class(TaskRunnerV1))
     assert runner.init_agent_loop_manager is original_class(TaskRunnerV1).init_agent_loop_manager
+
+
+@pytest.fixture(scope="module")
+def async_crash(tmp_path_factory, ray_address):
+    """Saves off the critical path in verl's workers (checkpoints.async_save), the worker SIGKILLed on its save thread
+    while it writes step 4's shards (training has gone on; step 4 ends the job, which waits for that save); then
+    `relay train` again."""
+    base = tmp_path_factory.mktemp("verl_async_crash")
+    spec = with_job_env(base / "spec.yaml", {KILL_ENV: "mid_save@4", "RELAY_FAULT_ONCE": str(base / "killed-once")})
+    d = yaml.safe_load(spec.read_text())
+    d["checkpoints"]["async_save"] = True
+    spec.write_text(yaml.safe_dump(d, sort_keys=False))
+    run = base / "run"
+    crashed = relay_train(run, 4, ray_address, base / "crashed.log", spec=spec).wait(timeout=JOB_TIMEOUT)
+    after_crash = {"tracker": layout.read_tracker(run), "step_4": (run / "global_step_4").exists()}
+    retry = finish(relay_train(run, 4, ray_address, base / "retry.log", spec=spec), base / "retry.log")
+    return {
+        "run": run,
+        "crashed_rc": crashed,
+        "crashed_log": (base / "crashed.log").read_text(errors="replace"),
+        "after_crash": after_crash,
+        "retry_log": retry,
+    }
+
+
+@E2E
+def test_a_worker_killed_while_writing_an_async_save_leaves_the_checkpoint_before_it(async_crash):
+    """The killed worker's step 4 is never committed: the job fails, the tracker still names step 2 and no
+    global_step_4 exists; `relay train` again resumes from step 2 (certified) and commits step 4."""
+    log = async_crash["crashed_log"]
+    assert async_crash["crashed_rc"] != 0, log[-6000:]
+    assert "[relay-fault] killed at mid_save step 4" in log, log[-6000:]
+    assert async_crash["after_crash"] == {"tracker": 2, "step_4": False}, log[-6000:]
+    saves = [e for e in read_events(async_crash["run"]) if e["event"] == "checkpoint"]
+    assert [(e["step"], "written_seconds" in e) for e in saves] == [(2, True), (4, True)], saves
+    assert "resumes from step 2" in async_crash["retry_log"]
+    assert "certified resume from step 2" in async_crash["retry_log"]
+    assert layout.read_tracker(async_crash["run"]) == 4
+
+
+@E2E
+def test_async_saves_and_a_crash_in_one_end_with_the_uninterrupted_runs_weights(async_crash, runs):
+    assert_bitwise_equal(
+        model_state(layout.step_dir(async_crash["run"], 4)), model_state(layout.step_dir(runs["straight"], 4))
+    )

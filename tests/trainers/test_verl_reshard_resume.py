@@ -21,12 +21,11 @@ import torch
 import yaml
 
 from relay.checkpoints import manifest
-from relay.checkpoints.safeload import load
 from relay.devstack import stack
 from relay.jobs import local_head
 from relay.runs import layout
 from support.helpers import read_metrics, relay_cli
-from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, relay_train
+from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, full_model, relay_train, swap_rank_shards
 
 pytestmark = pytest.mark.verl_e2e
 
@@ -41,36 +40,6 @@ def spec_at(path, checkpoint_dir, n_gpus: int, policy: str = "refuse"):
     d["data"]["val_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["val_files"]]
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
-
-
-def full_model(step_dir, world_size: int) -> dict:
-    sds = [load(step_dir / "actor" / layout.shard_name("model", world_size, r)) for r in range(world_size)]
-    return {k: torch.cat([sd[k].to_local() if hasattr(sd[k], "to_local") else sd[k] for sd in sds], 0) for k in sds[0]}
-
-
-def swap_rank_shards(run_dir, step: int) -> list[str]:
-    """Rank 0's and rank 1's pieces of every parameter whose pieces have one shape swapped, each shard re-saved by
-    torch (its zip CRCs hold); the manifest made again by the gate, as for a checkpoint validated after the
-    change. Returns the parameters swapped."""
-    from relay.checkpoints.gate import admit_dir
-
-    actor = layout.step_dir(run_dir, step) / "actor"
-    paths = [actor / layout.shard_name("model", 2, r) for r in (0, 1)]
-    a, b = (torch.load(p, weights_only=False) for p in paths)
-    swapped = []
-    for k in a:
-        la = a[k].to_local() if hasattr(a[k], "to_local") else a[k]
-        lb = b[k].to_local() if hasattr(b[k], "to_local") else b[k]
-        if la.shape == lb.shape and not torch.equal(la, lb):
-            held = la.clone()
-            la.copy_(lb)
-            lb.copy_(held)
-            swapped.append(k)
-    torch.save(a, paths[0])
-    torch.save(b, paths[1])
-    (layout.step_dir(run_dir, step) / manifest.NAME).unlink(missing_ok=True)
-    assert admit_dir(run_dir, step).ok, "shapes, values and checksums hold: the gate admits it"
-    return swapped
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,7 @@ KINDS: dict[str, TrainerKind] = {
         job_env="relay.trainers.verl_ppo.trainer:job_env",
         warm_handoff=True,
         warm_blocker="relay.trainers.verl_ppo.settings:warm_blocker",
+        async_save=True,
     ),
 }
 

@@ -122,7 +122,8 @@ class CheckpointPolicy(StrictModel):
         description=(
             "save off the critical path: the trainer copies the state into host buffers (kept from one save to the "
             "next) and trains on while a thread writes, fsyncs and commits it; the same bytes on disk; at most one "
-            "save in flight, a copy that does not fit in host memory saved synchronously. Relay's CPU trainer only"
+            "save in flight, a copy that does not fit in host memory saved synchronously. Both trainers: verl's FSDP "
+            "workers copy their shards and write them on threads of their own, and the commit waits for every rank"
         ),
     )
     keep_local: int = Field(default=3, ge=1, description="validated and published checkpoints kept on local storage")

@@ -104,24 +104,33 @@ class NoRoomForCopy(Exception):
 
 
 class DeferredWrites:
-    """The `torch.save` calls of a save, collected while it runs on the main thread (see the module docstring)."""
+    """The `torch.save` calls of a save, collected while it runs on the main thread (see the module docstring).
+    when_no_room: what a copy that does not fit in the host's memory does: "raise" NoRoomForCopy (the whole save is
+    then made synchronously), or "write" that object at once (named in `written_now`), where raising in one process
+    would leave the others waiting at a barrier (verl's workers)."""
 
-    def __init__(self, buffers: HostBuffers):
+    def __init__(self, buffers: HostBuffers, when_no_room: str = "raise"):
         self.buffers = buffers
+        self.when_no_room = when_no_room
         self.writes: list[tuple[Any, Path]] = []
+        self.written_now: list[str] = []
+        self._save: Callable[..., Any] | None = None  # torch's own save, for the writes
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[DeferredWrites]:
         import torch
 
-        real = torch.save
+        real = self._save = torch.save
 
         def deferred(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
             if args or kwargs or not isinstance(f, (str, Path)):
                 return real(obj, f, *args, **kwargs)  # not a plain save to a file: as asked, now
             key = Path(f).name
             if (short := no_room_for(self.buffers.missing_bytes(key, obj))) is not None:
-                raise NoRoomForCopy(f"the host copy of {key} {short}")
+                if self.when_no_room != "write":
+                    raise NoRoomForCopy(f"the host copy of {key} {short}")
+                self.written_now.append(f"{key}: its host copy {short}")
+                return real(obj, f)
             self.writes.append((self.buffers.mirror(key, obj), Path(f)))
             return None
 
@@ -139,10 +148,11 @@ class DeferredWrites:
         """Replay the collected saves (the save's thread); `before(path)` runs before each (a fault point)."""
         import torch
 
+        save = self._save or torch.save
         for obj, path in self.writes:
             if before is not None:
                 before(path)
-            torch.save(obj, path)
+            save(obj, path)
 
 
 def no_room_for(need: int) -> str | None:
@@ -166,3 +176,35 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def prepare(buffers: HostBuffers, ckpt: Any) -> str:
+    """Allocate (and touch) the buffers for what verl's FSDPCheckpointManager `ckpt` saves, before the first step:
+    the model's state, and the optimizer's once it has one (a run's first save allocates those). What it did, in
+    words; nothing when the buffers would not fit in the host's memory (each save that cannot copy then writes at
+    once)."""
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from verl.utils.device import is_cuda_available
+    from verl.utils.fsdp_utils import get_fsdp_state_ctx
+
+    from relay.runs import layout
+
+    with get_fsdp_state_ctx(
+        ckpt.model,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(offload_to_cpu=bool(is_cuda_available)),  # as verl's save asks for them
+        ShardedOptimStateDictConfig(offload_to_cpu=bool(is_cuda_available)),
+    ):
+        states = {layout.shard_name("model", ckpt.world_size, ckpt.rank): ckpt.model.state_dict()}
+        if ckpt.optimizer is not None and ckpt.optimizer.state:
+            states[layout.shard_name("optim", ckpt.world_size, ckpt.rank)] = ckpt.optimizer.state_dict()
+        short = no_room_for(sum(buffers.missing_bytes(k, v) for k, v in states.items()))
+        if short is not None:
+            return (
+                f"saves off the critical path (checkpoints.async_save): the state {short}: each save that cannot "
+                "copy is synchronous"
+            )
+        for key, state in states.items():
+            buffers.mirror(key, state)
+    size = f"{buffers.nbytes / GiB:.3f} GiB" if buffers.nbytes >= GiB / 10 else f"{buffers.nbytes / 2**20:.1f} MiB"
+    return f"saves off the critical path (checkpoints.async_save): {size} of host buffers allocated before the first step"

@@ -331,14 +331,18 @@ class ChunkSession:
         )
 
     def save_off_critical_path(
-        self, step: int, snapshot: Callable[[Path], Callable[[], None]], sync: Callable[[Path], None]
+        self,
+        step: int,
+        snapshot: Callable[[Path], Callable[[], Path | None]],
+        sync: Callable[[Path], None] | None = None,
     ) -> None:
         """Save step `step` while training goes on (checkpoints.async_save, relay.trainers.async_save): on this
         thread, `snapshot(staged)` copies what the save writes into host buffers (the trainer's save code, its
         barriers and the certificate's probe included: the blocking time) and returns the writes; a thread of its
-        own writes them, fsyncs and commits under the lease (the token re-checked). At most one save is in flight:
-        this first waits for the one before. A copy that does not fit in the host's memory is saved here, with
-        `sync(staged)`, as a synchronous save."""
+        own writes them, fsyncs and commits under the lease (the token re-checked); the writes return the step
+        folder to commit when it is not `staged` itself (verl writes global_step_N inside it). At most one save
+        is in flight: this first waits for the one before. A copy that does not fit in the host's memory
+        (NoRoomForCopy) is saved here, with `sync(staged)`, as a synchronous save."""
         from relay.trainers.async_save import NoRoomForCopy
 
         self.wait_for_save()
@@ -347,6 +351,8 @@ class ChunkSession:
             try:
                 write = snapshot(staged)
             except NoRoomForCopy as e:
+                if sync is None:
+                    raise
                 self.say(f"step {step} is saved synchronously: {e}")
                 shutil.rmtree(staged, ignore_errors=True)
                 staged.mkdir(parents=True)
@@ -359,10 +365,14 @@ class ChunkSession:
         )
         self._in_flight.start()
 
-    def _write_and_commit(self, step: int, staged: Path, write: Callable[[], None], blocking: float, until: float) -> None:
+    def _write_and_commit(
+        self, step: int, staged: Path, write: Callable[[], Path | None], blocking: float, until: float
+    ) -> None:
         try:
-            write()
-            self.commit(step, staged, blocking=(blocking, until))
+            folder = write() or staged
+            self.commit(step, folder, blocking=(blocking, until))
+            if folder != staged:
+                shutil.rmtree(staged, ignore_errors=True)
         except BaseException as e:  # noqa: BLE001 - raised on the trainer's thread by wait_for_save
             self._in_flight_error = self._save_failed(step, staged, e)
 

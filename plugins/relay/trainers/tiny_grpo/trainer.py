@@ -423,30 +423,10 @@ class _TinyGRPO:
 
     def prepare_host_buffers(self) -> str:
         """The host buffers of saves off the critical path, allocated (and their pages touched) before the first
-        step: the model's state, and the optimizer's once it has one (a run's first save allocates those)."""
-        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
-        from verl.utils.fsdp_utils import get_fsdp_state_ctx
+        step (relay.trainers.async_save.prepare)."""
+        from relay.trainers.async_save import prepare
 
-        from relay.trainers.async_save import GiB, no_room_for
-
-        with get_fsdp_state_ctx(
-            self.model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
-        ):
-            states = {layout.shard_name("model", 1, 0): self.model.state_dict()}
-            if self.optim.state:
-                states[layout.shard_name("optim", 1, 0)] = self.optim.state_dict()
-            short = no_room_for(sum(self.host_buffers.missing_bytes(k, v) for k, v in states.items()))
-            if short is not None:
-                return (
-                    f"saves off the critical path (checkpoints.async_save): the state {short}: each save that cannot "
-                    "copy is synchronous"
-                )
-            for key, state in states.items():
-                self.host_buffers.mirror(key, state)
-        return (
-            f"saves off the critical path (checkpoints.async_save): {self.host_buffers.nbytes / GiB:.3f} GiB of host "
-            "buffers allocated before the first step"
-        )
+        return prepare(self.host_buffers, self.ckpt)
 
     def certificate(self, step: int, probe_ids: list[list[int]] | None = None, *, params: dict | None = None):
         """The certificate of the state held now: the probe's log-probs in eval mode (no RNG drawn, nothing

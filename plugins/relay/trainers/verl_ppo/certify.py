@@ -44,7 +44,7 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
 
     from relay.checkpoints import certificate
 
-    engine = _actor(worker).actor.engine
+    engine = actor_of(worker).actor.engine
     module = engine.module
     with engine.eval_mode():
         named = list(certificate.named_state(module))
@@ -71,7 +71,7 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
     }
 
 
-def _actor(worker: Any) -> Any:
+def actor_of(worker: Any) -> Any:
     """verl's worker object that holds the actor engine, inside the Ray actor (colocated workers are a dict)."""
     for candidate in [
         worker,

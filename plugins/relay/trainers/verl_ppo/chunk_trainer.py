@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -205,26 +206,103 @@ class RelayChunk(PPOTrainer):
 
     # ---- saving: verl's own save into staging, then Relay's fenced commit
     def _save_checkpoint(self):
-        from omegaconf import open_dict
-
         step = self.global_steps
         session = self.relay_session
-        real_dir = self.config.trainer.default_local_dir
         self._relay_before_save(step)
+        if session.spec.checkpoints.async_save:  # the copy now; the files and the commit while the next steps train
+            session.save_off_critical_path(step, lambda staging_root: self._relay_snapshot(staging_root, step))
+            return
         with session.saving(step) as staging_root:  # checks the lease; a failed save is removed
-            with open_dict(self.config):
-                self.config.trainer.default_local_dir = str(staging_root)
-            try:
-                super()._save_checkpoint()
-            finally:
-                with open_dict(self.config):
-                    self.config.trainer.default_local_dir = real_dir
+            self._relay_verl_save(staging_root)
             staged = layout.step_dir(staging_root, step)
             self._relay_staged(staged, step)
             self._relay_certify_save(staged, step)
             session.commit(step, staged)
 
         shutil.rmtree(staging_root, ignore_errors=True)
+
+    def _relay_verl_save(self, staging_root) -> None:
+        """verl's own save (actor, critic, data.pt, the async modes' transfer_queue/), into Relay's staging folder."""
+        from omegaconf import open_dict
+
+        real_dir = self.config.trainer.default_local_dir
+        with open_dict(self.config):
+            self.config.trainer.default_local_dir = str(staging_root)
+        try:
+            super()._save_checkpoint()
+        finally:
+            with open_dict(self.config):
+                self.config.trainer.default_local_dir = real_dir
+
+    def _relay_snapshot(self, staging_root, step: int):
+        """A save off the critical path (checkpoints.async_save; relay.trainers.verl_ppo.worker_saves): verl's save
+        with every worker's torch.save deferred into its host buffers, then the certificate of the weights saved
+        (its probe now, before they change); each worker writes its files on a thread of its own. Returns the
+        writes for the session's save thread: wait until every worker wrote and fsynced its files, then the step
+        folder to commit."""
+        import ray
+
+        from relay.trainers.verl_ppo import worker_saves
+
+        workers = self._relay_save_workers()
+        ray.get([w.__ray_call__.remote(worker_saves.defer, step) for w in workers])
+        done = [Path(staging_root) / f".written-{i}.json" for i in range(len(workers))]
+        try:
+            self._relay_verl_save(staging_root)
+        finally:  # every worker's torch.save is its own again, whatever happened
+            took = ray.get(
+                [w.__ray_call__.remote(worker_saves.write_behind, str(d)) for w, d in zip(workers, done, strict=True)]
+            )
+        for t in took:
+            for why in t["written_now"]:
+                verl_chunk.say(f"step {step}: {why}; written before training went on")
+        staged = layout.step_dir(staging_root, step)
+        self._relay_staged(staged, step)
+        self._relay_certify_save(staged, step)
+
+        def write():
+            worker_saves.wait_written(done, lambda: self._relay_gone(workers))
+            for d in done:
+                d.unlink()
+            return staged
+
+        return write
+
+    def _relay_save_workers(self) -> list:
+        """The Ray actors that write a checkpoint's shards: the actor's workers, and the critic's where there is one."""
+        groups = [self.actor_rollout_wg] + ([self.critic_wg] if getattr(self, "use_critic", False) else [])
+        return [w for g in groups for w in g.workers]
+
+    @staticmethod
+    def _relay_gone(workers) -> str | None:
+        """A worker that no longer answers, named (None when all do; one busy training answers later, and counts as
+        alive)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from relay.trainers.verl_ppo import worker_saves
+
+        for i, w in enumerate(workers):
+            try:
+                ray.get(w.__ray_call__.remote(worker_saves.ping), timeout=10)
+            except GetTimeoutError:
+                continue
+            except RayActorError as e:
+                return f"worker {i} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        return None
+
+    def fit(self, *args, **kwargs):
+        """verl's loop; a save still being written when it ends is committed before the chunk ends (or, when the loop
+        failed, said without hiding the failure)."""
+        try:
+            super().fit(*args, **kwargs)
+        except BaseException:
+            try:
+                self.relay_session.wait_for_save()
+            except Exception as e:  # noqa: BLE001 - the loop's own error is what ends the chunk
+                verl_chunk.say(f"the save in flight was not committed ({type(e).__name__}: {e})")
+            raise
+        self.relay_session.wait_for_save()
 
     def _relay_before_save(self, step: int) -> None:
         """Before verl saves step (the async modes' fault point that loses prompts in flight)."""
@@ -281,6 +359,13 @@ class RelayChunk(PPOTrainer):
     def on_train_begin(self):
         super().on_train_begin()
         verl_chunk.record_tracking(self)
+        if self.relay_session.spec.checkpoints.async_save:  # the host buffers of saves, before the first step
+            import ray
+
+            from relay.trainers.verl_ppo import worker_saves
+
+            said = ray.get([w.__ray_call__.remote(worker_saves.prepare) for w in self._relay_save_workers()])
+            verl_chunk.say(said[0] + (f" (in each of {len(said)} workers)" if len(said) > 1 else ""))
         self._relay_phase("first_step_begins")
         if why := self.relay_session.stop_reason():  # save_before too close for a step and its save
             last = self.global_steps - 1  # verl counts from the step it is about to train
@@ -306,6 +391,7 @@ class RelayChunk(PPOTrainer):
         save_freq = self.config.trainer.save_freq
         if not (save_freq > 0 and self.global_steps % save_freq == 0):  # not saved by verl's loop just now
             self._save_checkpoint()
+        self.relay_session.wait_for_save()  # committed before the stop is recorded
         # verl's loop runs while global_steps <= total_training_steps: it ends after this step.
         self.total_training_steps = self.global_steps
         self.relay_session.record_stop(self.global_steps, why)

@@ -1,0 +1,61 @@
+"""Saves off the critical path inside verl's workers (relay.trainers.verl_ppo.worker_saves), in this process: what a
+worker does around verl's save, and how the trainer's save thread waits for the workers. verl's own workers run it in
+tests/airflow/test_verl_dag.py (CI) and tests/trainers/test_verl_cpu_fit.py (a worker killed while it writes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relay.trainers import async_save
+from relay.trainers.verl_ppo import worker_saves
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g), "step": seed}
+
+
+def test_a_workers_save_is_written_after_verls_save_returns_with_a_synchronous_saves_bytes(tmp_path):
+    (tmp_path / "sync").mkdir()
+    sync, deferred, done = tmp_path / "sync" / "model.pt", tmp_path / "model.pt", tmp_path / ".written-0.json"
+    torch.save(state(1), sync)  # (torch names the archive's folder after the file: the same name)
+    for step in (2, 4):  # the same buffers from one save to the next
+        worker_saves.defer(None, step)
+        torch.save(state(1), deferred)  # what verl's checkpoint manager calls, in the worker
+        assert not deferred.exists(), "collected, not written, while verl's save runs"
+        took = worker_saves.write_behind(None, str(done))
+        assert torch.save is not None and took["written_now"] == [] and took["bytes"] > 64 * 32 * 4
+        [result] = worker_saves.wait_written([done], lambda: None)
+        assert result["ok"] and result["files"] == ["model.pt"]
+        assert deferred.read_bytes() == sync.read_bytes()
+        done.unlink()
+        deferred.unlink()
+    torch.save(state(3), tmp_path / "after.pt")  # torch.save is torch's own again
+    assert (tmp_path / "after.pt").exists()
+
+
+def test_a_copy_that_does_not_fit_is_written_at_once_and_said(tmp_path, monkeypatch):
+    """Raising in one rank would leave the others waiting at verl's next barrier: the shard is written now."""
+    monkeypatch.setattr(async_save, "no_room_for", lambda need: "needs 9.00 GiB more of host buffers" if need else None)
+    worker_saves.defer(None, 6)
+    torch.save(state(6), tmp_path / "optim.pt")
+    assert (tmp_path / "optim.pt").exists(), "written at once"
+    took = worker_saves.write_behind(None, str(tmp_path / "done.json"))
+    assert took["written_now"] == ["optim.pt: its host copy needs 9.00 GiB more of host buffers"]
+    [result] = worker_saves.wait_written([tmp_path / "done.json"], lambda: None)
+    assert result["ok"] and result["files"] == []
+    assert torch.load(tmp_path / "optim.pt")["step"] == 6
+
+
+def test_the_commit_waits_for_every_worker_and_refuses_a_failed_or_gone_one(tmp_path):
+    done = [tmp_path / f".written-{i}.json" for i in range(2)]
+    done[0].write_text(json.dumps({"ok": True, "pid": 11}))
+    done[1].write_text(json.dumps({"ok": False, "pid": 12, "error": "OSError: [Errno 28] No space left on device"}))
+    with pytest.raises(RuntimeError, match=r"failed to write its part of the checkpoint \(pid 12\): OSError: .*No space"):
+        worker_saves.wait_written(done, lambda: None)
+    done[1].unlink()
+    with pytest.raises(RuntimeError, match="a worker stopped before writing its part of the checkpoint: worker 1"):
+        worker_saves.wait_written(done, lambda: "worker 1 (ActorDiedError: ...)", check_every_s=0)
