@@ -14,6 +14,8 @@ in several processes.
   resume point; whether their final weights are bitwise equal is asserted (the hf rollout seeds each response
   from the seed, the step and the sample, and verl restores every RNG it saves);
 - every checkpoint passes the gate at every level, the smoke check included.
+- saves off the critical path (checkpoints.async_save) with verl's worker SIGKILLed while it writes step 4's shards:
+  step 2 stays the latest, and `relay train` again resumes from it and ends with the uninterrupted run's weights.
 """
 
 from __future__ import annotations

@@ -237,13 +237,7 @@ class RayChunkOperator(ChunkTaskOperator):
             )
         if chunk.done_by(latest):
             return self._done(context, run, chunk, f"already reached step {latest}; nothing to train")
-        self._log_resume_preview(run, chunk, latest)
-        self._checks_before_chunk(context, run, chunk)
-        self._check_deadline(context, run, latest)
-        try:
-            self._fallback_to_approve(run, latest)
-        except DecisionNeeded as need:
-            ask(context, need, method_name="fallback_decided")
+        self._before_job(context, run, chunk, latest)
         hook = RayJobsHook(run.spec.ray.conn_id)
         job = self._job_of_this_try(context, hook, run, chunk)
         if job.action == "succeeded":
@@ -255,19 +249,31 @@ class RayChunkOperator(ChunkTaskOperator):
                 f"{job.state.message}. The next try resumes from the latest checkpoint."
             )
         started = time.time()  # an adopted job's chunk timeout counts again from here
-        self._mark(
-            run,
-            "task_started",
-            chunk,
-            job.submission_id,
-            at=began,
-            dag_run=context["dag_run"].run_id,
-            try_number=context["ti"].try_number,
-        )
+        dag_run, try_number = context["dag_run"].run_id, context["ti"].try_number
+        self._mark(run, "task_started", chunk, job.submission_id, at=began, dag_run=dag_run, try_number=try_number)
         self._submission_id = job.submission_id
         if job.action == "submit":
             self._submit(context, hook, run, chunk, job.submission_id, latest)
-        elif job.action == "warm":
+        else:
+            self._take_over(context, hook, run, chunk, job)
+        self._defer_on_job(context, hook, run, chunk, job.submission_id, started)
+
+    def _before_job(self, context, run: Run, chunk: Chunk, latest: int | None) -> None:
+        """What the chunk must pass before a job trains it: the resume preview in the log, the chunk's checks (data,
+        settings, approvals), the run's deadline, and a person's word where the resume would fall back."""
+        self._log_resume_preview(run, chunk, latest)
+        self._checks_before_chunk(context, run, chunk)
+        self._check_deadline(context, run, latest)
+        try:
+            self._fallback_to_approve(run, latest)
+        except DecisionNeeded as need:
+            ask(context, need, method_name="fallback_decided")
+
+    def _take_over(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, job: submission.JobDecision) -> None:
+        """This try follows a job it did not submit: a warm job going on into this chunk (admitted here, its lease
+        token taken over), an earlier try's job (adopted), or this try's own (re-attached)."""
+        page = ray_job_page(hook.dashboard_url, job.submission_id)
+        if job.action == "warm":
             token = run.folder.lease().current() or {}
             handoff.admit(
                 run.dir,
@@ -284,7 +290,7 @@ class RayChunkOperator(ChunkTaskOperator):
                 run,
                 job.submission_id,
                 job.why,
-                ray_job_page(hook.dashboard_url, job.submission_id),
+                page,
             )
         elif job.action == "adopt":
             self.log.info(
@@ -293,16 +299,15 @@ class RayChunkOperator(ChunkTaskOperator):
                 run,
                 job.submission_id,
                 job.why,
-                ray_job_page(hook.dashboard_url, job.submission_id),
+                page,
             )
         else:
             self.log.info(
                 "re-attaching to Ray job %s (%s) instead of submitting a second one: %s",
                 job.submission_id,
                 job.state and job.state.status,
-                ray_job_page(hook.dashboard_url, job.submission_id),
+                page,
             )
-        self._defer_on_job(context, hook, run, chunk, job.submission_id, started)
 
     def _job_of_this_try(self, context, hook: RayJobsHook, run: Run, chunk: Chunk) -> submission.JobDecision:
         sub_id = submission_id(run.spec.name, run.name, context["dag_run"].run_id, chunk.index, context["ti"].try_number)
