@@ -291,18 +291,9 @@ class RelayChunk(PPOTrainer):
                 return f"worker {i} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         return None
 
-    def fit(self, *args, **kwargs):
-        """verl's loop; a save still being written when it ends is committed before the chunk ends (or, when the loop
-        failed, said without hiding the failure)."""
-        try:
-            super().fit(*args, **kwargs)
-        except BaseException:
-            try:
-                self.relay_session.wait_for_save()
-            except Exception as e:  # noqa: BLE001 - the loop's own error is what ends the chunk
-                verl_chunk.say(f"the save in flight was not committed ({type(e).__name__}: {e})")
-            raise
-        self.relay_session.wait_for_save()
+    def on_train_end(self):
+        super().on_train_end()
+        self.relay_session.wait_for_save()  # the loop ended before its bound (a stop): its save is committed first
 
     def _relay_before_save(self, step: int) -> None:
         """Before verl saves step (the async modes' fault point that loses prompts in flight)."""
@@ -334,6 +325,8 @@ class RelayChunk(PPOTrainer):
     def _relay_step_done(self, step, epoch, metrics, timing_raw):
         row = {**verl_chunk.metrics_row(metrics), **self._relay_trained_fields()}
         self.relay_session.record_step(step, float(timing_raw.get("step", 0.0)), epoch=epoch, **row)
+        if step >= self.total_training_steps:  # verl's fit returns after this row: its last save committed first
+            self.relay_session.wait_for_save()
         if self.relay.warm_chunk_steps and step == self.relay.end_step < self.relay.total_steps:
             self._relay_hand_off(step)
 
