@@ -16,7 +16,9 @@ first in, first out, the ones in flight saved and restored). It changes only thi
 - `_save_checkpoint`: verl's own save, into Relay's staging folder, then the checkpoint's certificate (computed
   in verl's workers: relay.trainers.verl_ppo.certify), then the fenced commit (rename to global_step_N, tracker
   written atomically, holding the run's lease), as every Relay trainer does. `_load_checkpoint` checks the
-  certificate after verl loaded it, before the first step.
+  certificate after verl loaded it, before the first step. With checkpoints.async_save the workers write their
+  shards on threads of their own (relay.trainers.verl_ppo.worker_saves) and the session's save thread commits;
+  the loop's last row, a graceful stop, a handoff and `on_train_end` wait for that commit.
 - `_balance_batch`: the step's responses are put in one order (dataset index, place in the group) before
   verl balances them, so that the order they were generated in changes no bit of training.
 - every step: the run's lease is checked and one row goes to metrics.jsonl.
