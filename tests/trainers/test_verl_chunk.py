@@ -397,6 +397,17 @@ def test_rollout_state_is_moved_out_and_a_world_size_change_is_refused(tmp_path,
     fsdp1 = make_spec(tmp_path, fsdp_version=1)
     with pytest.raises(SpecError, match="FSDP1; step 10's shards are world size 1, FSDP2"):
         run_chunks(fsdp1, "h", [20])
+    # With checkpoints.on_world_size_change: reshard, a step at the old size is one the chunk's reshard did not see
+    # (the resume fell back to it): the error says how to reshard it.
+    resharding = spec_from_dict(
+        {
+            **bigger.model_dump(mode="json", exclude_none=True),
+            "checkpoints": {"smoke": False, "on_world_size_change": "reshard"},
+        },
+        check_environment=False,
+    )
+    with pytest.raises(SpecError, match=r"reshard step 10 first: `relay checkpoint reshard \S+ --world-size 2 --step 10`"):
+        run_chunks(resharding, "h", [20])
 
 
 def test_verl_and_relay_must_agree_on_the_resume_step(tmp_path, gpu_stand_ins, monkeypatch):

@@ -16,6 +16,7 @@ from relay.jobs import chunk_job, local_head
 from relay.jobs.ray_jobs import STOP_MARGIN_S, RayJobs
 from relay.preflight import attention
 from relay.preflight.prepare import prepare_run
+from relay.preflight.world_size import to_spec_world_size
 from relay.runs import failure_cause, layout
 from relay.runs.phases import record_job_times
 from relay.runs.run import Run
@@ -81,6 +82,7 @@ def cmd_train(args) -> int:
                 f"{' and '.join(x for x in (state.archived_to, state.archived_uri) if x)}"
             )
         run = state.run(spec)
+        _reshard_to_spec(run, store)
         if chunk_job.runs_as_job(spec):
             return _train_as_ray_job(args, run)
         result = run_chunk(
@@ -101,6 +103,20 @@ def cmd_train(args) -> int:
         f"in {result.seconds:.1f}s; checkpoint {result.checkpoint}"
     )
     return 0
+
+
+def _reshard_to_spec(run: Run, store) -> None:
+    """checkpoints.on_world_size_change: reshard, as the DAG's reshard task does before each chunk: the latest
+    checkpoint taken to the spec's world size (the original kept) and admitted, and S3's copy replaced by it. Before
+    every `relay train`, so the one after a refused resume also finds the step it falls back to at the new size."""
+    if run.spec.checkpoints.on_world_size_change != "reshard":
+        return
+    result = to_spec_world_size(run)
+    if result is None:
+        return
+    if store is not None:
+        store.publish(run.folder, result.step)
+    print(f"run {run.name}: {result.explain()}")
 
 
 def _train_as_ray_job(args, run: Run) -> int:
