@@ -216,7 +216,7 @@ def test_a_critic_without_its_shards_is_refused(written, tmp_path):
 # ------------------------------------------------------------------- the DAG's reshard (on_world_size_change)
 
 
-def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
+def verl_spec(folder: Path, policy: str, n_gpus: int = 1, s3_uri: str | None = None):
     """The shipped verl spec (world size nnodes x n_gpus_per_node) with its runs under folder."""
     import yaml
 
@@ -228,6 +228,8 @@ def verl_spec(folder: Path, policy: str, n_gpus: int = 1):
     d["checkpoints"]["on_world_size_change"] = policy
     d["checkpoints"]["smoke"] = False  # verl_checkpoint.py writes no tokenizer in huggingface/
     d["trainer"]["settings"]["n_gpus_per_node"] = n_gpus
+    if s3_uri:
+        d["s3"] = {"uri": s3_uri}
     path = folder / f"spec-{policy}-{n_gpus}.yaml"
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(d, sort_keys=False))
@@ -266,6 +268,24 @@ def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_si
     assert m.world_size == 1 and m.resharded_from["world_size"] == 2, "validated by the gate, its manifest says how"
     assert doctor.parallelism(run).ok and not doctor.parallelism(run).warning
     assert to_spec_world_size(run) is None, "once is enough"
+
+
+def test_relay_train_reshards_before_its_job_and_an_unreachable_s3_only_warns(written, tmp_path, monkeypatch, capsys):
+    """`relay train` (checkpoints.on_world_size_change: reshard) reshards the latest step before its job, as the DAG's
+    reshard task does; S3 not answering leaves the resharded step in place and says how to publish it later."""
+    from relay.cli.runs import _reshard_to_spec
+    from relay.runs.run import Run
+    from relay.s3.store import store_for_spec
+
+    run = Run.of(verl_spec(tmp_path, "reshard", s3_uri="s3://relay/test-reshard"), "r")
+    shutil.copytree(written[(2, 2)], run.dir)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    _reshard_to_spec(run, store_for_spec(run.spec))
+    out = capsys.readouterr()
+    assert "resharded step 1 (FSDP2) from world size 2 to 1 in place" in out.out, out
+    assert "S3's copy of step 1 is still the world-size-2 one" in out.err, out.err
+    assert f"relay checkpoint publish {run.dir} s3://relay/test-reshard --step 1" in out.err
+    assert manifest.read(layout.step_dir(run.dir, 1)).world_size == 1 and admit_dir(run.dir, 1).ok
 
 
 # ------------------------------------------------------------------- a reshard in place, killed anywhere

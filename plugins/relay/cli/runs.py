@@ -114,9 +114,16 @@ def _reshard_to_spec(run: Run, store) -> None:
     result = to_spec_world_size(run)
     if result is None:
         return
-    if store is not None:
-        store.publish(run.folder, result.step)
     print(f"run {run.name}: {result.explain()}")
+    if store is not None and run.spec.s3 is not None:
+        try:
+            store.publish(run.folder, result.step)
+        except StoreError as e:  # the local step is resharded and valid; the chunk's own saves publish again
+            print(
+                f"warning: S3's copy of step {result.step} is still the world-size-{result.from_world_size} one: {e}; "
+                f"publish it when S3 answers: relay checkpoint publish {run.dir} {run.spec.s3.uri} --step {result.step}",
+                file=sys.stderr,
+            )
 
 
 def _train_as_ray_job(args, run: Run) -> int:

@@ -73,12 +73,13 @@ def check_parallelism(spec, run_dir: Path, resume_step: int, report=None) -> Non
         return
     s = spec.settings
     if report is not None and report.world_size is not None:
-        have = (report.world_size, report.fsdp_version)
+        found = (report.world_size, report.fsdp_version)
     else:
         cfg = layout.read_fsdp_config(layout.step_dir(Path(run_dir), resume_step) / "actor") or {}
-        have = (cfg.get("world_size"), cfg.get("FSDP_version"))
+        found = (cfg.get("world_size"), cfg.get("FSDP_version"))
     want = (s.world_size, s.fsdp_version)
-    if have[0] is not None and tuple(map(lambda x: int(x) if x is not None else None, have)) != want:
+    have = tuple(int(x) if x is not None else None for x in found)
+    if have[0] is not None and have != want:
         shard = layout.shard_name("model", int(have[0]), 0)
         fix = (
             f"set nnodes x n_gpus_per_node = {have[0]} and fsdp_version: {have[1]} again: verl's FSDP checkpoints do "
