@@ -240,14 +240,14 @@ def parallelism(run: Run) -> Finding:
                     "parallelism",
                     True,
                     f"the spec asks for world size {want[0]}; step {step}'s shards are world size {have[0]}: "
-                    "the DAG's next chunk reshards it first (checkpoints.on_world_size_change: reshard)",
+                    "the DAG's next chunk or `relay train` reshards it first (checkpoints.on_world_size_change: reshard)",
                     f"or reshard it now: `{command}`",
                     warning=True,
                 )
             fix = (
                 f"reshard step {step} to the spec's world size: `{command}` (the original is kept in "
-                ".relay/resharded/), or set checkpoints.on_world_size_change: reshard and the DAG's next chunk "
-                f"does it, or set nnodes x n_gpus_per_node back to {have[0]}"
+                ".relay/resharded/), or set checkpoints.on_world_size_change: reshard and the DAG's next chunk or "
+                f"`relay train` does it, or set nnodes x n_gpus_per_node back to {have[0]}"
             )
         else:
             fix = f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; " + (
