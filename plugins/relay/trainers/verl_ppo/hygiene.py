@@ -80,17 +80,18 @@ def check_parallelism(spec, run_dir: Path, resume_step: int, report=None) -> Non
     want = (s.world_size, s.fsdp_version)
     have = tuple(int(x) if x is not None else None for x in found)
     if have[0] is not None and have != want:
-        shard = layout.shard_name("model", int(have[0]), 0)
-        fix = (
-            f"set nnodes x n_gpus_per_node = {have[0]} and fsdp_version: {have[1]} again: verl's FSDP checkpoints do "
-            "not reshard on load (a different world size is a new run)"
-        )
+        shard = layout.shard_name("model", have[0], 0)
         if spec.checkpoints.on_world_size_change == "reshard" and have[1] == want[1]:
             # The step was reached after the chunk's reshard ran (a resume refused and fallen back to an older step).
             fix = (
                 f"reshard step {resume_step} first: `relay checkpoint reshard {run_dir} --world-size {want[0]} "
                 f"--step {resume_step}`, or clear the chunk's reshard task with its downstream tasks (`relay train` "
                 "reshards by itself)"
+            )
+        else:
+            fix = (
+                f"set nnodes x n_gpus_per_node = {have[0]} and fsdp_version: {have[1]} again: verl's FSDP checkpoints "
+                "do not reshard on load (a different world size is a new run)"
             )
         raise SpecError(
             spec.source,
