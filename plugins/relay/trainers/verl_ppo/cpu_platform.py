@@ -152,6 +152,14 @@ def register_hf_rollout() -> None:
     _agent_loop_registry[HF_AGENT_LOOP] = {"_target_": "relay.trainers.verl_ppo.hf_rollout.RelaySingleTurnAgentLoop"}
 
 
+def register_gloo_checkpoint_engine() -> None:
+    """The `gloo` checkpoint engine (relay.trainers.verl_ppo.gloo_checkpoint_engine) in verl's CheckpointEngineRegistry:
+    separate_async refuses the colocated `naive` engine, and verl's other engines need GPUs."""
+    from relay.trainers.verl_ppo import gloo_checkpoint_engine
+
+    gloo_checkpoint_engine.register_gloo_checkpoint_engine()
+
+
 def _hf_replica() -> type:
     from relay.trainers.verl_ppo.hf_rollout import HFReplica
 
@@ -161,4 +169,5 @@ def _hf_replica() -> type:
 # At import: verl imports this module (VERL_USE_EXTERNAL_MODULES) before any worker builds an engine or a rollout.
 register_fsdp_engines()
 register_hf_rollout()
+register_gloo_checkpoint_engine()
 cpu_patches.apply()
