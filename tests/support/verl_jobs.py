@@ -20,6 +20,7 @@ from support.helpers import PY, ROOT, read_metrics, start_dags_test
 
 SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"
 ASYNC_SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu_async.yaml"  # verl's colocate_async trainer
+SEPARATE_SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu_separate.yaml"  # verl's separate_async trainer
 JOB_TIMEOUT = 900
 
 
@@ -94,9 +95,15 @@ def two_chunks_with_a_kill(run_dir: Path, ray_address: str, logs: Path, settle_s
     before the checkpoint of step 4. settle_s: the wait after the kill (verl's actors die with their driver)
     before checking that nothing committed step 4. Returns the killed `relay train`'s log."""
     finish(relay_train(run_dir, 2, ray_address, logs / "c1.log"), logs / "c1.log")
-    first = {r["attempt"] for r in read_metrics(run_dir)}
-    proc = relay_train(run_dir, 4, ray_address, logs / "c2.log")
-    wait_for_step(run_dir, 3, first)
+    return killed_after_step_3(run_dir, ray_address, logs / "c2.log", settle_s)
+
+
+def killed_after_step_3(run_dir: Path, ray_address: str, log: Path, settle_s: float, spec: Path = SPEC) -> str:
+    """`relay train` to step 4, its job's driver SIGKILLed after step 3's row and before the checkpoint of step 4;
+    the tracker must stay at step 2. Returns the killed `relay train`'s log."""
+    earlier = {r["attempt"] for r in read_metrics(run_dir)} if (run_dir / layout.METRICS).exists() else set()
+    proc = relay_train(run_dir, 4, ray_address, log, spec)
+    wait_for_step(run_dir, 3, earlier)
     pid = job_driver_pid(run_dir)
     assert pid is not None, "the chunk's Ray job driver was not found"
     assert not (run_dir / "global_step_4").exists()
@@ -105,7 +112,7 @@ def two_chunks_with_a_kill(run_dir: Path, ray_address: str, logs: Path, settle_s
     assert not alive(pid)
     time.sleep(settle_s)
     assert layout.read_tracker(run_dir) == 2 and not (run_dir / "global_step_4").exists()
-    return (logs / "c2.log").read_text(errors="replace")
+    return log.read_text(errors="replace")
 
 
 def optimizer_state(step_dir) -> dict:

@@ -431,6 +431,7 @@ def test_verl_and_relay_must_agree_on_the_resume_step(tmp_path, gpu_stand_ins, m
 def test_registration_lives_in_verls_registry_and_verl_refuses_a_second_class():
     from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer, trainer_base
     from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     from relay.trainers.verl_ppo import chunk_trainer, verl_chunk
@@ -453,11 +454,16 @@ def test_registration_lives_in_verls_registry_and_verl_refuses_a_second_class():
 
         with pytest.raises(VerlContractError, match="another plugin replaced it"):
             chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound"))
-        with pytest.raises(VerlContractError, match="no chunk trainer for verl's trainer_mode 'separate_async'"):
-            chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound", trainer_mode="separate_async"))
+        with pytest.raises(VerlContractError, match="no chunk trainer for verl's trainer_mode 'fully_async'"):
+            chunk_trainer.install(verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound", trainer_mode="fully_async"))
+        as_separate = verl_chunk.VerlChunk("{}", 0, 10, 30, "loop_bound", trainer_mode="separate_async")
+        separate_cls = chunk_trainer.RelaySeparateAsyncTrainer
+        assert separate_cls.__mro__[1:4] == (AsyncPrompts, chunk_trainer.RelayChunk, PPOTrainerSeparateAsync)
+        assert chunk_trainer.install(as_separate) is separate_cls and get_trainer_cls("separate_async") is separate_cls
     finally:
         trainer_base.TRAINER_REGISTRY["sync"] = PPOTrainerSync
         trainer_base.TRAINER_REGISTRY["colocate_async"] = PPOTrainerColocateAsync
+        trainer_base.TRAINER_REGISTRY["separate_async"] = PPOTrainerSeparateAsync
 
 
 def test_the_task_runner_is_verls_with_the_install_inside_its_run():

@@ -157,10 +157,47 @@ def test_colocate_async_composes_with_relays_sampler_and_passes_verls_validation
     assert as_dict(overrides_for(spec_of(tmp_path)))["trainer.v1.trainer_mode"] == "'sync'"  # the default
 
 
+def test_separate_async_composes_with_the_rollouts_own_gpus_and_relays_gloo_engine(tmp_path):
+    """trainer_mode separate_async: the rollout on GPUs of its own (one logical GPU more for the job), given the
+    weights through Relay's gloo engine on a CPU (nccl by default on cuda), parameter_sync_step mini-batches a step,
+    verl's hybrid switching off; Relay's sampler as for colocate_async; passes verl's own validation."""
+    from relay.trainers.verl_ppo import overrides
+
+    cpu = {"device": "cpu", "rollout_name": "hf", "n_gpus_per_node": 1}
+    spec = spec_of(
+        tmp_path, trainer_mode="separate_async", train_batch_size=4, ppo_mini_batch_size=2, parameter_sync_step=2, **cpu
+    )
+    cfg = overrides.compose(overrides_for(spec))
+    v1, rollout = cfg.trainer.v1, cfg.actor_rollout_ref.rollout
+    assert v1.trainer_mode == "separate_async" and v1.separate_async.num_warmup_batches == 1
+    assert v1.separate_async.parameter_sync_step == 2 and v1.separate_async.hybrid_rollout.enable_switch is False
+    assert v1.sampler.custom_sampler.name == "FirstInFirstOut" and v1.sampler.max_off_policy_threshold is None
+    assert (rollout.nnodes, rollout.n_gpus_per_node, rollout.checkpoint_engine.backend) == (1, 1, "gloo")
+    overrides.check_config(cfg)
+    assert spec.settings.gpus == spec.settings.world_size + 1
+    assert spec.resume_critical()["trainer.settings.parameter_sync_step"] == 2
+    assert spec_of(tmp_path, trainer_mode="separate_async", ppo_mini_batch_size=1024).settings.engine_for_weights == "nccl"
+
+
 @pytest.mark.parametrize(
     "settings, why",
     [
-        ({"trainer_mode": "separate_async"}, "separate_async is not run by Relay yet"),
+        (
+            {"trainer_mode": "separate_async", "train_batch_size": 4, "ppo_mini_batch_size": 2},
+            r"must equal parameter_sync_step \(1\) x ppo_mini_batch_size \(2\); set parameter_sync_step to 2",
+        ),
+        ({"trainer_mode": "colocate_async", "parameter_sync_step": 2}, "parameter_sync_step is separate_async's"),
+        (
+            {
+                "trainer_mode": "separate_async",
+                "checkpoint_engine": "nccl",
+                "ppo_mini_batch_size": 1024,
+                "device": "cpu",
+                "rollout_name": "hf",
+            },
+            "checkpoint_engine nccl needs GPUs: on device cpu use gloo",
+        ),
+        ({"overrides": ["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]}, "Relay sets"),
         ({"trainer_mode": "colocate_async", "mode": "supervised"}, "runs in mode chunked"),
         ({"trainer_mode": "colocate_async", "warmup_batches": 0}, "warmup_batches"),
         ({"trainer_mode": "colocate_async", "overrides": ["trainer.v1.sampler.max_off_policy_threshold=2"]}, "Relay sets"),

@@ -84,3 +84,16 @@ def test_the_local_stacks_ray_head_holds_the_cpu_paths_worker(ray_address):
     too_many = int(max(n.get("CPU", 0) for n in nodes)) + 1
     with pytest.raises(PlacementError, match=f"CPU {too_many}, GPU 1"):
         placement.check({"global_pool": [1]}, too_many, "GPU", nodes)
+
+
+def test_separate_async_needs_the_training_and_rollout_pools_on_the_cluster_at_once():
+    """The rollout's own workers (2 CPUs each, verl's standalone replica) are placed after the training pool: a head
+    with one logical GPU holds either pool, never both, and is refused before verl waits."""
+    one_gpu, two_gpus = {"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 2.0}
+    placement.check_separate_rollout({"global_pool": [1]}, 1, [1], "GPU", [two_gpus])
+    with pytest.raises(PlacementError) as e:
+        placement.check_separate_rollout({"global_pool": [1]}, 1, [1], "GPU", [one_gpu])
+    assert "need CPU 3, GPU 2 together; this Ray cluster has CPU 8, GPU 1" in e.value.what
+    assert "--num-gpus" in e.value.fix and "rollout_n_gpus_per_node" in e.value.fix
+    with pytest.raises(PlacementError, match="pool 'rollout_pool' needs one node with CPU 2, GPU 1"):
+        placement.check_separate_rollout({"global_pool": [1]}, 1, [1], "GPU", [{"CPU": 1.0, "GPU": 4.0}])

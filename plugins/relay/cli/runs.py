@@ -135,7 +135,8 @@ def _train_as_ray_job(args, run: Run) -> int:
     private = address is None
     try:
         with chunk_job.interrupts():
-            with local_head.guarded(address) if address else stack.private_ray_head(say=_say) as where:
+            gpus = getattr(run.spec.settings, "gpus", 1)  # a private head on a CPU host: logical GPUs for the spec
+            with local_head.guarded(address) if address else stack.private_ray_head(say=_say, num_gpus=gpus) as where:
                 jobs = RayJobs(where.address)
                 _say(f"run {run.name}: training to step {args.to_step} as a Ray job on {where.address}")
                 sub_id = chunk_job.local_submission_id(run)

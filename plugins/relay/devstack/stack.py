@@ -200,9 +200,10 @@ def ray_cli() -> list[str]:
 LOGICAL_GPUS = 1
 
 
-def logical_gpus() -> int | None:
-    """The --num-gpus of the local head: LOGICAL_GPUS without nvidia-smi, else None (Ray counts the GPUs)."""
-    return None if shutil.which("nvidia-smi") else LOGICAL_GPUS
+def logical_gpus(at_least: int = LOGICAL_GPUS) -> int | None:
+    """The --num-gpus of a local head: LOGICAL_GPUS (or what a spec needs, at_least) without nvidia-smi, else None
+    (Ray counts the GPUs)."""
+    return None if shutil.which("nvidia-smi") else max(at_least, LOGICAL_GPUS)
 
 
 # The `ray start` option of each port of the local stack's head (include/stack.env names them).
@@ -263,16 +264,17 @@ def head_cpus() -> int:
     return max(os.cpu_count() or 1, MIN_HEAD_CPUS)
 
 
-def private_ray_head(num_cpus: int | None = None, say=None):
+def private_ray_head(num_cpus: int | None = None, say=None, num_gpus: int = LOGICAL_GPUS):
     """A Ray head of the calling process's own (relay.jobs.local_head.local_head: free ports, none of the
     stack's; its own temp dir; stopped with the process, even a SIGKILLed one), started as the stack's
     head is: Ray from ray_venv() (Relay reaches its jobs only through runtime_env), LOGICAL_GPUS on a host
     without NVIDIA GPUs. Its environment is the caller's (not the stack's S3 defaults): a job sees what
-    an in-process `relay train` would. num_cpus: default head_cpus().
+    an in-process `relay train` would. num_cpus: default head_cpus(); num_gpus: the logical GPUs a spec needs
+    (its training world and, for separate_async, the rollout's own).
     A context manager yielding the head (.address)."""
     cpus = num_cpus or head_cpus()
     return local_head.local_head(
-        ray_cli(), ray_env(local_s3=False), num_cpus=cpus, num_gpus=logical_gpus(), avoid=stack_ray_ports(), say=say
+        ray_cli(), ray_env(local_s3=False), num_cpus=cpus, num_gpus=logical_gpus(num_gpus), avoid=stack_ray_ports(), say=say
     )
 
 

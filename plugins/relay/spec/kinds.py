@@ -71,8 +71,8 @@ KINDS: dict[str, TrainerKind] = {
         name="verl_ppo",
         settings="relay.trainers.verl_ppo.settings:VerlPPOSettings",
         train_chunk="relay.trainers.verl_ppo.trainer:train_chunk",
-        description="verl's main_ppo (v1 sync or colocate_async trainer) on a GPU Ray cluster, one chunk per job or one "
-        "supervised job",
+        description="verl's main_ppo (v1 sync, colocate_async or separate_async trainer) on a GPU Ray cluster, one "
+        "chunk per job or one supervised job",
         resolved="relay.trainers.verl_ppo.trainer:resolved_settings",
         smoke="relay.trainers.verl_ppo.smoke:smoke",
         certify="relay.trainers.verl_ppo.smoke:certify",

@@ -1,9 +1,10 @@
 """verl's v1 trainers, made to stop at a chunk's end step without moving the LR schedule's horizon.
 
 RelayChunk holds what Relay changes in verl's PPOTrainer, for each trainer mode: RelayChunkTrainer is it over
-verl's own PPOTrainerSync, RelayColocateAsyncTrainer over PPOTrainerColocateAsync with the async rule of
-relay.trainers.verl_ppo.async_trainer (prompts generated under the weights they were handed out with, trained
-first in, first out, the ones in flight saved and restored). It changes only this:
+verl's own PPOTrainerSync, RelayColocateAsyncTrainer over PPOTrainerColocateAsync and RelaySeparateAsyncTrainer over
+PPOTrainerSeparateAsync with the async rule of relay.trainers.verl_ppo.async_trainer (prompts generated under the
+weights they were handed out with, trained first in, first out, the ones in flight saved and restored). It changes
+only this:
 
 - `_init_dataloader`: verl computes total_training_steps (the run's total, from the override) and
   writes the optimizer horizon from it; then, and only then, the loop bound `self.total_training_steps`
@@ -49,6 +50,7 @@ from pathlib import Path
 from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from relay.common.faultpoint import fault_point
@@ -401,10 +403,29 @@ class RelayColocateAsyncTrainer(AsyncPrompts, RelayChunk, PPOTrainerColocateAsyn
     """verl's colocate_async trainer for one chunk of a Relay run, resumed exactly (see async_trainer)."""
 
 
+class RelaySeparateAsyncTrainer(AsyncPrompts, RelayChunk, PPOTrainerSeparateAsync):
+    """verl's separate_async trainer for one chunk of a Relay run, resumed exactly (see async_trainer): the rollout
+    on its own workers, given the weights after every step through the spec's checkpoint engine."""
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()  # the training pool checked (RelayChunk), then the rollout's own
+        from verl.utils.device import get_resource_name
+
+        rollout = self.config.actor_rollout_ref.rollout
+        placement.check_separate_rollout(
+            self.resource_pool_manager.resource_pool_spec,
+            self.resource_pool_manager.max_colocate_count,
+            [rollout.n_gpus_per_node] * rollout.nnodes,
+            get_resource_name(),
+            placement.ray_nodes(),
+        )
+
+
 # trainer_mode -> (Relay's class, verl's own class it replaces in verl's registry)
 TRAINERS: dict[str, tuple[type, type]] = {
     "sync": (RelayChunkTrainer, PPOTrainerSync),
     "colocate_async": (RelayColocateAsyncTrainer, PPOTrainerColocateAsync),
+    "separate_async": (RelaySeparateAsyncTrainer, PPOTrainerSeparateAsync),
 }
 
 

@@ -1,4 +1,4 @@
-"""Text generation with transformers inside verl's hybrid worker: the CPU path's rollout, named `hf`.
+"""Text generation with transformers inside verl's rollout workers: the CPU path's rollout, named `hf`.
 
 verl 0.9.1 generates through rollout *replicas* (`verl/workers/rollout/replica.py`): each replica
 launches server actors, and verl's agent loop sends token-in, token-out requests to a server's
@@ -10,10 +10,12 @@ runs on a CPU. This module adds a fourth, registered through verl's own registri
   the policy. verl's naive checkpoint engine feeds it: `ActorRolloutRefWorker.update_weights` passes
   the actor engine's `get_per_tensor_param()` generator to `update_weights()` after every step,
   in-process, as it does for vLLM's adapter.
-- `HFReplica` (verl's `RolloutReplicaRegistry["hf"]`): in hybrid mode, one server actor per replica.
+- `HFReplica` (verl's `RolloutReplicaRegistry["hf"]`): one server actor per replica, over one hybrid worker
+  or (separate_async) over one standalone rollout worker: verl's `CheckpointEngineWorker`, which builds the
+  adapter in a process of its own and feeds it the weights its checkpoint engine receives (Relay's gloo
+  engine on a CPU) after every step.
 - `HFRolloutServer`: the server verl's client calls. It holds no model: each `generate()` runs in the
-  replica's hybrid worker (Ray's `__ray_call__`), so generation uses exactly the weights the actor
-  just trained.
+  replica's worker (Ray's `__ray_call__`), so generation uses exactly the weights that worker was given.
 
 Sampling draws from a `torch.Generator` of its own, seeded from the rollout seed, the step, the sample's
 index in the dataset and its place in its GRPO group (`RelaySingleTurnAgentLoop`, verl's single-turn
@@ -37,18 +39,22 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from relay.trainers.verl_ppo.hf_sampling import sample, seed_of
 
-_ADAPTER: HFServerAdapter | None = None  # the adapter of this process (a hybrid worker holds one)
+_ADAPTER: HFServerAdapter | None = None  # the adapter of this process (a hybrid or standalone worker holds one)
 
 
 class HFServerAdapter(BaseRollout):
-    """The policy's copy for generation, in the hybrid worker; weights come from verl's naive engine."""
+    """The policy's copy for generation, in a hybrid worker (weights from verl's naive engine) or a standalone one
+    (from its checkpoint engine)."""
 
-    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+    def __init__(self, config, model_config, device_mesh, *args, replica_rank: int = 0, **kwargs):
         super().__init__(config, model_config, device_mesh, *args, **kwargs)
         global _ADAPTER
+        self.replica_rank = replica_rank  # a standalone worker's (verl's CheckpointEngineWorker asks for it)
+        self.is_leader_rank = True  # one worker per replica
         from transformers import AutoModelForCausalLM
 
         path = self.model_config.local_path
@@ -73,7 +79,8 @@ class HFServerAdapter(BaseRollout):
         own = self.model.state_dict()
         loaded = set()
         with torch.no_grad():
-            for name, tensor in weights:
+            # a generator in a hybrid worker (verl's naive engine), an async one from a standalone worker's engine
+            async for name, tensor in ensure_async_iterator(weights):
                 if name not in own:
                     raise KeyError(
                         f"the actor sent {name!r}, which the rollout model {self.model_config.local_path} does not have"
@@ -136,7 +143,7 @@ def _eos_ids(model_config, model) -> set[int]:
 
 
 def _generate_in_worker(_worker, prompt_ids, sampling_params, sample_id) -> TokenOutput:
-    """Run by Ray's __ray_call__ inside the hybrid worker's process, where the adapter lives."""
+    """Run by Ray's __ray_call__ inside the replica's worker process, where the adapter lives."""
     if _ADAPTER is None:
         raise RuntimeError(
             "no hf rollout in this worker: actor_rollout_ref.rollout.name must be 'hf' "
@@ -179,7 +186,7 @@ def _node_id(_worker) -> str:
 
 
 class HFRolloutServer:
-    """The server verl's LLMServerClient calls; the generation itself runs in the hybrid worker."""
+    """The server verl's LLMServerClient calls; the generation itself runs in the replica's worker."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -230,12 +237,12 @@ _SERVER_ACTOR = ray.remote(num_cpus=0)(HFRolloutServer)
 
 
 class HFReplica(RolloutReplica):
-    """A replica of one hybrid worker (tensor, data and pipeline parallel sizes of 1)."""
+    """A replica of one worker, hybrid or standalone (tensor, data and pipeline parallel sizes of 1)."""
 
     async def launch_servers(self):
         if len(self.workers) != 1:
             raise ValueError(
-                f"the hf rollout serves from one hybrid worker per replica, got {len(self.workers)}: "
+                f"the hf rollout serves from one worker per replica, got {len(self.workers)}: "
                 "set actor_rollout_ref.rollout.tensor_model_parallel_size=1"
             )
         worker = self.workers[0]

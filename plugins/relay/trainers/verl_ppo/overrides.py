@@ -19,7 +19,8 @@ What Relay sets, and why:
 - data.train_files / val_files: the run's frozen copies, never the source paths.
 - ray_kwargs.ray_init.address: the cluster the job runs on, never a new local Ray.
 - rollout.agent.default_agent_loop: with the hf rollout, its agent loop (hf_rollout.RelaySingleTurnAgentLoop).
-- trainer.v1.*: the spec's trainer_mode; for colocate_async its warm-up batches and Relay's sampler (async_overrides).
+- trainer.v1.*: the spec's trainer_mode; for the async modes their warm-up batches and Relay's sampler, for
+  separate_async the rollout's own GPUs and checkpoint engine too (async_overrides).
 - trainer.device: the spec's device (cpu: Relay's cpu platform, see cpu_platform.py).
 - the models' attn_implementation (override_config, an empty mapping in verl's yaml, hence '+'): the
   spec's, else sdpa on a CPU (verl's default flash_attention_2 needs flash-attn and a GPU).
@@ -183,7 +184,7 @@ def chunk_overrides(
         "algorithm.adv_estimator": s.adv_estimator,
         "algorithm.use_kl_in_reward": s.use_kl_in_reward,
     }
-    if s.trainer_mode == "colocate_async":
+    if s.trainer_mode != "sync":
         out.update(async_overrides(s))
     if s.rollout_name == HF_ROLLOUT:
         out["actor_rollout_ref.rollout.agent.default_agent_loop"] = HF_AGENT_LOOP
@@ -199,13 +200,26 @@ def chunk_overrides(
 
 def async_overrides(s) -> dict:
     """The async rule (relay.trainers.verl_ppo.async_trainer): Relay's first-in-first-out sampler, and no prompt
-    dropped for staleness (each one is trained `warmup_batches` steps after it was handed out, by design)."""
-    return {
-        "trainer.v1.colocate_async.num_warmup_batches": s.warmup_batches,
+    dropped for staleness (each one is trained `warmup_batches` steps after it was handed out, by design).
+    separate_async: its mini-batches per step, the rollout's own GPUs and the engine that gives them the weights;
+    verl's hybrid switching (the training GPUs lent to generation while they wait) stays off, verl's default."""
+    out = {
+        f"trainer.v1.{s.trainer_mode}.num_warmup_batches": s.warmup_batches,
         "trainer.v1.sampler.max_off_policy_threshold": None,
         "trainer.v1.sampler.custom_sampler.path": "pkg://relay.trainers.verl_ppo.async_trainer",
         "trainer.v1.sampler.custom_sampler.name": "FirstInFirstOut",
     }
+    if s.trainer_mode == "separate_async":
+        out.update(
+            {
+                "trainer.v1.separate_async.parameter_sync_step": s.parameter_sync_step,
+                "trainer.v1.separate_async.hybrid_rollout.enable_switch": False,
+                "actor_rollout_ref.rollout.nnodes": s.rollout_nnodes,
+                "actor_rollout_ref.rollout.n_gpus_per_node": s.rollout_n_gpus_per_node,
+                "actor_rollout_ref.rollout.checkpoint_engine.backend": s.engine_for_weights,
+            }
+        )
+    return out
 
 
 def compose(overrides: list[str]):

@@ -70,3 +70,33 @@ def ray_nodes() -> list[dict[str, float]]:
     import ray
 
     return [dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_separate_rollout(
+    train_pools: dict[str, list[int]],
+    max_colocate_count: int,
+    rollout_per_node: list[int],
+    accelerator: str,
+    nodes: list[dict[str, float]],
+) -> None:
+    """separate_async: verl places the rollout's own workers after the training pool, one placement group per
+    replica with verl's 2 CPUs per worker (RolloutReplica.init_standalone); the cluster must hold both at once."""
+    rollout = {"rollout_pool": rollout_per_node}
+    check(rollout, STANDALONE_COLOCATE_COUNT, accelerator, nodes)
+    groups = placement_groups(train_pools, max_colocate_count, accelerator) + placement_groups(
+        rollout, STANDALONE_COLOCATE_COUNT, accelerator
+    )
+    need = {k: sum(g.get(k, 0.0) for _, g in groups) for k in ("CPU", accelerator)}
+    have = {k: sum(n.get(k, 0.0) for n in nodes) for k in need}
+    if all(have[k] >= v for k, v in need.items()):
+        return
+    raise PlacementError(
+        f"verl's training workers and the rollout's own workers (separate_async) need {_resources(need)} together; "
+        f"this Ray cluster has {_resources(have)}",
+        "add nodes or logical GPUs (on a CPU node: start the head with --num-gpus=N), or give the rollout fewer GPUs "
+        "(trainer.settings.rollout_n_gpus_per_node); verl would otherwise wait for them forever",
+    )
+
+
+# verl's ResourcePoolManager for a standalone rollout replica (verl/workers/rollout/replica.py, init_standalone)
+STANDALONE_COLOCATE_COUNT = 2

@@ -53,6 +53,10 @@ RELAY_OWNED_KEYS = (
     "actor_rollout_ref.actor.checkpoint.async_save",
     "actor_rollout_ref.rollout.name",
     "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.nnodes",
+    "actor_rollout_ref.rollout.n_gpus_per_node",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
     "algorithm.adv_estimator",
     "critic.optim.total_training_steps",
     "ray_kwargs.ray_init.address",
@@ -87,7 +91,7 @@ def _console_only() -> list[TrackingBackend]:
 
 
 class VerlPPOSettings(StrictModel):
-    """verl's main_ppo (v1 sync or colocate_async trainer) on a GPU Ray cluster, one Ray job per chunk or one
+    """verl's main_ppo (v1 sync, colocate_async or separate_async trainer) on a GPU Ray cluster, one Ray job per chunk or one
     supervised job."""
 
     mode: Literal["chunked", "supervised"] = Field(
@@ -98,14 +102,29 @@ class VerlPPOSettings(StrictModel):
     trainer_mode: Literal["sync", "colocate_async", "separate_async"] = critical(
         "sync",
         description="verl's v1 trainer: sync (generate, then train, each step), colocate_async (prompts handed out "
-        "warmup_batches steps ahead, generated on the training GPUs between steps); separate_async is not run by "
-        "Relay yet (docs/gpu-cluster.md)",
+        "warmup_batches steps ahead, generated on the training GPUs between steps), separate_async (the same, "
+        "generated on the rollout's own GPUs, which get the weights after every step through a checkpoint engine)",
     )
     warmup_batches: int = critical(
         1,
         ge=1,
-        description="colocate_async: batches handed out ahead of training (verl's num_warmup_batches); a step trains "
+        description="the async modes: batches handed out ahead of training (verl's num_warmup_batches); a step trains "
         "samples generated this many steps before it",
+    )
+    parameter_sync_step: int = critical(
+        1,
+        ge=1,
+        description="separate_async: optimizer steps per training step, one mini-batch each (train_batch_size = "
+        "parameter_sync_step x ppo_mini_batch_size); the rollout gets new weights once per training step",
+    )
+    rollout_nnodes: int = Field(1, ge=1, description="separate_async: nodes of the rollout's own GPUs")
+    rollout_n_gpus_per_node: int = Field(
+        1, ge=1, description="separate_async: the rollout's GPUs per node (one hf replica per GPU on a CPU)"
+    )
+    checkpoint_engine: Literal["gloo", "nccl", "nixl", "mooncake"] | None = Field(
+        None,
+        description="separate_async: how the weights reach the rollout's GPUs (verl's checkpoint engine); "
+        "default nccl on cuda, gloo on cpu (Relay's, relay/trainers/verl_ppo/gloo_checkpoint_engine.py)",
     )
     model_path: str = critical(min_length=1, description="Hugging Face model folder on shared storage")
     tiny_model: bool = critical(
@@ -231,14 +250,27 @@ class VerlPPOSettings(StrictModel):
     @model_validator(mode="after")
     def _trainer_mode(self) -> VerlPPOSettings:
         if self.trainer_mode == "separate_async":
-            raise ValueError(
-                "trainer_mode separate_async is not run by Relay yet: an exact resume needs the rollout's weights "
-                "version at every save and a checkpoint engine on its own GPUs (docs/gpu-cluster.md says what is "
-                "missing); use colocate_async, or sync"
-            )
+            if self.train_batch_size != self.parameter_sync_step * self.ppo_mini_batch_size:
+                raise ValueError(
+                    f"separate_async trains parameter_sync_step mini-batches a step: train_batch_size "
+                    f"({self.train_batch_size}) must equal parameter_sync_step ({self.parameter_sync_step}) x "
+                    f"ppo_mini_batch_size ({self.ppo_mini_batch_size}); set parameter_sync_step to "
+                    f"{self.train_batch_size // self.ppo_mini_batch_size}, or change the batch sizes"
+                )
+            if self.engine_for_weights == "gloo" and self.device != "cpu":
+                raise ValueError("checkpoint_engine gloo is Relay's CPU engine: on cuda use nccl, nixl or mooncake")
+            if self.engine_for_weights != "gloo" and self.device == "cpu":
+                raise ValueError(f"checkpoint_engine {self.checkpoint_engine} needs GPUs: on device cpu use gloo")
+        elif self.parameter_sync_step != 1:
+            raise ValueError(f"parameter_sync_step is separate_async's; trainer_mode {self.trainer_mode} takes 1")
         if self.trainer_mode != "sync" and self.mode == "supervised":
             raise ValueError(f"trainer_mode {self.trainer_mode} runs in mode chunked (its chunks may go on warm)")
         return self
+
+    @property
+    def engine_for_weights(self) -> str:
+        """separate_async's checkpoint engine: the spec's, else nccl on cuda and Relay's gloo engine on cpu."""
+        return self.checkpoint_engine or ("gloo" if self.device == "cpu" else "nccl")
 
     @property
     def attention(self) -> str | None:
@@ -257,6 +289,12 @@ class VerlPPOSettings(StrictModel):
     def world_size(self) -> int:
         """The actor's FSDP world size: its shard names carry it, so it may not change within a run."""
         return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs a job holds: the training world, and separate_async's rollout on its own."""
+        rollout = self.rollout_nnodes * self.rollout_n_gpus_per_node if self.trainer_mode == "separate_async" else 0
+        return self.world_size + rollout
 
     @property
     def strategy(self) -> str:
