@@ -7,7 +7,7 @@ from relay.devstack import demo, stack
 
 def cmd_stack(args) -> int:
     if args.action == "up":
-        info = stack.up(with_airflow=not args.no_airflow, db_url=args.db, ray_cpus=args.ray_cpus)
+        info = stack.up(with_airflow=not args.no_airflow, db_url=args.db, ray_cpus=args.ray_cpus, ray_gpus=args.ray_gpus)
         for k, v in info.items():
             print(f"{k:>12}: {v}")
     elif args.action == "down":
@@ -33,6 +33,14 @@ def add_commands(sub) -> None:
         metavar="N",
         help="up: logical CPUs the Ray head advertises (default: the cores, at least 8, as a verl chunk "
         "on CPUs needs); fewer runs fewer chunk jobs at once",
+    )
+    s.add_argument(
+        "--ray-gpus",
+        type=int,
+        default=stack.LOGICAL_GPUS,
+        metavar="N",
+        help="up, on a host without NVIDIA GPUs: logical GPUs the Ray head advertises (default 1); a verl spec "
+        "holds its training world's, and separate_async's rollout one more each",
     )
     s.add_argument(
         "--wait",

@@ -241,13 +241,16 @@ def ray_running() -> bool:
     return _http_ok(f"{ray_address()}/api/version")
 
 
-def ray_start(num_cpus: int | None = None) -> str:
-    """Start a Ray head (if none answers) and return its Jobs API address."""
+def ray_start(num_cpus: int | None = None, num_gpus: int = LOGICAL_GPUS) -> str:
+    """Start a Ray head (if none answers) and return its Jobs API address. num_gpus: its logical GPUs on a host
+    without NVIDIA GPUs."""
     if ray_running():
         return ray_address()
     d = state_dir() / "ray"
     d.mkdir(parents=True, exist_ok=True)
-    cmd = local_head.head_command(ray_cli(), ray_head_ports(), num_cpus=num_cpus or head_cpus(), num_gpus=logical_gpus())
+    cmd = local_head.head_command(
+        ray_cli(), ray_head_ports(), num_cpus=num_cpus or head_cpus(), num_gpus=logical_gpus(num_gpus)
+    )
     local_head.run_ray_start(cmd, ray_env(), cwd=d, log=d / "ray-start.log")
     _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
     return ray_address()
@@ -544,9 +547,12 @@ def _wait_http(url: str, timeout: float, what: str) -> None:
     raise RuntimeError(f"{what} did not answer at {url} within {timeout:.0f}s; see logs in {state_dir() / 'logs'}")
 
 
-def up(with_airflow: bool = True, db_url: str | None = None, ray_cpus: int | None = None) -> dict:
-    """Start the whole local stack; return how to reach it. ray_cpus: the head's logical CPUs (head_cpus())."""
-    info = {"s3": s3_start(), "ray": ray_start(ray_cpus)}
+def up(
+    with_airflow: bool = True, db_url: str | None = None, ray_cpus: int | None = None, ray_gpus: int = LOGICAL_GPUS
+) -> dict:
+    """Start the whole local stack; return how to reach it. ray_cpus: the head's logical CPUs (head_cpus());
+    ray_gpus: its logical GPUs on a host without NVIDIA GPUs."""
+    info = {"s3": s3_start(), "ray": ray_start(ray_cpus, ray_gpus)}
     if with_airflow:
         info["mail"] = str(mail_start())
         env = {**airflow_env(state_dir() / "airflow", db_url), "AIRFLOW_CONN_SMTP_DEFAULT": mail_connection()}

@@ -91,8 +91,8 @@ def _console_only() -> list[TrackingBackend]:
 
 
 class VerlPPOSettings(StrictModel):
-    """verl's main_ppo (v1 sync, colocate_async or separate_async trainer) on a GPU Ray cluster, one Ray job per chunk or one
-    supervised job."""
+    """verl's main_ppo (v1 sync, colocate_async or separate_async trainer) on a GPU Ray cluster, one Ray job per chunk
+    or one supervised job."""
 
     mode: Literal["chunked", "supervised"] = Field(
         "chunked",
