@@ -27,12 +27,12 @@ if [ "${1:-}" = "--fast" ] || [ "${1:-}" = "--local" ]; then
   exec .venv/bin/python -m pytest -m "$lane" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
     -q "$@"
 fi
-# --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes, and 4 to 5 more for a run resharded
-# from world size 2 to 1; tests/conftest.py: VERL_E2E).
+# --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes, 4 to 5 more for a run resharded
+# from world size 2 to 1, and about 5 for the separate_async trainer; tests/conftest.py: VERL_E2E).
 if [ "${1:-}" = "--verl" ]; then
   shift
   RELAY_VERL_E2E=1 exec .venv/bin/python -m pytest -q tests/trainers/test_verl_cpu_fit.py \
-    tests/trainers/test_verl_reshard_resume.py "$@"
+    tests/trainers/test_verl_reshard_resume.py tests/trainers/test_verl_separate_async.py "$@"
 fi
 
 # Debian's chromium for the browser tests (tests/e2e/test_ui.py): Playwright drives it, nothing is downloaded

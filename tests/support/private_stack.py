@@ -18,7 +18,7 @@ import psutil
 
 from relay.devstack import stack
 from support.polling import wait_for
-from support.ports import bindable, free_port
+from support.ports import bindable, free_port, free_ports
 
 
 @contextmanager
@@ -51,7 +51,8 @@ class PrivateS3:
     )
 
     def __init__(self, folder: Path):
-        self.env = {"RELAY_STACK_DIR": str(folder), **{p: str(free_port()) for p in self.PORTS}}
+        ports = free_ports(len(self.PORTS))  # distinct: free_port() per key can hand one out twice
+        self.env = {"RELAY_STACK_DIR": str(folder), **{p: str(port) for p, port in zip(self.PORTS, ports, strict=True)}}
         self.endpoint = f"http://127.0.0.1:{self.env['RELAY_S3_PORT']}"
 
     def start(self) -> None:
@@ -92,7 +93,14 @@ class PrivateRay:
         self.tag = uuid.uuid4().hex[:6]
         self.num_cpus = num_cpus
         self.gcs_port: int | None = None
+        self.client_port: int | None = None  # the head's Ray client server
         self.nodes: list[str] = []  # temp dirs, one per node started (short: Ray's socket paths live there)
+
+    def _port_besides(self) -> int:
+        """A free port other than the ones this cluster has chosen but may not have bound yet (the dashboard's and
+        the GCS's before the head starts, the client server's): free_port() alone can hand one of those out again."""
+        chosen = {self.gcs_port, self.dashboard_port, self.client_port}
+        return next(port for port in free_ports(len(chosen) + 1) if port not in chosen)
 
     def _start(self, role: str, args: list[str], resources: dict | None) -> str:
         temp = f"/tmp/rf-{self.tag}-{role}{len(self.nodes)}"
@@ -107,7 +115,7 @@ class PrivateRay:
             f"--temp-dir={temp}",
             f"--min-worker-port={ports}",
             f"--max-worker-port={ports + 499}",
-            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-listen-port={self._port_besides()}",
             *([f"--resources={json.dumps(resources)}"] if resources else []),
         ]
         log = self.folder / f"ray-{role}{len(self.nodes)}.log"
@@ -126,7 +134,8 @@ class PrivateRay:
         the last head, unless new_gcs_port (a replacement head somewhere else: the old nodes never
         reach it)."""
         if self.gcs_port is None or new_gcs_port:
-            self.gcs_port = free_port()
+            self.gcs_port = self._port_besides()
+        self.client_port = self._port_besides()
         if self.nodes:  # a head that comes back: the killed one's sockets may still be closing
             for port in (self.dashboard_port, self.gcs_port):
                 wait_for(lambda p=port: bindable(p), 30, f"port {port} of the killed head to be free again")
@@ -138,7 +147,7 @@ class PrivateRay:
                 f"--dashboard-port={self.dashboard_port}",
                 "--dashboard-host=127.0.0.1",
                 "--include-dashboard=true",
-                f"--ray-client-server-port={free_port()}",
+                f"--ray-client-server-port={self.client_port}",
             ],
             resources,
         )
