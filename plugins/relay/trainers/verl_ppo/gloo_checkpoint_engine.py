@@ -37,7 +37,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry, TensorMeta, merge_weight_chunks
 from verl.workers.rollout.utils import ensure_async_iterator
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,7 @@ class GlooCheckpointEngine(CheckpointEngine):
                 await self._broadcast(bucket[:offset])
             entries, offset = [], 0
 
+        # Not verl's split_weight_chunks: it sends nothing of a tensor without elements, which the rollout then lacks.
         async for name, tensor in ensure_async_iterator(weights):
             data = _bytes(tensor)
             shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
@@ -210,7 +211,6 @@ class GlooCheckpointEngine(CheckpointEngine):
                         "name": name,
                         "shape": shape,
                         "dtype": dtype,
-                        "nbytes": data.numel(),
                         "chunk_offset": chunk_offset,
                         "chunk_size": chunk_size,
                         "offset": start,
@@ -230,44 +230,29 @@ class GlooCheckpointEngine(CheckpointEngine):
                 f"gloo checkpoint engine: receive_weights() on rank {self.rank}; only rollout workers (rank >= 1, "
                 "after init_process_group()) receive"
             )
-        # A tensor that arrives in chunks: its name, the tensor, its bytes, and how many of them have arrived.
-        pending: tuple[str, torch.Tensor, torch.Tensor] | None = None
-        filled = 0
+        # verl's own merge (as its nccl engine's): whole tensors as views of their bucket, chunks put together
+        async for name, tensor in merge_weight_chunks(self._received_chunks(), self.bucket_size):
+            yield name, tensor
+
+    async def _received_chunks(self) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
+        """Each bucket's pieces, as verl's TensorMeta and bytes, until the sender's end of stream."""
         while True:
             header = torch.empty(2, dtype=torch.int64)
             await self._broadcast(header)
             json_len, data_len = (int(x) for x in header.tolist())
             if (json_len, data_len) == _DONE:
-                break
+                return
             meta = torch.empty(json_len, dtype=torch.uint8)
             await self._broadcast(meta)
-            # A bucket of its own per broadcast: the tensors yielded below are views of it, owned by the receiver.
+            # A bucket of its own per broadcast: the tensors yielded from it are views, owned by the receiver.
             bucket = torch.empty(data_len, dtype=torch.uint8)
             if data_len:
                 await self._broadcast(bucket)
-            for entry in json.loads(meta.numpy().tobytes()):
-                name, shape, dtype = entry["name"], torch.Size(entry["shape"]), _dtype(entry["dtype"])
-                nbytes, chunk_offset, chunk_size = entry["nbytes"], entry["chunk_offset"], entry["chunk_size"]
-                chunk = bucket[entry["offset"] : entry["offset"] + chunk_size]
-                if chunk_offset == 0:
-                    if pending is not None:
-                        raise RuntimeError(f"gloo checkpoint engine: {pending[0]!r} ended before its last chunk")
-                    if chunk_size == nbytes:  # the whole tensor in this bucket
-                        yield name, (chunk.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype))
-                        continue
-                    whole = torch.empty(shape, dtype=dtype)
-                    pending, filled = (name, whole, whole.reshape(-1).view(torch.uint8)), 0
-                if pending is None or pending[0] != name or chunk_offset != filled:
-                    raise RuntimeError(
-                        f"gloo checkpoint engine: a chunk of {name!r} at byte {chunk_offset} arrived out of order"
-                    )
-                pending[2][chunk_offset : chunk_offset + chunk_size] = chunk
-                filled += chunk_size
-                if filled == nbytes:
-                    yield name, pending[1]
-                    pending = None
-        if pending is not None:
-            raise RuntimeError(f"gloo checkpoint engine: the stream ended before the last chunk of {pending[0]!r}")
+            for e in json.loads(meta.numpy().tobytes()):
+                piece = TensorMeta(
+                    e["name"], torch.Size(e["shape"]), _dtype(e["dtype"]), e["chunk_offset"], e["chunk_size"], e["offset"]
+                )
+                yield piece, bucket[piece.offset : piece.offset + piece.chunk_size]
 
 
 def register_gloo_checkpoint_engine() -> None:

@@ -72,6 +72,10 @@ def ray_nodes() -> list[dict[str, float]]:
     return [dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")]
 
 
+# verl's ResourcePoolManager for a standalone rollout replica (verl/workers/rollout/replica.py, init_standalone)
+STANDALONE_COLOCATE_COUNT = 2
+
+
 def check_separate_rollout(
     train_pools: dict[str, list[int]],
     max_colocate_count: int,
@@ -96,7 +100,3 @@ def check_separate_rollout(
         "add nodes or logical GPUs (on a CPU node: start the head with --num-gpus=N), or give the rollout fewer GPUs "
         "(trainer.settings.rollout_n_gpus_per_node); verl would otherwise wait for them forever",
     )
-
-
-# verl's ResourcePoolManager for a standalone rollout replica (verl/workers/rollout/replica.py, init_standalone)
-STANDALONE_COLOCATE_COUNT = 2
