@@ -1,15 +1,39 @@
 #!/usr/bin/env bash
 # The test command: install (.venv, and Debian's chromium for the browser tests), start the services the
 # tests need (PostgreSQL if it is down, a Ray head; the tests start S3 and Airflow themselves), run
-# pytest, stop what it started.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/checkpoints -x).
-# --fast first: the fast lane, the unit tests: every test marked neither `services` (tests/conftest.py says which
-# are) nor `processes` (trainers and ranks in processes of their own); nothing is installed but .venv and nothing
-# is started (scripts/test.sh --fast tests/spec -x). --local first: every test that needs no service, the
-# `processes` ones included (a few minutes).
-# --verl first: verl's trainer end to end on CPUs, its own lane (tests/trainers/test_verl_cpu_fit.py).
+# pytest, stop what it started, and say what the run cost (scripts/test_budget.py: its wall time and its
+# slowest tests). Extra arguments go to pytest (e.g. scripts/test.sh tests/checkpoints -x).
+#
+# The lanes (docs/development.md keeps their table: what each runs, its time, when to run it):
+#   (none)    CI's suite (.ci/run): every test but the lanes' below, the kill matrix as a seeded sample.
+#   --fast    the unit tests: neither `services` nor `processes` (tests/conftest.py says which are); nothing is
+#             installed but .venv and nothing is started (scripts/test.sh --fast tests/spec -x).
+#   --local   every test that needs no service, the `processes` ones included (a few minutes).
+#   --verl    verl's trainer end to end on CPUs (the tests marked lane("verl")).
+# A test marked lane(...) is left out of CI: tests/conftest.py selects by RELAY_TEST_LANE.
+#   --faults  the whole fault matrix (every test marked `fault`, every kill point), then docs/FAULTS.md from it.
+#   --lanes   every lane that is not in CI (--verl, then --faults), each timed; run before every landing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$SECONDS
+lane=ci
+case "${1:-}" in --fast | --local | --verl | --faults | --lanes) lane=${1#--}; shift ;; esac
+
+if [ "$lane" = lanes ]; then
+  # Each lane in a run of its own (its own services, started and stopped), timed; all run even if one fails.
+  rc=0 summary=()
+  for each in verl faults; do
+    t=$SECONDS r=0
+    ./scripts/test.sh --"$each" "$@" || r=$?
+    summary+=("$(printf '%-7s %s in %d:%02d' "$each" "$([ $r = 0 ] && echo passed || echo "FAILED (exit $r)")" \
+      $(((SECONDS - t) / 60)) $(((SECONDS - t) % 60)))")
+    [ $r = 0 ] || rc=$r
+  done
+  echo "[lanes] what ran (docs/development.md keeps these times):"
+  printf '  %s\n' "${summary[@]}"
+  exit $rc
+fi
+
 ./scripts/bootstrap.sh
 export GX_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 # Bytecode cached in __pycache__ (gitignored) where these machines set PYTHONDONTWRITEBYTECODE: pytest keeps its
@@ -21,30 +45,41 @@ unset PYTHONDONTWRITEBYTECODE
 .venv/bin/ruff check --quiet
 .venv/bin/ruff format --check --quiet || { echo "[test] run .venv/bin/ruff format to lay the code out" >&2; exit 1; }
 .venv/bin/mypy
-if [ "${1:-}" = "--fast" ] || [ "${1:-}" = "--local" ]; then
-  lane=$([ "$1" = "--fast" ] && echo "not services and not processes" || echo "not services")
-  shift
-  exec .venv/bin/python -m pytest -m "$lane" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
-    -q "$@"
+PY=.venv/bin/python
+results=.relay/test-results
+mkdir -p "$results"
+
+if [ "$lane" = fast ] || [ "$lane" = local ]; then
+  marks=$([ "$lane" = fast ] && echo "not services and not processes" || echo "not services")
+  exec $PY -m pytest -m "$marks" -n "${RELAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -q "$@"
 fi
-# --verl: verl's own trainer end to end on CPUs, alone (7 to 12 minutes, 4 to 5 more for a run resharded
-# from world size 2 to 1, and about 5 for the separate_async trainer; tests/conftest.py: VERL_E2E).
-if [ "${1:-}" = "--verl" ]; then
-  shift
-  RELAY_VERL_E2E=1 exec .venv/bin/python -m pytest -q tests/trainers/test_verl_cpu_fit.py \
-    tests/trainers/test_verl_reshard_resume.py tests/trainers/test_verl_separate_async.py "$@"
+
+# What the run cost, from its junit results; CI's suite is held to its budget (docs/development.md).
+budget() {
+  local budget_args=()
+  [ "$lane" = ci ] && budget_args=(--budget 30)
+  $PY scripts/test_budget.py "$1" --wall $((SECONDS - t0)) "${budget_args[@]}" || true
+}
+
+# verl's lane: its tests start the S3 server and the Ray heads they need (a verl chunk holds more logical CPUs and
+# GPUs than CI's head gives), one at a time.
+if [ "$lane" = verl ]; then
+  rm -f "$results/verl.xml"
+  rc=0
+  RELAY_TEST_LANE=verl $PY -m pytest -q -o junit_family=xunit1 --junitxml="$results/verl.xml" "$@" || rc=$?
+  [ -f "$results/verl.xml" ] && budget "$results/verl.xml"
+  exit $rc
 fi
 
 # Debian's chromium for the browser tests (tests/e2e/test_ui.py): Playwright drives it, nothing is downloaded
 # by Playwright itself. About 10 s on these machines.
-if ! command -v chromium >/dev/null; then
+if [ "$lane" = ci ] && ! command -v chromium >/dev/null; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)
-  t0=$SECONDS
+  t=$SECONDS
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
     chromium >/dev/null
-  echo "[test] installed Debian's chromium in $((SECONDS - t0)) s"
+  echo "[test] installed Debian's chromium in $((SECONDS - t)) s"
 fi
-PY=.venv/bin/python
 
 # What this script started is stopped at the end, and only that.
 stop=()
@@ -71,14 +106,20 @@ fi
 # Four workers on two cores, one test file each at a time: most tests wait on Ray, Airflow or S3 as
 # much as on the CPU. The files go out in the order tests/conftest.py collects them, slowest first
 # (--no-loadscope-reorder: xdist would hand out the files with the most tests first).
-# The results go to .relay/test-results/junit.xml (xunit1 keeps each fault case's FAULTS.md row in it).
-results=.relay/test-results
-mkdir -p "$results" && rm -f "$results/junit.xml"
+# The results go to .relay/test-results/ (xunit1 keeps each fault case's FAULTS.md row in them).
+junit=$results/$([ "$lane" = faults ] && echo faults.xml || echo junit.xml)
+rm -f "$junit"
+# The faults lane: every fault case, CI's and its own, and every kill point under both handoffs.
+[ "$lane" = faults ] && export RELAY_TEST_LANE=faults
 rc=0
 $PY -m pytest -n "${RELAY_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder -o junit_family=xunit1 \
-  --junitxml="$results/junit.xml" "$@" || rc=$?
-# The fault cases among the tests (pytest -m fault): their rows of docs/FAULTS.md, and a one-line summary.
-if [ -f "$results/junit.xml" ]; then
-  $PY scripts/faults_report.py "$results/junit.xml" --out "$results/FAULTS.md" || true
+  --junitxml="$junit" "$@" || rc=$?
+if [ -f "$junit" ]; then
+  # The fault cases among the tests: their rows of the fault matrix. CI's sample goes beside its results; the
+  # faults lane's whole matrix is docs/FAULTS.md.
+  out=$([ "$lane" = faults ] && echo docs/FAULTS.md || echo "$results/FAULTS.md")
+  $PY scripts/faults_report.py "$junit" --out "$out" --wall $((SECONDS - t0)) --workers "${RELAY_TEST_WORKERS:-4}" ||
+    { r=$?; [ "$lane" = faults ] && [ "$rc" = 0 ] && rc=$r; }
+  budget "$junit"
 fi
 exit $rc

@@ -58,12 +58,13 @@ SLOW_FIRST = (
 # session's S3 server starts for the first such test only, and a test that asks for a service's fixture without
 # the mark is an error at collection, so `-m "not services"` (`scripts/test.sh --local`) runs every other test
 # with nothing started.
-# verl's own trainer end to end on CPUs (tests/trainers/test_verl_cpu_fit.py, marked verl_e2e): five verl jobs,
-# each a dozen processes importing torch and verl, 7 to 12 minutes of both cores. Beside the rest of the suite
-# on this 2-core machine it pushed CI past its 30 minutes, so it runs in a lane of its own: RELAY_VERL_E2E=1
-# (`./scripts/test.sh --verl`). CI runs tests/airflow/test_verl_dag.py instead: the spec's
-# DAG, three chunks, a kill and Airflow's retry, and one uninterrupted job to compare it with.
-VERL_E2E = os.environ.get("RELAY_VERL_E2E") == "1"
+# The lanes (docs/development.md): a test marked `lane("verl")` or `lane("faults")` is a proof too heavy for CI's two
+# cores beside the rest of the suite (verl's trainer end to end, a second Airflow deployment, a private Ray cluster).
+# CI leaves it out; its lane runs it before every landing (`./scripts/test.sh --lanes`), RELAY_TEST_LANE naming
+# the lane: `verl` runs the tests marked lane("verl") only; `faults` runs the whole fault matrix, every case marked
+# `fault` whether CI runs it or not, and the whole kill matrix (tests/faults/test_kill_points.py).
+LANES = ("verl", "faults")
+LANE = os.environ.get("RELAY_TEST_LANE") or None
 SERVICE_FIXTURES = {
     "s3_server",
     "ray_address",
@@ -120,11 +121,26 @@ def pytest_collection_modifyitems(config, items):
             "these tests use a service without the `services` mark; add @pytest.mark.services "
             "(the fast lane would start the service for them):\n  " + "\n  ".join(unmarked)
         )
-    if not VERL_E2E:  # verl's trainer end to end on CPUs: its own lane (see VERL_E2E)
-        verl = [item for item in items if item.get_closest_marker("verl_e2e")]
-        if verl:
-            config.hook.pytest_deselected(items=verl)
-            items[:] = [item for item in items if not item.get_closest_marker("verl_e2e")]
+    keep, left_out, bad = [], [], []
+    for item in items:
+        mark = item.get_closest_marker("lane")
+        lane = mark.args[0] if mark and mark.args else None
+        if mark is not None and lane not in LANES:
+            bad.append(f"{item.nodeid} (lane {lane!r}; the lanes are {', '.join(LANES)})")
+        elif lane == "faults" and item.get_closest_marker("fault") is None:
+            bad.append(f"{item.nodeid} (the faults lane holds fault cases only: mark it `fault`)")
+        if LANE is None:
+            wanted = lane is None  # CI: every test that is in no lane
+        elif LANE == "faults":
+            wanted = item.get_closest_marker("fault") is not None
+        else:
+            wanted = lane == LANE
+        (keep if wanted else left_out).append(item)
+    if bad:
+        raise pytest.UsageError("these tests name no lane that exists:\n  " + "\n  ".join(bad))
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = keep
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +200,7 @@ def ray_address(tmp_path_factory):
         tmp_path_factory,
         "ray",
         lambda: stack._http_ok(f"{stack.ray_address()}/api/version"),
-        lambda: stack.ray_start(num_cpus=None if VERL_E2E else 2),
+        lambda: stack.ray_start(num_cpus=None if LANE == "verl" else 2),
         stack.ray_stop,
     ) as address:
         yield address

@@ -11,11 +11,11 @@ Against an uninterrupted run of the same spec (one job, `relay train` 0 -> 6, th
 every step once, the same LR (the spec's warmup and cosine decay), data order (dataset indices per step), rewards and
 resume point, bitwise equal weights and optimizer state at step 6, and the same bytes in its shard files;
 and the step trained twice equals its first try (relay.insights.audit): the same reward, loss, KL, LR and data order.
-A copy of the run back at step 4 taken to world size 2, its step 4 resharded and its two ranks' model pieces swapped,
-is refused at resume by the certificate verl's workers compute, and falls back to step 2 (two more jobs, on a head of
-two logical GPUs).
-The graceful stop and the relay-train-only version of this comparison are verl's own lane
-(tests/trainers/test_verl_cpu_fit.py, `./scripts/test.sh --verl`).
+Step 6 resharded 1 -> 2 -> 1 keeps its certificate, and rows rotated in one rank's shard are refused by it.
+verl's own lane (`./scripts/test.sh --verl`) holds the graceful stop and the relay-train-only version of this
+comparison (tests/trainers/test_verl_cpu_fit.py), and two ranks' swapped shards refused at resume by the certificate
+verl's workers compute, the run falling back to a step of the old world size that `relay train` reshards
+(tests/trainers/test_verl_reshard_resume.py).
 
 The jobs run on a Ray head of this module's own (relay.devstack.stack.private_ray_head, as `relay train`
 starts one with nothing running), named by the spec's Ray connection: a verl chunk holds more logical CPUs
@@ -45,10 +45,8 @@ from support.verl_jobs import (
     SPEC,
     dag_spec,
     dag_with_chunk_2_killed,
-    full_model,
     optimizer_state,
     relay_train,
-    swap_rank_shards,
 )
 
 pytestmark = pytest.mark.services  # Airflow's own processes or DAG runs, on the session's Ray head and S3
@@ -225,65 +223,3 @@ def test_a_reshard_keeps_the_certificate_and_rows_rotated_in_one_shard_are_refus
     bad = admit(Run(spec, RUN, bad_back), 6)
     assert not bad.ok and bad.report.failed.name == "certificate", bad.explain()
     assert key in bad.report.failed.detail
-
-
-@pytest.fixture(scope="module")
-def swapped(dag_run, tmp_path_factory):
-    """The DAG's run copied back to step 4 (step 6 set aside, the tracker at 4) and taken to world size 2: step 4
-    resharded 1 -> 2 (`relay checkpoint reshard`'s code) and its two ranks' model pieces swapped (same shapes, finite,
-    its checksums made again: the gate admits it); `relay train` of the copy at world size 2
-    (checkpoints.on_world_size_change: reshard) to step 6, then to step 4."""
-    from relay.checkpoints.reshard import reshard
-    from relay.jobs import local_head
-
-    assert dag_run["returncode"] == 0, dag_run["out"][-6000:]
-    base = tmp_path_factory.mktemp("verl_swapped")
-    run = base / "run"
-    shutil.copytree(dag_run["run_dir"], run)
-    shutil.move(layout.step_dir(run, 6), base / "step_6_aside")
-    layout.write_tracker(run, 4)
-    reshard(run, 2, step=4)
-    names = swap_rank_shards(run, 4)
-    d = yaml.safe_load(dag_run["spec"].read_text())
-    d["trainer"]["settings"]["n_gpus_per_node"] = 2
-    d["checkpoints"]["on_world_size_change"] = "reshard"
-    spec = base / "at2.yaml"
-    spec.write_text(yaml.safe_dump(d, sort_keys=False))
-    with local_head.local_head(
-        stack.ray_cli(), stack.ray_env(local_s3=False), num_cpus=stack.head_cpus(), num_gpus=2, avoid=stack.stack_ray_ports()
-    ) as head:
-        refused = relay_train(run, 6, head.address, base / "refused.log", spec=spec).wait(timeout=JOB_TIMEOUT)
-        tracker_after = layout.read_tracker(run)
-        retried = relay_train(run, 4, head.address, base / "retried.log", spec=spec).wait(timeout=JOB_TIMEOUT)
-    return {
-        "run": run,
-        "names": names,
-        "refused_rc": refused,
-        "refused": (base / "refused.log").read_text(errors="replace"),
-        "tracker_after": tracker_after,
-        "retried_rc": retried,
-        "retried": (base / "retried.log").read_text(errors="replace"),
-    }
-
-
-def test_two_ranks_shards_swapped_pass_integrity_and_are_refused_by_the_certificate_at_resume(dag_run, swapped):
-    """verl's trainer at world size 2 loads the swapped step 4 and its workers' certificate refuses it: quarantined,
-    the tracker back at step 2; the next `relay train` reshards step 2 to world size 2, resumes from it certified
-    within the tolerance, and trains steps 3 and 4 as the DAG's run did (the same data order, LR and rewards; the
-    weights within 1e-2: two ranks sum their gradients in another order)."""
-    assert swapped["names"], "some parameters' two pieces have one shape"
-    log = swapped["refused"]
-    assert swapped["refused_rc"] != 0, log[-6000:]
-    assert "certificate does not hold" in log and "parameters hold other values" in log, log[-6000:]
-    [event] = [e for e in read_events(swapped["run"]) if e["event"] == "certificate_refused"]
-    assert (event["step"], event["fell_back_to"], swapped["tracker_after"]) == (4, 2, 2)
-    assert swapped["retried_rc"] == 0, swapped["retried"][-6000:]
-    assert "certified resume from step 2" in swapped["retried"], swapped["retried"][-6000:]
-    assert layout.read_tracker(swapped["run"]) == 4
-    a = {r["step"]: r for r in read_metrics(dag_run["run_dir"])}
-    b = {r["step"]: r for r in read_metrics(swapped["run"])}
-    for step in (3, 4):
-        assert (a[step]["sample_indices"], a[step]["lr"]) == (b[step]["sample_indices"], b[step]["lr"]), step
-        assert a[step]["reward_mean"] == b[step]["reward_mean"], step
-    wa, wb = full_model(layout.step_dir(dag_run["run_dir"], 4), 1), full_model(layout.step_dir(swapped["run"], 4), 2)
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-2

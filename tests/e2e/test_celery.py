@@ -20,6 +20,9 @@ from support.helpers import read_metrics, write_spec
 from support.polling import wait_for
 from support.ports import free_port
 
+# The faults lane's (./scripts/test.sh --faults): a third Airflow deployment, its own executor, beside CI's two.
+pytestmark = pytest.mark.lane("faults")
+
 REDIS_DB = 13  # this module's own database of the machine's Redis (127.0.0.1:6379)
 WORKERS = ("relay-worker-a", "relay-worker-b")
 

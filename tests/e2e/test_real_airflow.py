@@ -165,6 +165,7 @@ def test_a_triggered_run_survives_its_scheduler_and_triggerer_being_killed_mid_c
 
 
 @pytest.mark.fault
+@pytest.mark.lane("faults")  # adopting a healthy job is CI's in tests/e2e/test_retries.py
 def test_a_chunk_whose_triggerer_was_down_past_its_timeout_is_adopted_not_trained_again(airflow, ray_address, fault_row):
     """The triggerer is down while a chunk's job trains past the chunk's timeout: no trigger stops the job, Airflow's
     own defer timeout fails the task's try, and the next try adopts the job, which holds the run's lease and made

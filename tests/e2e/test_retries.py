@@ -162,6 +162,7 @@ def test_a_cleared_train_task_adopts_its_healthy_job(airflow, ray_address, unint
 
 
 @pytest.mark.fault
+@pytest.mark.lane("faults")  # adopting a healthy job is CI's in the cleared task's case above
 def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_same_job(
     airflow, ray_address, uninterrupted, fault_row
 ):

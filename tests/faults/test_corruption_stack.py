@@ -7,6 +7,8 @@ copy of step 6, verified against its checksums, and resumes there."""
 
 from __future__ import annotations
 
+import pytest
+
 from relay.checkpoints.resume import quarantined
 from relay.runs import layout
 from relay.runs.metrics import read_events
@@ -15,6 +17,10 @@ from relay.spec.run_spec import load_spec
 from support.corrupt import flip
 from support.faults import assert_finished_as
 from support.helpers import relay_cli, start_dags_test, write_spec
+
+# The faults lane's: CI proves each corruption refused and quarantined in test_corruption.py, and alerted in
+# tests/airflow/test_alerts_dag.py.
+pytestmark = pytest.mark.lane("faults")
 
 STEPS = 12
 

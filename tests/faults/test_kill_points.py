@@ -1,15 +1,21 @@
-"""The trainer SIGKILLed at 20 seeded points, some inside a checkpoint's write, resumed from each, against
-one uninterrupted baseline. Each case: the run finishes, its final weights are bitwise those of the
-baseline, and the steps lost are at most the steps since the last committed (valid) checkpoint.
+"""The trainer SIGKILLed at seeded points, some inside a checkpoint's write, resumed from each, against one
+uninterrupted baseline. Each case: the run finishes, its final weights are bitwise those of the baseline, and the
+steps lost are at most the steps since the last committed (valid) checkpoint.
 
 The kill lands exactly where it is meant to: the trainer's fault hook (relay.common.faultpoint.fault_point,
 RELAY_FAULT_PAUSE_AT=<phase>@<step>) prints a marker and sleeps there, and the test SIGKILLs it then.
-Points are drawn from every (phase, step) of a 12-step run saving every 3 steps, with RELAY_TEST_SEED
-(default: the checked-out commit, so each CI run of a new commit tries other points);
-RELAY_KILL_POINTS=before_rename@6,after_step@4 names the points instead (to replay one).
 
-The trainers are `relay train` (relay.cli.main) children of a fork server that has imported torch and
-verl once; the baseline is a plain `relay train` process, so a forked child is held to the same bits.
+The matrix: every (phase, step) of a 12-step run in two chunks of 6, saving every 3 steps, under both chunk
+handoffs: cold (`relay train` to step 12, each chunk a process's own) and warm (chunk 1's job going on into chunk
+2 once the test, playing chunk 2's train task, admits it; a point of steps 7 to 12 lands in that warm chunk).
+CI runs a sample drawn with RELAY_TEST_SEED (default: the checked-out commit, so each CI run of a new commit tries
+other points): one point of every phase, both handoffs among them. The faults lane (`./scripts/test.sh --faults`)
+runs the whole matrix (RELAY_TEST_LANE=faults). RELAY_KILL_POINTS=before_rename@6,after_step@9-warm names the
+cases instead (to replay one); every case's id is its name there.
+
+The killed trainers and their resumes are children of a fork server that has imported torch and verl once
+(`relay train`, or the chunk's Ray job entrypoint `python -m relay.trainers.job`); the baseline is a plain
+`relay train` process, so a forked child is held to the same bits.
 """
 
 from __future__ import annotations
@@ -18,15 +24,18 @@ import os
 import random
 import re
 import subprocess
+import time
 
 import pytest
 
 from relay.common.faultpoint import FAULT_ENV, FAULT_PHASES
 from relay.runs import layout
-from support.faults import ForkServer, assert_finished_as, kill, wait_for_line
+from support.faults import ForkServer, alive, assert_finished_as, kill, wait_for_line
 from support.helpers import ROOT, read_metrics, write_spec
 
-STEPS, SAVE_FREQ, POINTS_PER_RUN, INSIDE_CHECKPOINT = 12, 3, 20, 12
+STEPS, CHUNK, SAVE_FREQ = 12, 6, 3
+WARM = "-warm"  # a case id's suffix: the kill lands in a job that went on warm into chunk 2
+WHOLE = os.environ.get("RELAY_TEST_LANE") == "faults"  # the faults lane runs the whole matrix (tests/conftest.py)
 
 
 def seed() -> int:
@@ -41,16 +50,41 @@ def seed() -> int:
         return 0
 
 
-def kill_points(rng_seed: int) -> list[tuple[str, int]]:
-    """POINTS_PER_RUN (phase, step) points: INSIDE_CHECKPOINT of them inside a checkpoint's write."""
-    if named := os.environ.get("RELAY_KILL_POINTS"):
-        return [(p, int(s)) for p, _, s in (x.strip().partition("@") for x in named.split(",") if x.strip())]
+def matrix_points() -> list[tuple[str, int, bool]]:
+    """Every (phase, step, warm) case: each phase at each step it can reach, under a cold handoff; and again under a
+    warm one where the step is in chunk 2, the chunk the job went on into."""
     saves = range(SAVE_FREQ, STEPS + 1, SAVE_FREQ)
-    inside = [(phase, s) for s in saves for phase in FAULT_PHASES if phase != "after_step"]
-    between = [("after_step", s) for s in range(1, STEPS + 1)]
-    rng = random.Random(rng_seed)
-    chosen = rng.sample(inside, INSIDE_CHECKPOINT) + rng.sample(between, POINTS_PER_RUN - INSIDE_CHECKPOINT)
-    return sorted(chosen, key=lambda p: (p[1], FAULT_PHASES.index(p[0])))
+    cold = [(phase, s) for s in saves for phase in FAULT_PHASES if phase != "after_step"]
+    cold += [("after_step", s) for s in range(1, STEPS + 1)]
+    return [(p, s, False) for p, s in cold] + [(p, s, True) for p, s in cold if s > CHUNK]
+
+
+def case_id(point: tuple[str, int, bool]) -> str:
+    phase, step, warm = point
+    return f"{phase}@{step}{WARM if warm else ''}"
+
+
+def kill_points(rng_seed: int) -> list[tuple[str, int, bool]]:
+    """The cases this run tries: RELAY_KILL_POINTS's, the whole matrix (in the faults lane), or the seeded sample:
+    one case of every phase, at least one of them under each handoff."""
+    every = matrix_points()
+    if named := os.environ.get("RELAY_KILL_POINTS"):
+        by_id = {case_id(p): p for p in every}
+        wanted = [x.strip() for x in named.split(",") if x.strip()]
+        unknown = [w for w in wanted if w not in by_id]
+        if unknown:
+            raise pytest.UsageError(f"RELAY_KILL_POINTS: no case {unknown}; the cases are {', '.join(by_id)}")
+        chosen = [by_id[w] for w in wanted]
+    elif WHOLE:
+        chosen = every
+    else:
+        rng = random.Random(rng_seed)
+        chosen = [rng.choice([p for p in every if p[0] == phase]) for phase in FAULT_PHASES]
+        for warm in (True, False):  # both handoffs: one phase's case drawn again under the missing one
+            if not any(p[2] == warm for p in chosen):
+                i = rng.randrange(len(chosen))
+                chosen[i] = rng.choice([p for p in every if p[0] == chosen[i][0] and p[2] == warm])
+    return sorted(chosen, key=lambda p: (p[1], FAULT_PHASES.index(p[0]), p[2]))
 
 
 SEED = seed()
@@ -90,30 +124,62 @@ def action(phase: str, step: int, resumed: int) -> str:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, uninterrupted):
     folder = tmp_path_factory.mktemp("kills")
-    spec = write_spec(folder, **{"trainer.settings.save_freq": SAVE_FREQ})
+    # Warm chunks for the chunk's job; `relay train` never goes on into a chunk nothing admits, whatever the spec says.
+    spec = write_spec(folder, **{"trainer.settings.save_freq": SAVE_FREQ, "chunks.handoff": "warm"})
     (folder / "ckpt").mkdir()
     server = ForkServer()
     yield {"spec": spec, "folder": folder, "server": server, "baseline": uninterrupted}
     server.close()
 
 
-@pytest.mark.parametrize("point", POINTS, ids=[f"{p}@{s}" for p, s in POINTS])
+def killed_in_its_warm_chunk(server: ForkServer, spec_path, run_dir, phase: str, step: int, log) -> None:
+    """Chunk 1's job (the Ray job's entrypoint, with warm handoffs) trains steps 1 to 6, goes on warm into chunk 2 and
+    is admitted there as chunk 2's train task admits it; SIGKILLed at the fault point of `step` in that chunk."""
+    from relay.runs import handoff
+    from relay.runs.metrics import read_events
+    from relay.runs.run import Run
+    from relay.spec.run_spec import load_spec
+    from relay.trainers.contract import ENV_VAR, ChunkRequest
+
+    spec = load_spec(spec_path, check_environment=False)
+    req = ChunkRequest(run=Run.of(spec, run_dir.name), to_step=CHUNK, chunk=1, attempt=f"job-{run_dir.name}", handoff=True)
+    assert req.run_dir == run_dir
+    pid = server.start(["-m", "relay.trainers.job"], log, {ENV_VAR: req.to_json(), FAULT_ENV: f"{phase}@{step}"})
+    marker, admitted, deadline = f"[relay-fault] paused at {phase} step {step}", False, time.time() + 300
+    while not (log.exists() and marker in log.read_text(errors="replace")):
+        assert time.time() < deadline, f"no {marker!r} within 300 s"
+        if not admitted and (record := handoff.warm(run_dir, 2)) is not None:
+            handoff.admit(run_dir, 2, attempt=record["attempt"], token=record["token"], by="the test's chunk 2 task")
+            admitted = True
+        assert alive(pid), f"the job ended before {marker!r}:\n{log.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.02)
+    kill(pid)
+    assert server.wait(pid) == -9
+    starts = [(e["chunk"], e["resumed_from"], e["warm"]) for e in read_events(run_dir) if e["event"] == "chunk_start"]
+    assert admitted and starts == [(1, 0, False), (2, CHUNK, True)], f"the kill landed outside the warm chunk: {starts}"
+
+
+@pytest.mark.parametrize("point", POINTS, ids=[case_id(p) for p in POINTS])
 def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fault_row):
     from relay.checkpoints.validate import validate_checkpoint
 
-    phase, step = point
+    phase, step, warm = point
     server = matrix["server"]
-    run_dir = matrix["folder"] / "ckpt" / f"kill-{phase}-{step}"
+    run_dir = matrix["folder"] / "ckpt" / f"kill-{phase}-{step}{WARM if warm else ''}"
     argv = ["train", str(matrix["spec"]), "--to-step", str(STEPS), "--checkpoint-dir", str(run_dir), "--offline"]
 
     killed_log = run_dir.parent / f"{run_dir.name}.killed.log"
-    pid = server.start(argv, killed_log, {FAULT_ENV: f"{phase}@{step}"})
-    wait_for_line(killed_log, f"[relay-fault] paused at {phase} step {step}", pid)
-    kill(pid)
-    assert server.wait(pid) == -9
+    if warm:
+        killed_in_its_warm_chunk(server, matrix["spec"], run_dir, phase, step, killed_log)
+    else:
+        pid = server.start(argv, killed_log, {FAULT_ENV: f"{phase}@{step}"})
+        wait_for_line(killed_log, f"[relay-fault] paused at {phase} step {step}", pid)
+        kill(pid)
+        assert server.wait(pid) == -9
     reached = max(r["step"] for r in read_metrics(run_dir))  # steps trained before the kill
     committed = layout.read_tracker(run_dir) or 0  # the last checkpoint the kill left committed
 
+    # The resume: `relay train`, as a new cold job of the chunk would (Airflow's retry of a warm chunk is one).
     resumed_log = run_dir.parent / f"{run_dir.name}.resumed.log"
     rc = server.run(argv, resumed_log)
     out = resumed_log.read_text()
@@ -137,11 +203,12 @@ def test_a_trainer_killed_here_resumes_and_ends_bitwise_equal(matrix, point, fau
         report = validate_checkpoint(run_dir, s, upto="integrity")
         assert report.ok, report.summary()
     fault_row(
-        case="trainer-kill",
-        fault=f"trainer SIGKILLed {WHERE[phase].format(s=step)}",
-        action=action(phase, step, resumed),
+        case="warm-chunk-kill" if warm else "trainer-kill",
+        fault=f"trainer SIGKILLed {WHERE[phase].format(s=step)}"
+        + (", in chunk 2, which chunk 1's job went on into warm" if warm else ""),
+        action=action(phase, step, resumed) + ("; the retry was a new, cold job" if warm else ""),
         steps_lost=lost,
-        test_seed=SEED,
+        **({} if os.environ.get("RELAY_KILL_POINTS") or WHOLE else {"test_seed": SEED}),
         run_dir=run_dir,
         driver=(-9, killed_log.read_text(errors="replace")),
     )

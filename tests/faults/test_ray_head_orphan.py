@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from relay.runs.lease import Lease
 from relay.spec.run_spec import load_spec
 from support.faults import alive
@@ -16,6 +18,10 @@ from support.helpers import start_dags_test
 from support.polling import wait_for
 from support.private_stack import PrivateRay
 from support.ray_head import PAUSED_AFTER, RESUMED_FROM, finished_as_uninterrupted, spec_for
+
+# The faults lane's: a two-node Ray cluster of its own. CI proves the fencing by the lease in
+# tests/trainers/test_lease_fencing.py.
+pytestmark = pytest.mark.lane("faults")
 
 TRAINER_NODE = {"relay_trainer_node": 1}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from relay.common.errors import StoreError
 from relay.runs.metrics import read_events
 from relay.s3.store import CheckpointStore, s3_client
@@ -18,6 +20,10 @@ from support.faults import assert_finished_as
 from support.helpers import start_dags_test, write_spec
 from support.polling import wait_for
 from support.private_stack import PrivateS3, stack_env
+
+# The faults lane's: an S3 server of its own, stopped and started. CI proves publishes through S3's errors in
+# test_s3_faults.py.
+pytestmark = pytest.mark.lane("faults")
 
 STEPS = 12
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from relay.checkpoints.resume import quarantined
 from relay.jobs.ray_jobs import TERMINAL, RayJobs
 from relay.runs import handoff, layout
@@ -19,6 +21,9 @@ from support.corrupt import flip
 from support.faults import assert_finished_as
 from support.helpers import start_dags_test, write_spec
 from support.polling import wait_for
+
+# The faults lane's: CI proves a warm chunk stopped by a quarantined checkpoint in tests/trainers/test_warm_handoff.py.
+pytestmark = pytest.mark.lane("faults")
 
 STEPS = 12
 

@@ -2,8 +2,9 @@
 exactly as a fresh process would (its argv, environment and working directory), without paying the imports
 per process.
 
-- `python tests/support/forkserver.py` (mode relay): `python -m relay ...` (relay.cli.main), with torch, verl
-  and the CPU trainer imported (~7 s per process otherwise). The fault tests kill many trainers: with a fork
+- `python tests/support/forkserver.py` (mode relay): `python -m relay ...` (relay.cli.main), or with the argv
+  `-m relay.trainers.job` a chunk's Ray job entrypoint, with torch, verl and the CPU trainer imported (~7 s per
+  process otherwise). The fault tests kill many trainers: with a fork
   per trainer, 20 kill points and their resumes cost seconds, not minutes.
 - `python tests/support/forkserver.py airflow`, started with an Airflow home's environment (Airflow reads its
   configuration when it is imported): `airflow ...` (airflow.__main__.main, what the `airflow` script runs),
@@ -65,8 +66,13 @@ else:
     import relay.checkpoints.resume
     import relay.checkpoints.safeload
     import relay.checkpoints.validate
+    import relay.trainers.job
 
-    entry = relay.cli.main
+    def entry(argv: list[str]) -> int:
+        if argv == ["-m", "relay.trainers.job"]:  # a chunk's Ray job entrypoint, its request in the environment
+            return relay.trainers.job.main()
+        return relay.cli.main(argv)
+
 
 FAULT_ENV = "RELAY_FAULT_PAUSE_AT"
 

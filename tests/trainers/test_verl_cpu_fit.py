@@ -44,8 +44,8 @@ from support.verl_jobs import (
 
 
 def E2E(test):
-    """The tests of the runs: their own lane, ./scripts/test.sh --verl (conftest: VERL_E2E), on the session's Ray head."""
-    return pytest.mark.services(pytest.mark.verl_e2e(test))
+    """The tests of the runs: verl's lane, ./scripts/test.sh --verl (tests/conftest.py: LANES), on the session's Ray head."""
+    return pytest.mark.services(pytest.mark.lane("verl")(test))
 
 
 @pytest.fixture(scope="module")

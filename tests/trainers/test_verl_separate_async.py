@@ -1,4 +1,4 @@
-"""verl's separate_async trainer end to end on CPUs (the lane of `./scripts/test.sh --verl`, marked verl_e2e: beside
+"""verl's separate_async trainer end to end on CPUs (the lane of `./scripts/test.sh --verl`, marked lane("verl"): beside
 CI's two verl DAG modules it pushed the suite towards its 45 minutes on this 2-core machine):
 include/runs/verl_tiny_cpu_separate.yaml through `relay train`, on a Ray head of
 this module's own with two logical GPUs (one trains, one generates). verl's PPOTrainerSeparateAsync.fit() runs with
@@ -22,7 +22,7 @@ from relay.runs.prompt_ledger import PromptLedger
 from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli
 from support.verl_jobs import SEPARATE_SPEC, finish, killed_after_step_3, optimizer_state, relay_train
 
-pytestmark = pytest.mark.verl_e2e
+pytestmark = pytest.mark.lane("verl")
 
 PER_STEP = ("sample_indices", "prompt_seqs", "policy_versions", "handed_out_seqs", "lr", "reward_mean", "loss")
 
