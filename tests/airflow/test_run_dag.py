@@ -228,29 +228,28 @@ def test_bad_environment_is_refused_before_any_job(airflow_home, ray_address):
     assert not run_dir(spec, "toolong").exists()
 
 
-def test_validation_can_run_where_the_checkpoint_lives_on_the_cluster(airflow_home, ray_address):
-    spec = write_spec(airflow_home["runs"], name="onray", total_steps=6, chunk_steps=6, **{"checkpoints.validate_on": "ray"})
-    t0 = time.time()
-    r = dags_test(airflow_home, "relay_onray", {})
-    assert r.returncode == 0, r.stdout[-4000:]
-    validated = [j for j in jobs_of_run(ray_address, "onray", t0) if (j.metadata or {}).get("relay_role") == "validate"]
-    assert [str(j.status) for j in validated] == ["SUCCEEDED"]
-    assert (run_dir(spec, "onray") / "global_step_6" / "relay_manifest.json").is_file()
-    assert "checkpoint valid" in r.stdout and "✔ numerics" in r.stdout
-
-
 @pytest.mark.fault
-def test_warm_chunks_train_in_one_job_and_a_kill_in_a_warm_chunk_resumes_cold(airflow_home, uninterrupted, fault_row):
+def test_warm_chunks_train_in_one_job_and_a_kill_in_a_warm_chunk_resumes_cold(
+    airflow_home, ray_address, uninterrupted, fault_row
+):
     """chunks.handoff warm, three chunks of 4 steps and a drill that kills the trainer after step 10: chunk 1's job
     goes on warm into chunks 2 and 3, whose train tasks admit and take it over; the kill in chunk 3 fails its try,
-    and the retry starts a new job from checkpoint 8. Every chunk is validated and published as a cold one is, and
-    the run ends bitwise equal to the uninterrupted one."""
+    and the retry starts a new job from checkpoint 8. Every chunk is validated and published as a cold one is (the
+    validation where the checkpoint lives, as a Ray job of its own: checkpoints.validate_on ray), and the run ends
+    bitwise equal to the uninterrupted one."""
     spec_path = write_spec(
-        airflow_home["runs"], name="warm", chunk_steps=4, **{"chunks.handoff": "warm", "airflow.approvals": False}
+        airflow_home["runs"],
+        name="warm",
+        chunk_steps=4,
+        **{"chunks.handoff": "warm", "airflow.approvals": False, "checkpoints.validate_on": "ray"},
     )
     rd = run_dir(spec_path, "warm")
+    t0 = time.time()
     r = dags_test(airflow_home, "relay_warm", {"run": "warm", "relay_fault": {"kill_at": "after_step@10"}})
     assert r.returncode == 0, r.stdout[-5000:]
+    validated = [j for j in jobs_of_run(ray_address, "warm", t0) if (j.metadata or {}).get("relay_role") == "validate"]
+    assert [str(j.status) for j in validated] == ["SUCCEEDED"] * 3, "each chunk's checkpoint validated on the cluster"
+    assert "checkpoint valid" in r.stdout and "✔ numerics" in r.stdout
     starts = [e for e in read_events(rd) if e["event"] == "chunk_start"]
     assert [(e["chunk"], e["resumed_from"], e["warm"]) for e in starts] == [
         (1, 0, False),
@@ -289,10 +288,12 @@ def test_warm_chunks_train_in_one_job_and_a_kill_in_a_warm_chunk_resumes_cold(ai
     )
 
 
-def test_a_warm_chunk_refused_at_its_admission_stops_its_job_without_a_commit(airflow_home, ray_address, tmp_path):
-    """The training data changes while chunk 1 trains (data.on_source_change: fail): chunk 2's train task refuses
-    to start it, and the job that went on warm into chunk 2 stops without committing anything of it."""
-    import pyarrow as pa
+def test_a_source_changed_under_a_warm_run_stops_the_next_chunk_and_its_job_without_a_commit(
+    airflow_home, ray_address, tmp_path
+):
+    """A row is appended to the training data while chunk 1 trains (data.on_source_change: fail): chunk 2's train task
+    refuses to start it, saying what changed and what to do, and alerts; the job that went on warm into chunk 2 stops
+    without committing anything of it, and no new job runs for chunk 2."""
     import pyarrow.parquet as pq
 
     from relay.runs import handoff
@@ -306,14 +307,20 @@ def test_a_warm_chunk_refused_at_its_admission_stops_its_job_without_a_commit(ai
         **{"chunks.handoff": "warm", "airflow.approvals": False, "data.train_files": [str(data)], "data.val_files": []},
     )
     rd = run_dir(spec_path, "refused")
+    t0 = time.time()
     dag_test = start_dags_test(airflow_home, "relay_warmrefused", {"run": "refused"})
     deadline = time.time() + 600
     while time.time() < deadline and not any(e["event"] == "chunk_start" for e in _events(rd)):
         time.sleep(0.1)
-    rows = pq.read_table(data).to_pylist()
-    pq.write_table(pa.Table.from_pylist(rows[1:] + rows[:1]), data)  # the source changed after its freeze
+    table = pq.read_table(data)
+    rows = table.to_pylist()
+    rows.append(dict(rows[0], extra_info={"split": "train", "index": 99999}))
+    pq.write_table(table.from_pylist(rows, schema=table.schema), data)  # the source changed after its freeze
     returncode, out = dag_test.wait()
     assert returncode != 0, "the DAG run fails: chunk 2 was refused"
+    assert "chunk 2/3 (steps 5..8) of run refused not started" in out, out[-5000:]
+    assert "1 row(s) added (extra_info.index: 99999)" in out and "use_frozen" in out
+    assert "[relay ERROR] refused: training data changed under the run (chunk 2)" in out, "alerted"
     assert "refused, it stops without committing" in out, out[-5000:]
     assert layout.read_tracker(rd) == 4 and not (rd / "global_step_8").exists(), "nothing of chunk 2 committed"
     refused = [e for e in read_events(rd) if e["event"] == "handoff_refused"]
@@ -325,6 +332,8 @@ def test_a_warm_chunk_refused_at_its_admission_stops_its_job_without_a_commit(ai
     while jobs.live_jobs_of_run("warmrefused", "refused") and time.time() < deadline:
         time.sleep(0.5)
     assert jobs.get(record["attempt"]).status == "FAILED", "the warm job ended (exit 4: stopped without a commit)"
+    started = {(j.metadata or {}).get("relay_chunk") for j in jobs_of_run(ray_address, "refused", t0)}
+    assert started == {"1"}, "no job was started for chunk 2"
 
 
 def _events(run_dir: Path) -> list[dict]:

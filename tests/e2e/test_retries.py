@@ -189,6 +189,7 @@ def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_sam
 
 
 @pytest.mark.fault
+@pytest.mark.lane("faults")  # a stalled chunk stopped and retried is CI's in tests/airflow/test_alerts_dag.py
 def test_a_frozen_job_is_still_stopped_and_resumed(airflow, ray_address, uninterrupted, fault_row):
     """Chunk 2's trainer is SIGSTOPped at step 8: no step for the stall limit (6 s), so the trigger stops it,
     and the retry does not adopt it: a new job resumes from step 6."""

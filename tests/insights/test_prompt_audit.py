@@ -1,7 +1,7 @@
 """The prompt audit of an asynchronous run (relay.insights.prompts), on the rows and prompt ledgers verl's async chunk
 trainer writes (relay.runs.prompt_ledger), made here by the same ledger driven as the trainer drives it: each step
 hands out one batch (the first step its warm-up batches too), trains the oldest, and records its row; a save writes
-the prompts in flight. What verl's own run writes is checked by tests/airflow/test_verl_async_dag.py."""
+the prompts in flight. What verl's own run writes is checked in verl's lane by tests/airflow/test_verl_async_dag.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The async chunk trainer's checks of the prompts in flight (relay.trainers.verl_ppo.async_trainer), on the ledger a
-save wrote and TransferQueue's listing after verl's load (stood in: the queue itself needs verl's Ray actors; CI's
-tests/airflow/test_verl_async_dag.py runs the real one), and its first-in-first-out choice."""
+save wrote and TransferQueue's listing after verl's load (stood in: the queue itself needs verl's Ray actors; verl's
+lane runs the real one, tests/airflow/test_verl_async_dag.py), and its first-in-first-out choice."""
 
 from __future__ import annotations
 
