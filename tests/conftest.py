@@ -136,8 +136,10 @@ def pytest_collection_modifyitems(config, items):
         else:
             wanted = lane == LANE
         (keep if wanted else left_out).append(item)
+    if LANE is not None and LANE not in LANES:
+        bad.append(f"RELAY_TEST_LANE={LANE}: no such lane; the lanes are {', '.join(LANES)}")
     if bad:
-        raise pytest.UsageError("these tests name no lane that exists:\n  " + "\n  ".join(bad))
+        raise pytest.UsageError("lane marks that cannot be run:\n  " + "\n  ".join(bad))
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = keep

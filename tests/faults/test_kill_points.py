@@ -5,13 +5,12 @@ steps lost are at most the steps since the last committed (valid) checkpoint.
 The kill lands exactly where it is meant to: the trainer's fault hook (relay.common.faultpoint.fault_point,
 RELAY_FAULT_PAUSE_AT=<phase>@<step>) prints a marker and sleeps there, and the test SIGKILLs it then.
 
-The matrix: every (phase, step) of a 12-step run in two chunks of 6, saving every 3 steps, under both chunk
-handoffs: cold (`relay train` to step 12, each chunk a process's own) and warm (chunk 1's job going on into chunk
-2 once the test, playing chunk 2's train task, admits it; a point of steps 7 to 12 lands in that warm chunk).
-CI runs a sample drawn with RELAY_TEST_SEED (default: the checked-out commit, so each CI run of a new commit tries
-other points): one point of every phase, both handoffs among them. The faults lane (`./scripts/test.sh --faults`)
-runs the whole matrix (RELAY_TEST_LANE=faults). RELAY_KILL_POINTS=before_rename@6,after_step@9-warm names the
-cases instead (to replay one); every case's id is its name there.
+The matrix (tests/support/kill_matrix.py): every (phase, step) of a 12-step run in two chunks of 6, saving every 3
+steps, under both handoffs: cold (`relay train` to step 12, as a chunk's new job trains) and warm (chunk 1's job,
+the Ray job's entrypoint, going on into chunk 2 once the test, playing chunk 2's train task, admits it; a case of
+steps 7 to 12 lands in that warm chunk). CI tries a seeded sample, one case of every phase, both handoffs among
+them (RELAY_TEST_SEED, default the checked-out commit); the faults lane (`./scripts/test.sh --faults`) tries them
+all; RELAY_KILL_POINTS=before_rename@6,after_step@9-warm names cases to replay.
 
 The killed trainers and their resumes are children of a fork server that has imported torch and verl once
 (`relay train`, or the chunk's Ray job entrypoint `python -m relay.trainers.job`); the baseline is a plain
@@ -21,74 +20,20 @@ The killed trainers and their resumes are children of a fork server that has imp
 from __future__ import annotations
 
 import os
-import random
 import re
-import subprocess
 import time
 
 import pytest
 
-from relay.common.faultpoint import FAULT_ENV, FAULT_PHASES
+from relay.common.faultpoint import FAULT_ENV
 from relay.runs import layout
 from support.faults import ForkServer, alive, assert_finished_as, kill, wait_for_line
-from support.helpers import ROOT, read_metrics, write_spec
+from support.helpers import read_metrics, write_spec
+from support.kill_matrix import CHUNK, SAVE_FREQ, STEPS, WARM, case_id, chosen, seed
 
-STEPS, CHUNK, SAVE_FREQ = 12, 6, 3
-WARM = "-warm"  # a case id's suffix: the kill lands in a job that went on warm into chunk 2
 WHOLE = os.environ.get("RELAY_TEST_LANE") == "faults"  # the faults lane runs the whole matrix (tests/conftest.py)
-
-
-def seed() -> int:
-    if os.environ.get("RELAY_TEST_SEED"):
-        return int(os.environ["RELAY_TEST_SEED"])
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        return int(head[:8], 16)
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return 0
-
-
-def matrix_points() -> list[tuple[str, int, bool]]:
-    """Every (phase, step, warm) case: each phase at each step it can reach, under a cold handoff; and again under a
-    warm one where the step is in chunk 2, the chunk the job went on into."""
-    saves = range(SAVE_FREQ, STEPS + 1, SAVE_FREQ)
-    cold = [(phase, s) for s in saves for phase in FAULT_PHASES if phase != "after_step"]
-    cold += [("after_step", s) for s in range(1, STEPS + 1)]
-    return [(p, s, False) for p, s in cold] + [(p, s, True) for p, s in cold if s > CHUNK]
-
-
-def case_id(point: tuple[str, int, bool]) -> str:
-    phase, step, warm = point
-    return f"{phase}@{step}{WARM if warm else ''}"
-
-
-def kill_points(rng_seed: int) -> list[tuple[str, int, bool]]:
-    """The cases this run tries: RELAY_KILL_POINTS's, the whole matrix (in the faults lane), or the seeded sample:
-    one case of every phase, at least one of them under each handoff."""
-    every = matrix_points()
-    if named := os.environ.get("RELAY_KILL_POINTS"):
-        by_id = {case_id(p): p for p in every}
-        wanted = [x.strip() for x in named.split(",") if x.strip()]
-        unknown = [w for w in wanted if w not in by_id]
-        if unknown:
-            raise pytest.UsageError(f"RELAY_KILL_POINTS: no case {unknown}; the cases are {', '.join(by_id)}")
-        chosen = [by_id[w] for w in wanted]
-    elif WHOLE:
-        chosen = every
-    else:
-        rng = random.Random(rng_seed)
-        chosen = [rng.choice([p for p in every if p[0] == phase]) for phase in FAULT_PHASES]
-        for warm in (True, False):  # both handoffs: one phase's case drawn again under the missing one
-            if not any(p[2] == warm for p in chosen):
-                i = rng.randrange(len(chosen))
-                chosen[i] = rng.choice([p for p in every if p[0] == chosen[i][0] and p[2] == warm])
-    return sorted(chosen, key=lambda p: (p[1], FAULT_PHASES.index(p[0]), p[2]))
-
-
 SEED = seed()
-POINTS = kill_points(SEED)
+POINTS = chosen(WHOLE, SEED)
 
 WHERE = {
     "after_step": "after step {s}'s row, before its checkpoint",
