@@ -25,7 +25,7 @@ from relay.checkpoints.gate import admit_dir
 from relay.checkpoints.reshard import RECORD, reshard
 from relay.checkpoints.safeload import load
 from relay.checkpoints.validate import validate_checkpoint
-from relay.common.errors import CheckpointError
+from relay.common.errors import CheckpointError, RelayError
 from relay.runs import layout
 from support import verl_checkpoint
 from support.helpers import relay_cli
@@ -422,4 +422,51 @@ def test_reshards_back_and_forth_within_one_second_keep_every_original(written, 
     kept = sorted(p.name for p in layout.relay_dir(run, "resharded").iterdir())
     assert len(kept) == 3 and len(set(kept)) == 3, kept
     assert originals(run, want), "the world-size-2 original is kept"
+    assert admit_dir(run).ok and layout.read_tracker(run) == 1
+
+
+def test_a_reshard_killed_after_its_exchange_while_another_reads_the_step_keeps_the_original(written, tmp_path, monkeypatch):
+    """Two reshards in place to the same world size: while B reads the step, A reshards it and is killed just after
+    its exchange, the original then in A's staging folder. B cleans no staging folder but those of writers older
+    than itself: the original is never deleted, and the gate finishes A's swap."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from relay.checkpoints import validate
+    from relay.common.faultpoint import FAULT_ENV
+    from support.faults import wait_for_line
+    from support.helpers import ROOT
+
+    run = tmp_path / "run"
+    shutil.copytree(written[(2, 2)], run)
+    assert admit_dir(run).ok
+    want = tree(layout.step_dir(run, 1))
+    log = tmp_path / "a.log"
+    real = validate.validate_checkpoint
+
+    def b_reads_while_a_swaps(run_dir, step=None, **kw):
+        report = real(run_dir, step, **kw)
+        if "upto" not in kw:  # B's full read of the step: meanwhile A reshards it, to its exchange, and is killed
+            with open(log, "w") as out:
+                a = subprocess.Popen(
+                    [sys.executable, "-m", "relay", "checkpoint", "reshard", str(run), "--world-size", "1"],
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, FAULT_ENV: "swap_exchanged@1", "PYTHONPATH": str(ROOT / "plugins")},
+                )
+            wait_for_line(log, "[relay-fault] paused at swap_exchanged", a.pid)
+            a.send_signal(signal.SIGKILL)
+            a.wait()
+        return report
+
+    monkeypatch.setattr(validate, "validate_checkpoint", b_reads_while_a_swaps)
+    try:
+        reshard(run, 1)
+    except RelayError:
+        pass  # B may lose the lease to A, or refuse a step that changed under it: what matters is what is left
+    monkeypatch.setattr(validate, "validate_checkpoint", real)
+    assert originals(run, want), f"the only copy of the original was deleted (A: {log.read_text()[-1500:]})"
     assert admit_dir(run).ok and layout.read_tracker(run) == 1

@@ -157,6 +157,36 @@ def test_a_warm_chunk_that_is_not_admitted_commits_nothing(tmp_path, chunk_one, 
     assert g.failures[-1].chunk == 3 and g.failures[-1].cause.startswith("stopped: warm chunk not admitted")
 
 
+def test_a_warm_job_of_an_earlier_incarnation_writes_nothing_into_the_new_one(tmp_path, chunk_one):
+    """A fresh start while a warm job waits for its admission (its trainer on another node, where this host cannot
+    see it): the job stops as a writer that lost its lease does (exit 3), and nothing of it lands in the new
+    incarnation: no event, no row, no checkpoint, no staging folder."""
+    import json
+
+    from relay.preflight.prepare import prepare_run
+    from relay.runs.lease import Lease
+
+    spec = _spec(tmp_path, **{"chunks.handoff": "warm"})
+    loaded = load_spec(spec, check_environment=False)
+    run_dir = loaded.run_dir("w")
+    shutil.copytree(chunk_one, run_dir)
+    fresh = []
+
+    def fresh_start(run_dir: Path, record: dict) -> None:
+        lease = Lease(run_dir)
+        lease.path.write_text(json.dumps({**lease.current(), "host": "gpu-node-7"}))
+        fresh.append(prepare_run(loaded, "w", fresh_start=True, confirm="w", asked_by="DAG run w/again"))
+
+    rc, out = _job(spec, "w", chunk=2, to_step=2 * CHUNK, answer=fresh_start)
+    assert rc == 3 and "refusing to write" in out, out[-3000:]
+    (state,) = fresh
+    assert state.latest_step == 0 and state.archived_to, "the fresh start went on: the old run is in the archive"
+    assert read_events(run_dir) == [] and not (run_dir / layout.METRICS).exists()
+    assert layout.read_tracker(run_dir) is None and not layout.step_dirs(run_dir)
+    staging = layout.relay_dir(run_dir, "staging")
+    assert not staging.exists() or not any(staging.iterdir())
+
+
 def test_chunks_are_warm_by_default_but_relay_train_never_goes_on_into_a_chunk_nothing_admits(tmp_path):
     spec = write_spec(tmp_path, name="w", total_steps=TOTAL, chunk_steps=CHUNK, s3=None, **{"chunks.handoff": None})
     assert load_spec(spec, check_environment=False).warm_chunks

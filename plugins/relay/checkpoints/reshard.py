@@ -114,8 +114,17 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
             f"--world-size {world_size}: a world size is a number of processes, at least 1",
             "give the number of GPUs (processes) the next chunk trains on",
         )
-    if out is None and (done := swap.recover(run_dir)):
-        print(f"[relay] {done}", flush=True)
+    if out is None:
+        peek = validate_checkpoint(run_dir, step, upto="consistency")  # reads no file: a no-op fences no trainer
+        if peek.ok and peek.world_size == world_size:
+            raise UsageError(f"{peek.path} is already at world size {world_size}", "nothing to do")
+        # In place, the reshard is the run's writer, and the lease comes first: a trainer still alive, or another
+        # reshard, loses it and stops at its next check; only then is a swap a killed writer left behind finished
+        # or undone, and the step read, so that no writer swaps the step between this one's look and its write.
+        lease = Lease(run_dir)
+        token = lease.acquire(f"reshard:{socket.gethostname()}:{os.getpid()}")
+        if done := swap.recover(run_dir):
+            print(f"[relay] {done}", flush=True)
     report = validate_checkpoint(run_dir, step)
     if not report.ok:
         failed = report.failed
@@ -147,12 +156,15 @@ def reshard(run_dir: Path, world_size: int, *, step: int | None = None, out: Pat
             raise CheckpointError(f"{layout.step_dir(out, step)} already exists", "give an empty --out folder")
         staged = layout.relay_dir(out, "staging", f"{layout.step_name(step)}.reshard")
     else:
-        staged = layout.relay_dir(run_dir, "staging", f"{layout.step_name(step)}.reshard-{world_size}")
-        # In place, the reshard is the run's writer: a trainer still alive loses the lease and stops at its next
-        # check, before it could write over the step being swapped.
-        lease = Lease(run_dir)
-        token = lease.acquire(f"reshard:{socket.gethostname()}:{os.getpid()}")
-    shutil.rmtree(staged, ignore_errors=True)  # a derived copy (recover() leaves no original in staging)
+        # A staging folder of its own (its token). Older writers' left behind are removed: every swap of theirs was
+        # finished or undone under this lease (recover() above), so they hold derived copies only. A newer writer's
+        # is never touched: after its exchange, its staging folder holds the original until it is set aside.
+        staged = layout.relay_dir(run_dir, "staging", f"{layout.step_name(step)}.reshard-{world_size}.t{token}")
+        for old in staged.parent.glob(f"{layout.step_name(step)}.reshard-*") if staged.parent.is_dir() else ():
+            older = old.name.rpartition(".t")[2]
+            if not older.isdigit() or int(older) < token:
+                shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staged, ignore_errors=True)
     staged.mkdir(parents=True)
     try:
         written = _write_step(src, staged, k, world_size, fsdp_version)

@@ -19,15 +19,26 @@ deliberate `relay checkpoint restore`, which brings its record along.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relay.checkpoints.validate import latest_step_or_problem
 from relay.common.errors import RunError
+from relay.common.faultpoint import fault_point
+from relay.common.files import atomic_write_json
 from relay.common.timestamps import utc_now, utc_stamp
 from relay.runs import layout
-from relay.runs.lease import Lease
-from relay.runs.record import VERSION, folder_incarnation, new_incarnation, read_record, write_record
+from relay.runs.lease import FRESH_START_PENDING, Lease
+from relay.runs.record import (
+    VERSION,
+    folder_incarnation,
+    incarnation_of,
+    new_incarnation,
+    read_record,
+    update_record,
+    write_record,
+)
 from relay.runs.run import Run
 from relay.spec.plan import ChunkPlan
 from relay.spec.run_spec import RunSpec, check_run_name
@@ -93,12 +104,12 @@ class FreshStartPlan:
         if self.local_dir:
             lines.append(
                 f"- local: `{self.local_dir}` (steps {_steps(self.local_steps)}) to "
-                f"`{checkpoint_dir}/.archive/{self.run}-<time>/`"
+                f"`{checkpoint_dir}/.archive/{self.run}-<time>-<random>/`"
             )
         if self.published_uri:
             lines.append(
                 f"- S3: `{self.published_uri}` (published steps {_steps(self.published_steps)}) to "
-                f"`{prefix}/.archive/{self.run}-<time>/`"
+                f"`{prefix}/.archive/{self.run}-<time>-<random>/`"
             )
         lines += ["", "Reject to keep training the run from its latest checkpoint: trigger again without fresh_start."]
         return "\n".join(lines)
@@ -143,36 +154,56 @@ def prepare_run(
     """
     run = Run.of(spec, resolve_run_name(spec, requested))
     name, run_dir = run.name, run.dir
-    local = folder_incarnation(run_dir) if run_dir.is_dir() else None
+    record = read_record(run_dir) if run_dir.is_dir() else {}
+    local = incarnation_of(record)
     notes: list[str] = []
-    if fresh_start and asked_by and (done := fresh_start_done(run_dir, asked_by)):
+    pending = record.get(PENDING) if isinstance(record.get(PENDING), dict) else None
+    if pending is not None:  # a fresh start decided and not finished (its process died): the decision stands
         notes.append(
-            f"{asked_by} already started run {name} again from step 0 (at {done.get('at')}, incarnation "
-            f"{local}); it is not started again: the run continues from its latest checkpoint"
+            f"finishing the fresh start of run {name} that {pending.get('asked_by')} decided at {pending.get('at')}: "
+            "it was interrupted before the old run was moved aside"
+        )
+        fresh_start, asked_by = True, pending.get("asked_by") or asked_by
+    elif fresh_start and asked_by and (done := fresh_start_done(run_dir, asked_by)):
+        notes.append(
+            f"{asked_by} already started run {name} again from step 0 (at {done.get('at')}); it is not started "
+            f"again: the run (incarnation {local}) continues from its latest checkpoint"
         )
         fresh_start = False
     has_local = run_dir.is_dir() and any(run_dir.iterdir())
     published = store.incarnation(name) if store is not None else None
     archived = archived_uri = None
     last_token = None
-    if fresh_start and (has_local or published):
-        if (confirm or "").strip() != name:
+    lineage = _lineage(record)
+    if fresh_start and (has_local or published or pending):
+        if pending is None and (confirm or "").strip() != name:
             raise RunError(
                 f"fresh start of run {name!r} refused: it already has {fresh_start_plan(run, store).where()}",
                 f"to start it again from step 0, also set confirm_fresh_start (the CLI: --confirm) to {name!r}; the "
                 "old run is moved aside, never deleted. To keep it, trigger without fresh_start, or pick a new run "
                 "name",
             )
+        # Every refusal comes before anything moves, anywhere; then the decision fences out every older writer.
         notes += refuse_live_writers(run, jobs)
-        stamp = utc_stamp()
-        if published:  # S3 first: a failure here leaves everything as it was, and the retry starts over
-            archived_uri = store.archive_run(name, f"{name}-{stamp}")
+        who = asked_by or started_by
+        resumed = pending is not None
+        if pending is None:
+            pending = decide_fresh_start(run, who) if has_local else _decision(who, None)
+        # The lock is not held across S3: the decision's token keeps writers out meanwhile. A resumed decision moves
+        # whatever its first try left under the run's prefix (latest.json goes first, so `published` is no guide).
+        if store is not None and (published or resumed):
+            archived_uri = store.archive_run(name, f"{name}-{pending['archive']}")
+        fault_point("fresh_start_archived", 0)
         if has_local:
-            lease = Lease(run_dir)
-            with lease.locked(f"a fresh start of run {name}"):  # no token is taken while the folder moves
-                refuse_live_writers(run, None)
-                last_token = int((lease.current() or {}).get("token", 0))
-                archived = archive_run(run_dir, stamp)
+            archived, last_token = _move_aside(run, pending)
+        lineage.append(
+            {
+                "asked_by": who,
+                "at": pending["at"],
+                "archived_to": str(archived) if archived else None,
+                "archived_uri": archived_uri,
+            }
+        )
         local = None
     elif published and local != published:
         raise RunError(
@@ -202,7 +233,7 @@ def prepare_run(
                     if archived or archived_uri
                     else {}
                 ),
-                **({FRESH_START: {"asked_by": asked_by or started_by, "at": utc_now()}} if fresh_start else {}),
+                **({FRESH_STARTS: lineage} if lineage else {}),
             },
         )
         if last_token:
@@ -212,13 +243,60 @@ def prepare_run(
     return state
 
 
-FRESH_START = "fresh_start"  # the run record's note of the fresh start that began this incarnation
+# The run record's list of every fresh start of the run's name, oldest first (who asked, when, what it moved):
+# carried into each new incarnation, so that a DAG run cleared after a newer fresh start never repeats its own.
+FRESH_STARTS = "fresh_starts"
+FRESH_START = "fresh_start"  # the one fresh start that began an incarnation, in records written before the list
+PENDING = FRESH_START_PENDING  # a decided fresh start not finished yet: the next prepare finishes it
 
 
 def fresh_start_done(run_dir: Path, asked_by: str) -> dict | None:
-    """The fresh start `asked_by` (a DAG run's id) performed, if the folder's incarnation began with it."""
-    done = read_record(run_dir).get(FRESH_START) if run_dir.is_dir() else None
-    return done if isinstance(done, dict) and done.get("asked_by") == asked_by else None
+    """The fresh start `asked_by` (a DAG run's id) performed, in any incarnation of the run up to the folder's."""
+    record = read_record(run_dir) if run_dir.is_dir() else {}
+    return next((done for done in _lineage(record) if done.get("asked_by") == asked_by), None)
+
+
+def _lineage(record: dict) -> list[dict]:
+    starts = record.get(FRESH_STARTS)
+    if isinstance(starts, list):
+        return [s for s in starts if isinstance(s, dict)]
+    single = record.get(FRESH_START)
+    return [single] if isinstance(single, dict) else []
+
+
+def _decision(who: str, token: int | None) -> dict:
+    # Archive names carry randomness beside the time: two fresh starts within a second never meet, here or in S3.
+    return {"asked_by": who, "at": utc_now(), "archive": f"{utc_stamp()}-{secrets.token_hex(3)}", "token": token}
+
+
+def decide_fresh_start(run: Run, who: str) -> dict:
+    """Under the run's lock: refuse a live writer, then take the next lease token for the fresh start and record
+    the decision in the run record. From then on every older writer is fenced out (its token is no longer the
+    lease's) and no submission takes the lease (Lease.acquire refuses while a fresh start is pending), so the S3
+    archive can run without the lock; a crash before the local move leaves the decision for the next prepare."""
+    lease = Lease(run.dir)
+    with lease.locked(f"deciding a fresh start of run {run.name}"):
+        refuse_live_writers(run, None)
+        token = int((lease.current() or {}).get("token", 0)) + 1
+        decision = _decision(who, token)
+        atomic_write_json(
+            lease.path,
+            {"token": token, "incarnation": folder_incarnation(run.dir), "holder": "", PENDING: decision},
+        )
+        update_record(run.dir, **{PENDING: decision})
+    return decision
+
+
+def _move_aside(run: Run, decision: dict) -> tuple[Path, int]:
+    """Under the run's lock: record in the old run's record where it goes, and move its folder to the archive."""
+    lease = Lease(run.dir)
+    with lease.locked(f"moving run {run.name} aside for a fresh start"):  # no token is taken while the folder moves
+        last_token = int((lease.current() or {}).get("token", 0))
+        record = read_record(run.dir)
+        record.pop(PENDING, None)
+        if record:
+            write_record(run.dir, {**record, "archived": {**decision, "at": utc_now()}})
+        return archive_run(run.dir, decision["archive"]), last_token
 
 
 def refuse_live_writers(run: Run, jobs=None) -> list[str]:
@@ -278,8 +356,8 @@ def run_state(run: Run, archived: Path | None = None, archived_uri: str | None =
 
 
 def archive_run(run_dir: Path, stamp: str | None = None) -> Path:
-    """Move a run folder to <checkpoint_dir>/.archive/<run>-<UTC time>; nothing is deleted."""
-    stamp = stamp or utc_stamp()
+    """Move a run folder to <checkpoint_dir>/.archive/<run>-<UTC time>-<random>; nothing is deleted."""
+    stamp = stamp or f"{utc_stamp()}-{secrets.token_hex(3)}"
     dest = run_dir.parent / ".archive" / f"{run_dir.name}-{stamp}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     run_dir.rename(dest)

@@ -34,6 +34,7 @@ from relay.runs.layout import relay_dir
 from relay.runs.record import folder_incarnation
 
 LEASE = "lease.json"
+FRESH_START_PENDING = "fresh_start_pending"  # a fresh start's decision (relay.preflight.prepare): no token is handed out
 LOCK = "lease.lock"
 
 
@@ -61,7 +62,15 @@ class Lease:
     def acquire(self, holder: str) -> int:
         """Take the lease for `holder` and return its new fencing token. Waits for a commit in progress."""
         with self.locked(f"taking the lease for {holder}"):
-            token = int((self.current() or {}).get("token", 0)) + 1
+            current = self.current() or {}
+            if isinstance(pending := current.get(FRESH_START_PENDING), dict):
+                raise LeaseLost(
+                    f"run {self.run_dir.name}: a fresh start that {pending.get('asked_by')} decided at "
+                    f"{pending.get('at')} is moving the run aside; {holder} cannot take its lease",
+                    "nothing to do for this attempt; trigger the run again once the fresh start has finished (its "
+                    "next prepare finishes an interrupted one)",
+                )
+            token = int(current.get("token", 0)) + 1
             here = folder_incarnation(self.run_dir)
             self._refuse_other_life(here, token)
             self.incarnation = self.incarnation or here

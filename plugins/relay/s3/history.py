@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 from relay.common import files
+from relay.common.filelock import file_lock
+from relay.common.timestamps import epoch
 from relay.runs import layout
 from relay.runs.folder import RunFolder
 from relay.runs.metrics import SUPERSEDED, read_jsonl
@@ -64,7 +66,7 @@ def restore(store: CheckpointStore, folder: RunFolder, step: int) -> list[str]:
         published = {name: read_jsonl(where(Path(tmp), name)) for name in got}
     if not published:
         return []
-    local = {name: read_jsonl(where(run_dir, name)) for name in ROWS}
+    local = {name: read_jsonl(where(run_dir, name)) for name in (layout.METRICS, SUPERSEDED)}
     rows = {r.get("step"): r for r in local[layout.METRICS]}
     again = []
     for r in published.get(layout.METRICS, []):
@@ -77,16 +79,31 @@ def restore(store: CheckpointStore, folder: RunFolder, step: int) -> list[str]:
     merged = {
         layout.METRICS: sorted(rows.values(), key=lambda r: r.get("step") or 0),
         SUPERSEDED: _union(local[SUPERSEDED], published.get(SUPERSEDED, []) + again),
-        layout.EVENTS: sorted(
-            _union(local[layout.EVENTS], published.get(layout.EVENTS, [])), key=lambda e: str(e.get("time", ""))
-        ),
     }
     changed = []
     for name, new in merged.items():
         if new != local[name]:
-            files.atomic_write(where(run_dir, name), "".join(json.dumps(r, sort_keys=True) + "\n" for r in new).encode())
+            _write_rows(where(run_dir, name), new)
             changed.append(name)
+    # Events are written meanwhile (the train task's phase marks, the gate's): read, merged and replaced under the
+    # lock every event writer takes (relay.runs.metrics.record_event), so that none written meanwhile is lost.
+    events = where(run_dir, layout.EVENTS)
+    with file_lock(layout.relay_dir(run_dir, "events.lock"), f"restoring the events of run {run}"):
+        mine = read_jsonl(events)
+        new = sorted(_union(mine, published.get(layout.EVENTS, [])), key=_when)
+        if new != mine:
+            _write_rows(events, new)
+            changed.append(layout.EVENTS)
     return changed
+
+
+def _when(row: dict) -> float:
+    """An event's real time: events carry ISO times, and times Ray recorded as epoch seconds."""
+    return epoch(row.get("time")) or 0.0
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    files.atomic_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
 
 
 def _union(mine: list[dict], theirs: list[dict]) -> list[dict]:

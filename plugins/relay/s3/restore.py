@@ -55,6 +55,9 @@ def restore(
             "restore into another folder, or move this one aside first",
         )
     _remove_leftovers(run_dir)
+    # The tracker moves by compare-and-swap: only if it still names what it named here, so that a checkpoint a
+    # writer committed while this restore downloaded is never hidden behind an older one.
+    expected = layout.read_tracker(run_dir) if run_dir.is_dir() else None
     for s in sorted(store.steps(run), reverse=True):
         if (step is not None and s > step) or s <= above:
             continue
@@ -82,6 +85,15 @@ def restore(
             raise
         fault_point("restore_downloaded", m.step)
         with Lease(run_dir).locked(f"restoring step {m.step} from {uri}"):
+            if (now := layout.read_tracker(run_dir)) != expected:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise CheckpointError(
+                    f"restoring step {m.step} of run {run} into {run_dir} refused: its tracker named "
+                    f"{_named(expected)} when the restore began and names {_named(now)} now (a writer committed "
+                    "meanwhile); nothing was moved",
+                    "nothing, if the run trains on from there; to restore anyway, stop the run's writer and run the "
+                    "restore again",
+                )
             final = layout.step_dir(run_dir, m.step)
             if final.exists():
                 aside = layout.relay_dir(run_dir, "superseded", f"{final.name}.{int(time.time() * 1e3)}")
@@ -102,6 +114,10 @@ def restore(
         record_event(run_dir, "restore", step=m.step, uri=uri)
         return m.step, uri
     return None
+
+
+def _named(step: int | None) -> str:
+    return f"step {step}" if step is not None else "no checkpoint"
 
 
 def _remove_leftovers(run_dir: Path) -> None:

@@ -4,7 +4,7 @@
     s3://bucket/prefix/<run>/global_step_N/relay_manifest.json     uploaded after every file
     s3://bucket/prefix/<run>/latest.json                           moved only after the manifest
     s3://bucket/prefix/<run>/run.json                              the run record: its incarnation
-    s3://bucket/prefix/.archive/<run>-<time>/...                   an earlier incarnation, moved aside
+    s3://bucket/prefix/.archive/<run>-<time>-<random>/...                   an earlier incarnation, moved aside
 
 Every object carries a full-object CRC64NVME checksum (S3 verifies it on upload, multipart too),
 which is the one the manifest records; so a re-publish skips objects that already match, and a
@@ -47,7 +47,7 @@ from relay.spec.run_spec import RUN_NAME_PATTERN, check_run_name
 
 STEP_PREFIX = re.compile(r"global_step_([0-9]{1,18})/")
 LATEST = "latest.json"
-ARCHIVE = ".archive"  # <prefix>/.archive/<run>-<time>/: a run's earlier incarnation (never a run name: '.')
+ARCHIVE = ".archive"  # <prefix>/.archive/<run>-<time>-<random>/: a run's earlier incarnation (never a run name: '.')
 T = TypeVar("T")
 COPY_LIMIT = 5 * 2**30  # S3's largest single CopyObject; larger objects are copied part by part
 

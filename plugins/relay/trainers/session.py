@@ -30,6 +30,7 @@ from relay.common.errors import (
     CheckpointError,
     DiskFullError,
     HandoffStopped,
+    LeaseLost,
     RunError,
     StoppedEarly,
 )
@@ -150,8 +151,7 @@ class ChunkSession:
             fell_back: int | None = find_resume_point(self.run_dir).step
         except CheckpointError:
             fell_back = None
-        record_event(
-            self.run_dir,
+        self.record(
             f"{check}_refused",
             step=step,
             chunk=self.req.chunk,
@@ -193,8 +193,7 @@ class ChunkSession:
     def begin(self) -> None:
         """Record the attempt; supersede metrics rows written after the resume point."""
         dropped = self.metrics.resume_at(self.resume_step, self.req.attempt)
-        record_event(
-            self.run_dir,
+        self.record(
             "chunk_start",
             chunk=self.req.chunk,
             attempt=self.req.attempt,
@@ -223,6 +222,16 @@ class ChunkSession:
         )
 
     # ------------------------------------------------------------------------------ progress
+    def record(self, event: str, **fields) -> dict | None:
+        """A run event of this attempt, written only while its token holds the lease in its incarnation: checked
+        without the lock, so a per-step write never waits behind a slow holder. A writer fenced out (a newer
+        attempt, a fresh start) writes nothing into the run, not even why it stops: None."""
+        try:
+            self.lease.check(self.token)
+        except LeaseLost:
+            return None
+        return record_event(self.run_dir, event, **fields)
+
     @staticmethod
     def say(msg: str) -> None:
         print(f"{PREFIX}{msg}", flush=True)
@@ -256,8 +265,7 @@ class ChunkSession:
 
     def record_stop(self, step: int, reason: str) -> None:
         """The `chunk_stopped` event: this attempt stopped as asked, its last checkpoint at `step`."""
-        record_event(
-            self.run_dir,
+        self.record(
             STOPPED_EVENT,
             chunk=self.req.chunk,
             attempt=self.req.attempt,
@@ -302,6 +310,7 @@ class ChunkSession:
         """The staging folder to write checkpoint <step> into (see staging_dir). A write that fails removes
         it, so a failed save never leaves the disk fuller than before; a full disk is said plainly, with
         the checkpoint the run still has and what to do."""
+        self.lease.check(self.token)  # a writer fenced out writes nothing, not even why it stops
         if self.awaiting is not None:  # a warm chunk commits nothing before its train task admitted it
             self._check_admission(step, wait=True)
         staged = self.staging_dir(step)
@@ -413,7 +422,7 @@ class ChunkSession:
             if blocking is None
             else {"seconds": blocking[0], "blocking_until": blocking[1], "written_seconds": self._save_s}
         )
-        record_event(self.run_dir, "checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt, **timing)
+        self.record("checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt, **timing)
         self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
         return final
 
@@ -450,8 +459,7 @@ class ChunkSession:
             token=self.token,
             spec=handoff.spec_digest(spec.to_json()),
         )
-        record_event(
-            self.run_dir,
+        self.record(
             "chunk_start",
             chunk=nxt.index,
             attempt=self.req.attempt,
@@ -478,13 +486,15 @@ class ChunkSession:
         until = began + self.spec.chunks.admission_timeout_minutes * 60
         said = False
         while True:
+            # Fenced first: after a fresh start (or a newer attempt's lease) this job writes nothing into the run,
+            # not even its refusal, and stops as a lost lease does (exit 3), not as a stop a retry can help.
+            self.lease.check(self.token)
             got = handoff.answer(self.run_dir, chunk, self.req.attempt)
             if got is not None and got.get("admitted"):
                 self.awaiting = None
                 self.say(f"chunk {chunk} admitted by {got.get('by')}: it commits under lease token {self.token}")
                 if said:  # the job waited for its admission: a part of the handoff (relay.insights.goodput)
-                    record_event(
-                        self.run_dir,
+                    self.record(
                         "handoff_wait",
                         chunk=chunk,
                         attempt=self.req.attempt,
@@ -504,8 +514,7 @@ class ChunkSession:
                     f"no admission within chunks.admission_timeout_minutes ({self.spec.chunks.admission_timeout_minutes:g})"
                 )
             if why is not None:
-                record_event(
-                    self.run_dir,
+                self.record(
                     "handoff_refused",
                     chunk=chunk,
                     attempt=self.req.attempt,
@@ -527,8 +536,7 @@ class ChunkSession:
             time.sleep(0.2)
 
     def finish_chunk(self, end_step: int, **fields) -> None:
-        record_event(
-            self.run_dir,
+        self.record(
             "chunk_end",
             chunk=self.req.chunk,
             attempt=self.req.attempt,
