@@ -249,3 +249,28 @@ def test_a_smoke_check_that_cannot_run_is_recorded_as_skipped_never_as_passed(ve
     m = manifest.read(layout.step_dir(run, 1))
     assert "smoke" not in m.checks and m.checks[-1] == "numerics"
     assert m.skipped["smoke"].startswith("world size 2")
+
+
+def test_the_gate_quarantines_only_the_folder_it_validated(verl_checkpoints, tmp_path):
+    """A writer puts another copy of the step in place (a restore, a trainer's commit) while the gate validates the
+    first, which fails: the gate quarantines nothing it did not validate; it validates the new folder, which passes."""
+    from relay.runs.lease import Lease
+
+    run = copy_run(verl_checkpoints, tmp_path)
+    step_dir = layout.step_dir(run, 1)
+    good = shutil.copytree(step_dir, tmp_path / "good")
+    smoked = []
+
+    def smoke(folder: Path) -> str:
+        smoked.append(folder)
+        if len(smoked) == 1:
+            with Lease(run).locked("a restore of step 1"):
+                step_dir.rename(tmp_path / "the-first-folder")
+                shutil.copytree(good, step_dir)
+            raise RuntimeError("logits are NaN")
+        return "finite logits"
+
+    admission = admit_dir(run, 1, smoke=smoke)
+    assert len(smoked) == 2 and admission.ok, admission.explain()
+    assert step_dir.is_dir() and not layout.relay_dir(run, "quarantine").exists(), "the new folder was not quarantined"
+    assert layout.read_tracker(run) == 1

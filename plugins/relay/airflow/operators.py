@@ -44,7 +44,7 @@ from relay.checkpoints import manifest
 from relay.checkpoints.preview import inspect_dir
 from relay.checkpoints.resume import QUARANTINE, quarantined
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
-from relay.common.errors import RelayError
+from relay.common.errors import LeaseLost, RelayError
 from relay.common.faultpoint import drill_env, fault_point
 from relay.insights.audit import audit
 from relay.insights.eta import eta
@@ -55,7 +55,7 @@ from relay.preflight.admission import admit, parse_job_output
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, handoff, layout
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
-from relay.runs.metrics import read_events, record_event
+from relay.runs.metrics import read_events
 from relay.runs.phases import record_job_times, record_phase
 from relay.runs.run import Run
 from relay.s3.publication import publish_checkpoint
@@ -211,9 +211,9 @@ class RayChunkOperator(ChunkTaskOperator):
     def _mark(self, run: Run, phase: str, chunk, attempt: str, **fields) -> None:
         """A phase mark in events.jsonl for the goodput ledger (relay.runs.phases): one that cannot be written is
         logged, never fails the task."""
-        try:
-            record_phase(run.dir, phase, chunk=chunk.index, attempt=attempt, **fields)
-        except OSError as e:
+        try:  # fenced: a DAG run of an earlier incarnation marks nothing in the new one
+            record_phase(run.folder, phase, chunk=chunk.index, attempt=attempt, **fields)
+        except (OSError, LeaseLost) as e:
             self.log.warning("run %s: the %s mark of %s was not recorded (%s)", run, phase, attempt, e)
 
     def _mark_job_times(self, run: Run, chunk, hook, sub_id: str) -> None:
@@ -430,8 +430,7 @@ class RayChunkOperator(ChunkTaskOperator):
             got = answer(run, decision or {}, event or {})
         except Rejected as rejected:
             skip_rejected(self.log, rejected)
-        record_event(
-            run.dir,
+        run.folder.record(
             FALLBACK_APPROVED,
             chunk=chunk.index,
             quarantined=got.data["quarantined"],
@@ -515,7 +514,7 @@ class RayChunkOperator(ChunkTaskOperator):
         repeated = failure_cause.repeats(cause, failure_cause.earlier_failures(run.dir, chunk.index, dag_run))
         policy = failure_cause.STOP if repeated else failure_cause.policy(cause, spec.airflow.retry_on)
         failure_cause.record_failure(
-            run.dir, cause, chunk=chunk.index, attempt=sub_id, dag_run=dag_run, try_number=ti.try_number, policy=policy
+            run.folder, cause, chunk=chunk.index, attempt=sub_id, dag_run=dag_run, try_number=ti.try_number, policy=policy
         )
         why = (
             "the same exception at the same step as an earlier try: it is deterministic, so Airflow does not retry it"

@@ -45,6 +45,12 @@ def quarantine(run_dir: Path, report: CheckReport) -> Path:
         return _quarantine(Path(run_dir), report)
 
 
+def quarantine_locked(run_dir: Path, report: CheckReport) -> Path:
+    """quarantine() for a caller that holds the run's lock (the gate, which checks first that the folder is the one
+    it validated)."""
+    return _quarantine(Path(run_dir), report)
+
+
 def _quarantine(run_dir: Path, report: CheckReport) -> Path:
     assert report.step is not None  # callers quarantine a step folder that exists: the report names its step
     src = layout.step_dir(run_dir, report.step)

@@ -57,6 +57,7 @@ def admit(run: Run, step: int, *, expected_step: int | None = None) -> Admission
         run=run.name,
         fingerprint=spec.settings_fingerprint(),
         expect_critic=spec.settings.has_critic,
+        incarnation=run.incarnation,
     )
 
 
@@ -67,7 +68,13 @@ MARKER = "RELAY_ADMISSION "
 
 def request_json(run: Run, step: int, expected_step: int | None) -> str:
     return json.dumps(
-        {"spec": json.loads(run.spec.to_json()), "run": run.name, "step": step, "expected_step": expected_step}
+        {
+            "spec": json.loads(run.spec.to_json()),
+            "run": run.name,
+            "incarnation": run.incarnation,
+            "step": step,
+            "expected_step": expected_step,
+        }
     )
 
 
@@ -76,7 +83,7 @@ def main() -> int:
 
     req = json.loads(os.environ[ENV_VAR])
     spec = spec_from_json(json.dumps(req["spec"]))
-    admission = admit(Run.of(spec, req["run"]), req["step"], expected_step=req["expected_step"])
+    admission = admit(Run.of(spec, req["run"], req.get("incarnation")), req["step"], expected_step=req["expected_step"])
     print(admission.explain(), flush=True)
     print(MARKER + json.dumps(admission.to_dict()), flush=True)
     return 0

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay.common.errors import LeaseLost
 from relay.runs import layout
+from relay.runs.folder import RunFolder
 from relay.runs.metrics import read_events, read_jsonl, record_event
 
 # The classification's callers name causes here: re-exported from the vocabulary (relay.spec.causes).
@@ -293,16 +295,22 @@ def step_of_failure(run_dir: Path, attempt: str) -> int | None:
     return max(trained or [start.get("resumed_from") or 0]) + 1
 
 
-def record_failure(run_dir: Path, cause: Cause, *, chunk: int | None, attempt: str, **fields: Any) -> dict[str, Any] | None:
+def record_failure(
+    run: Path | RunFolder, cause: Cause, *, chunk: int | None, attempt: str, **fields: Any
+) -> dict[str, Any] | None:
     """The `chunk_failed` event of an attempt (what `repeats` compares, what the report counts). None when the
-    run has no folder yet (its first job failed before making one) or it cannot be written: the failure being
-    reported matters more than its record."""
-    if not Path(run_dir).is_dir():
+    run has no folder yet (its first job failed before making one), it cannot be written, or (a RunFolder) the run
+    was started again since: the failure being reported matters more than its record, and an old incarnation's
+    failure never lands in the new one."""
+    run_dir = run.path if isinstance(run, RunFolder) else Path(run)
+    if not run_dir.is_dir():
         return None
     try:
-        return record_event(Path(run_dir), EVENT, chunk=chunk, attempt=attempt, **cause.to_event(), **fields)
-    except OSError as e:
-        print(f"[relay] {run_dir}: the failure's event could not be recorded ({e})", file=sys.stderr)
+        if isinstance(run, RunFolder):
+            return run.record(EVENT, chunk=chunk, attempt=attempt, **cause.to_event(), **fields)
+        return record_event(run_dir, EVENT, chunk=chunk, attempt=attempt, **cause.to_event(), **fields)
+    except (OSError, LeaseLost) as e:
+        print(f"[relay] {run_dir}: the failure's event was not recorded ({e})", file=sys.stderr)
         return None
 
 

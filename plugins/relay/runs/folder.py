@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from relay.runs.lease import Lease
+from relay.runs.metrics import record_event
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,12 @@ class RunFolder:
     def lease(self) -> Lease:
         """The run's lease, its tokens bound to this folder's incarnation."""
         return Lease(self.path, incarnation=self.incarnation)
+
+    def record(self, event: str, **fields: Any) -> dict[str, Any]:
+        """A run event written for this folder's incarnation, by a writer without a token (Lease.fence): refused,
+        and nothing written, once the run was started again."""
+        self.lease().fence(f"the event {event}")
+        return record_event(self.path, event, **fields)
 
     def __str__(self) -> str:
         return self.name

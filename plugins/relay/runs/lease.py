@@ -105,6 +105,26 @@ class Lease:
             self.incarnation = self.incarnation or current.get("incarnation")
             atomic_write_json(self.path, {**current, **_this_process(), "trainer_started_at": utc_now()})
 
+    def fence(self, what: str) -> None:
+        """A write that holds no token (an Airflow task's phase mark, failure record, validation or publication; a
+        manual command): refused (LeaseLost) once the run was started again after this writer's incarnation, or while
+        a fresh start of it is under way. Read without the lock: an append never waits behind a slow holder."""
+        cur = self.current() or {}
+        if isinstance(pending := cur.get(FRESH_START_PENDING), dict):
+            raise LeaseLost(
+                f"run {self.run_dir.name}: {what} refused: a fresh start that {pending.get('asked_by')} decided at "
+                f"{pending.get('at')} is moving the run aside",
+                "nothing to do: what this writer worked on belongs to the run's old incarnation",
+            )
+        here = folder_incarnation(self.run_dir) if self.run_dir.is_dir() else None
+        if self.incarnation and here != self.incarnation:
+            raise LeaseLost(
+                f"run {self.run_dir.name}: {what} refused: it is for incarnation {self.incarnation}, but the run was "
+                f"started again since (its folder holds {f'incarnation {here}' if here else 'no run'}); nothing was "
+                "written",
+                "nothing to do: this task's DAG run trained the old incarnation; trigger a new DAG run for the new one",
+            )
+
     def holds(self, holder: str) -> bool:
         """Whether `holder` (a Ray submission id, say) holds the lease now."""
         return (self.current() or {}).get("holder") == holder

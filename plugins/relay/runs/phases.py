@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from relay.common.timestamps import event_time
+from relay.runs.folder import RunFolder
 from relay.runs.metrics import record_event
 
 EVENT = "phase"
@@ -61,14 +62,23 @@ class JobTimes(Protocol):
 
 
 def record_phase(
-    run_dir: Path | str, phase: str, *, chunk: int | None, attempt: str | None, at: float | None = None, **fields: Any
+    run: Path | str | RunFolder,
+    phase: str,
+    *,
+    chunk: int | None,
+    attempt: str | None,
+    at: float | None = None,
+    **fields: Any,
 ) -> dict[str, Any]:
-    """The end of `phase`, now or at epoch seconds `at` (a time another system recorded, such as Ray's)."""
+    """The end of `phase`, now or at epoch seconds `at` (a time another system recorded, such as Ray's). Into a
+    RunFolder: fenced by its incarnation (refused once the run was started again)."""
     if phase not in VOCABULARY:
         raise ValueError(f"unknown phase {phase!r}: one of {', '.join(VOCABULARY)}")
     if at is not None:
         fields["time"] = event_time(at)
-    return record_event(Path(run_dir), EVENT, phase=phase, chunk=chunk, attempt=attempt, **fields)
+    if isinstance(run, RunFolder):
+        return run.record(EVENT, phase=phase, chunk=chunk, attempt=attempt, **fields)
+    return record_event(Path(run), EVENT, phase=phase, chunk=chunk, attempt=attempt, **fields)
 
 
 def phase_marks(events: list[dict[str, Any]], attempt: str, phases: tuple[str, ...] = STARTUP) -> dict[str, str]:

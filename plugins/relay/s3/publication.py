@@ -15,7 +15,6 @@ from relay.checkpoints import certificate, manifest, retention
 from relay.checkpoints.manifest import unchanged_since_validation
 from relay.common.errors import CertificateError, CheckpointError
 from relay.runs import layout
-from relay.runs.metrics import record_event
 from relay.runs.run import Run
 from relay.s3 import history
 from relay.s3.store import CheckpointStore
@@ -146,6 +145,8 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
 def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publication:
     spec, run_dir = run.spec, run.dir
     t0 = time.time()
+    # An old DAG run's publish task, queued across a fresh start, publishes nothing of the new incarnation.
+    run.folder.lease().fence(f"publishing step {step}")
     if spec.checkpoints.certificate_before_publish:
         _require_offline_certificate(run, step)
     r = store.publish(run.folder, step)
@@ -167,8 +168,7 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
         export = export_hf(run_dir, step)
         pub.hf_verified = verify_export(export, layout.step_dir(run_dir, step), policy.offline_tolerance)
         pub.hf_uri = publish_folder(store, export, hf_key)
-    record_event(
-        run_dir,
+    run.folder.record(
         "publish",
         step=step,
         uri=r.uri,
