@@ -42,6 +42,8 @@ PLANNED = {
     "new-worker-host": "the next chunk lands on a new host with an empty checkpoint dir",
     "corruption": "a checkpoint folder corrupted in each way of the checkpoint issue",
     "data-change": "the training data changes in each way of the data issue",
+    "fresh-start-old-tasks": "a fresh start while an old DAG run's validate and publish tasks are queued",
+    "dag-run-cleared": "a DAG run cleared after a newer incarnation began",
     "fresh-start-interrupted": "a fresh start killed between its S3 archive and its local move, then resumed",
     "restore-during-marks": "a restore of the run's history while the train task writes its phase marks",
 }

@@ -29,7 +29,8 @@ def _archives(tmp_path) -> list:
     return sorted(aside.iterdir()) if aside.is_dir() else []
 
 
-def test_a_dag_run_cleared_after_a_newer_fresh_start_continues_the_run(tmp_path):
+@pytest.mark.fault
+def test_a_dag_run_cleared_after_a_newer_fresh_start_continues_the_run(tmp_path, fault_row):
     _, spec, run_dir = _prepared(tmp_path)
     (run_dir / "global_step_2").mkdir()
     prepare_run(spec, "r", fresh_start=True, confirm="r", asked_by="DAG run d/X")
@@ -44,6 +45,15 @@ def test_a_dag_run_cleared_after_a_newer_fresh_start_continues_the_run(tmp_path)
     starts = read_record(run_dir)["fresh_starts"]
     assert [s["asked_by"] for s in starts] == ["DAG run d/X", "DAG run d/Y"]
     assert {s["archived_to"] for s in starts} == {str(p) for p in _archives(tmp_path)}, "each says what it moved"
+    fault_row(
+        case="dag-run-cleared",
+        fault="a DAG run that performed a fresh start cleared after a newer DAG run started the run again",
+        action="found its fresh start in the run record's list of fresh starts and continued the newer incarnation; "
+        "nothing archived",
+        steps_lost=0,
+        layer="preflight",
+        run_dir=run_dir,
+    )
 
 
 def test_fresh_starts_within_one_second_keep_an_archive_each(tmp_path):

@@ -37,7 +37,8 @@ def _refused_writes(old) -> None:
     assert failure_cause.record_failure(old.folder, cause, chunk=1, attempt="raysubmit_old") is None
 
 
-def test_an_old_dag_runs_tasks_write_nothing_into_the_new_incarnation(tmp_path):
+@pytest.mark.fault
+def test_an_old_dag_runs_tasks_write_nothing_into_the_new_incarnation(tmp_path, fault_row):
     old, new = _old_and_new(tmp_path)
     (new.dir / "global_step_2").mkdir()  # the new incarnation's own step 2: never the old run's to judge
     _refused_writes(old)
@@ -45,6 +46,15 @@ def test_an_old_dag_runs_tasks_write_nothing_into_the_new_incarnation(tmp_path):
     assert (new.dir / "global_step_2").is_dir() and not layout.relay_dir(new.dir, "quarantine").exists()
     record_phase(new.folder, "job_submitted", chunk=1, attempt="raysubmit_new")  # the new incarnation's own writes go on
     assert [e["attempt"] for e in read_events(new.dir)] == ["raysubmit_new"]
+    fault_row(
+        case="fresh-start-old-tasks",
+        fault="a fresh start while an old DAG run's train, validate and publish tasks are still queued",
+        action="each of their writes (phase mark, validation, quarantine, publication, failure record, approval) "
+        "refused for the old incarnation; the new incarnation's step 2 neither validated nor quarantined by them",
+        steps_lost=0,
+        layer="airflow",
+        run_dir=new.dir,
+    )
 
 
 def test_while_a_fresh_start_is_under_way_no_writer_of_the_run_writes(tmp_path):

@@ -89,9 +89,16 @@ def test_a_restore_never_moves_the_tracker_behind_a_checkpoint_committed_meanwhi
     train(spec_path, run_dir, 4)
     assert relay_cli("checkpoint", "publish", str(run_dir), spec.s3.uri).returncode == 0
     once, log = tmp_path / "restore.once", tmp_path / "restore.log"
+    # A restore that holds no token of its own (as a trainer's restore_for_resume, or the gate's fallback, moves the
+    # tracker): only its compare-and-swap keeps it from hiding step 6.
+    code = (
+        "import sys; from pathlib import Path; from relay.runs.folder import RunFolder; from relay.s3.restore import "
+        "restore; from relay.s3.store import CheckpointStore, s3_client; "
+        "sys.exit(0 if restore(CheckpointStore(s3_client(), sys.argv[1]), RunFolder('r', Path(sys.argv[2]))) else 1)"
+    )
     with open(log, "w") as out:
         restoring = subprocess.Popen(
-            [PY, "-m", "relay", "checkpoint", "restore", spec.s3.uri, str(run_dir)],
+            [PY, "-c", code, spec.s3.uri, str(run_dir)],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -100,8 +107,39 @@ def test_a_restore_never_moves_the_tracker_behind_a_checkpoint_committed_meanwhi
     wait_for_line(log, "[relay-fault] paused at restore_downloaded", restoring.pid)
     train(spec_path, run_dir, 6)  # the run's trainer commits step 6 while the restore holds step 4's download
     once.with_name(once.name + ".go").touch()
-    assert restoring.wait(timeout=120) == 1, log.read_text()[-2000:]
+    assert restoring.wait(timeout=120) != 0, log.read_text()[-2000:]
     said = log.read_text()
     assert "its tracker named step 4 when the restore began and names step 6 now" in said, said[-2000:]
     assert layout.read_tracker(run_dir) == 6 and (run_dir / "global_step_6").is_dir(), "step 6 is still the latest"
     assert not any(layout.relay_dir(run_dir, "staging").glob("restore-*")), "the download was removed"
+
+
+@pytest.mark.services
+def test_a_manual_restore_is_refused_under_a_live_trainer_and_with_force_fences_it_out(tmp_path):
+    from support.faults import ForkServer
+
+    spec_path = write_spec(tmp_path, name="r", **{"trainer.settings.save_freq": 2})
+    spec = load_spec(spec_path, check_environment=False)
+    run_dir = spec.run_dir("r")
+    train(spec_path, run_dir, 2)
+    assert relay_cli("checkpoint", "publish", str(run_dir), spec.s3.uri).returncode == 0
+    server = ForkServer()
+    try:
+        log, once = tmp_path / "trainer.log", tmp_path / "trainer.once"
+        trainer = server.start(
+            ["train", str(spec_path), "--to-step", "6", "--offline"],
+            log,
+            env={FAULT_ENV: "after_step@3", "RELAY_FAULT_ONCE": str(once)},
+        )
+        wait_for_line(log, "[relay-fault] paused", trainer)
+        refused = relay_cli("checkpoint", "restore", spec.s3.uri, str(run_dir))
+        assert refused.returncode == 1 and f"pid {trainer}" in refused.stderr, refused.stderr[-2000:]
+        assert "--force" in refused.stderr and "refused: the run has a live writer" in refused.stderr
+
+        forced = relay_cli("checkpoint", "restore", spec.s3.uri, str(run_dir), "--force")
+        assert forced.returncode == 0, forced.stderr[-2000:]
+        once.with_name(once.name + ".go").touch()
+        assert server.wait(trainer) == 3, log.read_text()[-2000:]  # fenced out: its step-4 save is refused
+    finally:
+        server.close()
+    assert layout.read_tracker(run_dir) == 2 and not (run_dir / "global_step_4").exists()

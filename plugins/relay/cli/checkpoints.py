@@ -13,6 +13,7 @@ from relay.checkpoints.validate import validate_checkpoint
 from relay.cli.shared import RUN_FOLDER, _new_folder, _path, _s3_uri, _s3_uri_or, _spec, _store, _upload_options, _world_size
 from relay.runs import layout
 from relay.runs.folder import RunFolder
+from relay.runs.lease import take_for_operator
 from relay.s3 import history
 from relay.s3.restore import restore
 from relay.s3.store import parse_uri
@@ -67,7 +68,8 @@ def cmd_checkpoint_publish(args) -> int:
 
 def cmd_checkpoint_restore(args) -> int:
     run_dir = Path(args.dir)
-    restored = restore(_store(args.uri), RunFolder(args.run or run_dir.name, run_dir), step=args.step)
+    token = take_for_operator(run_dir, "relay checkpoint restore", force=args.force)
+    restored = restore(_store(args.uri), RunFolder(args.run or run_dir.name, run_dir), step=args.step, token=token)
     if restored is None:
         print(f"no valid published checkpoint of run {args.run or run_dir.name} under {args.uri}", file=sys.stderr)
         return 1
@@ -176,6 +178,11 @@ def add_commands(sub) -> None:
     c.add_argument("dir", type=_new_folder)
     c.add_argument("--step", type=int, help="newest at or below this step")
     c.add_argument("--run", help="run name (default: DIR's name)")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="restore even while a trainer of the run is alive on this host: it is fenced out (its next save is refused)",
+    )
     c.set_defaults(func=cmd_checkpoint_restore)
     c = cs.add_parser(
         "reshard",

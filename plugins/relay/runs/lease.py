@@ -18,6 +18,7 @@ and an incarnation that is not the folder's, so its next check refuses it either
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from relay.common.errors import LeaseLost
+from relay.common.errors import LeaseLost, RunError
 from relay.common.filelock import DEFAULT_TIMEOUT_S, file_lock
 from relay.common.files import atomic_write_json
 from relay.common.processes import runs, started_at
@@ -174,6 +175,25 @@ class Lease:
         with self.locked(f"committing a checkpoint with token {token}"):
             self.check(token)
             yield
+
+
+def take_for_operator(run_dir: Path, what: str, *, force: bool = False, flag: str = "--force") -> int | None:
+    """A person's command that writes into a run (a manual restore): it takes the lease like any writer, under an
+    operator's identity (user, host, pid), so that a trainer it outruns is fenced out. Refused while the lease's
+    trainer is alive on this host, unless `force` (the command's `flag`). None for a folder that holds nothing yet."""
+    lease = Lease(run_dir)
+    if not (Path(run_dir).is_dir() and any(Path(run_dir).iterdir())):
+        return None
+    writer = lease.writer()
+    if writer is not None and writer[0] and not force:
+        raise RunError(
+            f"{what} into {run_dir} refused: the run has a live writer: {writer[1]}",
+            f"stop it first (`ray job stop ID`, or end the `relay train` process); or pass {flag} to take the run "
+            "from it: its next save is refused and it stops without writing",
+        )
+    if writer is not None and not writer[0]:
+        print(f"[relay] {what}: a writer this host cannot see holds the lease ({writer[1]}); it is fenced out", flush=True)
+    return lease.acquire(f"{what} by {getpass.getuser()} ({socket.gethostname()}:{os.getpid()})")
 
 
 def _this_process() -> dict[str, Any]:

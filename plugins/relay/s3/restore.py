@@ -36,6 +36,7 @@ def restore(
     step: int | None = None,
     above: int = 0,
     log: Callable[[str], None] = print,
+    token: int | None = None,
 ) -> tuple[int, str] | None:
     """Restore the newest valid published checkpoint of the run's incarnation (at most `step`, newer than
     `above`) into the run's folder; set the tracker. folder.incarnation None: the one S3 holds (a restore on
@@ -43,7 +44,8 @@ def restore(
     run record gets the published one.
 
     Candidates are tried newest first; one of another incarnation is never taken, one that fails its
-    checksums or its validation is skipped. Returns (step, uri), or None when nothing valid is published.
+    checksums or its validation is skipped. Returns (step, uri), or None when nothing valid is published. `token`:
+    the lease token of a person's restore, checked again when the step moves in.
     """
     run, run_dir = folder.name, Path(folder.path)
     incarnation = folder.incarnation or store.incarnation(run)
@@ -85,6 +87,8 @@ def restore(
             raise
         fault_point("restore_downloaded", m.step)
         with Lease(run_dir).locked(f"restoring step {m.step} from {uri}"):
+            if token is not None:  # a person's restore (relay.runs.lease.take_for_operator): still the run's writer?
+                Lease(run_dir).check(token)
             if (now := layout.read_tracker(run_dir)) != expected:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise CheckpointError(
