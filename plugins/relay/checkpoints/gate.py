@@ -54,6 +54,14 @@ class Admission:
         return f"{self.report.summary()}\nquarantined to {self.quarantined_to} (never deleted, never published); {fb}"
 
 
+def _tracker_or_none(run_dir: Path) -> int | None:
+    """The tracker's step; None when there is none or it is garbage (the validation's report says which)."""
+    try:
+        return layout.read_tracker(run_dir)
+    except CheckpointError:
+        return None
+
+
 def _identity(folder: Path) -> tuple[int, int] | None:
     """Which folder a path names now (device and inode): a rename in its place is another folder."""
     try:
@@ -89,7 +97,7 @@ def admit_dir(
     if run_dir.is_dir() and (done := swap.recover(run_dir)):  # a reshard killed mid-swap
         print(f"[relay] {done}", flush=True)
     for _ in range(3):
-        target = step if step is not None else layout.read_tracker(run_dir)
+        target = step if step is not None else _tracker_or_none(run_dir)
         validated = _identity(layout.step_dir(run_dir, target)) if target is not None else None
         report = validate_checkpoint(
             run_dir, step, expected_step=expected_step, smoke=smoke, certify=certify, expect_critic=expect_critic
