@@ -110,32 +110,54 @@ def submit_chunk(jobs: RayJobs, run: Run, to_step: int, sub_id: str, restore: bo
     ).request
 
 
-def follow(jobs: RayJobs, sub_id: str, out: TextIO | None = None, poll_s: float = 1.0) -> JobState:
-    """Write the job's log to `out` as it comes (the Jobs API's log stream, in a thread) until the job
-    ends; return its final state. What the stream has not written by then (its last lines, or all it
-    missed when it broke off) is read from the whole log, once."""
-    out = out or sys.stdout
-    _ = jobs.client  # made here, once, before the stream's thread uses it too
-    lock = threading.Lock()
-    written = [0]  # characters of the log written so far
-    closed = threading.Event()
+class _LogStream:
+    """The job's log written to `out` as it comes (the Jobs API's log stream, in a thread); `rest()` ends the stream
+    and writes, once, what it has not written yet (its last lines, or all it missed when it broke off), read from
+    the whole log."""
 
-    def stream() -> None:
-        async def tail() -> None:  # ends with the job, or when the main thread has closed it
-            async for chunk in jobs.client.tail_job_logs(sub_id):
-                with lock:
-                    if closed.is_set():
+    def __init__(self, jobs: RayJobs, sub_id: str, out: TextIO):
+        self.jobs, self.sub_id, self.out = jobs, sub_id, out
+        _ = jobs.client  # made here, once, before the stream's thread uses it too
+        self.lock = threading.Lock()
+        self.written = 0  # characters of the log written so far
+        self.closed = threading.Event()
+        threading.Thread(target=self._stream, name=f"log-{sub_id}", daemon=True).start()
+
+    def _stream(self) -> None:
+        async def tail() -> None:  # ends with the job, or when rest() has closed it
+            async for chunk in self.jobs.client.tail_job_logs(self.sub_id):
+                with self.lock:
+                    if self.closed.is_set():
                         return
-                    out.write(chunk)
-                    out.flush()
-                    written[0] += len(chunk)
+                    self.out.write(chunk)
+                    self.out.flush()
+                    self.written += len(chunk)
 
         try:
             asyncio.run(tail())
-        except Exception:  # noqa: BLE001 - a broken stream: the rest is read from the whole log below
+        except Exception:  # noqa: BLE001 - a broken stream: the rest is read from the whole log
             pass
 
-    threading.Thread(target=stream, name=f"log-{sub_id}", daemon=True).start()
+    def rest(self) -> None:
+        with self.lock:  # the stream ends some seconds after the job: what it has not written yet comes from the log
+            if self.closed.is_set():
+                return
+            self.closed.set()
+            try:
+                rest = self.jobs.logs(self.sub_id)[self.written :]
+            except Exception:  # noqa: BLE001 - the state matters more than the last lines
+                rest = ""
+            if rest:
+                self.out.write(rest)
+                self.out.flush()
+
+
+def follow(
+    jobs: RayJobs, sub_id: str, out: TextIO | None = None, poll_s: float = 1.0, log: _LogStream | None = None
+) -> JobState:
+    """Write the job's log to `out` as it comes until the job ends; return its final state. The log's last lines
+    are written before it returns (`log`: a stream the caller made, to end it itself when interrupted)."""
+    log = log or _LogStream(jobs, sub_id, out or sys.stdout)
     while True:
         state = jobs.get(sub_id)
         if state is None:
@@ -146,15 +168,7 @@ def follow(jobs: RayJobs, sub_id: str, out: TextIO | None = None, poll_s: float 
         if state.status in TERMINAL:
             break
         time.sleep(poll_s)
-    with lock:  # the stream ends some seconds after the job: what it has not written yet comes from the whole log
-        closed.set()
-        try:
-            rest = jobs.logs(sub_id)[written[0] :]
-        except Exception:  # noqa: BLE001 - the state matters more than the last lines
-            rest = ""
-        if rest:
-            out.write(rest)
-            out.flush()
+    log.rest()
     return state
 
 
@@ -202,11 +216,16 @@ def run_attached(
     _ = jobs.client  # a cluster that does not answer fails here, before anything is submitted
     if watch is not None:
         watch(jobs.address, sub_id)
+    log = None
     try:
         submit()
-        return follow(jobs, sub_id, out)
+        log = _LogStream(jobs, sub_id, out or sys.stdout)
+        return follow(jobs, sub_id, log=log)
     except BaseException as e:
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({e})"
         print(f"relay: {why}: stopping Ray job {sub_id} ...", file=sys.stderr, flush=True)
-        print(f"relay: Ray job {sub_id}: {stop(jobs, sub_id, stop_wait_s)}", file=sys.stderr, flush=True)
+        stopped = stop(jobs, sub_id, stop_wait_s)
+        if log is not None:  # what the job said on its way out (its graceful stop: the step it saved, its cause)
+            log.rest()
+        print(f"relay: Ray job {sub_id}: {stopped}", file=sys.stderr, flush=True)
         raise
