@@ -150,7 +150,11 @@ def main(argv=None) -> int:
         return 2
     args.out.write_text(render(rows, args.junit, args.wall, args.workers))
     bad = [r for r in rows if r["outcome"] != "passed" or str(r.get("data_lost")) != "no"]
-    print(f"{args.out}: {len(rows)} cases, {len(rows) - len(bad)} passed with no data lost")
+    seeds = sorted({str(r["test_seed"]) for r in rows if "test_seed" in r})
+    print(
+        f"{args.out}: {len(rows)} cases, {len(rows) - len(bad)} passed with no data lost"
+        + (f"; kill points drawn with RELAY_TEST_SEED={', '.join(seeds)} (set it to draw them again)" if seeds else "")
+    )
     return 1 if bad else 0
 
 
