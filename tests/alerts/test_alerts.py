@@ -148,7 +148,7 @@ def test_each_kind_of_alert_reads_right_in_every_channel():
     decision = an_alert(
         kind="decision",
         what="Start run **demo** again from step 0?",
-        details="- local: `/ckpt/demo` (steps 6) to `/ckpt/.archive/demo-<time>/`",
+        details="- local: `/ckpt/demo` (steps 6) to `/ckpt/.archive/demo-<time>-<random>/`",
     )
     assert ("The question", "Start run demo again from step 0?") in decision.fields()
     text = decision.text()

@@ -302,7 +302,7 @@ def test_an_unconfirmed_fresh_start_waits_for_an_approval_in_the_ui(airflow):
     run_id = api.trigger("relay_decide", {"run": "fs", "fresh_start": True, "alert_channels": []})["dag_run_id"]
     asked = awaiting(api, "relay_decide", run_id, "preflight.run")
     assert asked["subject"] == "Start run fs again from step 0?" and asked["options"] == ["Approve", "Reject"]
-    assert f"`{rd}` (steps 6)" in asked["body"] and "/.archive/fs-<time>/" in asked["body"], asked["body"]
+    assert f"`{rd}` (steps 6)" in asked["body"] and "/.archive/fs-<time>-<random>/" in asked["body"], asked["body"]
     assert asked["response_received"] is False
     [alert] = AlertLedger(rd).entries()
     assert alert["kind"] == "decision" and alert["task"] == "preflight.run"
