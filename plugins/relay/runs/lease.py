@@ -64,13 +64,7 @@ class Lease:
         """Take the lease for `holder` and return its new fencing token. Waits for a commit in progress."""
         with self.locked(f"taking the lease for {holder}"):
             current = self.current() or {}
-            if isinstance(pending := current.get(FRESH_START_PENDING), dict):
-                raise LeaseLost(
-                    f"run {self.run_dir.name}: a fresh start that {pending.get('asked_by')} decided at "
-                    f"{pending.get('at')} is moving the run aside; {holder} cannot take its lease",
-                    "nothing to do for this attempt; trigger the run again once the fresh start has finished (its "
-                    "next prepare finishes an interrupted one)",
-                )
+            self._refuse_pending(current, f"{holder} cannot take its lease")
             token = int(current.get("token", 0)) + 1
             here = folder_incarnation(self.run_dir)
             self._refuse_other_life(here, token)
@@ -110,13 +104,7 @@ class Lease:
         """A write that holds no token (an Airflow task's phase mark, failure record, validation or publication; a
         manual command): refused (LeaseLost) once the run was started again after this writer's incarnation, or while
         a fresh start of it is under way. Read without the lock: an append never waits behind a slow holder."""
-        cur = self.current() or {}
-        if isinstance(pending := cur.get(FRESH_START_PENDING), dict):
-            raise LeaseLost(
-                f"run {self.run_dir.name}: {what} refused: a fresh start that {pending.get('asked_by')} decided at "
-                f"{pending.get('at')} is moving the run aside",
-                "nothing to do: what this writer worked on belongs to the run's old incarnation",
-            )
+        self._refuse_pending(self.current() or {}, f"{what} refused")
         here = folder_incarnation(self.run_dir) if self.run_dir.is_dir() else None
         if self.incarnation and here != self.incarnation:
             raise LeaseLost(
@@ -124,6 +112,16 @@ class Lease:
                 f"started again since (its folder holds {f'incarnation {here}' if here else 'no run'}); nothing was "
                 "written",
                 "nothing to do: this task's DAG run trained the old incarnation; trigger a new DAG run for the new one",
+            )
+
+    def _refuse_pending(self, current: dict[str, Any], what: str) -> None:
+        """LeaseLost while a fresh start of the run is decided and not finished (relay.preflight.prepare)."""
+        if isinstance(pending := current.get(FRESH_START_PENDING), dict):
+            raise LeaseLost(
+                f"run {self.run_dir.name}: a fresh start that {pending.get('asked_by')} decided at {pending.get('at')} "
+                f"is moving the run aside; {what}",
+                "nothing to do for this writer; trigger the run again once the fresh start has finished (the next "
+                "prepare finishes an interrupted one)",
             )
 
     def holds(self, holder: str) -> bool:

@@ -310,7 +310,6 @@ class ChunkSession:
         """The staging folder to write checkpoint <step> into (see staging_dir). A write that fails removes
         it, so a failed save never leaves the disk fuller than before; a full disk is said plainly, with
         the checkpoint the run still has and what to do."""
-        self.lease.check(self.token)  # a writer fenced out writes nothing, not even why it stops
         if self.awaiting is not None:  # a warm chunk commits nothing before its train task admitted it
             self._check_admission(step, wait=True)
         staged = self.staging_dir(step)
