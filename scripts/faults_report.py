@@ -46,6 +46,8 @@ PLANNED = {
     "dag-run-cleared": "a DAG run cleared after a newer incarnation began",
     "fresh-start-interrupted": "a fresh start killed between its S3 archive and its local move, then resumed",
     "restore-during-marks": "a restore of the run's history while the train task writes its phase marks",
+    "publish-across-fresh-start": "a publication in flight while a fresh start moves the run's S3 prefix aside",
+    "seam-stress": "an old DAG run's writers at seeded points around a fresh start, many rounds",
 }
 
 

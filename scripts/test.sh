@@ -11,18 +11,19 @@
 #   --local   every test that needs no service, the `processes` ones included (a few minutes).
 #   --verl    verl's trainer end to end on CPUs (the tests marked lane("verl")).
 #   --faults  the whole fault matrix (every test marked `fault`, every kill point), then docs/FAULTS.md from it.
-#   --lanes   every lane that is not in CI (--verl, then --faults), each timed; run before every landing.
+#   --seams   the seam stress test alone, RELAY_SEAM_ROUNDS rounds (default 100; CI runs 20).
+#   --lanes   every lane that is not in CI (--verl, --faults, then --seams), each timed; run before every landing.
 # A test marked lane(...) is left out of CI; RELAY_TEST_LANE selects a lane's tests (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 lane=ci
-case "${1:-}" in --fast | --local | --verl | --faults | --lanes) lane=${1#--}; shift ;; esac
+case "${1:-}" in --fast | --local | --verl | --faults | --seams | --lanes) lane=${1#--}; shift ;; esac
 
 if [ "$lane" = lanes ]; then
   # Each lane in a run of its own (its own services, started and stopped), timed; all run even if one fails.
   rc=0 summary=()
-  for each in verl faults; do
+  for each in verl faults seams; do
     t=$SECONDS r=0
     ./scripts/test.sh --"$each" "$@" || r=$?
     summary+=("$(printf '%-7s %s in %d:%02d' "$each" "$([ $r = 0 ] && echo passed || echo "FAILED (exit $r)")" \
@@ -68,6 +69,17 @@ if [ "$lane" = verl ]; then
   rc=0
   RELAY_TEST_LANE=verl $PY -m pytest -q -o junit_family=xunit1 --junitxml="$results/verl.xml" "$@" || rc=$?
   [ -f "$results/verl.xml" ] && budget "$results/verl.xml"
+  exit $rc
+fi
+
+# The seam stress lane: an old incarnation's writers around a fresh start, more rounds than CI's 20 (the test starts
+# the S3 server it needs).
+if [ "$lane" = seams ]; then
+  rm -f "$results/seams.xml"
+  rc=0
+  RELAY_SEAM_ROUNDS=${RELAY_SEAM_ROUNDS:-100} $PY -m pytest -q -o junit_family=xunit1 --junitxml="$results/seams.xml" \
+    tests/preflight/test_seam_stress.py "$@" || rc=$?
+  [ -f "$results/seams.xml" ] && budget "$results/seams.xml"
   exit $rc
 fi
 

@@ -3,9 +3,9 @@ exactly as a fresh process would (its argv, environment and working directory), 
 per process.
 
 - `python tests/support/forkserver.py` (mode relay): `python -m relay ...` (relay.cli.main), or with the argv
-  `-m relay.trainers.job` a chunk's Ray job entrypoint, with torch, verl and the CPU trainer imported (~7 s per
-  process otherwise). The fault tests kill many trainers: with a fork
-  per trainer, 20 kill points and their resumes cost seconds, not minutes.
+  `-m relay.trainers.job` a chunk's Ray job entrypoint, or `-m support.<module> ARGS` a test's own writer
+  (its main(ARGS)), with torch, verl and the CPU trainer imported (~7 s per process otherwise). The fault tests
+  kill many trainers: with a fork per trainer, 20 kill points and their resumes cost seconds, not minutes.
 - `python tests/support/forkserver.py airflow`, started with an Airflow home's environment (Airflow reads its
   configuration when it is imported): `airflow ...` (airflow.__main__.main, what the `airflow` script runs),
   with Airflow's CLI and what Relay's tasks import (relay.airflow.preload.TASK_MODULES) imported: an
@@ -71,6 +71,9 @@ else:
     def entry(argv: list[str]) -> int:
         if argv == ["-m", "relay.trainers.job"]:  # a chunk's Ray job entrypoint, its request in the environment
             return relay.trainers.job.main()
+        if argv[:1] == ["-m"] and argv[1].startswith("support."):  # a test's own writer (support.old_dag_run)
+            sys.path.append(str(ROOT / "tests"))  # last: tests/airflow must not hide Airflow
+            return int(importlib.import_module(argv[1]).main(argv[2:]))
         return relay.cli.main(argv)
 
 

@@ -72,12 +72,17 @@ class RetentionStore(Protocol):
     def delete_checkpoint(self, run: str, step: int) -> int: ...
 
 
-def apply_local(run_dir: Path, policy: RetentionPolicy, total_steps: int, published: set[int]) -> list[int]:
+def apply_local(
+    run_dir: Path, policy: RetentionPolicy, total_steps: int, published: set[int], *, incarnation: str | None = None
+) -> list[int]:
     """Delete local checkpoints beyond keep_local, and leftovers that are no longer the only copy of
     anything (leftovers()); returns the checkpoint steps deleted. Under the run's lock: a trainer's commit
-    or a gate's quarantine waits for it, and it for them."""
+    or a gate's quarantine waits for it, and it for them. `incarnation`: the run's life this retention is for (a
+    publish task's); once the run was started again it deletes nothing (LeaseLost)."""
     run_dir = Path(run_dir)
-    with Lease(run_dir).locked("applying local retention"):
+    lease = Lease(run_dir, incarnation=incarnation)
+    with lease.locked("applying local retention"):
+        lease.fence("applying local retention")
         tracker = layout.read_tracker(run_dir)
         dirs = layout.step_dirs(run_dir)
         real = [s for s, p in dirs.items() if not layout.is_rotation_leftover(p)]
@@ -185,9 +190,12 @@ def apply_published(
     total_steps: int,
     now: float | None = None,
     run_dir: Path | None = None,
+    incarnation: str | None = None,
 ) -> dict[str, Any]:
     """Mark published checkpoints beyond keep_published for deletion; delete those past their grace. run_dir:
-    the run's folder, whose metrics.jsonl ranks the steps for keep_best."""
+    the run's folder, whose metrics.jsonl ranks the steps for keep_best. With run_dir and `incarnation` (a publish
+    task's), nothing is deleted once the run was started again (checked before each deletion; LeaseLost)."""
+    fence = Lease(run_dir, incarnation=incarnation).fence if run_dir is not None and incarnation else None
     now = time.time() if now is None else now
     key = store.run_key(run, STATE)
     state = store.get_json(key) or {"version": VERSION, "pending": {}}
@@ -209,8 +217,12 @@ def apply_published(
         "pending": pending,
         "deleting": due,
     }
+    if fence:
+        fence("applying the published checkpoints' retention")
     store.put_json(key, state)  # the decision is recorded before anything is deleted
     for s in due:
+        if fence:
+            fence(f"deleting published step {s}")
         store.delete_checkpoint(run, s)
         pending.pop(str(s), None)
     if due:

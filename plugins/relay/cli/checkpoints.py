@@ -14,6 +14,7 @@ from relay.cli.shared import RUN_FOLDER, _new_folder, _path, _s3_uri, _s3_uri_or
 from relay.runs import layout
 from relay.runs.folder import RunFolder
 from relay.runs.lease import take_for_operator
+from relay.runs.record import folder_incarnation
 from relay.s3 import history
 from relay.s3.restore import restore
 from relay.s3.store import parse_uri
@@ -56,8 +57,10 @@ def cmd_checkpoint_publish(args) -> int:
         print(admission.explain(), file=sys.stderr)
         return 1
     store = _store(args.uri, args)
-    result = store.publish(RunFolder(args.run or run_dir.name, run_dir), step)
-    history.publish(store, RunFolder(args.run or run_dir.name, run_dir))
+    # For the incarnation the folder holds now: a fresh start meanwhile takes back what this command wrote.
+    folder = RunFolder(args.run or run_dir.name, run_dir, folder_incarnation(run_dir))
+    result = store.publish(folder, step)
+    history.publish(store, folder)
     print(
         f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
         f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "

@@ -24,7 +24,8 @@ REFUSE_ENV = "RELAY_FAULT_REFUSE"
 # the save of that step), so that the check that must catch the loss is tested against a real one
 DROP_ENV = "RELAY_FAULT_DROP_AT"
 # The trainer's points, in the order a step reaches them (the kill matrix draws from these). A publish
-# has one more: publish_files, its files uploaded, its manifest and `latest` not yet.
+# has two more: publish_files, its files uploaded, its manifest and `latest` not yet; publish_manifest, its
+# manifest written, `latest` not yet.
 FAULT_PHASES = ("after_step", "mid_save", "before_fsync", "before_rename", "after_rename", "after_tracker")
 
 

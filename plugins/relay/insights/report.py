@@ -851,16 +851,18 @@ def publish(run: Run, store, out_dir: Path | None = None) -> dict[str, str]:
 
     Without a store (a spec with no s3 section) the report is only written locally."""
     run_dir = run.dir
+    run.folder.lease().fence("writing the run's report")  # an old DAG run's report never replaces the new run's
     report = build(run_dir, store=store, run=run.name, plan=ChunkPlan.from_spec(run.spec), spec=run.spec)
     paths = write(report, out_dir or default_out(run_dir))
     out = {"summary": redact(report.summary()), "html": str(paths["html"]), "png": str(paths["png"])}
     if store is None:
         return out
     history.publish(store, run.folder)
-    out["png_uri"] = store.put_bytes(store.run_key(run.name, REPORT_DIR, PNG), paths["png"].read_bytes(), "image/png")
-    out["html_uri"] = store.put_bytes(
-        store.run_key(run.name, REPORT_DIR, HTML), paths["html"].read_bytes(), "text/html; charset=utf-8"
-    )
+    with store.fenced(run.folder, "publishing the run's report") as w:
+        out["png_uri"] = w.put_bytes(store.run_key(run.name, REPORT_DIR, PNG), paths["png"].read_bytes(), "image/png")
+        out["html_uri"] = w.put_bytes(
+            store.run_key(run.name, REPORT_DIR, HTML), paths["html"].read_bytes(), "text/html; charset=utf-8"
+        )
     return out
 
 

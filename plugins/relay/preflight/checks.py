@@ -74,7 +74,8 @@ def prepare_data(run: Run, *, store=None, by: str = "") -> DataState:
 def publish_record(run: Run, store) -> None:
     """Keep the run record (frozen data, settings snapshot, drift decisions) beside the run in S3."""
     if store is not None:
-        store.put_json(store.run_key(run.name, RECORD), read_record(run.dir))
+        with store.fenced(run.folder, "publishing the run record") as w:  # an old DAG run's never replaces a new one's
+            w.put_json(store.run_key(run.name, RECORD), read_record(run.dir))
 
 
 def _keep_report(run: Run, report: quality.QualityReport, store) -> None:

@@ -27,9 +27,9 @@ class RunFolder:
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         """A run event written for this folder's incarnation, by a writer without a token (Lease.fence): refused,
-        and nothing written, once the run was started again."""
+        and nothing written, once the run was started again. The event names the incarnation it was written for."""
         self.lease().fence(f"the event {event}")
-        return record_event(self.path, event, **fields)
+        return record_event(self.path, event, **({"incarnation": self.incarnation} if self.incarnation else {}), **fields)
 
     def __str__(self) -> str:
         return self.name

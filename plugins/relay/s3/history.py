@@ -32,16 +32,17 @@ def publish(store: CheckpointStore, folder: RunFolder) -> list[str]:
     """Put the run's history under <prefix>/<run>/; the names put."""
     run, run_dir = folder.name, folder.path
     put = []
-    for name in ROWS:
-        path = where(run_dir, name)
-        if path.is_file():
-            # One read, one PUT: the next chunk's trainer may be appending to the file right now.
-            store.put_bytes(store.run_key(run, name), path.read_bytes(), "application/x-ndjson")
-            put.append(name)
-    record = read_record(run_dir)
-    if record:
-        store.put_json(store.run_key(run, RECORD), record)
-        put.append(RECORD)
+    with store.fenced(folder, "publishing the run's history") as w:  # never into a newer incarnation's prefix
+        for name in ROWS:
+            path = where(run_dir, name)
+            if path.is_file():
+                # One read, one PUT: the next chunk's trainer may be appending to the file right now.
+                w.put_bytes(store.run_key(run, name), path.read_bytes(), "application/x-ndjson")
+                put.append(name)
+        record = read_record(run_dir)
+        if record:
+            w.put_json(store.run_key(run, RECORD), record)
+            put.append(RECORD)
     return put
 
 
@@ -81,6 +82,7 @@ def restore(store: CheckpointStore, folder: RunFolder, step: int) -> list[str]:
         SUPERSEDED: _union(local[SUPERSEDED], published.get(SUPERSEDED, []) + again),
     }
     changed = []
+    folder.lease().fence("restoring the run's history")  # never an old incarnation's history into a new one
     for name, new in merged.items():
         if new != local[name]:
             _write_rows(where(run_dir, name), new)
@@ -89,6 +91,7 @@ def restore(store: CheckpointStore, folder: RunFolder, step: int) -> list[str]:
     # lock every event writer takes (relay.runs.metrics.record_event), so that none written meanwhile is lost.
     events = where(run_dir, layout.EVENTS)
     with file_lock(layout.relay_dir(run_dir, "events.lock"), f"restoring the events of run {run}"):
+        folder.lease().fence("restoring the run's events")
         mine = read_jsonl(events)
         new = sorted(_union(mine, published.get(layout.EVENTS, [])), key=_when)
         if new != mine:

@@ -179,8 +179,10 @@ def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publicati
         seconds=round(time.time() - t0, 3),
     )  # the upload and export: the goodput ledger
     published = {m.step for m in store.published(run.name)}
-    pub.deleted_local = retention.apply_local(run_dir, policy, spec.total_steps, published)
-    pub.published_retention = retention.apply_published(store, run.name, policy, spec.total_steps, run_dir=run_dir)
+    pub.deleted_local = retention.apply_local(run_dir, policy, spec.total_steps, published, incarnation=run.incarnation)
+    pub.published_retention = retention.apply_published(
+        store, run.name, policy, spec.total_steps, run_dir=run_dir, incarnation=run.incarnation
+    )
     return pub
 
 

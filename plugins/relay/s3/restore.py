@@ -16,12 +16,11 @@ from pathlib import Path
 
 from relay.checkpoints.resume import quarantine
 from relay.checkpoints.validate import check_file, validate_checkpoint
-from relay.common.errors import CheckpointError
+from relay.common.errors import CheckpointError, LeaseLost
 from relay.common.faultpoint import fault_point
 from relay.runs import layout
 from relay.runs.folder import RunFolder
 from relay.runs.lease import Lease
-from relay.runs.metrics import record_event
 from relay.runs.record import VERSION as RECORD_VERSION
 from relay.runs.record import folder_incarnation, incarnation_of, write_record
 from relay.runs.run import Run
@@ -86,9 +85,23 @@ def restore(
             shutil.rmtree(staging, ignore_errors=True)
             raise
         fault_point("restore_downloaded", m.step)
-        with Lease(run_dir).locked(f"restoring step {m.step} from {uri}"):
-            if token is not None:  # a person's restore (relay.runs.lease.take_for_operator): still the run's writer?
-                Lease(run_dir).check(token)
+        lease = Lease(run_dir, incarnation=local)
+        with lease.locked(f"restoring step {m.step} from {uri}"):
+            try:
+                if token is not None:  # a person's restore (relay.runs.lease.take_for_operator): still the run's writer?
+                    lease.check(token)
+                # The folder is still the run it was when the restore began (an old DAG run's restore after a fresh
+                # start, or a new run begun in an empty folder meanwhile: refused), and no fresh start is under way.
+                lease.fence(f"restoring step {m.step} from {uri}")
+                if local is None and (begun := folder_incarnation(run_dir)) is not None:
+                    raise LeaseLost(
+                        f"restoring step {m.step} of run {run} into {run_dir} refused: the folder was empty when the "
+                        f"restore began and holds incarnation {begun} now; nothing was moved",
+                        "nothing to do: the run was started in that folder meanwhile; it trains on from there",
+                    )
+            except LeaseLost:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
             if (now := layout.read_tracker(run_dir)) != expected:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise CheckpointError(
@@ -115,7 +128,7 @@ def restore(
             if local is None:
                 _restore_record(store, run, run_dir, incarnation, uri)
             history.restore(store, RunFolder(run, run_dir, incarnation), m.step)  # every row and event, not only weights
-        record_event(run_dir, "restore", step=m.step, uri=uri)
+        RunFolder(run, run_dir, incarnation).record("restore", step=m.step, uri=uri)
         return m.step, uri
     return None
 

@@ -37,7 +37,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from relay.checkpoints import integrity, manifest
 from relay.checkpoints.manifest import Manifest  # for annotations: in CheckpointStore, `manifest` is a method
 from relay.common import files
-from relay.common.errors import CheckpointError, RelayError, StoreError
+from relay.common.errors import CheckpointError, LeaseLost, RelayError, StoreError
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import utc_now
 from relay.runs import layout
@@ -417,17 +417,27 @@ class CheckpointStore:
             result.uploaded.append(rel)
             result.bytes_uploaded += m.files[rel]["size"]
         fault_point("publish_files", step)
-        self.verify(run, m)
-        self._put_bytes(self.step_key(run, step, manifest.NAME), m.to_json().encode())
-        try:
-            current = self.latest(run)
-        except StoreError:  # a damaged latest.json names nothing: this publication replaces it
-            current = None
-        if current is None or current["step"] <= step:
-            self._put_latest(run, step)
-            result.latest_moved = True
+        # The manifest and latest.json make the files a publication: written only while the run is still this
+        # incarnation's, and taken back if a fresh start moved the prefix aside meanwhile. The files themselves
+        # stay: no manifest names them, and a later publication reuses one only where its size and CRC64NVME match.
+        with self.fenced(folder, f"publishing step {step}") as w:
+            w.check()  # a fresh start that moved the files away is named as such, not as a mismatch
+            self.verify(run, m)
+            w.put_bytes(self.step_key(run, step, manifest.NAME), m.to_json().encode())
+            fault_point("publish_manifest", step)
+            try:
+                current = self.latest(run)
+            except StoreError:  # a damaged latest.json names nothing: this publication replaces it
+                current = None
+            if current is None or current["step"] <= step:
+                w.put_bytes(self.run_key(run, LATEST), self._latest_body(run, step))
+                result.latest_moved = True
         result.seconds = time.time() - t0
         return result
+
+    def fenced(self, folder: RunFolder, what: str) -> FencedWrites:
+        """Small objects written under the run's prefix for `folder`'s incarnation (FencedWrites)."""
+        return FencedWrites(self, folder, what)
 
     def _withdraw_if_changed(self, run: str, m: Manifest) -> None:
         """A step published before with other bytes (retrained after a quarantine, say) stops counting as
@@ -453,11 +463,12 @@ class CheckpointStore:
                 self._call("DELETE", self.client.delete_object, Key=self.run_key(run, LATEST))
 
     def _put_latest(self, run: str, step: int) -> None:
+        self._put_bytes(self.run_key(run, LATEST), self._latest_body(run, step))
+
+    def _latest_body(self, run: str, step: int) -> bytes:
         uri = self.step_uri(run, step)
-        self._put_bytes(
-            self.run_key(run, LATEST),
-            json.dumps({"step": step, "uri": uri, "manifest": f"{uri}{manifest.NAME}", "published_at": utc_now()}).encode(),
-        )
+        latest = {"step": step, "uri": uri, "manifest": f"{uri}{manifest.NAME}", "published_at": utc_now()}
+        return json.dumps(latest).encode()
 
     @staticmethod
     def _matches(head: dict | None, f: dict) -> bool:
@@ -491,9 +502,11 @@ class CheckpointStore:
         self._put_bytes(key, data, **({"ContentType": content_type} if content_type else {}))
         return f"s3://{self.bucket}/{key}"
 
-    def _put_bytes(self, key: str, data: bytes, **extra) -> None:
+    def _put_bytes(self, key: str, data: bytes, **extra) -> str:
+        """One PUT; the object's ETag."""
         crc = integrity.crc64nvme_b64(integrity.crc64nvme_bytes(data))
-        self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **extra, **self.extra_args)
+        r = self._call("PUT", self.client.put_object, Key=key, Body=data, ChecksumCRC64NVME=crc, **extra, **self.extra_args)
+        return str((r or {}).get("ETag", ""))
 
     def _start(self, run: str, step: int, rel: str, f: dict, path: Path) -> dict:
         return self._start_key(self.step_key(run, step, rel), path, f["size"], f["crc64nvme"])
@@ -757,3 +770,51 @@ def store_for_spec(spec, client=None) -> CheckpointStore:
         concurrency=s3.concurrency,
         extra_args=upload_args(s3.server_side_encryption, s3.kms_key_id, s3.acl),
     )
+
+
+class FencedWrites:
+    """The small objects that make a run's state in S3 (a manifest, latest.json, the run record, its history)
+    written for one incarnation of the run: the folder's fence (relay.runs.lease.Lease.fence) is checked before
+    each PUT and once after the last. The lock is not held across S3, so a fresh start can be decided while a PUT
+    is in flight; a writer that finds itself fenced out afterwards takes back every object that is still as it
+    wrote it (same ETag) and raises LeaseLost. Either its objects were there before the fresh start listed the
+    prefix (they went to the archive with the rest) or they are taken back: none stays under the new incarnation's
+    prefix. A folder without an incarnation (a manual publish of a folder with no run record) is fenced only by a
+    fresh start under way."""
+
+    def __init__(self, store: CheckpointStore, folder: RunFolder, what: str):
+        self.store, self.folder, self.what = store, folder, what
+        self.written: list[tuple[str, str]] = []  # (key, ETag), in the order written
+
+    def check(self) -> None:
+        """LeaseLost once the run is no longer this writer's incarnation, or while a fresh start moves it aside."""
+        self.folder.lease().fence(self.what)
+
+    def put_bytes(self, key: str, data: bytes, content_type: str | None = None) -> str:
+        self.check()
+        extra = {"ContentType": content_type} if content_type else {}
+        self.written.append((key, self.store._put_bytes(key, data, **extra)))
+        return f"s3://{self.store.bucket}/{key}"
+
+    def put_json(self, key: str, obj) -> str:
+        return self.put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+    def __enter__(self) -> FencedWrites:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if kind is None:
+            try:
+                self.check()
+            except LeaseLost as lost:
+                self._take_back()
+                raise lost from None
+        elif issubclass(kind, LeaseLost):
+            self._take_back()
+
+    def _take_back(self) -> None:
+        for key, etag in reversed(self.written):
+            head = self.store.head(key)
+            if head is not None and etag and head.get("ETag") == etag:
+                self.store._call("DELETE", self.store.client.delete_object, Key=key)
+        self.written.clear()

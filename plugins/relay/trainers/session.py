@@ -230,7 +230,8 @@ class ChunkSession:
             self.lease.check(self.token)
         except LeaseLost:
             return None
-        return record_event(self.run_dir, event, **fields)
+        life = {"incarnation": self.lease.incarnation} if self.lease.incarnation else {}
+        return record_event(self.run_dir, event, **life, **fields)
 
     @staticmethod
     def say(msg: str) -> None:
