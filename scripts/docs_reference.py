@@ -131,7 +131,8 @@ def _commands(parser: argparse.ArgumentParser, path: list[str]):
 def cli_page() -> str:
     import os
 
-    from relay.cli import EXIT_CODES, build_parser
+    from relay.cli import build_parser
+    from relay.cli.exit_codes import table
 
     os.environ["COLUMNS"] = "100"  # argparse wraps usage lines at the terminal's width: the page is the same everywhere
 
@@ -144,7 +145,9 @@ def cli_page() -> str:
         "`.venv/bin/relay ...` (or `.venv/bin/python -m relay ...`). Standard AWS variables configure S3 "
         "(`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...).",
         "",
-        EXIT_CODES[0].upper() + EXIT_CODES[1:] + ".",
+        "Every command exits by one rule (`relay.cli.exit_codes`):",
+        "",
+        *table(),
         "",
     ]
     for path, cmd in _commands(parser, []):

@@ -116,12 +116,16 @@ def test_relays_errors_say_their_cause():
 TAILS = Path(__file__).resolve().parents[1] / "support" / "log_tails"  # tests/support/record_log_tails.py
 
 
-def recorded(name: str, step: int | None = 3) -> fc.Cause:
+def recorded(name: str, step: int | None = 3, oom_nodes: list[str] | None = None) -> fc.Cause:
     """Classify a log tail recorded from a real failure (Ray 2.60, verl 0.9.1) as the train task does."""
     head, _, rest = (TAILS / f"{name}.txt").read_text().partition("\n--- message ---\n")
     message, _, tail = rest.partition("\n--- log tail ---\n")
     code = head.removeprefix("exit_code: ").strip()
-    return fc.classify("FAILED", message, tail, int(code) if code.lstrip("-").isdigit() else None, step=step)
+    assert code.lstrip("-").isdigit() or code == "None", f"{name}.txt: its header is no exit code: {head!r}"
+    exit_code = int(code) if code != "None" else None
+    if oom_nodes is None:
+        assert fc.could_be_oom_kill(message, tail, exit_code) == (name == "ray_actor_sigkilled"), name
+    return fc.classify("FAILED", message, tail, exit_code, step=step, oom_nodes=oom_nodes)
 
 
 def test_a_traceback_outranks_keywords_in_real_log_tails():
@@ -139,6 +143,16 @@ def test_a_traceback_outranks_keywords_in_real_log_tails():
     for cause in (preempted, refused, verl):
         same = {"event": fc.EVENT, "cause": cause.cause, "step": cause.step, "signature": cause.signature}
         assert fc.repeats(cause, [same]), "the same exception at the same step twice: no more retries"
+
+
+def test_a_killed_worker_is_preempted_unless_a_nodes_oom_kill_count_rose():
+    """Ray's text for a SIGKILLed worker lists the OOM killer among "some common causes": no evidence. A node whose
+    kernel OOM-kill count rose while the job ran is (tests/jobs/test_node_oom.py reads it on a real cluster)."""
+    killed = recorded("ray_actor_sigkilled")
+    assert killed.cause == fc.PREEMPTED and killed.signature.startswith("ActorDiedError"), killed.report()
+    node = "node 10.0.0.7 (a1b2c3d4e5f6): the kernel's OOM killer ended 1 process(es) there while the job ran"
+    oom = recorded("ray_actor_sigkilled", oom_nodes=[node])
+    assert oom.cause == fc.HOST_OOM and oom.evidence[0] == node, oom.report()
 
 
 def test_a_host_out_of_memory_on_another_node_is_read_from_rays_own_messages():

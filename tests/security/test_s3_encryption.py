@@ -199,6 +199,7 @@ def test_the_spec_settings_reach_the_store_and_the_cli(tmp_path):
         "SSEKMSKeyId": "alias/k",
         "ACL": "bucket-owner-full-control",
     }
+    (tmp_path / "global_step_4").mkdir()  # a folder that holds a checkpoint: what `checkpoint publish` takes
     args = build_parser().parse_args(
         ["checkpoint", "publish", str(tmp_path), "s3://relay/x", "--sse", "AES256", "--acl", "bucket-owner-full-control"]
     )

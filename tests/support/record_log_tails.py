@@ -1,5 +1,6 @@
 """Record the log tails that tests/runs/test_failure_cause.py classifies, from real failures on a private Ray head
-(Ray 2.60): `python tests/support/record_log_tails.py` (re)writes tests/support/log_tails/*.txt.
+(Ray 2.60): `python tests/support/record_log_tails.py [verl]` (re)writes tests/support/log_tails/*.txt (with `verl`,
+verl's alone).
 
 Each file is what the train task reads of a failed chunk job: the driver's exit code (`exit_code: N`), Ray's job
 message (it ends with the log's last lines) after a `--- message ---` line, and the log's last 200 lines (what the
@@ -29,6 +30,16 @@ JOBS = {
         "def compute_score(answer):\n"
         "    raise RuntimeError('reward server unavailable: its spot node was preempted')\n"
         "compute_score('7')\n"
+    ),
+    # a worker (an actor) SIGKILLed from outside, as an OOM killer, a preemption or `ray stop --force` ends one
+    "ray_actor_sigkilled": (
+        "import os, signal, ray\n"
+        "ray.init()\n"
+        "@ray.remote(max_restarts=0, max_task_retries=0)\n"
+        "class RolloutWorker:\n"
+        "    def generate(self):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "ray.get(RolloutWorker.remote().generate.remote())\n"
     ),
     # user code that cannot reach a service it calls
     "ray_user_connection_refused": (
@@ -71,12 +82,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def record_verl() -> None:
-    """verl 0.9.1's trainer (the CPU spec, one step) whose reward function cannot reach its reward server: the
-    `relay train` job's streamed log, as the trigger reads it."""
-    import subprocess
+    """verl 0.9.1's trainer (the CPU spec, one step) whose reward function cannot reach its reward server: the chunk's
+    Ray job, submitted as `relay train` submits it, on a private head; its exit code, Ray's message and its log's
+    tail, as the train task reads them."""
     import tempfile
 
     import yaml
+    from ray.job_submission import JobSubmissionClient
+
+    from relay.jobs import chunk_job
+    from relay.jobs.ray_jobs import RayJobs
+    from relay.preflight.prepare import prepare_run
+    from relay.spec.run_spec import load_spec
 
     with tempfile.TemporaryDirectory() as tmp:
         reward = Path(tmp, "reward_client.py")
@@ -89,22 +106,28 @@ def record_verl() -> None:
         ]
         path = Path(tmp, "spec.yaml")
         path.write_text(yaml.safe_dump(spec))
-        r = subprocess.run(
-            [sys.executable, "-m", "relay", "train", str(path), "--to-step", "1", "--offline"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    code = next((ln.rpartition("exit code ")[2].strip(" )") for ln in r.stderr.splitlines() if "exit code" in ln), "1")
-    tail = "\n".join(r.stdout.splitlines()[-200:])
-    (OUT / "verl_reward_connection_refused.txt").write_text(f"exit_code: {code}\n{MESSAGE}\n\n{TAIL}\n{tail}\n")
-    print(f"verl_reward_connection_refused: relay train exit {r.returncode}")
+        loaded = load_spec(path, check_environment=False)
+        run = prepare_run(loaded).run(loaded)
+        with stack.private_ray_head(num_gpus=getattr(loaded.settings, "gpus", 1)) as head:
+            sub = chunk_job.local_submission_id(run)
+            chunk_job.submit_chunk(RayJobs(head.address), run, 1, sub, restore=False)
+            client = JobSubmissionClient(head.address)
+            while str(client.get_job_status(sub)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+                time.sleep(1)
+            info = client.get_job_info(sub)
+            tail = "\n".join(client.get_job_logs(sub).splitlines()[-200:])
+    (OUT / "verl_reward_connection_refused.txt").write_text(
+        f"exit_code: {info.driver_exit_code}\n{MESSAGE}\n{info.message or ''}\n{TAIL}\n{tail}\n"
+    )
+    print(f"verl_reward_connection_refused: {info.status}, exit code {info.driver_exit_code}")
 
 
 def main() -> int:
     from ray.job_submission import JobSubmissionClient
 
+    if sys.argv[1:] == ["verl"]:  # only verl's (minutes of CPU), e.g. after a verl upgrade
+        record_verl()
+        return 0
     OUT.mkdir(parents=True, exist_ok=True)
     runs = [({}, JOBS)] + [
         ({"RAY_memory_usage_threshold": str(threshold), "RAY_memory_monitor_refresh_ms": "100"}, {name: code})

@@ -53,7 +53,7 @@ from relay.jobs.ray_jobs import LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, sub
 from relay.preflight import admission
 from relay.preflight.admission import admit, parse_job_output
 from relay.preflight.checks import before_chunk
-from relay.runs import failure_cause, handoff, layout
+from relay.runs import failure_cause, handoff, layout, node_oom
 from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
 from relay.runs.metrics import read_events
 from relay.runs.phases import record_job_times, record_phase
@@ -502,6 +502,11 @@ class RayChunkOperator(ChunkTaskOperator):
         spec, sub_id, ti = run.spec, event["submission_id"], context["ti"]
         tail = job_log_tail(spec, event)
         step = failure_cause.step_of_failure(run.dir, sub_id) or event.get("step")
+        oom_nodes = (  # a killed worker on any node: did that node's OOM killer act while the job ran?
+            node_oom.evidence_since_start(run.dir, sub_id, RayJobsHook(spec.ray.conn_id).jobs, spec)
+            if failure_cause.could_be_oom_kill(event.get("message", ""), tail, event.get("exit_code"))
+            else []
+        )
         cause = failure_cause.classify(
             status,
             event.get("message", ""),
@@ -509,6 +514,7 @@ class RayChunkOperator(ChunkTaskOperator):
             event.get("exit_code"),
             step=step,
             oom_kills=failure_cause.oom_kills_since_start(run.dir, sub_id),
+            oom_nodes=oom_nodes,
         )
         dag_run = context["dag_run"].run_id
         repeated = failure_cause.repeats(cause, failure_cause.earlier_failures(run.dir, chunk.index, dag_run))

@@ -13,7 +13,8 @@ import argparse
 import sys
 
 from relay.cli import checkpoints, data, doctor, insights, runs, stack
-from relay.cli.shared import EXIT_CODES, _Parser
+from relay.cli.exit_codes import epilog
+from relay.cli.shared import _Parser
 from relay.cli.shared import _store as _store  # relay.cli._store: an upload command's store
 from relay.common.errors import RelayError
 from relay.trainers.quiet import quiet_known_noise
@@ -25,7 +26,7 @@ DESCRIPTION = "\n\n".join((__doc__ or "").split("\n\n")[:2])
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     # `relay ...` (the console script) or `python -m relay ...`: usage lines name what was typed
     prog = prog or ("python -m relay" if sys.argv[0].endswith("__main__.py") else "relay")
-    p = _Parser(prog=prog, description=DESCRIPTION, epilog=EXIT_CODES)
+    p = _Parser(prog=prog, description=DESCRIPTION, epilog=epilog())
     sub = p.add_subparsers(dest="command", required=True)
     for group in (runs, checkpoints, doctor, data, insights, stack):  # `relay --help` lists the commands in this order
         group.add_commands(sub)

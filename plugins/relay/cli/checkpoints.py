@@ -10,7 +10,17 @@ from pathlib import Path
 from relay.checkpoints import preview
 from relay.checkpoints.gate import admit_dir
 from relay.checkpoints.validate import validate_checkpoint
-from relay.cli.shared import RUN_FOLDER, _new_folder, _path, _s3_uri, _s3_uri_or, _spec, _store, _upload_options, _world_size
+from relay.cli.shared import (
+    RUN_FOLDER,
+    _checkpoints,
+    _new_folder,
+    _s3_uri,
+    _s3_uri_or,
+    _spec,
+    _store,
+    _upload_options,
+    _world_size,
+)
 from relay.runs import layout
 from relay.runs.folder import RunFolder
 from relay.runs.lease import take_for_operator
@@ -145,7 +155,7 @@ def add_commands(sub) -> None:
     s = sub.add_parser("checkpoint", help="checkpoint commands")
     cs = s.add_subparsers(dest="checkpoint_command", required=True)
     c = cs.add_parser("validate", help="validate a run's checkpoint (default: the one the tracker names)")
-    c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
+    c.add_argument("dir", type=_checkpoints(RUN_FOLDER), help=RUN_FOLDER)
     c.add_argument("--step", type=int)
     c.add_argument(
         "--quick",
@@ -170,7 +180,7 @@ def add_commands(sub) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_checkpoint_validate)
     c = cs.add_parser("publish", help="validate, then publish a checkpoint to s3://BUCKET/PREFIX/<run>/")
-    c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
+    c.add_argument("dir", type=_checkpoints(RUN_FOLDER), help=RUN_FOLDER)
     c.add_argument("uri", type=_s3_uri, help="s3://BUCKET/PREFIX")
     c.add_argument("--step", type=int, help="default: the tracker's")
     c.add_argument("--run", help="run name (default: the folder's name)")
@@ -192,7 +202,7 @@ def add_commands(sub) -> None:
         help="write a valid checkpoint of verl's FSDP at another world size (number of GPUs): "
         "in place, the original kept in .relay/resharded/, or into --out",
     )
-    c.add_argument("dir", type=_path("folder", RUN_FOLDER), help=RUN_FOLDER)
+    c.add_argument("dir", type=_checkpoints(RUN_FOLDER), help=RUN_FOLDER)
     c.add_argument("--world-size", type=_world_size, required=True, help="the number of processes (GPUs) to resume on")
     c.add_argument("--step", type=int, help="default: the tracker's")
     c.add_argument("--out", help="write the resharded step into this run folder instead; the source is not touched")
@@ -211,7 +221,7 @@ def add_commands(sub) -> None:
     )
     c.add_argument(
         "source",
-        type=_s3_uri_or(_path("folder", "a run folder, a global_step_N folder or an s3:// URI")),
+        type=_s3_uri_or(_checkpoints("a run folder, a global_step_N folder or an s3:// URI")),
         help="a run folder, a global_step_N folder, or s3://BUCKET/PREFIX/RUN[/global_step_N]",
     )
     c.add_argument("--step", type=int, help="default: the tracker's (the published latest for S3)")

@@ -11,6 +11,7 @@ from relay.common.errors import UsageError
 from relay.insights import report
 from relay.insights.audit import audit
 from relay.runs import layout
+from relay.runs.metrics import readable_rows
 
 
 def cmd_report(args) -> int:
@@ -19,6 +20,8 @@ def cmd_report(args) -> int:
             rep = report.from_s3(args.source, Path(tmp))
         out = Path(args.out or f"report-{rep.run}")
     else:
+        for name in (layout.METRICS, layout.EVENTS):  # a corrupt history is a finding, not a run with nothing in it
+            readable_rows(Path(args.source) / name)
         rep = report.build(Path(args.source))
         out = Path(args.out) if args.out else report.default_out(Path(args.source))
     if args.json:  # the JSON alone on stdout; files only where --out asks for them
@@ -39,6 +42,7 @@ def cmd_audit(args) -> int:
             f"{run_dir} has no {layout.METRICS}: not a run folder, or nothing trained yet",
             "give the run's folder, <checkpoint_dir>/<run>",
         )
+    readable_rows(run_dir / layout.METRICS)  # unreadable: a finding, never "nothing to compare"
     tolerance = _spec(args.spec).audit.tolerance if args.spec else None
     result = audit(run_dir, tolerance)
     print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else result.summary())

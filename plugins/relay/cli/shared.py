@@ -10,15 +10,9 @@ from pathlib import Path
 from relay.common.errors import RelayError
 from relay.devstack import stack
 from relay.jobs.ray_jobs import RayJobs
+from relay.runs import layout
 from relay.s3.store import CheckpointStore, parse_uri, s3_client, upload_args
 from relay.spec.run_spec import load_spec
-
-EXIT_CODES = (
-    "exit codes: 0 success; 1 a finding (a checkpoint, tracker or parquet file that exists but is corrupt, "
-    "truncated, empty or unsafe; an audit that diverged; a resume that doctor finds unsafe; a command that "
-    "failed); 2 usage (bad arguments, or a path that does not exist or is not what the command takes)"
-)
-
 
 FIX = "\n  What to do: "  # how a RelayError prints what to do, in a usage error too
 
@@ -40,6 +34,23 @@ def _path(kind: str, what: str):
             raise argparse.ArgumentTypeError(f"{value} does not exist{FIX}give {what}")
         if (kind == "folder") != p.is_dir():
             raise argparse.ArgumentTypeError(f"{value} is not a {kind}{FIX}give {what}")
+        return value
+
+    return check
+
+
+def _checkpoints(what: str):
+    """An argparse type: a folder that holds a checkpoint (a tracker or a global_step_N folder), or is one; an empty
+    folder, or a run folder with no checkpoint yet, is a usage error (nothing there for the command to examine)."""
+
+    def check(value: str) -> str:
+        _path("folder", what)(value)
+        p = Path(value)
+        is_step = lambda q: layout.STEP_DIR.match(q.name) is not None  # noqa: E731
+        if not (is_step(p) or (p / layout.TRACKER).exists() or any(is_step(c) for c in p.iterdir())):
+            raise argparse.ArgumentTypeError(
+                f"{value} holds no checkpoint (no {layout.TRACKER}, no global_step_N folder){FIX}give {what}"
+            )
         return value
 
     return check

@@ -72,6 +72,13 @@ NODE_LOST_LINES = re.compile(
     re.IGNORECASE,
 )
 PREEMPTED_LINES = re.compile(r"preempted", re.IGNORECASE)  # a keyword: outranked by a traceback
+# A worker that died without an error of its own: killed from outside (an OOM killer, a preemption, `ray stop`).
+# Ray's text lists the OOM killer among "some common causes": which one it was takes evidence (the nodes' counts).
+WORKER_KILLED_LINES = re.compile(
+    r"(actor|worker) died unexpectedly|(worker|process) was killed by SIGKILL|Worker exit type: SYSTEM_ERROR|"
+    r"WorkerCrashedError|worker crashed unexpectedly",
+    re.IGNORECASE,
+)
 INFRA_LINES = re.compile(
     r"EndpointConnectionError|Could not connect to the endpoint URL|ConnectionRefusedError|"
     r"cannot reach the Ray|Ray Jobs API .* unreachable|Failed to connect to GCS|NoCredentialsError"
@@ -142,11 +149,14 @@ def classify(
     *,
     step: int | None = None,
     oom_kills: int = 0,
+    oom_nodes: list[str] | None = None,
 ) -> Cause:
     """The cause of a failed chunk attempt. status: the Ray job's (FAILED, STOPPED) or the trigger's own
     (STALLED, TIMEOUT, LOST, UNREACHABLE); message: Ray's message (it ends with the log's last lines);
     log_tail: the job's last log lines; step: the step it failed at; oom_kills: how many processes the
-    kernel's OOM killer ended in the job's cgroup while it ran (evidence for a bare SIGKILL)."""
+    kernel's OOM killer ended in the job's cgroup while it ran (evidence for a bare SIGKILL); oom_nodes: the nodes
+    whose kernel OOM-kill count rose while it ran, in words (relay.jobs.node_oom.rises: evidence for a killed
+    worker on any node)."""
 
     lines = unprefixed(log_tail or message or "")
     msg_lines = unprefixed(message or "")
@@ -173,6 +183,9 @@ def classify(
         return made(ACCELERATOR_OOM, ev)
     if ev := found(HOST_OOM_LINES):
         return made(HOST_OOM, ev)
+    killed = found(WORKER_KILLED_LINES)
+    if (killed or sig == signal.SIGKILL) and oom_nodes:
+        return made(HOST_OOM, [*oom_nodes, *killed[-1:]])
     if sig == signal.SIGKILL and oom_kills > 0:
         return made(
             HOST_OOM,
@@ -187,6 +200,9 @@ def classify(
         signature, evidence = exc
         if NODE_LOST_LINES.search(signature):  # a lost node shows as an actor's traceback
             return made(PREEMPTED, evidence, signature)
+        if killed and re.match(r"(ActorDiedError|RayActorError|WorkerCrashedError|ActorUnavailableError)\b", signature):
+            # killed from outside, and no node's OOM-kill count rose: preempted, not the training code's exception
+            return made(PREEMPTED, [*killed[-1:], *evidence], signature)
         return made(EXCEPTION, evidence, signature)
     if ev := found(INFRA_LINES):
         return made(INFRASTRUCTURE, ev)
@@ -200,6 +216,13 @@ def classify(
         )
         return made(PREEMPTED, [what, *lines[-2:]])
     return made(UNKNOWN, lines[-3:])
+
+
+def could_be_oom_kill(message: str, log_tail: str, exit_code: int | None) -> bool:
+    """Whether a failure is one an OOM kill explains (the driver SIGKILLed, a worker killed): then the nodes' OOM-kill
+    counts are worth reading (relay.jobs.node_oom)."""
+    lines = unprefixed(log_tail) + unprefixed(message)
+    return signal_of(exit_code) == signal.SIGKILL or any(WORKER_KILLED_LINES.search(ln) for ln in lines)
 
 
 def unprefixed(log: str) -> list[str]:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+from relay.common.errors import RunError
 from relay.common.filelock import file_lock
 from relay.common.files import atomic_write
 from relay.common.timestamps import event_time
@@ -39,6 +40,19 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         print(
             f"[relay] {path}: {torn} unreadable line(s) skipped (a writer killed mid-line; kept in the file)",
             file=sys.stderr,
+        )
+    return rows
+
+
+def readable_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a run's JSONL file that a command examines (`relay audit`, `relay report`): RunError (a finding) when
+    the file holds lines but none is a row, a corrupt history rather than one with nothing in it yet."""
+    rows = read_jsonl(path)
+    if not rows and Path(path).is_file() and Path(path).read_bytes().strip():
+        raise RunError(
+            f"{path} is unreadable: it holds lines, and none of them is a JSON row",
+            "restore the run's history from S3 (`relay checkpoint restore` brings it back with a checkpoint), or move "
+            "the file aside to examine the rest of the run",
         )
     return rows
 

@@ -38,7 +38,7 @@ from relay.common.faultpoint import fault_point
 from relay.common.progress import PREFIX, step_line
 from relay.common.timestamps import process_started
 from relay.data.freeze import frozen_files, verify_frozen
-from relay.runs import handoff, heartbeat, layout
+from relay.runs import handoff, heartbeat, layout, node_oom
 from relay.runs.failure_cause import cgroup_oom_kills
 from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.record import folder_incarnation
@@ -210,6 +210,7 @@ class ChunkSession:
             # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
             host=socket.gethostname(),
             oom_kills=cgroup_oom_kills(),
+            node_oom_kills=node_oom.census_if_connected(),  # every node's, where the trainer runs inside Ray
             process_started=process_started(),
         )  # a restart's cost counts from it (relay.insights.save_interval)
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
@@ -469,6 +470,7 @@ class ChunkSession:
             lease_token=self.token,
             superseded_rows=0,
             host=socket.gethostname(),
+            node_oom_kills=node_oom.census_if_connected(),
         )
         self.say(
             f"run {self.req.run}: chunk {nxt.index} starts warm from step {step} in this job (no start-up), trains to "
