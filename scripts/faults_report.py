@@ -48,6 +48,8 @@ PLANNED = {
     "restore-during-marks": "a restore of the run's history while the train task writes its phase marks",
     "publish-across-fresh-start": "a publication in flight while a fresh start moves the run's S3 prefix aside",
     "seam-stress": "an old DAG run's writers at seeded points around a fresh start, many rounds",
+    "warm-job-dag-run-failed": "a DAG run marked failed while its job trains the next chunk ahead of its admission",
+    "warm-job-validation-error": "a validation that errors while the chunk's job trains the next chunk ahead",
 }
 
 

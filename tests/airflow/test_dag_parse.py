@@ -42,7 +42,7 @@ def one_spec(folder):
 
 
 def two_specs(folder):
-    write_spec(folder, name="alpha")
+    write_spec(folder, name="alpha", **{"chunks.handoff": "warm"})
     write_spec(folder, name="beta", total_steps=20, chunk_steps=8)
 
 
@@ -119,6 +119,10 @@ def test_one_dag_per_spec_without_heavy_imports(parsed):
     )
     assert beta["downstream"]["chunk_01.publish"] == ["chunk_02.publish"]
     assert beta["max_active_runs"] == 1 and beta["retries"] == 2
+    alpha = dags["relay_alpha"]  # warm chunks: chunk 1's job, going on into chunk 2, is followed until its admission
+    assert alpha["downstream"]["chunk_01.train"] == ["chunk_01.ahead", "chunk_01.validate"]
+    assert alpha["downstream"]["chunk_01.ahead"] == [], "a leaf: it never holds up the next chunk's admission"
+    assert "chunk_02.ahead" not in alpha["tasks"], "the last chunk has no next chunk to train ahead"
 
 
 def test_a_scheduled_spec_is_a_scheduled_dag_with_one_trainer_pool(parsed):

@@ -324,7 +324,7 @@ def test_a_source_changed_under_a_warm_run_stops_the_next_chunk_and_its_job_with
     assert "refused, it stops without committing" in out, out[-5000:]
     assert layout.read_tracker(rd) == 4 and not (rd / "global_step_8").exists(), "nothing of chunk 2 committed"
     refused = [e for e in read_events(rd) if e["event"] == "handoff_refused"]
-    assert len(refused) == 1 and refused[0]["chunk"] == 2 and "its train task refused it" in refused[0]["why"], refused
+    assert len(refused) == 1 and refused[0]["chunk"] == 2 and "it was refused" in refused[0]["why"], refused
     record = handoff.warm(rd, 2)
     assert record is not None and handoff.answer(rd, 2, record["attempt"])["admitted"] is False
     jobs = RayJobs(ray_address)

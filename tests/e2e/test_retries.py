@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.runs.metrics import read_events
+from relay.runs import layout
+from relay.runs.metrics import read_events, read_jsonl
 from relay.s3.store import store_for_spec
 from relay.spec.run_spec import load_spec
 from support.airflow_procs import airflow_processes, postgres_database
@@ -65,18 +66,23 @@ def airflow(tmp_path_factory, ray_address, receivers):
             "ray.env_vars": {"RELAY_FAULT_KILL_AT": "after_step@8"},
         },
     )
+    write_spec(runs, name="ahead", **{"chunks.handoff": "warm", "airflow.retries": 0})  # its validation held once
+    write_spec(runs, name="errs", **{"chunks.handoff": "warm", "airflow.retries": 0})  # its validation's worker killed
     write_spec(runs, name="one", total_steps=6, chunk_steps=6, **{"airflow.retries": 0})  # a chunk each
     write_spec(runs, name="two", total_steps=6, chunk_steps=6, **{"airflow.retries": 0})
 
-    # The worker that runs chunk 1 of the run named `lost` dies (SIGKILL) right after submitting its job.
+    # The worker that runs chunk 1 of the run named `lost` dies (SIGKILL) right after submitting its job; chunk 1's
+    # validation of the run named `ahead` is held (its job, gone on warm into chunk 2, is not admitted meanwhile),
+    # and that of the run named `errs` dies (an error, not a quarantine).
     with (
         postgres_database("relay_retries") as db_url,
         airflow_processes(
             base,
             runs,
             db_url,
-            RELAY_FAULT_KILL_AT="after_submit:lost@1",
-            RELAY_FAULT_ONCE=str(faults / "worker-kill"),
+            RELAY_FAULT_KILL_AT="after_submit:lost@1,validate:errs@1",
+            RELAY_FAULT_PAUSE_AT="validate:ahead@1",
+            RELAY_FAULT_ONCE=str(faults / "{point}"),
             **receivers["env"],
         ) as af,
     ):
@@ -171,7 +177,7 @@ def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_sam
     api, dag_id, since = airflow["api"], "relay_lost", time.time()
     api.wait_for_dag(dag_id)
     run_id = api.trigger(dag_id, {"run": "lost"})["dag_run_id"]
-    wait_for(lambda: (airflow["faults"] / "worker-kill").exists(), 600, "the worker to be killed after submitting")
+    wait_for(lambda: (airflow["faults"] / "after_submit:lost").exists(), 600, "the worker to be killed after submitting")
     adopted(api, ray_address, dag_id, run_id, "lost", since, airflow["faults"] / "lost")
     run_dir, store = trained_once_and_equal(airflow["runs"] / "lost.yaml", "lost", uninterrupted)
     fault_row(
@@ -185,6 +191,104 @@ def test_a_worker_killed_between_submission_and_deferral_is_retried_onto_the_sam
         steps_lost=0,
         run_dir=run_dir,
         store=store,
+    )
+
+
+@pytest.mark.fault
+def test_a_dag_run_marked_failed_stops_its_job_training_ahead(airflow, ray_address, uninterrupted, fault_row):
+    """Chunk 1's job went on warm into chunk 2, and nothing admits it yet (chunk 1's validation is held): a person
+    marks the DAG run failed, as the UI does. Its `ahead` task's on_kill refuses the warm chunk: the job stops within
+    60 s, nothing of chunk 2 committed; triggered again, the run resumes cold from step 6 and ends bitwise equal to
+    an uninterrupted run."""
+    api, dag_id, since = airflow["api"], "relay_ahead", time.time()
+    run_dir = load_spec(airflow["runs"] / "ahead.yaml", check_environment=False).run_dir("ahead")
+    api.wait_for_dag(dag_id)
+    run_id = api.trigger(dag_id, {"run": "ahead"})["dag_run_id"]
+    held = airflow["faults"] / "validate:ahead"
+    try:
+        # The `ahead` task's trigger runs in the triggerer (a mark before it does would find nothing to stop there:
+        # the admission limit would): its log says at which step the job trains ahead.
+        wait_for(
+            lambda: held.exists()
+            and task(api, dag_id, run_id, "chunk_01.ahead")["state"] == "deferred"
+            and "ahead of its admission: step" in api.task_log(dag_id, run_id, "chunk_01.ahead"),
+            600,
+            "chunk 1's job training chunk 2 ahead, followed by chunk_01.ahead, its validation held",
+        )
+        marked = time.time()
+        api.update_dag_run(dag_id, run_id, state="failed")
+        wait_for(
+            lambda: all(
+                str(j.status) in ("STOPPED", "FAILED", "SUCCEEDED") for j in chunk_jobs(ray_address, "ahead", since, 1)
+            ),
+            60,
+            "the job training ahead to end once its DAG run was marked failed",
+        )
+        took = time.time() - marked
+    finally:
+        Path(f"{held}.go").touch()  # the held validation goes on (its task was marked failed with the DAG run)
+    committed = sorted(layout.step_dirs(run_dir))
+    assert layout.read_tracker(run_dir) == 6 and max(committed) == 6, f"nothing of chunk 2 committed: {committed}"
+    refused = [e for e in read_events(run_dir) if e["event"] == "handoff_refused"]
+    # The mark fails the DAG run's running tasks too: the `ahead` task's on_kill, or its next poll of the held
+    # validation (failed with the DAG run), refused the warm chunk.
+    why = refused[-1]["why"] if refused else ""
+    assert "marked failed by a person" in why or "chunk_01.validate (failed) of its DAG run failed" in why, refused
+
+    again = api.trigger(dag_id, {"run": "ahead"})["dag_run_id"]
+    finished = api.wait_for_run(dag_id, again, timeout=900)
+    assert finished["state"] == "success", api.task_instances(dag_id, again)
+    starts = [(e["chunk"], e["resumed_from"], e["warm"]) for e in read_events(run_dir) if e["event"] == "chunk_start"]
+    assert starts == [(1, 0, False), (2, 6, True), (2, 6, False)], f"chunk 2 trained ahead, then cold from 6: {starts}"
+    assert_bitwise_equal(model_state(run_dir / "global_step_12"), uninterrupted)
+    fault_row(
+        case="warm-job-dag-run-failed",
+        layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+        fault="a person marks the DAG run failed while its job trains the next chunk ahead of its admission",
+        action=f"the chunk's `ahead` task's on_kill refused the warm chunk: the job stopped {took:.0f} s after the "
+        "mark, nothing of chunk 2 committed; triggered again, the run resumed cold from step 6",
+        steps_lost=len(read_jsonl(run_dir / "metrics.superseded.jsonl")),  # trained ahead, trained again
+        run_dir=run_dir,
+        store=store_for_spec(load_spec(airflow["runs"] / "ahead.yaml", check_environment=False)),
+    )
+
+
+@pytest.mark.fault
+@pytest.mark.lane("faults")  # the `ahead` task's refusal is CI's in the DAG run marked failed above
+def test_a_validation_that_errors_stops_the_job_training_ahead(airflow, ray_address, fault_row):
+    """Chunk 1's validation errors (its worker is killed: nothing quarantined) while the chunk's job trains chunk 2
+    ahead: the `ahead` task refuses the warm chunk, the job stops within 60 s without committing anything of it."""
+    api, dag_id, since = airflow["api"], "relay_errs", time.time()
+    run_dir = load_spec(airflow["runs"] / "errs.yaml", check_environment=False).run_dir("errs")
+    api.wait_for_dag(dag_id)
+    run_id = api.trigger(dag_id, {"run": "errs"})["dag_run_id"]
+    wait_for(
+        lambda: task(api, dag_id, run_id, "chunk_01.validate")["state"] == "failed", 600, "chunk 1's validation to fail"
+    )
+    failed_at = time.time()
+    ended = ("STOPPED", "FAILED", "SUCCEEDED")
+    wait_for(
+        lambda: all(str(j.status) in ended for j in chunk_jobs(ray_address, "errs", since, 1)),
+        60,
+        "the job training ahead to end once the validation it went on from failed",
+    )
+    took = time.time() - failed_at
+    finished = api.wait_for_run(dag_id, run_id, timeout=300)
+    assert finished["state"] == "failed"
+    assert task(api, dag_id, run_id, "chunk_01.ahead")["state"] == "failed", api.task_instances(dag_id, run_id)
+    committed = sorted(layout.step_dirs(run_dir))
+    assert layout.read_tracker(run_dir) == 6 and max(committed) == 6, f"nothing of chunk 2 committed: {committed}"
+    refused = [e for e in read_events(run_dir) if e["event"] == "handoff_refused"]
+    assert refused and "chunk_01.validate (failed) of its DAG run failed" in refused[-1]["why"], refused
+    fault_row(
+        case="warm-job-validation-error",
+        layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",
+        fault="chunk 1's validation errors (its worker SIGKILLed; nothing quarantined) while its job trains chunk 2 ahead",
+        action=f"the chunk's `ahead` task saw the validation failed and refused the warm chunk: the job stopped within "
+        f"{took:.0f} s, nothing of chunk 2 committed; the DAG run failed with step 6 the run's latest",
+        steps_lost=0,
+        run_dir=run_dir,
+        store=store_for_spec(load_spec(airflow["runs"] / "errs.yaml", check_environment=False)),
     )
 
 

@@ -18,8 +18,8 @@ from support.polling import wait_for
 
 pytestmark = pytest.mark.services
 
-# A chunk's job as a trainer inside Ray runs it: chunk_start records every node's count, then a worker of the job is
-# SIGKILLed (once the test says so), and the driver fails on its dead actor.
+# A chunk's job as a trainer inside Ray runs it: its census of every node's count (as ChunkSession records it), then a
+# worker of the job is SIGKILLed (once the test says so), and the driver fails on its dead actor.
 JOB = """
 import os, signal, sys, time
 from pathlib import Path
@@ -29,7 +29,7 @@ from relay.runs.metrics import record_event
 
 run_dir, attempt, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 ray.init()
-record_event(run_dir, "chunk_start", attempt=attempt, node_oom_kills=node_oom.census_if_connected())
+record_event(run_dir, node_oom.EVENT, attempt=attempt, node_oom_kills=node_oom.census_if_connected())
 
 @ray.remote(max_restarts=0, max_task_retries=0)
 class RolloutWorker:
@@ -65,8 +65,8 @@ def test_a_killed_worker_is_an_oom_kill_only_with_its_nodes_evidence(tmp_path, r
             "env_vars": {node_oom.COUNTER_ENV: str(counter)},
         },
     )
-    wait_for(lambda: any(e["event"] == "chunk_start" for e in read_events(run_dir)), 120, "the job's chunk_start")
-    start = next(e for e in read_events(run_dir) if e["event"] == "chunk_start")
+    wait_for(lambda: any(e["event"] == node_oom.EVENT for e in read_events(run_dir)), 120, "the job's census")
+    start = next(e for e in read_events(run_dir) if e["event"] == node_oom.EVENT)
     assert {n["oom_kill"] for n in start["node_oom_kills"].values()} == {5}, start
     if counter_rose:
         counter.write_text("pgfault 1\noom_kill 6\n")  # the node's kernel killed a process meanwhile

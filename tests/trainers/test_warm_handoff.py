@@ -130,7 +130,7 @@ def chunk_one(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     ("case", "answer", "overrides", "tracker", "why"),
     [
-        ("refused", _refuse, {}, 6, "its train task refused it: the settings changed"),
+        ("refused", _refuse, {}, 6, "it was refused: the settings changed"),
         ("quarantined", _quarantine, {}, 3, "checkpoint 6, which it went on from, is no longer the run's latest"),
         ("not admitted", None, {"chunks.admission_timeout_minutes": 0.01}, 6, "no admission within"),
     ],

@@ -1,7 +1,8 @@
 """One DAG per run spec in include/runs/:
 
     preflight.run >> preflight.settings >> preflight.data >> chunk_01.train >> chunk_01.validate
-        >> chunk_02.train >> ... >> finish;   chunk_k.validate >> chunk_k.publish >> chunk_k+1.publish
+        >> chunk_02.train >> ... >> finish;   chunk_k.validate >> chunk_k.publish >> chunk_k+1.publish;
+    with warm chunks, chunk_k.train >> chunk_k.ahead (a leaf: follows the job while it trains chunk k+1 ahead)
 
 Step counts and chunk sizes come from the spec: task groups are fixed when the DAG is parsed.
 Params carry only what may change per trigger without changing the DAG's shape or the run's
@@ -23,7 +24,12 @@ from relay.airflow import form
 from relay.airflow.assets import checkpoint_alias
 from relay.airflow.decisions import DecidingPythonOperator
 from relay.airflow.notifiers import RelayAlertNotifier
-from relay.airflow.operators import PublishCheckpointOperator, RayChunkOperator, ValidateCheckpointOperator
+from relay.airflow.operators import (
+    PublishCheckpointOperator,
+    RayChunkOperator,
+    ValidateCheckpointOperator,
+    WarmJobOperator,
+)
 from relay.airflow.supervised import is_supervised, supervise_task, validate_task
 from relay.airflow.tasks import data_freeze, finish, preflight, reshard_to_spec, settings_guard
 from relay.common import project
@@ -131,6 +137,18 @@ def build_dag(spec: RunSpec) -> DAG:
                         upstream >> reshard
                         upstream = reshard
                     upstream >> train >> validate
+                    if spec.warm_chunks and chunk.index < len(plan.chunks):
+                        # A leaf beside validate: follows the job while it trains the next chunk ahead, until that
+                        # chunk's train task admits it (or stops it: this task or the DAG run marked failed, a failed
+                        # validation, no admission in time).
+                        WarmJobOperator(
+                            task_id="ahead",
+                            spec_path=spec.source,
+                            chunk_index=chunk.index,
+                            train_task=train.task_id,
+                            watched=[validate.task_id],
+                            doc_md=f"Follow {chunk}'s job while it trains the next chunk ahead of its admission.",
+                        ).set_upstream(train)
                 if spec.s3 is not None:
                     # Chunk k publishes while chunk k+1 trains; publications stay in step order.
                     publish = PublishCheckpointOperator(

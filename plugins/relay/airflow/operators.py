@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from relay.airflow.assets import run_checkpoints
 from relay.airflow.decisions import Decision, DecisionNeeded, Rejected, answer, ask, skip_rejected
@@ -38,7 +38,7 @@ from relay.airflow.notifiers import (
 )
 from relay.airflow.task_ids import RUN_TASK
 from relay.airflow.tasks import publish_report, training_run
-from relay.airflow.triggers import HANDED_OFF, CheckpointTrigger, RayJobTrigger
+from relay.airflow.triggers import ADMITTED, ENDED, HANDED_OFF, REFUSED, CheckpointTrigger, RayJobTrigger, WarmJobTrigger
 from relay.alerts import stall_limit_s
 from relay.checkpoints import manifest
 from relay.checkpoints.preview import inspect_dir
@@ -46,6 +46,7 @@ from relay.checkpoints.resume import QUARANTINE, quarantined
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.errors import LeaseLost, RelayError
 from relay.common.faultpoint import drill_env, fault_point
+from relay.common.timestamps import epoch
 from relay.insights.audit import audit
 from relay.insights.eta import eta
 from relay.jobs import submission
@@ -589,6 +590,71 @@ class RayChunkOperator(ChunkTaskOperator):
         if self._submission_id:
             spec = load_spec(self.spec_path, check_environment=False)
             RayJobsHook(spec.ray.conn_id).jobs.stop(self._submission_id)
+
+
+class WarmJobOperator(ChunkTaskOperator):
+    """A chunk's `ahead` task: follows the chunk's job once it went on warm into the next chunk, until that chunk's
+    train task admits it, so that a job training ahead is never out of Airflow's reach (relay.airflow.triggers.
+    WarmJobTrigger): marking this task or its DAG run failed, a failed task in `watched` (the chunk's validation),
+    or no admission within the admission limit (chunks.admission_timeout_minutes; by default twice the chunk's own
+    duration, at least 5 minutes) refuses the warm chunk, and the job stops at its next step boundary without
+    committing anything of it. Skipped when the chunk's job did not go on warm. The grid shows it deferred while the
+    job trains ahead; its log says at which step."""
+
+    ui_color = "#fef7e0"
+    operator_extra_links = (RayJobLink(), RunReportLink())
+
+    def __init__(self, *, train_task: str, watched: list[str] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.train_task = train_task
+        self.watched = list(watched or [])
+
+    def execute(self, context) -> dict:
+        run, chunk = self._context(context)
+        spec, nxt = run.spec, chunk.index + 1
+        job = context["ti"].xcom_pull(task_ids=self.train_task, key=RAY_JOB_XCOM) or {}
+        sub_id = job.get("submission_id")
+        record = handoff.warm(run.dir, nxt)
+        if not sub_id or record is None or record.get("attempt") != sub_id:
+            raise AirflowSkipException(f"{chunk}'s job {sub_id} did not go on warm into chunk {nxt}: nothing trains ahead")
+        if getattr(context["dag_run"], "triggering_user_name", None) == "dag_test":
+            # `airflow dags test` runs one task at a time, its triggers in line: nothing would admit the job while this
+            # task waited for it. The next chunk's train task admits it as usual.
+            raise AirflowSkipException(f"`airflow dags test`: the job training chunk {nxt} ahead is not followed")
+        if (got := handoff.answer(run.dir, nxt, sub_id)) is not None:
+            return {"submission_id": sub_id, "admitted": bool(got.get("admitted")), "why": got.get("why")}
+        context["ti"].xcom_push(key=RAY_JOB_XCOM, value=job)
+        limit = handoff.admission_limit_s(spec.chunks.admission_timeout_minutes, record.get("chunk_seconds"))
+        self.log.info(
+            "Ray job %s went on warm into chunk %s at step %s; followed until that chunk's train task admits it (at "
+            "most %.1f min): marking this task or the DAG run failed stops it without committing",
+            sub_id,
+            nxt,
+            record.get("from_step"),
+            limit / 60,
+        )
+        self.defer(
+            trigger=WarmJobTrigger(
+                address=RayJobsHook(spec.ray.conn_id).address,
+                submission_id=sub_id,
+                run_dir=str(run.dir),
+                chunk=nxt,
+                deadline=(epoch(record.get("time")) or time.time()) + limit,
+                poll_seconds=spec.ray.poll_seconds,
+                watched=self.watched,
+                stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+            ),
+            method_name="execute_complete",
+        )
+
+    def execute_complete(self, context, event: dict) -> dict:
+        run, chunk = self._context(context)
+        status = event_status(event, f"{chunk} of run {run}", "submission_id")
+        sub_id, message = event["submission_id"], event.get("message", "")
+        if status == ADMITTED or status == ENDED or (status == REFUSED and event.get("by") != "this task"):
+            self.log.info("Ray job %s, which trained chunk %s ahead: %s", sub_id, chunk.index + 1, message)
+            return {"submission_id": sub_id, "status": status, "message": message}
+        raise AirflowException(f"Ray job {sub_id} trained chunk {chunk.index + 1} of run {run} ahead: {message}")
 
 
 class ValidateCheckpointOperator(ChunkTaskOperator):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -212,6 +213,154 @@ class RayJobTrigger(BaseTrigger):
         except Exception as e:  # noqa: BLE001 - when in doubt, stop the job as before
             self.log.warning("the task's state could not be read (%s)", e)
             return "unknown"
+
+
+ADMITTED, REFUSED, ENDED = "ADMITTED", "REFUSED", "ENDED"  # a warm job's fate, as WarmJobTrigger sees it
+# What a watched task of the DAG run that ends a warm job's chance of admission looks like.
+FAILED_STATES = ("failed", "upstream_failed")
+
+
+class WarmJobTrigger(BaseTrigger):
+    """A job that went on warm into chunk `chunk`, followed by a task of its own DAG run from the handoff until that
+    chunk's train task admits it, so that Airflow's controls reach it while it trains ahead: the task marked failed
+    or success, or its DAG run marked failed (on_kill), a watched task of the DAG run failed (the previous chunk's
+    validation, an approval), or no admission by `deadline` (the admission limit) each refuse the warm chunk: the job
+    stops at its next step boundary without committing anything of it (relay.trainers.session), and is stopped
+    through Ray if it has not ended after `stop_grace_s`. Fires ADMITTED, REFUSED (with who refused), ENDED (the
+    job ended first) or TIMEOUT. Its log shows the step the job trains ahead at."""
+
+    def __init__(
+        self,
+        address: str,
+        submission_id: str,
+        run_dir: str,
+        chunk: int,
+        deadline: float,
+        poll_seconds: float = 2.0,
+        watched: list[str] | None = None,
+        stop_grace_s: float = 0.0,
+    ):
+        super().__init__()
+        self.address = address
+        self.submission_id = submission_id
+        self.run_dir = run_dir
+        self.chunk = chunk
+        self.deadline = deadline
+        self.poll_seconds = poll_seconds
+        self.watched = list(watched or [])  # task ids of the same DAG run whose failure refuses the warm chunk
+        self.stop_grace_s = stop_grace_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "address": self.address,
+                "submission_id": self.submission_id,
+                "run_dir": self.run_dir,
+                "chunk": self.chunk,
+                "deadline": self.deadline,
+                "poll_seconds": self.poll_seconds,
+                "watched": self.watched,
+                "stop_grace_s": self.stop_grace_s,
+            },
+        )
+
+    def _event(self, status: str, message: str, **extra: Any) -> TriggerEvent:
+        return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message, **extra})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        jobs = AsyncRayJobs(self.address)
+        shown: int | None = None
+        while True:
+            got = await asyncio.to_thread(handoff.answer, Path(self.run_dir), self.chunk, self.submission_id)
+            if got is not None:
+                if got.get("admitted"):
+                    yield self._event(ADMITTED, f"admitted by {got.get('by')}")
+                else:
+                    yield self._event(REFUSED, str(got.get("why")), by="another")
+                return
+            try:
+                state = await jobs.get(self.submission_id)
+            except Exception as e:  # noqa: BLE001 - a head restarting: the deadline still holds
+                self.log.warning("Ray Jobs API at %s unreachable (%s); retrying", self.address, e)
+                state = None
+            if state is not None and state.status in TERMINAL:
+                yield self._event(ENDED, f"job {self.submission_id} ended {state.status} before its admission")
+                return
+            beat = await asyncio.to_thread(heartbeat.last_step, self.run_dir, self.submission_id)
+            if beat is not None and beat != shown:
+                self.log.info(
+                    "Ray job %s trains chunk %s ahead of its admission: step %s", self.submission_id, self.chunk, beat
+                )
+                shown = beat
+            status = why = None
+            if failed := await self._failed_tasks():
+                status, why = REFUSED, f"{', '.join(failed)} of its DAG run failed"
+            elif time.time() > self.deadline:
+                status, why = "TIMEOUT", "no admission within its admission limit"
+            if status is not None:
+                ended = await self._refuse(jobs, str(why))
+                yield self._event(status, f"{why}: its warm chunk was refused ({ended})", by="this task")
+                return
+            await asyncio.sleep(self.poll_seconds)
+
+    async def _refuse(self, jobs: AsyncRayJobs, why: str, grace_s: float | None = None) -> str:
+        """Refuse the warm chunk (the job stops at its next step boundary, committing nothing of it); stop the job
+        through Ray if it has not ended within stop_grace_s (or `grace_s`). What happened, in words."""
+        refused = await asyncio.to_thread(
+            handoff.refuse_unless_admitted, Path(self.run_dir), self.chunk, self.submission_id, why
+        )
+        if not refused:
+            return "it was admitted already: its train task follows it"
+        until = time.time() + (self.stop_grace_s if grace_s is None else grace_s)
+        while time.time() < until:
+            try:
+                state = await jobs.get(self.submission_id)
+            except Exception:  # noqa: BLE001
+                state = None
+            if state is None or state.status in TERMINAL:
+                return f"the job ended {state.status if state else 'unknown to the cluster'}"
+            await asyncio.sleep(min(self.poll_seconds, 1.0))
+        await jobs.stop(self.submission_id)
+        return "the job was still running after its grace: stopped through Ray"
+
+    async def _failed_tasks(self) -> list[str]:
+        if not self.watched:
+            return []
+        states = await _task_states(self, self.watched)
+        return [f"{t} ({states[t]})" for t in self.watched if states.get(t) in FAILED_STATES]
+
+    async def on_kill(self) -> None:
+        """A person marked this task, or its DAG run, failed or success: refuse the warm chunk, so that the job stops
+        at its next step boundary without committing anything of it."""
+        state = (await _task_states(self, None)).get("") or "unknown"
+        self.log.info(
+            "Task marked %s by a person: refusing Ray job %s's warm chunk %s", state, self.submission_id, self.chunk
+        )
+        # Within the triggerer's on_kill timeout (30 s by default): past it, the job is stopped through Ray.
+        ended = await self._refuse(
+            AsyncRayJobs(self.address), f"its follow task was marked {state} by a person", grace_s=min(self.stop_grace_s, 20)
+        )
+        self.log.info("%s", ended)
+
+
+async def _task_states(trigger: BaseTrigger, task_ids: list[str] | None) -> dict[str, str]:
+    """States of `task_ids` of the trigger's own DAG run as the API server has them (None: the trigger's own task,
+    under the key ""); {} when they cannot be read."""
+    try:
+        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+        ti = trigger.task_instance
+        assert ti is not None  # the triggerer sets it before it runs (or kills) a trigger
+        ids = task_ids if task_ids is not None else [ti.task_id]
+        states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
+            dag_id=ti.dag_id, task_ids=ids, run_ids=[ti.run_id]
+        )
+        got = {k: str(v) for k, v in (states.get(ti.run_id) or {}).items()}
+        return got if task_ids is not None else {"": got.get(ti.task_id, "none")}
+    except Exception as e:  # noqa: BLE001 - nothing known: nothing refused for it
+        trigger.log.warning("task states could not be read (%s)", e)
+        return {}
 
 
 class CheckpointTrigger(BaseTrigger):

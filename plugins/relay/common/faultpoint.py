@@ -48,7 +48,7 @@ def fault_point(phase: str, step: int) -> None:
         exhaust_memory(int(os.environ.get("RELAY_FAULT_ALLOC_MB", "256")))
     if not _armed(FAULT_ENV, phase, step):
         return
-    once = os.environ.get("RELAY_FAULT_ONCE")
+    once = _once_file(phase)
     print(f"[relay-fault] paused at {phase} step {step} pid {os.getpid()}", flush=True)
     deadline = time.time() + float(os.environ.get("RELAY_FAULT_PAUSE_S", "600"))
     go = Path(f"{once}.go") if once else None
@@ -85,15 +85,22 @@ def exhaust_memory(headroom_mb: int) -> None:
         hog.append(bytearray(16 * 2**20))
 
 
+def _once_file(phase: str) -> str | None:
+    """RELAY_FAULT_ONCE's file for this point: `{point}` in it is the point's name, so that processes that share one
+    environment (Airflow's, in a test module) can each arm a point of their own, once."""
+    once = os.environ.get("RELAY_FAULT_ONCE")
+    return once.replace("{point}", phase) if once else None
+
+
 def _armed(var: str, phase: str, step: int) -> bool:
     """Whether `var` names this point, and (with RELAY_FAULT_ONCE) this is the first process to reach it."""
     want = os.environ.get(var)
     if not want:
         return False
-    name, _, at = want.partition("@")
-    if name != phase or (at and at != str(step)):
+    points = [p.partition("@") for p in want.split(",")]  # several points, each once (`{point}` in RELAY_FAULT_ONCE)
+    if not any(name == phase and (not at or at == str(step)) for name, _, at in points):
         return False
-    once = os.environ.get("RELAY_FAULT_ONCE")
+    once = _once_file(phase)
     if once:
         try:
             fd = os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)

@@ -47,12 +47,33 @@ def spec_digest(spec_json: str) -> str:
     return hashlib.sha256(spec_json.encode()).hexdigest()
 
 
-def went_warm(run_dir: Path, chunk: int, *, attempt: str, from_step: int, token: int, spec: str) -> None:
-    """The job `attempt` goes on into `chunk` from its committed step `from_step` (an earlier answer is removed)."""
+MIN_ADMISSION_S = 300.0  # a warm job waits at least this long for its admission (a DAG run's checks take a while)
+
+
+def admission_limit_s(minutes: float | None, chunk_seconds: float | None) -> float:
+    """How long a warm job may go unadmitted: chunks.admission_timeout_minutes where the spec sets it, else twice the
+    measured duration of the chunk it went on from (the run's own pace), at least MIN_ADMISSION_S."""
+    if minutes is not None:
+        return minutes * 60
+    return max(MIN_ADMISSION_S, 2 * (chunk_seconds or 0))
+
+
+def went_warm(
+    run_dir: Path, chunk: int, *, attempt: str, from_step: int, token: int, spec: str, chunk_seconds: float | None = None
+) -> None:
+    """The job `attempt` goes on into `chunk` from its committed step `from_step` (an earlier answer is removed);
+    `chunk_seconds`: how long the chunk it went on from took (what the admission limit follows)."""
     _path(run_dir, chunk, "admission").unlink(missing_ok=True)
     _write(
         _path(run_dir, chunk, "warm"),
-        {"chunk": chunk, "attempt": attempt, "from_step": from_step, "token": token, "spec": spec},
+        {
+            "chunk": chunk,
+            "attempt": attempt,
+            "from_step": from_step,
+            "token": token,
+            "spec": spec,
+            "chunk_seconds": chunk_seconds,
+        },
     )
 
 
@@ -81,6 +102,15 @@ def refuse(run_dir: Path, chunk: int, why: str) -> str | None:
     attempt = str(record.get("attempt"))
     _write(_path(run_dir, chunk, "admission"), {"chunk": chunk, "attempt": attempt, "admitted": False, "why": why})
     return attempt
+
+
+def refuse_unless_admitted(run_dir: Path, chunk: int, attempt: str, why: str) -> bool:
+    """Refuse job `attempt`'s warm chunk unless its train task admitted it already (then the task follows it): whether
+    it was refused."""
+    got = answer(run_dir, chunk, attempt)
+    if (got is not None and got.get("admitted")) or not went_on(run_dir, chunk, attempt):
+        return False
+    return refuse(run_dir, chunk, why) == attempt
 
 
 def answer(run_dir: Path, chunk: int, attempt: str) -> dict[str, Any] | None:

@@ -3,9 +3,9 @@ was killed for memory, which no message text is (Ray's message for a SIGKILLed w
 of "some common causes", beside `ray stop --force`).
 
 Each alive node's count (`oom_kill` in /proc/vmstat) is read by a small task pinned to that node
-(NodeAffinitySchedulingStrategy, not soft). A trainer that runs inside Ray records the counts when its chunk
-starts (chunk_start's `node_oom_kills`); when its job fails in a way an OOM kill can explain, the train task (or
-`relay train`) reads them again with a small Ray job of its own (`python -m relay.runs.node_oom`). A node whose
+(NodeAffinitySchedulingStrategy, not soft). A trainer that runs inside Ray records the counts as its chunk starts
+(the `node_oom_census` event, read on a thread of its own); when its job fails in a way an OOM kill can explain,
+the train task reads them again with a small Ray job of its own (`python -m relay.runs.node_oom`). A node whose
 count rose while the job ran is the evidence; the failure record names it. RELAY_NODE_OOM_COUNTER names another
 file in /proc/vmstat's format to read instead, on every node (a test's double of the counter, nothing else).
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 COUNTER_ENV = "RELAY_NODE_OOM_COUNTER"
+EVENT = "node_oom_census"  # events.jsonl: {chunk, attempt, node_oom_kills}, recorded as a chunk starts
 MARKER = "RELAY_NODE_OOM_KILLS "
 CENSUS_TIMEOUT_S = 20.0
 
@@ -55,6 +56,17 @@ def census(timeout_s: float = CENSUS_TIMEOUT_S) -> dict[str, dict[str, Any]]:
         if ref in done and (count := ray.get(ref)) is not None:
             out[node] = {"ip": ips[node], "oom_kill": count}
     return out
+
+
+def connected() -> bool:
+    """Whether this process is connected to Ray already (without importing Ray where it is not imported)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    try:
+        return bool(ray is not None and ray.is_initialized())
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def census_if_connected() -> dict[str, dict[str, Any]] | None:
@@ -101,15 +113,15 @@ def census_job(jobs: Any, spec: Any, attempt: str, timeout_s: float = 120.0) -> 
 
 
 def evidence_since_start(run_dir: Path, attempt: str, jobs: Any, spec: Any) -> list[str]:
-    """The nodes whose OOM-kill count rose since the attempt's (last) chunk_start recorded the census, in words; []
+    """The nodes whose OOM-kill count rose since the attempt's last census (its `node_oom_census` event), in words; []
     when it recorded none (a trainer not connected to Ray: its host's own count is the evidence) or no count rose."""
     from relay.runs.metrics import read_events
 
     start = next(
-        (e for e in reversed(read_events(run_dir)) if e.get("event") == "chunk_start" and e.get("attempt") == attempt),
+        (e for e in reversed(read_events(run_dir)) if e.get("attempt") == attempt and e.get("node_oom_kills")),
         None,
     )
-    if not start or not start.get("node_oom_kills"):
+    if not start:
         return []
     return rises(start["node_oom_kills"], census_job(jobs, spec, attempt))
 

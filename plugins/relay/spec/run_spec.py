@@ -180,12 +180,13 @@ class ChunkPolicy(StrictModel):
         ge=0,
         description="with handoff warm: a fresh job every N chunks (stacks that leak memory over a long job); 0: never",
     )
-    admission_timeout_minutes: float = Field(
-        default=30,
+    admission_timeout_minutes: float | None = Field(
+        default=None,
         gt=0,
         description=(
-            "with handoff warm: how long a job that trained ahead waits, at its chunk's first save, for that chunk's "
-            "train task to admit it; then it stops without committing and the chunk's try starts cold"
+            "with handoff warm: how long a job that went on into the next chunk may go unadmitted by that chunk's "
+            "train task; then it stops without committing and the chunk's try starts cold. Default: twice the "
+            "measured duration of the chunk it went on from, at least 5 minutes"
         ),
     )
 

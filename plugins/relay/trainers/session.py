@@ -90,6 +90,7 @@ class ChunkSession:
         self._certify_s: float | None = None  # what recomputing and comparing the certificate took
         self.metrics = MetricsLog(self.run_dir)
         self._t0 = time.time()
+        self._chunk_s: float | None = None  # the last chunk this job went on from, start to end (hand_off)
         self._step_times: list[float] = []
 
     def _incarnation(self) -> str | None:
@@ -210,9 +211,9 @@ class ChunkSession:
             # evidence for a later SIGKILL: did the OOM killer act meanwhile (relay.runs.failure_cause)
             host=socket.gethostname(),
             oom_kills=cgroup_oom_kills(),
-            node_oom_kills=node_oom.census_if_connected(),  # every node's, where the trainer runs inside Ray
             process_started=process_started(),
         )  # a restart's cost counts from it (relay.insights.save_interval)
+        self._node_oom_census()
         where = f"step {self.resume_step}" if self.resume_step else "scratch (step 0)"
         if self.certificate:
             where += f" ({self.certificate})"
@@ -451,6 +452,7 @@ class ChunkSession:
         self.req.chunk, self.req.to_step = nxt.index, nxt.end_step
         self.resume_step, self.awaiting, self.certificate, self._certify_s = step, step, None, None
         self.chunks_trained += 1
+        self._chunk_s = time.time() - self._t0  # the chunk it went on from: what its admission limit follows
         self._t0 = time.time()
         handoff.went_warm(
             self.run_dir,
@@ -459,6 +461,7 @@ class ChunkSession:
             from_step=step,
             token=self.token,
             spec=handoff.spec_digest(spec.to_json()),
+            chunk_seconds=round(self._chunk_s, 3),
         )
         self.record(
             "chunk_start",
@@ -470,13 +473,27 @@ class ChunkSession:
             lease_token=self.token,
             superseded_rows=0,
             host=socket.gethostname(),
-            node_oom_kills=node_oom.census_if_connected(),
         )
+        self._node_oom_census()
         self.say(
             f"run {self.req.run}: chunk {nxt.index} starts warm from step {step} in this job (no start-up), trains to "
             f"step {nxt.end_step} of {spec.total_steps}; it commits once its train task admits it"
         )
         return True
+
+    def _node_oom_census(self) -> None:
+        """Where the trainer runs inside Ray (verl's): every node's kernel OOM-kill count as the chunk starts, the
+        evidence a later killed worker is judged by (relay.runs.node_oom), read on a thread of its own and recorded
+        as the `node_oom_census` event: the chunk's training never waits for it."""
+        if not node_oom.connected():
+            return
+        chunk, attempt = self.req.chunk, self.req.attempt
+
+        def census() -> None:
+            if counts := node_oom.census_if_connected():
+                self.record(node_oom.EVENT, chunk=chunk, attempt=attempt, node_oom_kills=counts)
+
+        threading.Thread(target=census, name="relay-node-oom-census", daemon=True).start()
 
     def _check_admission(self, step: int, *, wait: bool) -> None:
         """A warm chunk's admission: go on once admitted (its train task took it over); stop without committing
@@ -485,7 +502,8 @@ class ChunkSession:
         chunk, from_step = self.req.chunk, self.awaiting
         assert chunk is not None and from_step is not None
         began = time.time()
-        until = began + self.spec.chunks.admission_timeout_minutes * 60
+        limit = handoff.admission_limit_s(self.spec.chunks.admission_timeout_minutes, self._chunk_s)
+        until = began + limit
         said = False
         while True:
             # Fenced first: after a fresh start (or a newer attempt's lease) this job writes nothing into the run,
@@ -506,15 +524,13 @@ class ChunkSession:
                 return
             why = None
             if got is not None:
-                why = f"its train task refused it: {got.get('why')}"
+                why = f"it was refused: {got.get('why')}"
             elif layout.read_tracker(self.run_dir) != from_step or not layout.step_dir(self.run_dir, from_step).is_dir():
                 why = f"checkpoint {from_step}, which it went on from, is no longer the run's latest (the gate refused it?)"
             elif (stop := self.stop_reason()) is not None:
                 why = f"{stop} before its train task admitted it"
             elif wait and time.time() > until:
-                why = (
-                    f"no admission within chunks.admission_timeout_minutes ({self.spec.chunks.admission_timeout_minutes:g})"
-                )
+                why = f"no admission within {limit / 60:.1f} min (chunks.admission_timeout_minutes)"
             if why is not None:
                 self.record(
                     "handoff_refused",
