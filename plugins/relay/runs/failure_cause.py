@@ -294,13 +294,20 @@ def cgroup_oom_kills(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/pr
     except (OSError, ValueError):
         pass
     for counts in (root / "memory.events", root / "memory" / v1 / "memory.oom_control", proc / "vmstat"):
-        try:
-            for line in counts.read_text().splitlines():
-                name, _, value = line.partition(" ")
-                if name == "oom_kill":
-                    return int(value)
-        except (OSError, ValueError):
-            continue
+        if (count := oom_kill_count(counts)) is not None:
+            return count
+    return None
+
+
+def oom_kill_count(path: Path) -> int | None:
+    """The `oom_kill` line of a kernel counters file (/proc/vmstat, a cgroup's memory.events); None where there is none."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
     return None
 
 

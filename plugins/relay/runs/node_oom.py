@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relay.runs.failure_cause import oom_kill_count
+
 COUNTER_ENV = "RELAY_NODE_OOM_COUNTER"
 EVENT = "node_oom_census"  # events.jsonl: {chunk, attempt, node_oom_kills}, recorded as a chunk starts
 MARKER = "RELAY_NODE_OOM_KILLS "
@@ -26,14 +28,7 @@ CENSUS_TIMEOUT_S = 20.0
 
 def read_counter() -> int | None:
     """This node's kernel OOM-kill count; None where it cannot be read."""
-    try:
-        for line in Path(os.environ.get(COUNTER_ENV) or "/proc/vmstat").read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
+    return oom_kill_count(Path(os.environ.get(COUNTER_ENV) or "/proc/vmstat"))
 
 
 def census(timeout_s: float = CENSUS_TIMEOUT_S) -> dict[str, dict[str, Any]]:
