@@ -30,6 +30,7 @@ for case, folder in json.loads(sys.argv[1]).items():
             "schedule": str(dag.schedule), "catchup": dag.catchup, "start_date": dag.start_date.isoformat(),
             "pool": dag.task_dict["chunk_01.train"].pool if "chunk_01.train" in dag.task_dict else None,
             "downstream": {{t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}},
+            "watched": {{t.task_id: t.watched for t in dag.tasks if hasattr(t, "watched")}},
         }}
     results[case] = out
 heavy = sorted(m for m in ("torch", "verl", "ray", "pyarrow", "transformers") if m in sys.modules)
@@ -123,6 +124,9 @@ def test_one_dag_per_spec_without_heavy_imports(parsed):
     assert alpha["downstream"]["chunk_01.train"] == ["chunk_01.ahead", "chunk_01.validate"]
     assert alpha["downstream"]["chunk_01.ahead"] == [], "a leaf: it never holds up the next chunk's admission"
     assert "chunk_02.ahead" not in alpha["tasks"], "the last chunk has no next chunk to train ahead"
+    # what ends the job's chance of admission: its validation failed, the next train task failed or skipped
+    assert alpha["watched"]["chunk_01.ahead"] == ["chunk_01.validate", "chunk_02.train"]
+    assert set(alpha["watched"]["chunk_01.ahead"]) <= set(alpha["tasks"])
 
 
 def test_a_scheduled_spec_is_a_scheduled_dag_with_one_trainer_pool(parsed):

@@ -233,7 +233,7 @@ def test_a_dag_run_marked_failed_stops_its_job_training_ahead(airflow, ray_addre
     # The mark fails the DAG run's running tasks too: the `ahead` task's on_kill, or its next poll of the held
     # validation (failed with the DAG run), refused the warm chunk.
     why = refused[-1]["why"] if refused else ""
-    assert "marked failed by a person" in why or "chunk_01.validate (failed) of its DAG run failed" in why, refused
+    assert "marked failed by a person" in why or "its DAG run's chunk_01.validate (failed)" in why, refused
 
     again = api.trigger(dag_id, {"run": "ahead"})["dag_run_id"]
     finished = api.wait_for_run(dag_id, again, timeout=900)
@@ -279,7 +279,7 @@ def test_a_validation_that_errors_stops_the_job_training_ahead(airflow, ray_addr
     committed = sorted(layout.step_dirs(run_dir))
     assert layout.read_tracker(run_dir) == 6 and max(committed) == 6, f"nothing of chunk 2 committed: {committed}"
     refused = [e for e in read_events(run_dir) if e["event"] == "handoff_refused"]
-    assert refused and "chunk_01.validate (failed) of its DAG run failed" in refused[-1]["why"], refused
+    assert refused and "its DAG run's chunk_01.validate (failed)" in refused[-1]["why"], refused
     fault_row(
         case="warm-job-validation-error",
         layer="full stack (Airflow's 4 processes on PostgreSQL, Ray, S3)",

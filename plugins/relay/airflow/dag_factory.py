@@ -146,7 +146,9 @@ def build_dag(spec: RunSpec) -> DAG:
                             spec_path=spec.source,
                             chunk_index=chunk.index,
                             train_task=train.task_id,
-                            watched=[validate.task_id],
+                            # Its validation failing, or the next chunk's train task failing or skipped (a
+                            # person's rejection): nothing will admit the job.
+                            watched=[validate.task_id, f"{plan.chunks[chunk.index].task_group_id}.train"],
                             doc_md=f"Follow {chunk}'s job while it trains the next chunk ahead of its admission.",
                         ).set_upstream(train)
                 if spec.s3 is not None:

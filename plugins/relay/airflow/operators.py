@@ -38,7 +38,16 @@ from relay.airflow.notifiers import (
 )
 from relay.airflow.task_ids import RUN_TASK
 from relay.airflow.tasks import publish_report, training_run
-from relay.airflow.triggers import ADMITTED, ENDED, HANDED_OFF, REFUSED, CheckpointTrigger, RayJobTrigger, WarmJobTrigger
+from relay.airflow.triggers import (
+    ADMITTED,
+    ENDED,
+    HANDED_OFF,
+    REFUSED,
+    STALLED,
+    CheckpointTrigger,
+    RayJobTrigger,
+    WarmJobTrigger,
+)
 from relay.alerts import stall_limit_s
 from relay.checkpoints import manifest
 from relay.checkpoints.preview import inspect_dir
@@ -473,7 +482,7 @@ class RayChunkOperator(ChunkTaskOperator):
     def _complete(self, context, run: Run, chunk, event: dict, status: str) -> dict:
         spec = run.spec
         self._alert_fallback(context, run, chunk, event["submission_id"])
-        if status == "STALLED":
+        if status == STALLED:
             ti = context["ti"]
             latest = latest_valid_step(run.dir)
             then = (
@@ -643,6 +652,10 @@ class WarmJobOperator(ChunkTaskOperator):
                 poll_seconds=spec.ray.poll_seconds,
                 watched=self.watched,
                 stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+                # A stall while training ahead is a stall as in the train task: alerted, the job stopped.
+                stall_after_s=stall_limit_s(run),
+                startup_s=spec.alerts.startup_minutes * 60,
+                from_step=record.get("from_step"),
             ),
             method_name="execute_complete",
         )
@@ -651,10 +664,24 @@ class WarmJobOperator(ChunkTaskOperator):
         run, chunk = self._context(context)
         status = event_status(event, f"{chunk} of run {run}", "submission_id")
         sub_id, message = event["submission_id"], event.get("message", "")
+        nxt = chunk.index + 1
         if status == ADMITTED or status == ENDED or (status == REFUSED and event.get("by") != "this task"):
-            self.log.info("Ray job %s, which trained chunk %s ahead: %s", sub_id, chunk.index + 1, message)
+            self.log.info("Ray job %s, which trained chunk %s ahead: %s", sub_id, nxt, message)
             return {"submission_id": sub_id, "status": status, "message": message}
-        raise AirflowException(f"Ray job {sub_id} trained chunk {chunk.index + 1} of run {run} ahead: {message}")
+        if status == STALLED:
+            latest = latest_valid_step(run.dir)
+            notify(
+                context,
+                run,
+                "stall",
+                f"chunk {nxt}, trained ahead by {chunk}'s job: {message}",
+                chunk=nxt,
+                step=event.get("step"),
+                details=job_log_tail(run.spec, event),
+                action=f"refused the warm chunk and stopped Ray job {sub_id}; chunk {nxt}'s train task starts a new "
+                f"job from step {latest or 0}",
+            )
+        raise AirflowException(f"Ray job {sub_id} trained chunk {nxt} of run {run} ahead: {message}")
 
 
 class ValidateCheckpointOperator(ChunkTaskOperator):

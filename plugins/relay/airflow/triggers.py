@@ -34,6 +34,7 @@ from relay.runs.layout import checkpoint_reached
 # Once the chunk's last step is in the log, the job's end (its save, then the driver's exit) is polled this often:
 # the task resumes within this of the job's end instead of within a whole poll interval (2 s by default).
 ENDING_POLL_S = 0.25
+STALLED = "STALLED"  # no new step for the stall limit: the job was stopped (its warm chunk refused)
 HANDED_OFF = "HANDED_OFF"  # the job committed the chunk's end step and trains the next chunk (a warm handoff)
 FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  # a person's mark ends the task
 
@@ -154,7 +155,7 @@ class RayJobTrigger(BaseTrigger):
                 if stalled := watch.stalled(time.time()):
                     ended = await self._stop_and_wait(jobs)
                     yield self._event(
-                        "STALLED", f"{stalled}; job {self.submission_id} stopped ({ended})", step=watch.last_step
+                        STALLED, f"{stalled}; job {self.submission_id} stopped ({ended})", step=watch.last_step
                     )
                     return
             if time.time() > self.deadline:
@@ -187,7 +188,7 @@ class RayJobTrigger(BaseTrigger):
         train task): leave it running, since the task's next try adopts it when it still trains well
         (RayChunkOperator) and stops it otherwise; stopping it here would throw away the steps since its
         last checkpoint."""
-        state = await self._task_state()
+        state = await _own_state(self)
         if self.adoptable and state not in (*FINAL_STATES, "unknown"):
             self.log.info(
                 "Task cleared (now %s): Ray job %s is left running for the task's next try to adopt",
@@ -198,36 +199,24 @@ class RayJobTrigger(BaseTrigger):
         self.log.info("Task marked %s by a person: stopping Ray job %s", state, self.submission_id)
         await AsyncRayJobs(self.address).stop(self.submission_id)
 
-    async def _task_state(self) -> str:
-        """This task instance's state now, as the API server has it ("unknown" if it cannot be read)."""
-
-        try:
-            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
-
-            ti = self.task_instance
-            assert ti is not None  # the triggerer sets it before it runs (or kills) a trigger
-            states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
-                dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id]
-            )
-            return str((states.get(ti.run_id) or {}).get(ti.task_id) or "none")
-        except Exception as e:  # noqa: BLE001 - when in doubt, stop the job as before
-            self.log.warning("the task's state could not be read (%s)", e)
-            return "unknown"
-
 
 ADMITTED, REFUSED, ENDED = "ADMITTED", "REFUSED", "ENDED"  # a warm job's fate, as WarmJobTrigger sees it
-# What a watched task of the DAG run that ends a warm job's chance of admission looks like.
-FAILED_STATES = ("failed", "upstream_failed")
+# A watched task of the DAG run in one of these ends a warm job's chance of admission: the previous chunk's validation
+# failed, or the next chunk's train task will never admit it (failed, or skipped: a person rejected its decision).
+ENDING_STATES = ("failed", "upstream_failed", "skipped")
 
 
 class WarmJobTrigger(BaseTrigger):
     """A job that went on warm into chunk `chunk`, followed by a task of its own DAG run from the handoff until that
-    chunk's train task admits it, so that Airflow's controls reach it while it trains ahead: the task marked failed
-    or success, or its DAG run marked failed (on_kill), a watched task of the DAG run failed (the previous chunk's
-    validation, an approval), or no admission by `deadline` (the admission limit) each refuse the warm chunk: the job
-    stops at its next step boundary without committing anything of it (relay.trainers.session), and is stopped
-    through Ray if it has not ended after `stop_grace_s`. Fires ADMITTED, REFUSED (with who refused), ENDED (the
-    job ended first) or TIMEOUT. Its log shows the step the job trains ahead at."""
+    chunk's train task admits it, so that Airflow's controls reach it while it trains ahead: the task or its DAG run
+    marked failed or success (on_kill), a watched task of the DAG run ending without going on (the previous chunk's
+    validation failed; the next chunk's train task failed or skipped, a person's rejection), a stall (no new step for
+    `stall_after_s`, as the train task's trigger watches one; waiting for the admission is not a stall), or no
+    admission by `deadline` (the admission limit) each refuse the warm chunk: the job stops at its next step boundary
+    without committing anything of it (relay.trainers.session), and is stopped through Ray if it has not ended after
+    `stop_grace_s`. A clear leaves the job training ahead: the task's next try follows it again. Fires ADMITTED,
+    REFUSED (with who refused), ENDED (the job ended first), STALLED or TIMEOUT. Its log shows the step the job trains
+    ahead at."""
 
     def __init__(
         self,
@@ -239,6 +228,9 @@ class WarmJobTrigger(BaseTrigger):
         poll_seconds: float = 2.0,
         watched: list[str] | None = None,
         stop_grace_s: float = 0.0,
+        stall_after_s: float | None = None,
+        startup_s: float = 0.0,
+        from_step: int | None = None,
     ):
         super().__init__()
         self.address = address
@@ -247,8 +239,11 @@ class WarmJobTrigger(BaseTrigger):
         self.chunk = chunk
         self.deadline = deadline
         self.poll_seconds = poll_seconds
-        self.watched = list(watched or [])  # task ids of the same DAG run whose failure refuses the warm chunk
+        self.watched = list(watched or [])  # task ids of the same DAG run whose end without going on refuses the chunk
         self.stop_grace_s = stop_grace_s
+        self.stall_after_s = stall_after_s  # None: no stall watch
+        self.startup_s = startup_s  # more time for the first step after the handoff (the save of `from_step` first)
+        self.from_step = from_step  # the committed step the job went on from
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -262,6 +257,9 @@ class WarmJobTrigger(BaseTrigger):
                 "poll_seconds": self.poll_seconds,
                 "watched": self.watched,
                 "stop_grace_s": self.stop_grace_s,
+                "stall_after_s": self.stall_after_s,
+                "startup_s": self.startup_s,
+                "from_step": self.from_step,
             },
         )
 
@@ -271,6 +269,8 @@ class WarmJobTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         jobs = AsyncRayJobs(self.address)
         shown: int | None = None
+        # The step it went on from is its "end step": the save and handoff after it get the startup allowance.
+        watch = StallWatch(self.stall_after_s, self.startup_s, time.time(), self.from_step) if self.stall_after_s else None
         while True:
             got = await asyncio.to_thread(handoff.answer, Path(self.run_dir), self.chunk, self.submission_id)
             if got is not None:
@@ -287,20 +287,27 @@ class WarmJobTrigger(BaseTrigger):
             if state is not None and state.status in TERMINAL:
                 yield self._event(ENDED, f"job {self.submission_id} ended {state.status} before its admission")
                 return
-            beat = await asyncio.to_thread(heartbeat.last_step, self.run_dir, self.submission_id)
+            beat, waiting = await asyncio.to_thread(heartbeat.read, self.run_dir, self.submission_id)
             if beat is not None and beat != shown:
                 self.log.info(
                     "Ray job %s trains chunk %s ahead of its admission: step %s", self.submission_id, self.chunk, beat
                 )
                 shown = beat
             status = why = None
-            if failed := await self._failed_tasks():
-                status, why = REFUSED, f"{', '.join(failed)} of its DAG run failed"
+            if watch is not None:
+                watch.saw_step(beat, time.time())
+                if waiting:
+                    watch.paused(time.time())
+            if failed := await self._ended_tasks():
+                status, why = REFUSED, f"its DAG run's {', '.join(failed)}"
+            elif watch is not None and (stalled := watch.stalled(time.time())):
+                status, why = STALLED, f"{stalled} while training ahead"
             elif time.time() > self.deadline:
                 status, why = "TIMEOUT", "no admission within its admission limit"
             if status is not None:
                 ended = await self._refuse(jobs, str(why))
-                yield self._event(status, f"{why}: its warm chunk was refused ({ended})", by="this task")
+                extra = {"step": watch.last_step} if watch is not None else {}
+                yield self._event(status, f"{why}: its warm chunk was refused ({ended})", by="this task", **extra)
                 return
             await asyncio.sleep(self.poll_seconds)
 
@@ -324,16 +331,26 @@ class WarmJobTrigger(BaseTrigger):
         await jobs.stop(self.submission_id)
         return "the job was still running after its grace: stopped through Ray"
 
-    async def _failed_tasks(self) -> list[str]:
+    async def _ended_tasks(self) -> list[str]:
+        """The watched tasks that ended without going on, as "<task> (<state>)"."""
         if not self.watched:
             return []
         states = await _task_states(self, self.watched)
-        return [f"{t} ({states[t]})" for t in self.watched if states.get(t) in FAILED_STATES]
+        return [f"{t} ({states[t]})" for t in self.watched if states.get(t) in ENDING_STATES]
 
     async def on_kill(self) -> None:
-        """A person marked this task, or its DAG run, failed or success: refuse the warm chunk, so that the job stops
-        at its next step boundary without committing anything of it."""
-        state = (await _task_states(self, None)).get("") or "unknown"
+        """A person acted on the deferred task. Marked failed or success (itself, or its DAG run): refuse the warm
+        chunk, so that the job stops at its next step boundary without committing anything of it. Cleared: leave the
+        job training ahead; the task's next try follows it again (WarmJobOperator)."""
+        state = await _own_state(self)
+        if state not in (*FINAL_STATES, "unknown"):
+            self.log.info(
+                "Task cleared (now %s): Ray job %s trains chunk %s ahead on, for the task's next try to follow",
+                state,
+                self.submission_id,
+                self.chunk,
+            )
+            return
         self.log.info(
             "Task marked %s by a person: refusing Ray job %s's warm chunk %s", state, self.submission_id, self.chunk
         )
@@ -342,6 +359,11 @@ class WarmJobTrigger(BaseTrigger):
             AsyncRayJobs(self.address), f"its follow task was marked {state} by a person", grace_s=min(self.stop_grace_s, 20)
         )
         self.log.info("%s", ended)
+
+
+async def _own_state(trigger: BaseTrigger) -> str:
+    """The trigger's own task instance's state now, as the API server has it ("unknown" if it cannot be read)."""
+    return (await _task_states(trigger, None)).get("") or "unknown"
 
 
 async def _task_states(trigger: BaseTrigger, task_ids: list[str] | None) -> dict[str, str]:

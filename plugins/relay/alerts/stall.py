@@ -47,6 +47,11 @@ class StallWatch:
             self.last_step = step
             self.since = now
 
+    def paused(self, now: float) -> None:
+        """A wait that is not a stall (a warm chunk's job waiting for its admission, which its own limit bounds):
+        the step-less stretch starts again from now."""
+        self.since = now
+
     def stalled(self, now: float) -> str | None:
         """None while the job makes progress; else why it is stalled, in words."""
         saving = self.last_step is not None and self.end_step is not None and self.last_step >= self.end_step

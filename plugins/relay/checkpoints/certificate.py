@@ -18,8 +18,9 @@ Exactness: parameters, the optimizer's step, the LR, the data position and (at a
 digest are compared exactly. The probe's log-probabilities are exact where the world size and the device
 kind are unchanged and the kernels deterministic (Relay's CPU trainer pins threads and deterministic
 algorithms); after a reshard or on another device or kernel they are compared within `tolerance`. FSDP1's flat
-parameters (one per wrapped unit, cut by world size) are not portable: their digests compare only at the world
-size they were taken at.
+parameters (one per wrapped unit, cut by world size) are digested by the original parameters they hold, so their
+digests are an unsharded model's too; a certificate written before that (`portable: false`) compares its digests
+only at the world size it was taken at.
 
 Written before the commit, beside the manifest that the gate writes later: the manifest's checksums cover it.
 Plain torch, no spec; a trainer computes its probe and passes the pieces here.
@@ -193,35 +194,87 @@ def probe(model: Any, probe_ids: list[list[int]], pad_id: int) -> tuple[list[lis
 
 
 def param_digests(model: Any, *, reduce: Any = None) -> dict[str, str]:
-    """{parameter name: 16 hex digits} of a model's parameters and persistent buffers, whatever their sharding:
-    each rank hashes its own pieces by their global indices; `reduce(list of int64 sums) -> list` adds the ranks'
-    sums (torch.distributed's all_reduce over a tensor; None at world size 1)."""
-    return digests(named_state(model), reduce=reduce)
+    """{parameter name: 16 hex digits} of a model's parameters and persistent buffers, whatever their sharding
+    (FSDP1's flat parameters, FSDP2's DTensors, none): each rank hashes its own pieces by their global indices;
+    `reduce(list of int64 sums) -> list` adds the ranks' sums (torch.distributed's all_reduce over a tensor; None
+    at world size 1)."""
+    return _digests(named_pieces(model), reduce=reduce)
 
 
 def digests(named: Iterable[tuple[str, Any]], *, reduce: Any = None) -> dict[str, str]:
     """param_digests of (name, tensor) pairs: a state dict's items, say."""
-    names, pieces = [], []
-    for name, tensor in named:
-        names.append(name)
-        pieces.append(local_piece(tensor))
-    sums = piece_sums(pieces)
+    return _digests([(name, local_piece(tensor)) for name, tensor in named], reduce=reduce)
+
+
+def _digests(pieces: list[tuple[str, tuple[Any, int] | None]], *, reduce: Any = None) -> dict[str, str]:
+    sums = piece_sums([piece for _, piece in pieces])
     if reduce is not None:
         sums = list(reduce(sums))
-    return {n: f"{s & _MASK64:016x}" for n, s in zip(names, sums, strict=True)}
+    return {n: f"{s & _MASK64:016x}" for (n, _), s in zip(pieces, sums, strict=True)}
 
 
 def portable(model: Any) -> bool:
-    """Whether the model's parameter digests are independent of the sharding: not FSDP1's flat parameters."""
-    return not any(type(p).__name__ == "FlatParameter" for p in model.parameters())
+    """Whether every parameter's digest is independent of the sharding: each of FSDP1's flat parameters is read
+    through its handle's record of the original parameters it holds (named_pieces); one that cannot be is not."""
+    covered = {id(flat) for _, flat in _fsdp1_flat_params(model)}
+    return not any(_is_flat(p) and id(p) not in covered for p in model.parameters())
+
+
+def named_pieces(model: Any) -> list[tuple[str, tuple[Any, int] | None]]:
+    """(name, this rank's piece) for every parameter and persistent buffer of the model by its own name (wrapper
+    prefixes removed), a piece being (tensor, global flat offset), or None where another rank holds all of it. FSDP1
+    keeps a wrapped unit's parameters as one flat parameter, cut into equal pieces by world size (padding between
+    the originals included): its pieces are read through the handle's record of where each original parameter's
+    elements lie in this rank's piece, so the digests match an unsharded model's at any world size."""
+    out: list[tuple[str, tuple[Any, int] | None]] = []
+    covered: set[int] = set()
+    for prefix, flat in _fsdp1_flat_params(model):
+        covered.add(id(flat))
+        local = flat.detach().reshape(-1)  # this rank's piece of the flat parameter (sharded, outside a forward)
+        for fqn, info in zip(flat._fqns, flat._shard_param_infos, strict=True):
+            piece = (
+                (local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard], info.intra_param_start_idx)
+                if info.in_shard
+                else None
+            )
+            out.append((_own_name(prefix + fqn), piece))
+    seen = {name for name, _ in out}
+    for name, t in named_state(model):
+        # FSDP1's original parameters under use_orig_params are views of the flat piece, already counted above
+        if name not in seen and id(t) not in covered:
+            seen.add(name)
+            out.append((name, local_piece(t)))
+    return out
+
+
+def _is_flat(p: Any) -> bool:
+    # torch's FlatParameter.__new__ returns a plain Parameter marked with this flag: its type says nothing
+    return bool(getattr(p, "_is_flat_param", False))
+
+
+def _fsdp1_flat_params(model: Any) -> list[tuple[str, Any]]:
+    """(name prefix of its originals, flat parameter) for each FSDP1 unit of the model whose handle records where
+    its original parameters lie."""
+    found = []
+    for mod_name, mod in model.named_modules():
+        flat = getattr(getattr(mod, "_handle", None), "flat_param", None)
+        if flat is not None and _is_flat(flat) and hasattr(flat, "_fqns") and hasattr(flat, "_shard_param_infos"):
+            # the handle's names are relative to the module FSDP wraps: <unit>._fsdp_wrapped_module
+            found.append((f"{mod_name}.{WRAPPERS[0]}" if mod_name else WRAPPERS[0], flat))
+    return found
+
+
+def _own_name(name: str) -> str:
+    for w in WRAPPERS:
+        name = name.replace(w, "")
+    return name
 
 
 def named_state(model: Any) -> Iterable[tuple[str, Any]]:
     """A model's parameters and persistent buffers by their own names (wrapper prefixes removed)."""
     seen = set()
     for name, t in list(model.named_parameters()) + list(_persistent_buffers(model)):
-        for w in WRAPPERS:
-            name = name.replace(w, "")
+        name = _own_name(name)
         if name not in seen:
             seen.add(name)
             yield name, t

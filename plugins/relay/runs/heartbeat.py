@@ -25,24 +25,32 @@ def path(run_dir: Path, attempt: str) -> Path:
     return relay_dir(run_dir, FOLDER, f"{re.sub(r'[^A-Za-z0-9._-]', '_', attempt)}.json")
 
 
-def beat(run_dir: Path, attempt: str, step: int) -> None:
-    """Say that `attempt` has trained `step` (written whole: a reader never sees half of it)."""
+def beat(run_dir: Path, attempt: str, step: int, *, waiting: bool = False) -> None:
+    """Say that `attempt` has trained `step` (written whole: a reader never sees half of it); `waiting`: it is a warm
+    chunk's job that waits, at `step`'s save, for its train task's admission (not a stall: the admission limit
+    bounds that wait)."""
     target = path(run_dir, attempt)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
+    tmp.write_text(json.dumps({"step": step, "time": time.time(), **({"waiting": True} if waiting else {})}))
     os.replace(tmp, target)
 
 
-def last_step(run_dir: str | Path, attempt: str) -> int | None:
-    """The newest step `attempt` has said it trained; None before its first (or where the folder cannot be
-    seen from here)."""
+def read(run_dir: str | Path, attempt: str) -> tuple[int | None, bool]:
+    """The newest step `attempt` has said it trained (None before its first, or where the folder cannot be seen from
+    here), and whether it now waits for its admission."""
     try:
         with open(path(Path(run_dir), attempt), "rb") as f:
-            step = json.loads(f.read(MAX_BYTES)).get("step")
+            got = json.loads(f.read(MAX_BYTES))
+        step, waiting = got.get("step"), got.get("waiting") is True
     except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+        return None, False
+    return (step if isinstance(step, int) and not isinstance(step, bool) else None), waiting
+
+
+def last_step(run_dir: str | Path, attempt: str) -> int | None:
+    """The newest step `attempt` has said it trained (see read)."""
+    return read(run_dir, attempt)[0]
 
 
 def clear(run_dir: Path, attempt: str) -> None:

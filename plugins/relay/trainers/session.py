@@ -550,6 +550,7 @@ class ChunkSession:
                 return
             if not said:
                 self.say(f"chunk {chunk}: waiting for its train task's admission before committing step {step}")
+                heartbeat.beat(self.run_dir, self.req.attempt, step, waiting=True)  # its follow task's stall watch
                 said = True
             time.sleep(0.2)
 

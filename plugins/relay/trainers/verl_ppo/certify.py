@@ -47,8 +47,8 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
     engine = actor_of(worker).actor.engine
     module = engine.module
     with engine.eval_mode():
-        named = list(certificate.named_state(module))
-        sums = certificate.piece_sums([certificate.local_piece(t) for _, t in named])
+        named = certificate.named_pieces(module)  # FSDP1's flat parameters by their original parameters too
+        sums = certificate.piece_sums([piece for _, piece in named])
         device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
         total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
         if dist.is_initialized():
