@@ -11,7 +11,7 @@
 #   --local   every test that needs no service, the `processes` ones included (a few minutes).
 #   --verl    verl's trainer end to end on CPUs (the tests marked lane("verl")).
 #   --faults  the whole fault matrix (every test marked `fault`, every kill point), then docs/FAULTS.md from it.
-#   --seams   the seam stress test alone, RELAY_SEAM_ROUNDS rounds (default 100; CI runs 20).
+#   --seams   the seam stress test alone, RELAY_SEAM_ROUNDS rounds (default 100; CI runs 10).
 #   --lanes   every lane that is not in CI (--verl, --faults, then --seams), each timed; run before every landing.
 # A test marked lane(...) is left out of CI; RELAY_TEST_LANE selects a lane's tests (tests/conftest.py).
 set -euo pipefail

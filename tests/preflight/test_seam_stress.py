@@ -4,7 +4,7 @@ fresh start, each a real process against the real lock and the session's S3 serv
 record of the old incarnation lands in the run (its folder, its events, its checkpoints, its S3 prefix), and the
 new incarnation reaches its last step bitwise equal to a run that never had an old one.
 
-RELAY_SEAM_ROUNDS rounds (20 in CI; `./scripts/test.sh --seams` runs more), drawn with RELAY_TEST_SEED (printed)."""
+RELAY_SEAM_ROUNDS rounds (10 in CI; `./scripts/test.sh --seams` runs more), drawn with RELAY_TEST_SEED (printed)."""
 
 import os
 import random
@@ -32,7 +32,7 @@ from support.old_dag_run import HOLDER
 
 pytestmark = [pytest.mark.services, pytest.mark.processes]
 
-ROUNDS = int(os.environ.get("RELAY_SEAM_ROUNDS", "20"))
+ROUNDS = int(os.environ.get("RELAY_SEAM_ROUNDS", "10"))
 SPEC = {"total_steps": 6, "chunk_steps": 3, "trainer.settings.save_freq": 3}
 WRITERS = ("trainer", "validate", "publish", "mark", "restore")
 

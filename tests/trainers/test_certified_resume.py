@@ -75,6 +75,56 @@ def test_a_row_swap_that_keeps_every_crc_is_refused_at_resume_and_the_run_falls_
     assert "chunk 2 resumed from step 3 (certified resume)" in report.stdout, report.stdout[-3000:]
 
 
+def test_a_certificate_deleted_with_the_manifest_is_refused_at_resume_and_by_the_gate(trained, tmp_path):
+    """Altered weights whose certificate and manifest were both removed: the commit record of step 6 (outside the
+    step folder) names a certificate, so the resume is refused as a failed certificate, never "uncertified", and the
+    run falls back to step 3; the gate refuses it alike."""
+    from relay.preflight.admission import admit
+    from relay.runs.run import Run
+    from relay.spec.run_spec import load_spec
+
+    spec, run = trained["spec"], run_at_six(trained, tmp_path)
+    recorded = [e.get("certificate") for e in events(run, "checkpoint")]
+    assert len(recorded) == 2 and all(r and len(r) == 64 for r in recorded), "each commit names its certificate"
+    swap_rows(layout.step_dir(run, 6))
+    (layout.step_dir(run, 6) / certificate.NAME).unlink()
+    gated = shutil.copytree(run, tmp_path / "gated")
+
+    refused = relay_cli("train", str(spec), "--to-step", "7", "--checkpoint-dir", str(run))
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "its certificate was removed" in out and "uncertified" not in out, out[-3000:]
+    [event] = events(run, "certificate_refused")
+    assert event["step"] == 6 and event["fell_back_to"] == 3, event
+    assert layout.read_tracker(run) == 3 and not layout.step_dir(run, 6).exists()
+
+    bad = admit(Run(load_spec(spec), "t", gated, None), 6)
+    assert not bad.ok and bad.report.failed.name == "certificate", bad.explain()
+    assert "its certificate was removed" in bad.report.failed.detail
+
+
+def test_a_step_committed_without_a_certificate_resumes_uncertified_unless_one_is_required(trained, tmp_path):
+    """Its commit recorded why it has none (the trainer could not compute it): the resume goes on uncertified and
+    says why; `checkpoints.require_certificate: true` refuses it and falls back."""
+    from relay.checkpoints import commits
+
+    run = run_at_six(trained, tmp_path)
+    six = layout.step_dir(run, 6)
+    (six / certificate.NAME).unlink()
+    (six / "relay_manifest.json").unlink(missing_ok=True)
+    commits.write(run, 6, six, skipped="RuntimeError: a worker was lost computing it", by="the trainer's commit")
+
+    strict = write_spec(
+        tmp_path / "strict", **{"s3": DELETE, "trainer.settings.save_freq": 3, "checkpoints.require_certificate": True}
+    )
+    copy = shutil.copytree(run, tmp_path / "r")
+    required = relay_cli("train", str(strict), "--to-step", "7", "--checkpoint-dir", str(copy))
+    assert required.returncode != 0 and "checkpoints.require_certificate is on" in required.stdout + required.stderr
+
+    resumed = train(trained["spec"], run, 7)
+    assert "uncertified resume from step 6" in resumed.stdout and "a worker was lost" in resumed.stdout, resumed.stdout
+    assert [e.get("certificate") for e in events(run, "chunk_start")][-1] == "uncertified"
+
+
 def test_the_gate_loads_the_model_and_checks_its_certificate_offline(trained, tmp_path):
     from relay.preflight.admission import admit
     from relay.runs.run import Run

@@ -2,8 +2,9 @@
 
 global_step_N/relay_manifest.json lists every file with its size and CRC64NVME, the step, world
 size and FSDP version, parameter names with their global shapes, the run's settings fingerprint,
-its incarnation and the verl version. It is written once the checkpoint has passed validation, published to S3
-after every file, and re-checked just before a resume loads the files.
+its incarnation, the verl version and what the step's commit record says of its certificate. It is
+written once the checkpoint has passed validation, published to S3 after every file, and re-checked
+just before a resume loads the files.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from relay.runs.record import LEGACY_INCARNATION, is_incarnation
 NAME = "relay_manifest.json"
 # 2: `incarnation`, the life of the run that wrote the checkpoint (relay.runs.record); a version-1 manifest is of
 # incarnation "1". 3: `resharded_from` ({world_size, manifest_sha256} of the original, or null:
-# relay.checkpoints.reshard). 4 (this Relay): `skipped` ({level: why} of the levels that did not run; `checks` lists
-# only those that ran). Readers accept every version in READS.
-VERSION = 4
-READS = (1, 2, 3, 4)
+# relay.checkpoints.reshard). 4: `skipped` ({level: why} of the levels that did not run; `checks` lists only those
+# that ran). 5 (this Relay): `certificate`, what the step's commit record says (relay.checkpoints.commits: the
+# certificate's sha256, or "skipped: <why>"; null before commit records). Readers accept every version in READS.
+VERSION = 5
+READS = (1, 2, 3, 4, 5)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Manifest:
     skipped: dict[str, str] = field(default_factory=dict)  # the levels that did not run, and why
     incarnation: str = LEGACY_INCARNATION
     resharded_from: dict[str, Any] | None = None
+    certificate: str | None = None  # the commit record's: its certificate's sha256, or "skipped: <why>"
     version: int = VERSION
 
     @property
@@ -110,6 +113,8 @@ def _problem(m: Manifest) -> str | None:
         return f"resharded_from is {_short(m.resharded_from)}, not {{world_size, manifest_sha256}}"
     if not isinstance(m.files, dict) or not isinstance(m.params, dict) or not isinstance(m.checks, list):
         return "files, params or checks has the wrong type"
+    if m.certificate is not None and not isinstance(m.certificate, str):
+        return f"certificate is {_short(m.certificate)}, not a digest or why it was skipped"
     if not isinstance(m.skipped, dict):
         return f"skipped is {_short(m.skipped)}, not {{level: why}}"
     for rel, f in m.files.items():

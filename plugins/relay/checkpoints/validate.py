@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relay.checkpoints import integrity, manifest, safeload
+from relay.checkpoints import commits, integrity, manifest, safeload
 from relay.checkpoints.reshard_record import record_of
 from relay.checkpoints.safeload import is_sharded_record
 from relay.common.errors import CheckpointError
@@ -478,6 +478,7 @@ def write_manifest(report: CheckReport, run: str, settings_fingerprint: str | No
         skipped=report.skipped,
         resharded_from=_resharded_from(layout.step_dir(Path(report.run_dir), report.step)),
         incarnation=folder_incarnation(Path(report.run_dir)) or LEGACY_INCARNATION,
+        certificate=commits.summary(commits.read(Path(report.run_dir), report.step)),
     )
     m.write(layout.step_dir(Path(report.run_dir), report.step))
     return m

@@ -10,9 +10,11 @@ import json
 import os
 from pathlib import Path
 
-from relay.checkpoints import certificate
+from relay.checkpoints import certificate, commits
 from relay.checkpoints.gate import Admission, admit_dir
 from relay.checkpoints.validate import Skipped
+from relay.common.errors import CertificateError
+from relay.runs import layout
 from relay.runs.run import Run
 from relay.spec.kinds import KINDS
 from relay.spec.run_spec import spec_from_json
@@ -33,9 +35,14 @@ def certify_check(spec):
     fn = KINDS[spec.trainer.kind].certify_function()
 
     def check(step_dir: Path) -> str:
+        m = layout.STEP_DIR.match(step_dir.name)
+        standing = commits.standing(step_dir.parent, int(m.group(1)), step_dir) if m else None
+        if standing is not None and standing.kind == "refused":
+            raise CertificateError(f"{step_dir.name}: {standing.detail}")
         saved = certificate.read(step_dir)
         if saved is None:
-            raise Skipped("no certificate (saved before certificates, or without Relay): it resumes uncertified")
+            why = standing.detail if standing is not None else "saved without Relay"
+            raise Skipped(f"no certificate ({why}): it resumes uncertified unless checkpoints.require_certificate")
         if fn is None:
             raise Skipped(f"{spec.trainer.kind} has no offline check; its trainer checks the certificate at resume")
         if not spec.checkpoints.smoke:

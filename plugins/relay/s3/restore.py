@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from relay.checkpoints import commits
 from relay.checkpoints.resume import quarantine
 from relay.checkpoints.validate import check_file, validate_checkpoint
 from relay.common.errors import CheckpointError, LeaseLost
@@ -117,6 +118,9 @@ def restore(
                 aside.parent.mkdir(parents=True, exist_ok=True)
                 final.rename(aside)
             staging.rename(final)
+            # Its commit record, from what the publication's manifest says of its certificate (its files' checksums
+            # cover the certificate itself): a restored step resumes under the same check as one trained here.
+            commits.restored(run_dir, m.step, final, m.certificate, by=f"restore from {uri}")
             report = validate_checkpoint(run_dir, m.step, checked=checked)
             if not report.ok:
                 quarantine(run_dir, report)

@@ -100,6 +100,14 @@ class CheckpointPolicy(StrictModel):
             "after a reshard or on another device kind (exact otherwise; relay.checkpoints.certificate)"
         ),
     )
+    require_certificate: bool = Field(
+        default=False,
+        description=(
+            "refuse to resume from a checkpoint without a certificate (its commit recorded why there is none, or it "
+            "was committed before the run kept commit records) as from one whose certificate fails; a certificate "
+            "removed or replaced since its commit is refused whatever this says"
+        ),
+    )
     offline_tolerance: float = Field(
         default=0.02,
         ge=0,

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from relay.checkpoints import certificate
+from relay.checkpoints import certificate, commits
 from relay.checkpoints.resume import find_resume_point, quarantine
 from relay.checkpoints.validate import Check, CheckReport
 from relay.common import files
@@ -87,6 +87,7 @@ class ChunkSession:
         if self.resume.restored_from:
             self.say(f"restored step {self.resume_step} from {self.resume.restored_from}")
         self.certificate: str | None = None  # the resume's: certified, uncertified (None: from step 0)
+        self._no_certificate: dict[int, str] = {}  # step -> why the trainer could not compute its certificate
         self._certify_s: float | None = None  # what recomputing and comparing the certificate took
         self.metrics = MetricsLog(self.run_dir)
         self._t0 = time.time()
@@ -118,13 +119,20 @@ class ChunkSession:
         resumes uncertified; one whose certificate does not hold is quarantined, the tracker falls back to the
         newest valid checkpoint, and the resume is refused (CertificateError: cause refused)."""
         step = self.resume_step
+        assert step is not None
+        standing = commits.standing(self.run_dir, step, step_dir)
+        if standing.kind == "refused":
+            raise self.refuse_resume("certificate", standing.detail)
+        if standing.uncertified and self.spec.checkpoints.require_certificate:
+            raise self.refuse_resume(
+                "certificate", f"it has no certificate ({standing.detail}) and checkpoints.require_certificate is on"
+            )
         saved = certificate.read(step_dir)
         if saved is None:
             self.certificate = "uncertified"
             self.say(
-                f"uncertified resume from step {step}: {step_dir.name} has no certificate (saved before "
-                "certificates, without Relay, or its certificate could not be computed: its save's log says why); "
-                "its files passed validation"
+                f"uncertified resume from step {step}: {step_dir.name} has no certificate ({standing.detail}); its "
+                "files passed validation (checkpoints.require_certificate: true refuses such a resume)"
             )
             return
         t0 = time.perf_counter()
@@ -141,6 +149,12 @@ class ChunkSession:
         raise self.refuse_resume(
             "certificate", f"its certificate does not hold, the state loaded is not the state saved ({c.detail()})"
         )
+
+    def no_certificate(self, step: int, why: str) -> None:
+        """The trainer could not compute step `step`'s certificate: its commit records why (relay.checkpoints.commits),
+        and the step may resume uncertified."""
+        self._no_certificate[step] = why
+        self.say(f"no certificate for step {step} ({why}); its commit records why, and it may resume uncertified")
 
     def refuse_resume(self, check: str, detail: str) -> CheckpointError:
         """After loading, before the first step: the resume checkpoint failed `check` (the certificate; an async run's
@@ -414,6 +428,10 @@ class ChunkSession:
             staged.rename(final)
             files.fsync_dir(self.run_dir)
             fault_point("after_rename", step)
+            # Outside the step folder, before the tracker names the step: its certificate cannot be removed unseen.
+            committed = commits.write(
+                self.run_dir, step, final, skipped=self._no_certificate.pop(step, None), by=self.req.attempt
+            )
             layout.write_tracker(self.run_dir, step)
             fault_point("after_tracker", step)
         started = self._save_started
@@ -424,7 +442,14 @@ class ChunkSession:
             if blocking is None
             else {"seconds": blocking[0], "blocking_until": blocking[1], "written_seconds": self._save_s}
         )
-        self.record("checkpoint", step=step, chunk=self.req.chunk, attempt=self.req.attempt, **timing)
+        self.record(
+            "checkpoint",
+            step=step,
+            chunk=self.req.chunk,
+            attempt=self.req.attempt,
+            certificate=commits.summary(committed),
+            **timing,
+        )
         self.say(f"checkpoint global_step_{step} committed; tracker -> {step}")
         return final
 

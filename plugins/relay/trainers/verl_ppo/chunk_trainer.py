@@ -165,13 +165,13 @@ class RelayChunk(PPOTrainer):
 
     def _relay_certify_save(self, staged, step: int) -> None:
         """The certificate of what verl just saved, into the staged step folder (before the commit). A certificate
-        that cannot be computed never fails the save: it is said, and the step resumes uncertified."""
+        that cannot be computed never fails the save: its commit records why, and the step may resume uncertified."""
         try:
             if getattr(self, "_relay_probe_ids", None) is None:
                 self._relay_probe_ids = certify.probe_ids(self.train_dataset, self.tokenizer, self.relay_session.spec.seed)
             cert = certify.certificate_of(self, step, self._relay_probe_ids, self._relay_pad_id())
         except Exception as e:  # noqa: BLE001 - whatever verl's workers raised: the save itself stands
-            verl_chunk.say(f"no certificate for step {step} ({type(e).__name__}: {e}); it will resume uncertified")
+            self.relay_session.no_certificate(step, f"{type(e).__name__}: {e}")
             return
         cert.write(staged)
         verl_chunk.say(f"certificate of step {step}: {cert.summary()}")

@@ -198,6 +198,7 @@ def actor_session(chunk: VerlChunk):
             self.stopping = GracefulStop(self.run_dir, req.attempt, self.spec.deadline(), signals=False)
             self._save_started = None
             self._save_s = None
+            self._no_certificate = {}
 
         def record_step(self, step: int, seconds: float, **values) -> None:
             """One metrics.jsonl row (the driver prints the progress line); stop at once if the lease was lost."""
