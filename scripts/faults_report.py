@@ -50,6 +50,8 @@ PLANNED = {
     "seam-stress": "an old DAG run's writers at seeded points around a fresh start, many rounds",
     "warm-job-dag-run-failed": "a DAG run marked failed while its job trains the next chunk ahead of its admission",
     "warm-job-validation-error": "a validation that errors while the chunk's job trains the next chunk ahead",
+    "warm-job-failed-waiting": "a DAG run marked failed while its warm job waits for its admission",
+    "warm-job-killed-waiting": "a warm job killed while it waits for its admission",
 }
 
 

@@ -146,3 +146,35 @@ def test_a_job_that_hangs_while_training_ahead_is_a_stall(tmp_path, ray_address,
     _nothing_of_chunk_2(run_dir)
     got = handoff.answer(run_dir, 2, sub_id)
     assert got is not None and got["admitted"] is False and "while training ahead" in got["why"], got
+
+
+@pytest.mark.fault
+def test_a_dag_run_marked_failed_while_its_warm_job_waits_for_admission_stops_it(
+    tmp_path, ray_address, monkeypatch, fault_row
+):
+    """The job trained chunk 2 ahead and waits, at step 6's save, for its admission; a person marks the DAG run failed
+    (Airflow fails its deferred `ahead` task and calls the trigger's on_kill): the warm chunk is refused and the job
+    ends without committing anything of it."""
+    jobs, sub_id, run_dir = _warm_job(tmp_path, ray_address, "waits", {})
+    try:
+        wait_for(lambda: heartbeat.read(run_dir, sub_id) == (2 * FROM_STEP, True), 120, "the job to wait at step 6")
+        _api_says(monkeypatch, {"": "failed", "chunk_01.validate": "running", "chunk_02.train": "none"})
+        marked = time.time()
+        asyncio.run(_trigger(ray_address, sub_id, run_dir, stop_grace_s=30).on_kill())
+        wait_for(lambda: _ended(jobs, sub_id), 60, "the job to end once its DAG run was marked failed")
+        took = time.time() - marked
+    finally:
+        jobs.stop(sub_id)
+    _nothing_of_chunk_2(run_dir)
+    refused = [e for e in read_events(run_dir) if e["event"] == "handoff_refused"]
+    assert len(refused) == 1 and "marked failed by a person" in refused[0]["why"], refused
+    fault_row(
+        case="warm-job-failed-waiting",
+        layer="Ray job (the `ahead` task's trigger; Airflow's API server played)",
+        fault="a person marks the DAG run failed while chunk 1's job, gone on warm into chunk 2, waits at step 6's "
+        "save for its admission",
+        action=f"the trigger's on_kill refused the warm chunk: the job ended {took:.0f} s after the mark, nothing of "
+        "chunk 2 committed (the tracker stayed at 3); the next DAG run resumes cold from step 3",
+        steps_lost=FROM_STEP,  # chunk 2's steps, trained ahead
+        run_dir=run_dir,
+    )

@@ -37,7 +37,7 @@ def _spec(folder: Path, **overrides) -> Path:
     return write_spec(folder, name="w", total_steps=TOTAL, chunk_steps=CHUNK, s3=None, **overrides)
 
 
-def _job(spec_path: Path, run: str, *, chunk: int | None, to_step: int, answer=None, timeout: float = 300):
+def _job(spec_path: Path, run: str, *, chunk: int | None, to_step: int, answer=None, timeout: float = 300, env=None):
     """The chunk's job in a process of its own; `answer(run_dir, record)` plays the next chunk's train task for
     each warm record the job writes. (returncode, output)"""
     spec = load_spec(spec_path, check_environment=False)
@@ -45,7 +45,7 @@ def _job(spec_path: Path, run: str, *, chunk: int | None, to_step: int, answer=N
     run_dir = spec.run_dir(run)
     p = subprocess.Popen(
         [sys.executable, "-m", "relay.trainers.job"],
-        env={**os.environ, ENV_VAR: req.to_json()},
+        env={**os.environ, **(env or {}), ENV_VAR: req.to_json()},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -155,6 +155,37 @@ def test_a_warm_chunk_that_is_not_admitted_commits_nothing(tmp_path, chunk_one, 
         (3, True, "stopped"),
     ]
     assert g.failures[-1].chunk == 3 and g.failures[-1].cause.startswith("stopped: warm chunk not admitted")
+
+
+@pytest.mark.fault
+def test_a_warm_job_killed_while_it_waits_for_its_admission_loses_only_the_warm_chunk(tmp_path, chunk_one, fault_row):
+    """Chunk 2's job trains chunk 3 ahead and is SIGKILLed while it waits, at step 9's save, for an admission: nothing
+    of chunk 3 is committed or staged, and chunk 3's new job resumes cold from step 6, bitwise the uninterrupted run."""
+    spec = _spec(tmp_path, **{"chunks.handoff": "warm"})
+    run_dir = load_spec(spec, check_environment=False).run_dir("w")
+    shutil.copytree(chunk_one, run_dir)
+    rc, out = _job(spec, "straight", chunk=None, to_step=TOTAL)
+    assert rc == 0, out[-3000:]
+
+    rc, out = _job(spec, "w", chunk=2, to_step=2 * CHUNK, env={"RELAY_FAULT_KILL_AT": f"awaiting_admission@{TOTAL}"})
+    assert rc == -9 and f"waiting for its train task's admission before committing step {TOTAL}" in out, out[-3000:]
+    assert layout.read_tracker(run_dir) == 2 * CHUNK and max(layout.step_dirs(run_dir)) == 2 * CHUNK
+    staging = layout.relay_dir(run_dir, "staging")
+    assert not staging.exists() or not any(staging.iterdir()), "nothing of chunk 3 was staged"
+
+    rc, out = _job(spec, "w", chunk=3, to_step=TOTAL)  # chunk 3's train task: a new job, cold
+    assert rc == 0, out[-3000:]
+    assert _starts(run_dir)[-2:] == [(3, 6, True), (3, 6, False)]
+    straight = run_dir.parent / "straight"
+    assert_bitwise_equal(model_state(layout.step_dir(run_dir, TOTAL)), model_state(layout.step_dir(straight, TOTAL)))
+    fault_row(
+        case="warm-job-killed-waiting",
+        fault="chunk 2's job, gone on warm into chunk 3, SIGKILLed while it waits at step 9's save for its admission",
+        action="nothing of chunk 3 was committed or staged (the tracker stayed at 6); chunk 3's new job resumed cold "
+        "from step 6 and ended bitwise equal to the uninterrupted run",
+        steps_lost=CHUNK,  # chunk 3's steps, trained ahead, trained again
+        run_dir=run_dir,
+    )
 
 
 def test_a_warm_job_of_an_earlier_incarnation_writes_nothing_into_the_new_one(tmp_path, chunk_one):

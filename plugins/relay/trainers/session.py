@@ -577,6 +577,7 @@ class ChunkSession:
                 self.say(f"chunk {chunk}: waiting for its train task's admission before committing step {step}")
                 heartbeat.beat(self.run_dir, self.req.attempt, step, waiting=True)  # its follow task's stall watch
                 said = True
+                fault_point("awaiting_admission", step)  # the fault suite's kill of a job waiting here
             time.sleep(0.2)
 
     def finish_chunk(self, end_step: int, **fields) -> None:
