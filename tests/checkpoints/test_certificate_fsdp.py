@@ -1,6 +1,7 @@
-"""Certificate digests on real FSDP modules (torch.distributed on gloo, one process per rank): the same weights give
-the same digests, by the model's own parameter names, at world sizes 1, 2 and 3, with FSDP1 (its flat parameters,
-with and without use_orig_params, one unit or one per layer) and FSDP2, as the unsharded model's."""
+"""Certificate digests on real FSDP modules (torch.distributed on gloo, one process per rank): the same weights and
+optimizer moments give the same digests, by the model's own parameter names, at world sizes 1, 2 and 3, with FSDP1
+(its flat parameters, with and without use_orig_params, one unit or one per layer) and FSDP2, as the unsharded
+model's."""
 
 from __future__ import annotations
 
@@ -46,11 +47,24 @@ RANK = f"HOWS = {HOWS!r}\n" + textwrap.dedent("""
         dist.all_reduce(total)  # int64 wraps: the sum modulo 2^64
         return [int(v) for v in total.tolist()]
 
+    def moments(model):
+        # Adam's state as a step leaves it, made from each (local) parameter: what is where is the parameter's
+        opt = torch.optim.Adam(model.parameters())
+        for p in opt.param_groups[0]["params"]:
+            opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": p.detach() * 2, "exp_avg_sq": p.detach() ** 2}
+        return opt
+
     dist.init_process_group("gloo")
     got = {}
     for how in HOWS:
         model = sharded(how)
-        got[how] = {"digests": certificate.param_digests(model, reduce=reduce), "portable": certificate.portable(model)}
+        optimizer, steps = certificate.optimizer_digests(model, moments(model), reduce=reduce)
+        got[how] = {
+            "digests": certificate.param_digests(model, reduce=reduce),
+            "portable": certificate.portable(model),
+            "optimizer": optimizer,
+            "steps": steps,
+        }
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(got), flush=True)
     dist.destroy_process_group()
@@ -88,19 +102,26 @@ def _sharded(world_size: int) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def _unsharded() -> dict[str, str]:
+def _unsharded() -> tuple[dict[str, str], dict[str, str]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Embedding(11, 5), torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3), torch.nn.LayerNorm(3)
     )
-    return certificate.param_digests(model)
+    opt = torch.optim.Adam(model.parameters())
+    for p in opt.param_groups[0]["params"]:
+        opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": p.detach() * 2, "exp_avg_sq": p.detach() ** 2}
+    optimizer, steps = certificate.optimizer_digests(model, opt)
+    assert steps == [3]
+    return certificate.param_digests(model), optimizer
 
 
 def test_digests_of_sharded_weights_are_the_unsharded_models_at_every_world_size():
-    want = _unsharded()
+    want, moments = _unsharded()
     assert set(want) == {"0.weight", "1.weight", "1.bias", "3.weight", "3.bias", "4.weight", "4.bias"}
+    assert set(moments) == {f"{n}.{k}" for n in want for k in ("exp_avg", "exp_avg_sq")}
     for world_size in (1, 2, 3):
         got = _sharded(world_size)
         for how in HOWS:
             assert got[how]["digests"] == want, f"{how} at world size {world_size}"
             assert got[how]["portable"], f"{how} at world size {world_size}: its digests depend on no sharding"
+            assert got[how]["optimizer"] == moments and got[how]["steps"] == [3], f"{how}'s moments at {world_size}"

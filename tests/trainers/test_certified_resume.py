@@ -75,6 +75,40 @@ def test_a_row_swap_that_keeps_every_crc_is_refused_at_resume_and_the_run_falls_
     assert "chunk 2 resumed from step 3 (certified resume)" in report.stdout, report.stdout[-3000:]
 
 
+def swap_moment_rows(step_dir) -> str:
+    """Two rows of one parameter's Adam exp_avg swapped in the optimizer's shard, re-saved by torch; the manifest
+    removed. The parameter it belongs to, as the certificate names its moments."""
+    shard = step_dir / "actor" / layout.shard_name("optim", 1, 0)
+    sd = torch.load(shard, weights_only=False)
+
+    def find(node, path):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "exp_avg" and getattr(v, "ndim", 0) >= 2:
+                    return path, v
+                if (got := find(v, [*path, k])) is not None:
+                    return got
+        return None
+
+    path, moment = find(sd, [])
+    local = moment.to_local() if hasattr(moment, "to_local") else moment
+    local[[0, 1]] = local[[1, 0]]
+    torch.save(sd, shard)
+    (step_dir / "relay_manifest.json").unlink(missing_ok=True)
+    return str(path[-1])
+
+
+def test_optimizer_moments_altered_under_a_kept_certificate_are_refused_at_resume(trained, tmp_path):
+    spec, run = trained["spec"], run_at_six(trained, tmp_path)
+    cert = certificate.read(layout.step_dir(run, 6))
+    assert cert is not None and len(cert.optimizer) == 2 * len(cert.params) and cert.optimizer_steps == [12]
+    swap_moment_rows(layout.step_dir(run, 6))
+    refused = relay_cli("train", str(spec), "--to-step", "7", "--checkpoint-dir", str(run))
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "optimizer moments hold other values than saved" in out, out[-3000:]
+    assert ".exp_avg" in out and layout.read_tracker(run) == 3, out[-3000:]
+
+
 def test_a_certificate_deleted_with_the_manifest_is_refused_at_resume_and_by_the_gate(trained, tmp_path):
     """Altered weights whose certificate and manifest were both removed: the commit record of step 6 (outside the
     step folder) names a certificate, so the resume is refused as a failed certificate, never "uncertified", and the

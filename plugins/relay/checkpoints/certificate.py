@@ -39,7 +39,9 @@ from typing import Any
 from relay.common import files
 
 NAME = "relay_certificate.json"
-VERSION = 1
+# 2: the optimizer's moments and every parameter's step (`optimizer`, `optimizer_steps`); version 1 is read too
+VERSION = 2
+READS = (1, 2)
 # Wrapper prefixes that FSDP1, activation checkpointing and torch.compile put in parameter names: the digest is
 # keyed by the model's own names, so that a certificate does not depend on how the model was wrapped.
 WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -70,6 +72,10 @@ class Certificate:
     # compare only at the world size they were taken at
     portable: bool = True
     probe_dtype: str = "float32"  # the dtype the probe's logits were computed in (bfloat16 under mixed precision)
+    # "<parameter>.<state>" -> 16 hex digits: the optimizer's per-parameter tensors (Adam's exp_avg, exp_avg_sq), by
+    # global index as the parameters are; {} in a certificate written before they were covered
+    optimizer: dict[str, str] = field(default_factory=dict)
+    optimizer_steps: list[int] = field(default_factory=list)  # every parameter's step, the distinct values
     version: int = VERSION
 
     def to_json(self) -> str:
@@ -104,11 +110,12 @@ def read(step_dir: Path) -> Certificate | None:
         raise CheckpointError(
             f"{path} cannot be read ({e})", "quarantine the checkpoint (`relay checkpoint validate RUN_DIR --quarantine`)"
         ) from None
-    if not isinstance(d, dict) or d.get("version") != VERSION:
+    if not isinstance(d, dict) or d.get("version") not in READS:
         from relay.common.errors import CheckpointError
 
         raise CheckpointError(
-            f"{path} is not a version-{VERSION} certificate", "resume with the Relay that wrote it, or remove the file"
+            f"{path} is not a certificate of version {', '.join(map(str, READS))}",
+            "resume with the Relay that wrote it, or quarantine the checkpoint",
         )
     try:
         return Certificate(**d)
@@ -144,6 +151,17 @@ def compare(saved: Certificate, now: Certificate, tolerance: float) -> Compariso
     if differ:
         shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
         problems.append(f"{len(differ)} of {len(saved.params)} parameters hold other values than saved: {shown}")
+    if saved.optimizer and now.optimizer:  # both cover the moments (a version-1 certificate does not)
+        moved = sorted(
+            k for k in saved.optimizer.keys() | now.optimizer.keys() if saved.optimizer.get(k) != now.optimizer.get(k)
+        )
+        if moved:
+            shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
+            problems.append(
+                f"{len(moved)} of {len(saved.optimizer)} optimizer moments hold other values than saved: {shown}"
+            )
+    if saved.optimizer_steps and now.optimizer_steps and saved.optimizer_steps != now.optimizer_steps:
+        problems.append(f"the parameters' optimizer steps are {now.optimizer_steps}, saved {saved.optimizer_steps}")
     for what, a, b in (
         ("the optimizer's step", saved.optimizer_step, now.optimizer_step),
         ("the learning rate", saved.lr, now.lr),
@@ -211,6 +229,93 @@ def _digests(pieces: list[tuple[str, tuple[Any, int] | None]], *, reduce: Any = 
     if reduce is not None:
         sums = list(reduce(sums))
     return {n: f"{s & _MASK64:016x}" for (n, _), s in zip(pieces, sums, strict=True)}
+
+
+def optimizer_pieces(model: Any, optimizer: Any) -> tuple[list[tuple[str, tuple[Any, int] | None]], list[int]]:
+    """This rank's pieces of the optimizer's per-parameter tensors ("<parameter>.<state>", as named_pieces gives the
+    parameters': FSDP1's flat states through the handle's record, FSDP2's DTensors by their global offsets), and the
+    distinct steps of the parameters (a scalar per parameter, the same on every rank)."""
+    own = _optimized_names(model, optimizer)
+    flats = dict(_fsdp1_flat_params(model))
+    # FSDP1's flat parameters, by identity or by the storage they share with the optimizer's
+    flat_by_id = {id(flat): (prefix, flat) for prefix, flat in flats.items()}
+    flat_by_storage = {key: (prefix, flat) for prefix, flat in flats.items() if (key := _storage_key(flat)) is not None}
+    # FSDP1's original parameters under use_orig_params: views of a flat piece, placed by the handle's record
+    placed = {
+        _own_name(prefix + fqn): info
+        for prefix, flat in flats.items()
+        for fqn, info in zip(flat._fqns, flat._shard_param_infos, strict=True)
+    }
+    pieces: list[tuple[str, tuple[Any, int] | None]] = []
+    steps: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p) or {}
+            for key in sorted(state):
+                t = state[key]
+                if not hasattr(t, "shape") or len(t.shape) == 0:
+                    if key == "step":
+                        steps.add(int(t.full_tensor() if hasattr(t, "full_tensor") else t))
+                    continue
+                hit = flat_by_id.get(id(p)) or (flat_by_storage.get(_storage_key(p) or ()) if _is_flat(p) else None)
+                if hit is not None:
+                    prefix, flat = hit
+                    local = t.detach().reshape(-1)
+                    for fqn, info in zip(flat._fqns, flat._shard_param_infos, strict=True):
+                        piece = (
+                            (
+                                local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard],
+                                info.intra_param_start_idx,
+                            )
+                            if info.in_shard
+                            else None
+                        )
+                        pieces.append((f"{_own_name(prefix + fqn)}.{key}", piece))
+                elif (name := own.get(id(p))) is not None:
+                    info = placed.get(name)
+                    if info is not None:
+                        piece = (t.detach().reshape(-1), info.intra_param_start_idx) if info.in_shard else None
+                    else:
+                        piece = local_piece(t)
+                    pieces.append((f"{name}.{key}", piece))
+    return pieces, sorted(steps)
+
+
+def _optimized_names(model: Any, optimizer: Any) -> dict[int, str]:
+    """{id(optimizer's parameter): the model's own name for it}. By identity where the optimizer holds the model's
+    parameter objects; else by the storage they share (FSDP2 may register new Parameter objects over the same storage
+    after the optimizer was built); else by position, as torch's optimizer state_dict keys them, when the optimizer
+    holds as many parameters as the model."""
+    named = []
+    seen: set[int] = set()
+    for name, t in model.named_parameters():
+        if id(t) not in seen:
+            seen.add(id(t))
+            named.append((_own_name(name), t))
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    by_id = {id(t): n for n, t in named}
+    by_storage = {key: n for n, t in named if (key := _storage_key(t)) is not None}
+    out = {}
+    for i, p in enumerate(held):
+        name = by_id.get(id(p)) or by_storage.get(_storage_key(p) or ())
+        if name is None and len(held) == len(named):
+            name = named[i][0]
+        if name is not None:
+            out[id(p)] = name
+    return out
+
+
+def _storage_key(t: Any) -> tuple[Any, ...] | None:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if local.numel() == 0:
+        return None
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+
+
+def optimizer_digests(model: Any, optimizer: Any, *, reduce: Any = None) -> tuple[dict[str, str], list[int]]:
+    """optimizer_pieces' digests (reduced across ranks as param_digests'), and the parameters' distinct steps."""
+    pieces, steps = optimizer_pieces(model, optimizer)
+    return _digests(pieces, reduce=reduce), steps
 
 
 def portable(model: Any) -> bool:

@@ -430,8 +430,8 @@ class _TinyGRPO:
 
     def certificate(self, step: int, probe_ids: list[list[int]] | None = None, *, params: dict | None = None):
         """The certificate of the state held now: the probe's log-probs in eval mode (no RNG drawn, nothing
-        trained), the parameters' digests (unless given), the optimizer's step and LR, the data position and the
-        RNG states."""
+        trained), the parameters' digests (unless given), the optimizer's moments and steps, its LR, the data position
+        and the RNG states."""
         from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
         from relay.checkpoints import certificate
@@ -441,6 +441,7 @@ class _TinyGRPO:
         ids = probe_ids if probe_ids is not None else self.probe_ids
         logprobs = certificate.probe_logprobs(self.model, ids, task.VOCAB[task.PAD])
         state: dict = next(iter(self.optim.state.values()), {})
+        moments, steps = certificate.optimizer_digests(self.model, self.optim)
         return certificate.Certificate(
             step=step,
             world_size=1,
@@ -455,6 +456,8 @@ class _TinyGRPO:
             probe_seconds=round(time.perf_counter() - t0, 4),
             torch=torch.__version__,
             pad_id=task.VOCAB[task.PAD],
+            optimizer=moments,
+            optimizer_steps=steps,
         )
 
     def restore(self, folder) -> None:

@@ -48,7 +48,8 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
     module = engine.module
     with engine.eval_mode():
         named = certificate.named_pieces(module)  # FSDP1's flat parameters by their original parameters too
-        sums = certificate.piece_sums([piece for _, piece in named])
+        moments, steps = certificate.optimizer_pieces(module, engine.optimizer)
+        sums = certificate.piece_sums([piece for _, piece in named + moments])  # one all-reduce for both
         device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
         total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
         if dist.is_initialized():
@@ -60,7 +61,11 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
         "rank": dist.get_rank() if dist.is_initialized() else 0,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "device": get_device_name(),
-        "params": {n: f"{int(v) & ((1 << 64) - 1):016x}" for (n, _), v in zip(named, total.tolist(), strict=True)},
+        "params": {n: f"{int(v) & ((1 << 64) - 1):016x}" for (n, _), v in zip(named, total.tolist(), strict=False)},
+        "optimizer": {
+            n: f"{int(v) & ((1 << 64) - 1):016x}" for (n, _), v in zip(moments, total.tolist()[len(named) :], strict=True)
+        },
+        "optimizer_steps": steps,
         "logprobs": logprobs,
         "optimizer_step": int(state["step"]) if "step" in state else None,
         "lr": float(scheduler.get_last_lr()[0]) if scheduler is not None else float(engine.optimizer.param_groups[0]["lr"]),
@@ -108,5 +113,7 @@ def certificate_of(trainer: Any, step: int, ids: list[list[int]], pad_id: int) -
         torch=first["torch"],
         pad_id=pad_id,
         portable=first["portable"],
+        optimizer=first["optimizer"],
+        optimizer_steps=first["optimizer_steps"],
         probe_dtype=first["probe_dtype"],
     )
