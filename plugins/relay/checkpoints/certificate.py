@@ -92,7 +92,8 @@ class Certificate:
         took = f"; probe and digests took {self.probe_seconds * 1e3:.0f} ms" if self.probe_seconds is not None else ""
         return (
             f"step {self.step} at world size {self.world_size} on {self.device}: probe of {len(self.probe_ids)} "
-            f"sequences ({tokens} log-probs), {len(self.params)} parameter digests, optimizer step "
+            f"sequences ({tokens} log-probs), {len(self.params)} parameter digests, {len(self.optimizer)} optimizer "
+            f"moment digests, optimizer step "
             f"{self.optimizer_step}, lr {lr}{took}"
         )
 
