@@ -115,8 +115,10 @@ class ChunkSession:
 
     def certify(self, step_dir: Path, recompute) -> None:
         """Compare the checkpoint's certificate with `recompute(probe_ids)`, the trainer's certificate of what it
-        loaded, after loading and before the first step (relay.checkpoints.certificate). A checkpoint without one
-        resumes uncertified; one whose certificate does not hold is quarantined, the tracker falls back to the
+        loaded, after loading and before the first step (relay.checkpoints.certificate), as its commit record says it
+        should have one (relay.checkpoints.commits). A checkpoint whose commit recorded no certificate, or committed
+        before records were kept, resumes uncertified (unless checkpoints.require_certificate); one whose certificate
+        does not hold, or was removed or replaced since its commit, is quarantined, the tracker falls back to the
         newest valid checkpoint, and the resume is refused (CertificateError: cause refused)."""
         step = self.resume_step
         assert step is not None
