@@ -4,12 +4,14 @@ uploaded), then retention, locally and in S3."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay.checkpoints import certificate, manifest, retention
 from relay.checkpoints.manifest import unchanged_since_validation
@@ -82,64 +84,100 @@ def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str
 
 
 def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
-    """The Hugging Face export, loaded with transformers, against the checkpoint and its certificate. At world size 1:
-    the checkpoint's own tensors are the certified ones (digests), every exported tensor is the checkpoint's cast to
-    the export's dtype (an export that lost or changed a tensor names it), and the export's probe equals, within
-    `tolerance`, the probe of the checkpoint's weights cast alike in the architecture of its huggingface/ folder (so
-    the export's config and code read the weights as the trainer did; a comparison with the certified log-probs
-    themselves would measure the dtype's rounding, which grows as a model sharpens). A sharded checkpoint: the
-    export's probe against the certificate's, within `tolerance`. CertificateError otherwise; a checkpoint without
-    a certificate: said, not verified."""
+    """The Hugging Face export, loaded with transformers, against the checkpoint and its certificate. At any world
+    size, tensor by tensor: every exported tensor is the checkpoint's cast to the export's dtype (its digest, from the
+    shards' pieces at their global offsets, so no tensor is gathered), none is missing, and the checkpoint's own
+    tensors are the certified ones. The probe, where there is a certificate: at world size 1 the export's probe
+    equals, within `tolerance`, the probe of the checkpoint's weights cast alike in the architecture of its
+    huggingface/ folder (so the export's config and code read the weights as the trainer did; a comparison with the
+    certified log-probs themselves would measure the dtype's rounding, which grows as a model sharpens); a sharded
+    checkpoint's export is compared with the certificate's log-probs. A checkpoint without a certificate is verified
+    against its own weights, tensor by tensor. CertificateError otherwise."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from relay.checkpoints import safeload
-
     saved = certificate.read(step_dir)
-    if saved is None:
-        return f"not verified: {step_dir.name} has no certificate"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(torch.device("cpu"))
     exported = dict(certificate.named_state(model))
-    logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
+    dtype = next(iter(exported.values())).dtype
+    pieces, world_size = _checkpoint_pieces(step_dir)
     problems: list[str] = []
-    shards = sorted((step_dir / "actor").glob("model_world_size_*_rank_*.pt"))
-    reference, against = saved.logprobs, "the certificate's"
-    checked = "the probe only (the checkpoint is sharded: its tensors are compared by verl's merge)"
-    if len(shards) == 1:
-        state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in safeload.load(shards[0], mmap=True).items()}
-        ours = certificate.digests((n, state[n]) for n in saved.params if n in state)
+    if saved is not None:
+        ours = _summed_digests({n: pieces[n] for n in saved.params if n in pieces})
         if changed := sorted(n for n in saved.params if ours.get(n) != saved.params[n]):
             problems.append(f"the checkpoint's own tensors are not those certified: {', '.join(changed[:5])}")
-        missing = sorted(n for n in state if n in saved.params and n not in exported)
-        cast = certificate.digests((n, state[n].to(exported[n].dtype)) for n in state if n in exported)
-        theirs = certificate.digests((n, exported[n]) for n in cast)
-        differ = sorted(n for n, d in cast.items() if d != theirs[n])
-        if missing:
-            problems.append(f"tensors missing from the export: {', '.join(missing[:5])}")
-        if differ:
-            problems.append(f"exported tensors that are not the checkpoint's: {', '.join(differ[:5])}")
-        dtype = next(iter(exported.values())).dtype
-        checked = f"{len(cast)} tensors are the checkpoint's, cast to {dtype}"
-        config = AutoConfig.from_pretrained(step_dir / "actor" / "huggingface")
-        ref = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model.config._attn_implementation)
-        weights = {k: v.to(dtype) for k, v in state.items()}
-        if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in weights:
-            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-        ref.load_state_dict(weights, strict=True)
-        reference = certificate.probe_logprobs(ref, saved.probe_ids, saved.pad_id)
-        against = "the checkpoint's weights' (cast alike)"
-    diffs = [abs(a - b) for xs, ys in zip(reference, logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
-    largest = max(diffs, default=0.0)
-    if not largest <= tolerance:  # NaN too
-        problems.append(f"the probe's log-probs differ from {against} by up to {largest:.3g} (> {tolerance:g})")
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    wanted = set(saved.params) if saved is not None else {n for n in pieces if not (tied and n == "lm_head.weight")}
+    missing = sorted(n for n in pieces if n in wanted and n not in exported)
+    cast = _summed_digests({n: [(t.to(exported[n].dtype), o) for t, o in pieces[n]] for n in pieces if n in exported})
+    theirs = certificate.digests((n, exported[n]) for n in cast)
+    differ = sorted(n for n, d in cast.items() if d != theirs[n])
+    if missing:
+        problems.append(f"tensors missing from the export: {', '.join(missing[:5])}")
+    if differ:
+        problems.append(f"exported tensors that are not the checkpoint's: {', '.join(differ[:5])}")
+    checked = f"{len(cast)} tensors are the checkpoint's, cast to {dtype}"
+    largest, against = 0.0, ""
+    if saved is not None:
+        logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
+        reference, against = saved.logprobs, "the certificate's"
+        if world_size == 1 and not problems:
+            config = AutoConfig.from_pretrained(step_dir / "actor" / "huggingface")
+            ref = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=model.config._attn_implementation
+            )
+            weights = {n: ps[0][0].to(dtype) for n, ps in pieces.items()}
+            if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in weights:
+                weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+            ref.load_state_dict(weights, strict=True)
+            reference = certificate.probe_logprobs(ref, saved.probe_ids, saved.pad_id)
+            against = "the checkpoint's weights' (cast alike)"
+        diffs = [abs(a - b) for xs, ys in zip(reference, logprobs, strict=True) for a, b in zip(xs, ys, strict=True)]
+        largest = max(diffs, default=0.0)
+        if not largest <= tolerance:  # NaN too
+            problems.append(f"the probe's log-probs differ from {against} by up to {largest:.3g} (> {tolerance:g})")
     if problems:
+        of = f"the certificate of {step_dir.name}" if saved is not None else f"the weights of {step_dir.name}"
         raise CertificateError(
-            f"the Hugging Face export {folder} does not reproduce the certificate of {step_dir.name}: "
-            + "; ".join(problems),
+            f"the Hugging Face export {folder} does not reproduce {of}: " + "; ".join(problems),
             f"it was not published. Remove {folder} and publish the step again: the export is made anew from the "
             "checkpoint, which passed the gate",
         )
+    if saved is None:
+        return f"reproduces the weights of {step_dir.name}: {checked} (it has no certificate: no probe compared)"
     return f"reproduces the certificate of {step_dir.name}: {checked}; probe log-probs within {largest:.3g} of {against}"
+
+
+def _checkpoint_pieces(step_dir: Path) -> tuple[dict[str, list[tuple[Any, int]]], int]:
+    """The model shards' tensors as (piece, global flat offset) by name, every rank's, read with the restricted loader
+    (FSDP2's DTensors along dim 0 in rank order, FSDP1's ShardedTensor records by their shards' offsets; a plain
+    tensor counted once), and the world size."""
+    from relay.checkpoints import safeload
+
+    shards = sorted((step_dir / "actor").glob("model_world_size_*_rank_*.pt"), key=lambda p: int(p.stem.rpartition("_")[2]))
+    pieces: dict[str, list[tuple[Any, int]]] = {}
+    for rank, shard in enumerate(shards):
+        for name, value in safeload.load(shard, mmap=True).items():
+            got = pieces.setdefault(name, [])
+            if safeload.is_sharded_record(value):
+                row = math.prod(value.global_shape[1:])
+                got.extend((s.tensor, s.metadata.shard_offsets[0] * row) for s in value.local_shards)
+            elif hasattr(value, "to_local"):
+                local = value.to_local()
+                got.append((local, sum(t.numel() for t, _ in got)))  # Shard(0): the ranks' rows in order
+            elif rank == 0:
+                got.append((value, 0))
+    return pieces, len(shards)
+
+
+def _summed_digests(pieces: dict[str, list[tuple[Any, int]]]) -> dict[str, str]:
+    """certificate.digests of tensors given as pieces at their global flat offsets: each one's pieces summed."""
+    flat = [(n, p) for n, ps in pieces.items() for p in ps]
+    sums = certificate.piece_sums([p for _, p in flat])
+    total: dict[str, int] = dict.fromkeys(pieces, 0)
+    for (n, _), v in zip(flat, sums, strict=True):
+        total[n] = (total[n] + v) & ((1 << 64) - 1)
+    return {n: f"{v:016x}" for n, v in total.items()}
 
 
 def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publication:
