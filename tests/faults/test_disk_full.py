@@ -43,14 +43,14 @@ def small_disk(tmp_path):
 
 
 def fill(disk: Path) -> Path:
-    """Another file takes every free byte of the disk."""
+    """Another file takes every free byte of the disk. Unbuffered: a buffered file's close would flush what the last
+    write could not, and raise ENOSPC once more."""
     ballast = disk / "someone-elses-file"
-    with open(ballast, "wb") as f:
+    with open(ballast, "wb", buffering=0) as f:
         block = b"\0" * 65536
         try:
             while True:
                 f.write(block)
-                f.flush()
         except OSError:
             pass
     assert shutil.disk_usage(disk).free < 65536
