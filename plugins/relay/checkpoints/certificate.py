@@ -260,18 +260,7 @@ def optimizer_pieces(model: Any, optimizer: Any) -> tuple[list[tuple[str, tuple[
                     continue
                 hit = flat_by_id.get(id(p)) or (flat_by_storage.get(_storage_key(p) or ()) if _is_flat(p) else None)
                 if hit is not None:
-                    prefix, flat = hit
-                    local = t.detach().reshape(-1)
-                    for fqn, info in zip(flat._fqns, flat._shard_param_infos, strict=True):
-                        piece = (
-                            (
-                                local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard],
-                                info.intra_param_start_idx,
-                            )
-                            if info.in_shard
-                            else None
-                        )
-                        pieces.append((f"{_own_name(prefix + fqn)}.{key}", piece))
+                    pieces += [(f"{name}.{key}", piece) for name, piece in _flat_pieces(*hit, t)]
                 elif (name := own.get(id(p))) is not None:
                     info = placed.get(name)
                     if info is not None:
@@ -336,14 +325,7 @@ def named_pieces(model: Any) -> list[tuple[str, tuple[Any, int] | None]]:
     covered: set[int] = set()
     for prefix, flat in _fsdp1_flat_params(model):
         covered.add(id(flat))
-        local = flat.detach().reshape(-1)  # this rank's piece of the flat parameter (sharded, outside a forward)
-        for fqn, info in zip(flat._fqns, flat._shard_param_infos, strict=True):
-            piece = (
-                (local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard], info.intra_param_start_idx)
-                if info.in_shard
-                else None
-            )
-            out.append((_own_name(prefix + fqn), piece))
+        out += _flat_pieces(prefix, flat, flat)  # this rank's piece of it (sharded, outside a forward)
     seen = {name for name, _ in out}
     for name, t in named_state(model):
         # FSDP1's original parameters under use_orig_params are views of the flat piece, already counted above
@@ -351,6 +333,21 @@ def named_pieces(model: Any) -> list[tuple[str, tuple[Any, int] | None]]:
             seen.add(name)
             out.append((name, local_piece(t)))
     return out
+
+
+def _flat_pieces(prefix: str, flat: Any, values: Any) -> list[tuple[str, tuple[Any, int] | None]]:
+    """(own name, piece) of each original parameter of FSDP1's flat parameter `flat`, cut from `values` (this rank's
+    piece of the flat parameter, or of an optimizer state shaped as it) where the handle records it lies."""
+    local = values.detach().reshape(-1)
+    return [
+        (
+            _own_name(prefix + fqn),
+            (local[i.offset_in_shard : i.offset_in_shard + i.numel_in_shard], i.intra_param_start_idx)
+            if i.in_shard
+            else None,
+        )
+        for fqn, i in zip(flat._fqns, flat._shard_param_infos, strict=True)
+    ]
 
 
 def _is_flat(p: Any) -> bool:
