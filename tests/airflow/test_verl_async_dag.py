@@ -19,9 +19,13 @@ logical GPU than the session's head gives)."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
+
 import pytest
 
-from relay.checkpoints import manifest
+from relay.checkpoints import manifest, queue_pickles
 from relay.checkpoints.gate import admit_dir
 from relay.devstack import stack
 from relay.insights.audit import audit
@@ -83,6 +87,34 @@ def test_airflows_retry_resumes_the_killed_async_chunk_with_its_batch_in_flight(
         assert (folder / "transfer_queue").is_dir() and len(PromptLedger.read(folder).live) == 4
         assert PROMPTS in manifest.read(folder).files, "its checksums cover the ledger"
         assert admit_dir(run, step).ok
+        queue = [p for p in (folder / "transfer_queue").rglob("*.pkl")]
+        assert len(queue) == 2, queue  # the controller's state and the storage unit's
+        for path in queue:  # what the gate reads through its restricted unpickler is what the queue's pickle.load reads
+            with path.open("rb") as f:
+                assert queue_pickles.equal(queue_pickles.load(path), pickle.load(f)), path
+
+
+def test_a_crafted_pickle_in_the_async_runs_queue_is_refused_at_the_gate(runs, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(layout.step_dir(runs["run_dir"], 6), layout.step_dir(copy, 6))
+    layout.write_tracker(copy, 6)
+    marker = tmp_path / "ran"
+    unit = next((layout.step_dir(copy, 6) / "transfer_queue" / "simple_storage").glob("su_*.pkl"))
+    state = pickle.loads(unit.read_bytes())
+    state["field_data"]["uid"] = {0: Payload(marker)}
+    unit.write_bytes(pickle.dumps(state))
+    (layout.step_dir(copy, 6) / manifest.NAME).unlink()
+    refused = admit_dir(copy, 6)
+    assert not refused.ok and refused.report.failed.name == "loadability", refused.explain()
+    assert f"{os.system.__module__}.system" in refused.report.failed.detail and not marker.exists()
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
 
 
 def test_the_resumed_async_run_trains_the_uninterrupted_runs_prompts_versions_and_weights(runs):

@@ -1,6 +1,7 @@
 """Checkpoint validation: verl's own checkpoints pass at every world size and FSDP version; each defect
 is refused with the right check named, quarantined, and never published."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,37 @@ def test_a_critic_is_required_when_the_algorithm_has_one(verl_checkpoints, tmp_p
     assert report.failed.name == "structure" and "critic/ (the algorithm has a critic)" in report.failed.detail
     shutil.copytree(run / ACTOR, run / "global_step_1" / "critic")
     assert validate_checkpoint(run, expect_critic=True).ok
+
+
+def test_an_async_steps_transfer_queue_pickles_are_checked_and_a_crafted_one_is_quarantined(verl_checkpoints, tmp_path):
+    """verl's async trainers save their TransferQueue in the step folder; the queue unpickles it at a resume. The
+    gate reads every pickle there through the restricted unpickler: the queue's own state passes, a crafted pickle
+    is quarantined with the type it asked for, nothing in it runs, and `relay checkpoint validate` refuses it."""
+    import pickle
+
+    from support import queue_state
+
+    run = copy_run(verl_checkpoints, tmp_path)
+    queue_state.write(run / "global_step_1")
+    admission = admit_dir(run)
+    assert admission.ok, admission.explain()
+    assert "2 TransferQueue pickles through the restricted unpickler" in admission.report.summary()
+
+    crafted = copy_run(verl_checkpoints, tmp_path / "crafted")
+    queue = queue_state.write(crafted / "global_step_1")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (queue / "controller_state.pkl").write_bytes(pickle.dumps({"controller_id": Payload()}))
+    cli = relay_cli("checkpoint", "validate", str(crafted))
+    assert cli.returncode == 1 and f"{os.system.__module__}.system" in cli.stdout, cli.stdout + cli.stderr
+    refused = admit_dir(crafted)
+    assert not refused.ok and refused.report.failed.name == "loadability", refused.explain()
+    assert "controller_state.pkl is unsafe: unpickling it needs posix.system" in refused.report.failed.detail
+    assert refused.quarantined_to and not (crafted / "global_step_1").exists() and not marker.exists()
 
 
 def test_consistency_with_the_expected_chunk_end(verl_checkpoints, tmp_path):

@@ -111,8 +111,8 @@ def test_optimizer_moments_altered_under_a_kept_certificate_are_refused_at_resum
 
 def test_a_certificate_deleted_with_the_manifest_is_refused_at_resume_and_by_the_gate(trained, tmp_path):
     """Altered weights whose certificate and manifest were both removed: the commit record of step 6 (outside the
-    step folder) names a certificate, so the resume is refused as a failed certificate, never "uncertified", and the
-    run falls back to step 3; the gate refuses it alike."""
+    step folder) names a certificate, so the resume's search quarantines it as a failed certificate, never
+    "uncertified", and the run goes on from step 3; the gate refuses it alike, with the run's spec or without."""
     from relay.preflight.admission import admit
     from relay.runs.run import Run
     from relay.spec.run_spec import load_spec
@@ -124,13 +124,18 @@ def test_a_certificate_deleted_with_the_manifest_is_refused_at_resume_and_by_the
     (layout.step_dir(run, 6) / certificate.NAME).unlink()
     gated = shutil.copytree(run, tmp_path / "gated")
 
-    refused = relay_cli("train", str(spec), "--to-step", "7", "--checkpoint-dir", str(run))
-    out = refused.stdout + refused.stderr
-    assert refused.returncode != 0 and "its certificate was removed" in out and "uncertified" not in out, out[-3000:]
-    [event] = events(run, "certificate_refused")
-    assert event["step"] == 6 and event["fell_back_to"] == 3, event
-    assert layout.read_tracker(run) == 3 and not layout.step_dir(run, 6).exists()
+    resumed = relay_cli("train", str(spec), "--to-step", "7", "--checkpoint-dir", str(run))
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-3000:]
+    assert "quarantined checkpoint step 6: certificate failed: global_step_6: its certificate was removed" in out
+    assert "certified resume from step 3" in out and "uncertified" not in out, out[-3000:]
+    assert [e["step"] for e in events(run, "fallback")] == [3]
+    assert not layout.step_dir(run, 6).exists() or certificate.read(layout.step_dir(run, 6)).step == 6
 
+    # without the run's spec too: `relay checkpoint validate` holds the step to its commit record
+    for args in ((), ("--quick",)):
+        plain = relay_cli("checkpoint", "validate", str(gated), "--step", "6", *args)
+        assert plain.returncode == 1 and "its certificate was removed" in plain.stdout, plain.stdout + plain.stderr
     bad = admit(Run(load_spec(spec), "t", gated, None), 6)
     assert not bad.ok and bad.report.failed.name == "certificate", bad.explain()
     assert "its certificate was removed" in bad.report.failed.detail

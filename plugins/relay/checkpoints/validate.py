@@ -7,10 +7,13 @@ No checkpoint is resumed from, published or called latest until it has been prov
   fsdp_config.json record (model, optim, extra_state per rank; data.pt; huggingface/config.json;
   critic/ when the algorithm has one).
 - consistency: the tracker, the folder name and the expected chunk end agree; the world size is
-  the one of the run's earlier checkpoints.
+  the one of the run's earlier checkpoints; the step's commit record (relay.checkpoints.commits) does not refuse
+  the certificate its folder holds now (one removed or replaced since the commit fails as a certificate does, at
+  every level and with or without the run's spec).
 - integrity: every .pt passes its zip CRC32; when a manifest exists, every file still has the
   size and CRC64NVME it recorded (so a file cannot change between validation and use).
-- loadability: every .pt loads through the safe loader (weights_only, mmap).
+- loadability: every .pt loads through the safe loader (weights_only, mmap); every pickle of verl's TransferQueue
+  state (transfer_queue/) through a restricted unpickler (relay.checkpoints.queue_pickles).
 - numerics: model and optimizer tensors are finite; parameter names and shapes match the run's
   previous valid checkpoint.
 - smoke (optional): a trainer-provided forward pass on a fixed prompt gives finite logits. A smoke check that
@@ -35,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relay.checkpoints import commits, integrity, manifest, safeload
+from relay.checkpoints import commits, integrity, manifest, queue_pickles, safeload
 from relay.checkpoints.reshard_record import record_of
 from relay.checkpoints.safeload import is_sharded_record
 from relay.common.errors import CheckpointError
@@ -147,6 +150,10 @@ def validate_checkpoint(
     if not _structure(report, ckpt, expect_critic):
         return report
     if not _consistency(report, run_dir, step, tracker, expected_step):
+        return report
+    if (standing := commits.standing(run_dir, step, ckpt)).kind == "refused":
+        # what the commit recorded binds the step, with or without a spec: a certificate removed to get past it fails
+        report.add("certificate", False, f"{layout.step_name(step)}: {standing.detail}")
         return report
     if depth <= LEVELS.index("consistency"):
         return report
@@ -287,6 +294,7 @@ class FileResult:
     nonfinite: str | None = None
     params: dict[str, list[int | str]] | None = None
     loaded: bool = False  # checked at the loadability and numerics levels too (when it is a .pt file)
+    queue_pickle: bool = False  # one of verl's TransferQueue pickles, read through the restricted unpickler
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -321,6 +329,8 @@ def check_file(ckpt: Path, rel: str, load: bool = True, pool: Executor | None = 
     import torch
 
     path = ckpt / rel
+    if load and path.suffix != ".pt" and queue_pickles.is_queue_pickle(rel, _head(path)):
+        return _check_queue_pickle(path, rel, pool)
     if path.suffix != ".pt" or not load:
         return FileResult(rel, integrity.scan(path, pool=pool), loaded=load)
     shard = bool(layout.SHARD.match(path.name)) and not path.name.startswith("extra_state")
@@ -354,6 +364,25 @@ def check_file(ckpt: Path, rel: str, load: bool = True, pool: Executor | None = 
                 break
     if path.name.startswith("model_world_size_") and path.name.endswith("_rank_0.pt") and isinstance(obj, dict):
         res.params = {k: _global_shape(v) for k, v in obj.items() if hasattr(v, "dtype")}
+    return res
+
+
+def _head(path: Path) -> bytes:
+    try:
+        with path.open("rb") as f:
+            return f.read(2)
+    except OSError:
+        return b""
+
+
+def _check_queue_pickle(path: Path, rel: str, pool: Executor | None) -> FileResult:
+    """One of verl's TransferQueue pickles: its bytes, then its restricted load (relay.checkpoints.queue_pickles)."""
+    res = FileResult(rel, integrity.scan(path, pool=pool), loaded=True, queue_pickle=True)
+    if not res.scan.problem:
+        try:
+            queue_pickles.load(path)
+        except CheckpointError as e:
+            res.load_error = e.what
     return res
 
 
@@ -427,7 +456,9 @@ def _integrity_and_loading(report: CheckReport, ckpt: Path, load: bool, checked:
     if load_error:
         return report.add("loadability", False, load_error)
     n_pt = sum(1 for r in results if r.rel.endswith(".pt"))
-    report.add("loadability", True, f"{n_pt} .pt files load with weights_only (mmap), nothing unsafe")
+    n_queue = sum(1 for r in results if r.queue_pickle)
+    queue = f"; {n_queue} TransferQueue pickles through the restricted unpickler" if n_queue else ""
+    report.add("loadability", True, f"{n_pt} .pt files load with weights_only (mmap){queue}, nothing unsafe")
     nonfinite = next((r.nonfinite for r in results if r.nonfinite), None)
     if nonfinite:
         return report.add("numerics", False, nonfinite)

@@ -13,7 +13,6 @@ from pathlib import Path
 from relay.checkpoints import certificate, commits
 from relay.checkpoints.gate import Admission, admit_dir
 from relay.checkpoints.validate import Skipped
-from relay.common.errors import CertificateError
 from relay.runs import layout
 from relay.runs.run import Run
 from relay.spec.kinds import KINDS
@@ -35,10 +34,9 @@ def certify_check(spec):
     fn = KINDS[spec.trainer.kind].certify_function()
 
     def check(step_dir: Path) -> str:
+        # a step whose commit record refuses it never gets here (relay.checkpoints.validate checks the record)
         m = layout.STEP_DIR.match(step_dir.name)
         standing = commits.standing(step_dir.parent, int(m.group(1)), step_dir) if m else None
-        if standing is not None and standing.kind == "refused":
-            raise CertificateError(f"{step_dir.name}: {standing.detail}")
         saved = certificate.read(step_dir)
         if saved is None:
             why = standing.detail if standing is not None else "saved without Relay"
