@@ -4,8 +4,10 @@ is refused with the right check named, quarantined, and never published."""
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from relay.checkpoints import manifest
 from relay.checkpoints.gate import admit_dir
@@ -268,19 +270,90 @@ def test_numerics_ride_the_integrity_pass_and_only_a_tensors_own_nan_is_refused(
     assert outside.scan.nonfinite and outside.nonfinite is None, "a NaN outside every tensor is not the model's"
 
 
-def test_a_smoke_check_that_cannot_run_is_recorded_as_skipped_never_as_passed(verl_checkpoints, tmp_path):
-    """verl's smoke check loads a whole model from one shard: at world size 2 it does not run, and the validation
-    output and the manifest say so (the checkpoint is still admitted on the levels that ran)."""
-    from relay.trainers.verl_ppo.smoke import smoke
+def certified_offline(step_dir):
+    """A certificate of the checkpoint's model as an unsharded model holds it (its pieces put together, loaded into
+    the architecture of huggingface/): its parameters' digests by name and the probe's log-probs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from relay.checkpoints import certificate, shards
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(step_dir / "actor" / "huggingface"))
+    state = shards.read(step_dir).full(torch.float32)
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state, strict=True)
+    ids = [[1, 5, 9, 3], [2, 7]]
+    certificate.Certificate(
+        step=1,
+        world_size=shards.read(step_dir).world_size,
+        device="cpu",
+        probe_ids=ids,
+        logprobs=certificate.probe_logprobs(model.eval(), ids, 0),
+        params=certificate.param_digests(model),
+    ).write(step_dir)
+
+
+SPEC = SimpleNamespace(settings=SimpleNamespace(attention=None), checkpoints=SimpleNamespace(offline_tolerance=1e-5))
+
+
+@pytest.mark.parametrize("fsdp,ws", KINDS, ids=[f"FSDP{f}-ws{w}" for f, w in KINDS])
+def test_the_gates_smoke_and_certificate_checks_run_at_the_checkpoints_own_world_size(verl_checkpoints, tmp_path, fsdp, ws):
+    """verl's checkpoint, FSDP1 or FSDP2, at world size 1 or 2: the smoke check loads the whole model from every
+    rank's pieces, and the certificate check digests the pieces where they lie; a row swapped in one rank's shard
+    (same shapes, finite, torch's CRCs made again) is refused by the certificate."""
+    from relay.checkpoints import certificate
+    from relay.trainers.verl_ppo.smoke import certify, smoke
+    from relay.trainers.verl_ppo.tiny_model import byte_tokenizer
+
+    run = copy_run(verl_checkpoints, tmp_path, fsdp, ws)
+    step_dir = layout.step_dir(run, 1)
+    byte_tokenizer().save_pretrained(step_dir / "actor" / "huggingface")  # verl saves the model's tokenizer there
+    certified_offline(step_dir)
+
+    saved = certificate.read(step_dir)
+    admission = admit_dir(run, smoke=lambda d: smoke(SPEC, d), certify=lambda d: certify(SPEC, d, saved))
+    assert admission.ok, admission.explain()
+    summary = admission.report.summary()
+    assert "✔ smoke: forward pass" in summary, summary
+    assert f"parameter digests equal at world size {ws}, probe log-probs within" in summary, summary
+
+    shard = step_dir / "actor" / layout.shard_name("model", ws, ws - 1)
+    sd = safe_torch_load(shard)
+    key = next(k for k in sd if k.endswith("mlp.down_proj.weight"))
+    swap_first_rows(sd[key])
+    torch.save(sd, shard)
+    (step_dir / manifest.NAME).unlink()
+    refused = admit_dir(run, certify=lambda d: certify(SPEC, d, saved))
+    assert not refused.ok and refused.report.failed.name == "certificate", refused.explain()
+    assert key in refused.report.failed.detail
+
+
+def safe_torch_load(path):
+    return torch.load(path, weights_only=False)
+
+
+def swap_first_rows(value):
+    """Rows 0 and 1 of this rank's piece swapped in place (a DTensor's local piece, a ShardedTensor's shard)."""
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if hasattr(value, "local_shards"):
+        local = value.local_shards()[0].tensor
+    local[[0, 1]] = local[[1, 0]]
+
+
+def test_a_smoke_check_that_cannot_run_is_recorded_as_skipped_never_as_passed(verl_checkpoints, tmp_path, monkeypatch):
+    """A model too large for the gate's host: the smoke check does not run, and the validation output and the manifest
+    say so (the checkpoint is still admitted on the levels that ran)."""
+    from relay.trainers.verl_ppo import smoke
+
+    monkeypatch.setattr(smoke, "MAX_BYTES", 1000)
     run = copy_run(verl_checkpoints, tmp_path, fsdp=2, ws=2)
-    admission = admit_dir(run, smoke=lambda step_dir: smoke(None, step_dir))
+    admission = admit_dir(run, smoke=lambda step_dir: smoke.smoke(SPEC, step_dir))
     assert admission.ok
     summary = admission.report.summary()
-    assert "- smoke: skipped: world size 2" in summary and "✔ smoke" not in summary
+    assert "- smoke: skipped: the model shards are" in summary and "✔ smoke" not in summary
     m = manifest.read(layout.step_dir(run, 1))
     assert "smoke" not in m.checks and m.checks[-1] == "numerics"
-    assert m.skipped["smoke"].startswith("world size 2")
+    assert m.skipped["smoke"].startswith("the model shards are")
 
 
 def test_the_gate_quarantines_only_the_folder_it_validated(verl_checkpoints, tmp_path):

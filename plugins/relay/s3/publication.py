@@ -4,16 +4,14 @@ uploaded), then retention, locally and in S3."""
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-from relay.checkpoints import certificate, manifest, retention
+from relay.checkpoints import certificate, manifest, retention, shards
 from relay.checkpoints.manifest import unchanged_since_validation
 from relay.common.errors import CertificateError, CheckpointError
 from relay.runs import layout
@@ -86,13 +84,13 @@ def publish_folder(store: CheckpointStore, folder: Path, key_prefix: str) -> str
 def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
     """The Hugging Face export, loaded with transformers, against the checkpoint and its certificate. At any world
     size, tensor by tensor: every exported tensor is the checkpoint's cast to the export's dtype (its digest, from the
-    shards' pieces at their global offsets, so no tensor is gathered), none is missing, and the checkpoint's own
-    tensors are the certified ones. The probe, where there is a certificate: at world size 1 the export's probe
-    equals, within `tolerance`, the probe of the checkpoint's weights cast alike in the architecture of its
-    huggingface/ folder (so the export's config and code read the weights as the trainer did; a comparison with the
-    certified log-probs themselves would measure the dtype's rounding, which grows as a model sharpens); a sharded
-    checkpoint's export is compared with the certificate's log-probs. A checkpoint without a certificate is verified
-    against its own weights, tensor by tensor. CertificateError otherwise."""
+    shards' pieces at their global offsets: relay.checkpoints.shards), none is missing, and the checkpoint's own
+    tensors are the certified ones. The probe, where there is a certificate: the export's probe equals, within
+    `tolerance`, the probe of the checkpoint's weights (its pieces put together, at any world size) cast alike in the
+    architecture of its huggingface/ folder (so the export's config and code read the weights as the trainer did; a
+    comparison with the certified log-probs themselves would measure the dtype's rounding, which grows as a model
+    sharpens). A checkpoint without a certificate is verified against its own weights, tensor by tensor.
+    CertificateError otherwise."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -100,16 +98,17 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(torch.device("cpu"))
     exported = dict(certificate.named_state(model))
     dtype = next(iter(exported.values())).dtype
-    pieces, world_size = _checkpoint_pieces(step_dir)
+    model_shards = shards.read(step_dir)
+    pieces = model_shards.pieces
     problems: list[str] = []
     if saved is not None:
-        ours = _summed_digests({n: pieces[n] for n in saved.params if n in pieces})
+        ours = model_shards.digests(saved.params)
         if changed := sorted(n for n in saved.params if ours.get(n) != saved.params[n]):
             problems.append(f"the checkpoint's own tensors are not those certified: {', '.join(changed[:5])}")
     tied = getattr(model.config, "tie_word_embeddings", False)
     wanted = set(saved.params) if saved is not None else {n for n in pieces if not (tied and n == "lm_head.weight")}
     missing = sorted(n for n in pieces if n in wanted and n not in exported)
-    cast = _summed_digests({n: [(t.to(exported[n].dtype), o) for t, o in pieces[n]] for n in pieces if n in exported})
+    cast = shards.summed_digests({n: [(t.to(exported[n].dtype), o) for t, o in pieces[n]] for n in pieces if n in exported})
     theirs = certificate.digests((n, exported[n]) for n in cast)
     differ = sorted(n for n, d in cast.items() if d != theirs[n])
     if missing:
@@ -121,12 +120,12 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
     if saved is not None:
         logprobs = certificate.probe_logprobs(model, saved.probe_ids, saved.pad_id)
         reference, against = saved.logprobs, "the certificate's"
-        if world_size == 1 and not problems:
+        if not problems:  # the checkpoint's whole tensors, from its pieces at any world size
             config = AutoConfig.from_pretrained(step_dir / "actor" / "huggingface")
             ref = AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation=model.config._attn_implementation
             )
-            weights = {n: ps[0][0].to(dtype) for n, ps in pieces.items()}
+            weights = model_shards.full(dtype)
             if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in weights:
                 weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
             ref.load_state_dict(weights, strict=True)
@@ -146,38 +145,6 @@ def verify_export(folder: Path, step_dir: Path, tolerance: float) -> str:
     if saved is None:
         return f"reproduces the weights of {step_dir.name}: {checked} (it has no certificate: no probe compared)"
     return f"reproduces the certificate of {step_dir.name}: {checked}; probe log-probs within {largest:.3g} of {against}"
-
-
-def _checkpoint_pieces(step_dir: Path) -> tuple[dict[str, list[tuple[Any, int]]], int]:
-    """The model shards' tensors as (piece, global flat offset) by name, every rank's, read with the restricted loader
-    (FSDP2's DTensors along dim 0 in rank order, FSDP1's ShardedTensor records by their shards' offsets; a plain
-    tensor counted once), and the world size."""
-    from relay.checkpoints import safeload
-
-    shards = sorted((step_dir / "actor").glob("model_world_size_*_rank_*.pt"), key=lambda p: int(p.stem.rpartition("_")[2]))
-    pieces: dict[str, list[tuple[Any, int]]] = {}
-    for rank, shard in enumerate(shards):
-        for name, value in safeload.load(shard, mmap=True).items():
-            got = pieces.setdefault(name, [])
-            if safeload.is_sharded_record(value):
-                row = math.prod(value.global_shape[1:])
-                got.extend((s.tensor, s.metadata.shard_offsets[0] * row) for s in value.local_shards)
-            elif hasattr(value, "to_local"):
-                local = value.to_local()
-                got.append((local, sum(t.numel() for t, _ in got)))  # Shard(0): the ranks' rows in order
-            elif rank == 0:
-                got.append((value, 0))
-    return pieces, len(shards)
-
-
-def _summed_digests(pieces: dict[str, list[tuple[Any, int]]]) -> dict[str, str]:
-    """certificate.digests of tensors given as pieces at their global flat offsets: each one's pieces summed."""
-    flat = [(n, p) for n, ps in pieces.items() for p in ps]
-    sums = certificate.piece_sums([p for _, p in flat])
-    total: dict[str, int] = dict.fromkeys(pieces, 0)
-    for (n, _), v in zip(flat, sums, strict=True):
-        total[n] = (total[n] + v) & ((1 << 64) - 1)
-    return {n: f"{v:016x}" for n, v in total.items()}
 
 
 def publish_checkpoint(run: Run, step: int, store: CheckpointStore) -> Publication:

@@ -90,7 +90,7 @@ class CheckpointPolicy(StrictModel):
     smoke: bool = Field(
         default=True,
         description="also run the trainer's forward-pass smoke check and its offline certificate check (the CPU "
-        "trainer's; verl's at world size 1 and under 2 GiB): the gate loads the model",
+        "trainer's at world size 1; verl's at any world size, shards under 2 GiB): the gate loads the model",
     )
     certificate_tolerance: float = Field(
         default=1e-3,

@@ -2,43 +2,37 @@
 answers a fixed prompt with finite logits.
 
 verl writes `actor/huggingface/` (config, tokenizer) with every checkpoint and the weights as FSDP shards
-(`actor/model_world_size_W_rank_R.pt`). The check reads the shard safely (relay.checkpoints.safeload,
-never verl's unpickling load), builds the model from that config with random weights, loads the shard
-strictly (every key, every shape) and runs one forward pass on the CPU. It runs at world size 1, where the
-shard holds the whole model (the CPU path), on models whose shard is under MAX_BYTES: the gate runs where
-Airflow's workers do, which are no place to load a 7B model. Anything else raises Skipped: the
-level is recorded as skipped, never as passed.
+(`actor/model_world_size_W_rank_R.pt`). The check reads every rank's shard safely (relay.checkpoints.shards
+over safeload, never verl's unpickling load), puts each tensor's pieces together (FSDP1 or FSDP2, any world size),
+builds the model from that config with random weights, loads the weights strictly (every key, every shape) and
+runs one forward pass on the CPU, on models whose shards are under MAX_BYTES: the gate runs where Airflow's
+workers do (or in a Ray job, `validate_on: ray`), which are no place to load a 7B model. A larger model raises
+Skipped: the level is recorded as skipped, never as passed. The certificate check compares each parameter's
+digest from the shards' pieces (nothing gathered for it) and the probe of the whole model.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from relay.checkpoints import safeload
+from relay.checkpoints import shards
 from relay.checkpoints.validate import Skipped
-from relay.runs import layout
 
 PROMPT = "3+4="
 MAX_BYTES = 2 << 30
 
 
 def _checkpoint_model(spec, step_dir: Path):
-    """(the model in float32 with the shard's weights, the shard's tensors as stored, its config, the huggingface/
+    """(the model in float32 with the checkpoint's weights, its shards as stored, its config, the huggingface/
     folder), or Skipped where one host's worker cannot load it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     actor = Path(step_dir) / "actor"
-    world_size = len(list(actor.glob("model_world_size_*_rank_*.pt")))
-    if world_size != 1:
+    stored = shards.read(step_dir)
+    if stored.nbytes > MAX_BYTES:
         raise Skipped(
-            f"world size {world_size} (the gate loads a whole model from one shard; the certificate is checked at "
-            "resume, in the trainer's workers)"
-        )
-    shard = actor / layout.shard_name("model", 1, 0)
-    if shard.stat().st_size > MAX_BYTES:
-        raise Skipped(
-            f"the model shard is {shard.stat().st_size / 2**30:.1f} GiB (the gate loads models under 2 GiB; the "
+            f"the model shards are {stored.nbytes / 2**30:.1f} GiB (the gate loads models under 2 GiB; the "
             "certificate is checked at resume, in the trainer's workers)"
         )
     hf = actor / "huggingface"
@@ -46,8 +40,7 @@ def _checkpoint_model(spec, step_dir: Path):
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=spec.settings.attention or "sdpa", dtype=torch.float32
     )
-    stored = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in safeload.load(shard, mmap=True).items()}
-    state = {k: v.float() for k, v in stored.items()}
+    state = stored.full(torch.float32)  # every rank's pieces put together, at any world size and FSDP version
     if getattr(config, "tie_word_embeddings", False):
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
     model.load_state_dict(state, strict=True)
@@ -80,10 +73,8 @@ def certify(spec, step_dir: Path, saved) -> str:
 
     if not saved.portable:
         raise Skipped("the certificate holds FSDP1's flat parameters: the trainer checks it at resume")
-    if getattr(spec.settings, "fsdp_version", 2) == 1:
-        raise Skipped("FSDP1's sharded state dicts are not read offline: the trainer checks the certificate at resume")
     model, stored, _, _ = _checkpoint_model(spec, step_dir)
-    ours = certificate.digests((n, stored[n]) for n in saved.params if n in stored)
+    ours = stored.digests(saved.params)  # from the pieces at their global offsets, at the checkpoint's world size
     problems = []
     if differ := sorted(n for n in saved.params if ours.get(n) != saved.params[n]):
         problems.append(f"{len(differ)} of {len(saved.params)} parameters are not those certified: {', '.join(differ[:5])}")
@@ -97,6 +88,6 @@ def certify(spec, step_dir: Path, saved) -> str:
     if problems:
         raise CertificateError(f"{Path(step_dir).name} does not reproduce its certificate: " + "; ".join(problems))
     return (
-        f"the model loaded offline reproduces its certificate: {len(ours)} parameter digests equal, probe log-probs "
-        f"within {largest:.3g}"
+        f"the model loaded offline reproduces its certificate: {len(ours)} parameter digests equal at world size "
+        f"{stored.world_size}, probe log-probs within {largest:.3g}"
     )
