@@ -26,7 +26,10 @@ SAME_BYTES = """
 import json, shutil, sys
 from pathlib import Path
 from relay.spec.run_spec import load_spec
+from relay.checkpoints import certificate as C
 from relay.trainers.tiny_grpo import trainer as T
+
+DIGESTS = C.optimizer_digests
 
 spec = load_spec(sys.argv[1], check_environment=False)
 tr = T._TinyGRPO(spec, spec.data.train_files)
@@ -37,7 +40,17 @@ for step in (1, 2):
     sync, copied = Path(sys.argv[2], f"sync{step}"), Path(sys.argv[2], f"async{step}")
     sync.mkdir(); copied.mkdir()
     tr.save(sync, step)
-    tr.snapshot(copied, step)()  # the copy, then its writes (the save's thread does them)
+    digested = []
+    C.optimizer_digests = lambda *a, **k: (digested.append(1), DIGESTS(*a, **k))[1]
+    write = tr.snapshot(copied, step)  # the copy, and the probe: what blocks training
+    assert not digested, "the optimizer's moments were digested on the training thread"
+    moments = [getattr(s["exp_avg"], "_local_tensor", s["exp_avg"]) for s in tr.optim.state.values()]
+    held = [m.clone() for m in moments]
+    for m in moments:  # training goes on and moves them before the save's thread runs
+        m.add_(1.0)
+    write()  # its writes, and the digests from the copy (the save's thread does them)
+    for m, h in zip(moments, held):
+        m.copy_(h)
     sizes.append(tr.host_buffers.nbytes)
     for f in sorted(p for p in sync.rglob("*") if p.is_file() and p.name != "relay_certificate.json"):
         assert f.read_bytes() == (copied / f.relative_to(sync)).read_bytes(), f
@@ -45,6 +58,7 @@ for step in (1, 2):
     for c in certs:
         c.pop("probe_seconds")
     assert certs[0] == certs[1] and certs[0]["params"], "the digests taken from the copy are the model's"
+    assert certs[0]["optimizer"] and digested, "and the optimizer's moments, as saved"
     print("same bytes", step, len(list(sync.rglob("*.pt"))), "files")
 assert sizes[0] == sizes[1] > 0, sizes
 print("host buffers reused", sizes)

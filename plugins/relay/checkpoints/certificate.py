@@ -308,6 +308,23 @@ def optimizer_digests(model: Any, optimizer: Any, *, reduce: Any = None) -> tupl
     return _digests(pieces, reduce=reduce), steps
 
 
+def optimizer_digests_of_copy(
+    model: Any, optimizer: Any, saved: dict[str, Any], *, reduce: Any = None
+) -> tuple[dict[str, str], list[int]]:
+    """optimizer_digests of the state in `saved`, a copy of `optimizer.state_dict()` as a save took it (torch keys
+    its states by the parameters' positions in the param groups): each position named through the live optimizer's
+    parameter there, so that the digests are those of the live state at the save, computed later from the copy."""
+    from types import SimpleNamespace
+
+    live = [p for group in optimizer.param_groups for p in group["params"]]
+    keys = [k for group in saved["param_groups"] for k in group["params"]]
+    states = saved.get("state", {})
+    view = SimpleNamespace(
+        param_groups=optimizer.param_groups, state={p: states.get(k, {}) for p, k in zip(live, keys, strict=True)}
+    )
+    return optimizer_digests(model, view, reduce=reduce)
+
+
 def portable(model: Any) -> bool:
     """Whether every parameter's digest is independent of the sharding: each of FSDP1's flat parameters is read
     through its handle's record of the original parameters it holds (named_pieces); one that cannot be is not."""

@@ -403,12 +403,20 @@ class _TinyGRPO:
         with deferred.collecting():
             self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
             self.torch.save(self.loader.state_dict(), folder / "data.pt")
-        # The parameters' digests from the copy, on the save's thread: the copy holds the values saved, and a
-        # digest depends only on a tensor's values and global indices (FSDP2's DTensors keep their own specs).
+        # The parameters' and the optimizer's digests from the copy, on the save's thread: the copy holds the values
+        # saved, and a digest depends only on a tensor's values and global indices (FSDP2's DTensors keep their own
+        # specs). Only the probe runs now: it needs the live model.
         copy = deferred.copied(layout.shard_name("model", 1, 0))
+        optim_copy = deferred.copied(layout.shard_name("optim", 1, 0))
         names = [n for n, _ in certificate.named_state(self.model)]
-        later = self.s.fsdp_version == 2 and copy is not None and sorted(copy) == sorted(names)
-        cert = self.certificate(step, params={} if later else None)  # the probe now: it needs the live model
+        later = (
+            self.s.fsdp_version == 2
+            and copy is not None
+            and sorted(copy) == sorted(names)
+            and isinstance(optim_copy, dict)
+            and "param_groups" in optim_copy
+        )
+        cert = self.certificate(step, params={} if later else None, optimizer=({}, []) if later else None)
 
         def before(path) -> None:
             if path.name == "data.pt":  # as in save(): a kill here leaves a half-written staging folder
@@ -416,7 +424,16 @@ class _TinyGRPO:
 
         def write() -> None:
             deferred.write(before=before)
-            done = replace(cert, params=certificate.digests((n, copy[n]) for n in names)) if later else cert
+            if later:
+                moments, steps = certificate.optimizer_digests_of_copy(self.model, self.optim, optim_copy)
+                done = replace(
+                    cert,
+                    params=certificate.digests((n, copy[n]) for n in names),
+                    optimizer=moments,
+                    optimizer_steps=steps,
+                )
+            else:
+                done = cert
             done.write(folder)
 
         return write
@@ -428,10 +445,17 @@ class _TinyGRPO:
 
         return prepare(self.host_buffers, self.ckpt)
 
-    def certificate(self, step: int, probe_ids: list[list[int]] | None = None, *, params: dict | None = None):
+    def certificate(
+        self,
+        step: int,
+        probe_ids: list[list[int]] | None = None,
+        *,
+        params: dict | None = None,
+        optimizer: tuple[dict, list[int]] | None = None,
+    ):
         """The certificate of the state held now: the probe's log-probs in eval mode (no RNG drawn, nothing
-        trained), the parameters' digests (unless given), the optimizer's moments and steps, its LR, the data position
-        and the RNG states."""
+        trained), the parameters' digests (unless given), the optimizer's moments and steps (unless given), its LR, the
+        data position and the RNG states."""
         from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
         from relay.checkpoints import certificate
@@ -441,7 +465,7 @@ class _TinyGRPO:
         ids = probe_ids if probe_ids is not None else self.probe_ids
         logprobs = certificate.probe_logprobs(self.model, ids, task.VOCAB[task.PAD])
         state: dict = next(iter(self.optim.state.values()), {})
-        moments, steps = certificate.optimizer_digests(self.model, self.optim)
+        moments, steps = optimizer if optimizer is not None else certificate.optimizer_digests(self.model, self.optim)
         return certificate.Certificate(
             step=step,
             world_size=1,
