@@ -30,6 +30,7 @@ import pytest
 import torch
 import yaml
 
+from relay.checkpoints import certificate
 from relay.checkpoints.gate import admit_dir
 from relay.devstack import stack
 from relay.insights.audit import audit
@@ -155,6 +156,10 @@ def test_verls_workers_saved_off_the_critical_path_the_bytes_of_a_synchronous_sa
         a, b = storages(chunked / name), storages(one_job / name)
         assert a.keys() == b.keys() and len(a) > 10 and a == b, name
     assert not list((dag_run["run_dir"] / ".relay" / "staging").glob("*")), "nothing left in staging"
+    # the certificate's digests, taken by the workers from their copies, are those the synchronous save took live
+    a, b = (certificate.read(layout.step_dir(r, 6)) for r in (dag_run["run_dir"], dag_run["straight"]))
+    assert a.params == b.params and a.optimizer == b.optimizer and a.optimizer_steps == b.optimizer_steps and a.params
+    assert "(digests from the saved copies)" in dag_run["out"]
 
 
 def storages(shard) -> dict[str, bytes]:

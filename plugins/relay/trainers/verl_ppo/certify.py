@@ -35,8 +35,10 @@ def probe_ids(dataset: Any, tokenizer: Any, seed: int) -> list[list[int]]:
     return out
 
 
-def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, Any]:
-    """In one actor worker (its Ray actor): this rank's part of the certificate, the parameter digests all-reduced."""
+def worker_piece(worker: Any, ids: list[list[int]], pad_id: int, digests: bool = True) -> dict[str, Any]:
+    """In one actor worker (its Ray actor): this rank's part of the certificate, the parameter digests all-reduced
+    (`digests=False`: the probe and the small states only; a save off the critical path digests its copies later,
+    relay.trainers.verl_ppo.worker_saves)."""
     import torch
     import torch.distributed as dist
     from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
@@ -47,13 +49,18 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int) -> dict[str, An
     engine = actor_of(worker).actor.engine
     module = engine.module
     with engine.eval_mode():
-        named = certificate.named_pieces(module)  # FSDP1's flat parameters by their original parameters too
-        moments, steps = certificate.optimizer_pieces(module, engine.optimizer)
-        sums = certificate.piece_sums([piece for _, piece in named + moments])  # one all-reduce for both
-        device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
-        total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(total)  # int64 wraps: the sum modulo 2^64, as at world size 1
+        named: list[Any] = []
+        moments: list[Any] = []
+        steps: list[int] = []
+        total = torch.zeros(0, dtype=torch.int64)
+        if digests:
+            named = certificate.named_pieces(module)  # FSDP1's flat parameters by their original parameters too
+            moments, steps = certificate.optimizer_pieces(module, engine.optimizer)
+            sums = certificate.piece_sums([piece for _, piece in named + moments])  # one all-reduce for both
+            device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
+            total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
+            if dist.is_initialized():
+                dist.all_reduce(total)  # int64 wraps: the sum modulo 2^64, as at world size 1
         logprobs, probe_dtype = certificate.probe(module, ids, pad_id)
     state: dict = next(iter(engine.optimizer.state.values()), {})
     scheduler = getattr(engine, "lr_scheduler", None)
@@ -88,15 +95,16 @@ def actor_of(worker: Any) -> Any:
     raise RuntimeError(f"no actor engine in {type(worker).__name__}: verl's worker layout changed")
 
 
-def certificate_of(trainer: Any, step: int, ids: list[list[int]], pad_id: int) -> Any:
-    """The certificate of the state verl's actor holds now (every worker at once), and the trainer's data position."""
+def certificate_of(trainer: Any, step: int, ids: list[list[int]], pad_id: int, digests: bool = True) -> Any:
+    """The certificate of the state verl's actor holds now (every worker at once), and the trainer's data position;
+    `digests=False`: without the parameters' and optimizer's digests (given later, from the save's copies)."""
     import ray
 
     from relay.checkpoints import certificate
 
     t0 = time.perf_counter()
     workers = trainer.actor_rollout_wg.workers
-    pieces = ray.get([w.__ray_call__.remote(worker_piece, ids, pad_id) for w in workers])
+    pieces = ray.get([w.__ray_call__.remote(worker_piece, ids, pad_id, digests) for w in workers])
     first = min(pieces, key=lambda p: p["rank"])
     return certificate.Certificate(
         step=step,

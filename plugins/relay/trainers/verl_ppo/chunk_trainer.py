@@ -18,7 +18,8 @@ only this:
   in verl's workers: relay.trainers.verl_ppo.certify), then the fenced commit (rename to global_step_N, tracker
   written atomically, holding the run's lease), as every Relay trainer does. `_load_checkpoint` checks the
   certificate after verl loaded it, before the first step. With checkpoints.async_save the workers write their
-  shards on threads of their own (relay.trainers.verl_ppo.worker_saves) and the session's save thread commits;
+  shards on threads of their own (relay.trainers.verl_ppo.worker_saves; with FSDP2 they digest their copies there,
+  and only the certificate's probe runs while training waits) and the session's save thread commits;
   the loop's last row, a graceful stop, a handoff and `on_train_end` wait for that commit.
 - `_balance_batch`: the step's responses are put in one order (dataset index, place in the group) before
   verl balances them, so that the order they were generated in changes no bit of training.
@@ -163,18 +164,41 @@ class RelayChunk(PPOTrainer):
         pad = getattr(self.tokenizer, "pad_token_id", None)
         return int(pad if pad is not None else getattr(self.tokenizer, "eos_token_id", 0) or 0)
 
-    def _relay_certify_save(self, staged, step: int) -> None:
+    def _relay_certify_save(self, staged, step: int, *, digests: bool = True):
         """The certificate of what verl just saved, into the staged step folder (before the commit). A certificate
-        that cannot be computed never fails the save: its commit records why, and the step may resume uncertified."""
+        that cannot be computed never fails the save: its commit records why, and the step may resume uncertified.
+        `digests=False` (a save off the critical path): the probe only, returned for the save's thread to complete
+        with the digests of the workers' copies (_relay_certify_later); nothing written yet."""
         try:
             if getattr(self, "_relay_probe_ids", None) is None:
                 self._relay_probe_ids = certify.probe_ids(self.train_dataset, self.tokenizer, self.relay_session.spec.seed)
-            cert = certify.certificate_of(self, step, self._relay_probe_ids, self._relay_pad_id())
+            cert = certify.certificate_of(self, step, self._relay_probe_ids, self._relay_pad_id(), digests)
         except Exception as e:  # noqa: BLE001 - whatever verl's workers raised: the save itself stands
             self.relay_session.no_certificate(step, f"{type(e).__name__}: {e}")
-            return
+            return None
+        if not digests:
+            return cert
         cert.write(staged)
         verl_chunk.say(f"certificate of step {step}: {cert.summary()}")
+        return cert
+
+    def _relay_certify_later(self, staged, step: int, probed, results: list[dict]) -> None:
+        """On the save's thread: the certificate whose probe ran at the save, with the digests the workers took of
+        their copies (worker_saves.summed), into the staged folder before the commit; or the commit records why not."""
+        from dataclasses import replace
+
+        from relay.trainers.verl_ppo import worker_saves
+
+        if probed is None:
+            return  # the probe failed: no_certificate said why
+        try:
+            params, moments, steps = worker_saves.summed(results)
+        except RuntimeError as e:
+            self.relay_session.no_certificate(step, f"its digests could not be taken from the saved copies: {e}")
+            return
+        cert = replace(probed, params=params, optimizer=moments, optimizer_steps=steps)
+        cert.write(staged)
+        verl_chunk.say(f"certificate of step {step}: {cert.summary()} (digests from the saved copies)")
 
     def _relay_certify_resume(self, step: int) -> None:
         """After verl's load, before the first step: the workers' certificate of what they loaded against the saved
@@ -240,8 +264,9 @@ class RelayChunk(PPOTrainer):
 
     def _relay_snapshot(self, staging_root, step: int):
         """A save off the critical path (checkpoints.async_save; relay.trainers.verl_ppo.worker_saves): verl's save
-        with every worker's torch.save deferred into its host buffers, then the certificate of the weights saved
-        (its probe now, before they change); each worker writes its files on a thread of its own. Returns the
+        with every worker's torch.save deferred into its host buffers, then the certificate's probe of the weights
+        saved (now, before they change); each worker writes its files on a thread of its own and, with FSDP2,
+        digests its copies there for the certificate. Returns the
         writes for the session's save thread: wait until every worker wrote and fsynced its files, then the step
         folder to commit."""
         import ray
@@ -249,7 +274,11 @@ class RelayChunk(PPOTrainer):
         from relay.trainers.verl_ppo import worker_saves
 
         workers = self._relay_save_workers()
-        ray.get([w.__ray_call__.remote(worker_saves.defer, step) for w in workers])
+        # FSDP2's shards are digested from the workers' copies on their write threads; FSDP1's flat parameters, on
+        # the training thread, as a synchronous save does (its optimizer's sharded state is keyed otherwise)
+        later = self.relay_session.spec.settings.fsdp_version == 2
+        actors = len(self.actor_rollout_wg.workers)
+        ray.get([w.__ray_call__.remote(worker_saves.defer, step, later and i < actors) for i, w in enumerate(workers)])
         done = [Path(staging_root) / f".written-{i}.json" for i in range(len(workers))]
         try:
             self._relay_verl_save(staging_root)
@@ -262,10 +291,12 @@ class RelayChunk(PPOTrainer):
                 verl_chunk.say(f"step {step}: {why}; written before training went on")
         staged = layout.step_dir(staging_root, step)
         self._relay_staged(staged, step)
-        self._relay_certify_save(staged, step)
+        probed = self._relay_certify_save(staged, step, digests=not later)  # the probe: it needs the live model
 
         def write():
-            worker_saves.wait_written(done, lambda: self._relay_gone(workers))
+            results = worker_saves.wait_written(done, lambda: self._relay_gone(workers))
+            if later:
+                self._relay_certify_later(staged, step, probed, results)
             for d in done:
                 d.unlink()
             return staged

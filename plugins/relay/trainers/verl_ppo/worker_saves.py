@@ -10,7 +10,10 @@ writes its copies and fsyncs them while the next steps train:
   `torch.save` collects; a save of this worker still being written is waited for first (one in flight);
 - verl's own `save_checkpoint` runs on the workers, as always;
 - `write_behind(worker, done)` (after it): the worker's `torch.save` is its own again, and a thread writes the
-  copies, fsyncs them and then writes `done` (JSON: ok, or the error), atomically.
+  copies, fsyncs them and then writes `done` (JSON: ok, or the error), atomically. For an actor worker of an FSDP2
+  model (`digest`), the thread also digests its copies of the model's and the optimizer's shards for the step's
+  certificate (relay.checkpoints.certificate: this rank's pieces, summed over the ranks by the trainer), so that
+  only the certificate's probe runs while training waits.
 
 The trainer's save thread (ChunkSession.save_off_critical_path) waits for every worker's `done` file and only then
 commits under the lease: the tracker names a checkpoint only once every rank has written its files. An object
@@ -41,8 +44,9 @@ _collecting: dict[str, Any] = {}
 _writer: threading.Thread | None = None
 
 
-def defer(worker: Any, step: int) -> None:
-    """In one worker, before verl's save of `step`: its `torch.save` calls are collected into host buffers."""
+def defer(worker: Any, step: int, digest: bool = False) -> None:
+    """In one worker, before verl's save of `step`: its `torch.save` calls are collected into host buffers. `digest`:
+    the certificate's digests will be taken from the copies (an actor worker of an FSDP2 model)."""
     global _writer
     if _writer is not None:  # at most one save in flight, in this worker too
         _writer.join()
@@ -51,6 +55,13 @@ def defer(worker: Any, step: int) -> None:
     context = deferred.collecting()
     context.__enter__()
     _collecting.update(deferred=deferred, context=context, step=step)
+    if digest:
+        from relay.checkpoints import certificate
+        from relay.trainers.verl_ppo.certify import actor_of
+
+        engine = actor_of(worker).actor.engine
+        # the names the certificate digests, as the module holds them now (the live check's names at a resume)
+        _collecting["names"] = [name for name, _ in certificate.named_state(engine.module)]
 
 
 def write_behind(worker: Any, done: str) -> dict[str, Any]:
@@ -61,6 +72,7 @@ def write_behind(worker: Any, done: str) -> dict[str, Any]:
         raise RuntimeError("write_behind without defer: Relay's async save was not started in this worker")
     deferred: DeferredWrites = _collecting.pop("deferred")
     step: int = _collecting.pop("step")
+    names: list[str] | None = _collecting.pop("names", None)
     _collecting.pop("context").__exit__(None, None, None)
 
     def write() -> None:
@@ -73,12 +85,52 @@ def write_behind(worker: Any, done: str) -> dict[str, Any]:
             result: dict[str, Any] = {"ok": True, "seconds": round(time.time() - t0, 3)}
         except BaseException as e:  # noqa: BLE001 - said in the done file; the trainer's save thread raises it
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if names is not None and result["ok"]:
+            try:
+                result["digests"] = _digests_of_copies(worker, deferred, names)
+            except Exception as e:  # noqa: BLE001 - the certificate is then skipped, saying why; the save stands
+                result["digest_error"] = f"{type(e).__name__}: {e}"
         result.update(pid=os.getpid(), files=[p.name for _, p in deferred.writes], written_now=deferred.written_now)
         files.atomic_write_json(Path(done), result)
 
     _writer = threading.Thread(target=write, name=f"relay-save-write-{step}")
     _writer.start()
     return {"bytes": _buffers.nbytes, "written_now": deferred.written_now}
+
+
+def _digests_of_copies(worker: Any, deferred: DeferredWrites, names: list[str]) -> dict[str, Any]:
+    """This rank's part of the certificate's digests, from its copies of the shards verl saved: each parameter's and
+    each optimizer moment's pieces at their global offsets (DTensor copies keep their specs), not yet summed over the
+    ranks; and the parameters' optimizer steps."""
+    from relay.checkpoints import certificate
+    from relay.trainers.verl_ppo.certify import actor_of
+
+    saved = {path.name.partition("_world_size_")[0]: obj for obj, path in deferred.writes}
+    model, optim = saved.get("model"), saved.get("optim")
+    if not isinstance(model, dict) or not isinstance(optim, dict):
+        raise RuntimeError("verl saved no model or optimizer shard in this worker")
+    if missing := [n for n in names if n not in model]:
+        raise RuntimeError(f"the saved model shard lacks {', '.join(missing[:3])}")
+    engine = actor_of(worker).actor.engine
+    moments, steps = certificate.optimizer_digests_of_copy(engine.module, engine.optimizer, optim)
+    return {"params": certificate.digests((n, model[n]) for n in names), "optimizer": moments, "steps": steps}
+
+
+def summed(results: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str], list[int]]:
+    """In the trainer: the workers' digests summed over the ranks (each a sum modulo 2^64, as the all-reduce of the
+    live check adds them): (parameters, optimizer moments, steps). RuntimeError naming why where a worker has none."""
+    parts = [r for r in results if "digests" in r or "digest_error" in r]
+    if why := next((r["digest_error"] for r in parts if "digest_error" in r), None):
+        raise RuntimeError(why)
+
+    def add(kind: str) -> dict[str, str]:
+        total: dict[str, int] = {}
+        for r in parts:
+            for name, h in r["digests"][kind].items():
+                total[name] = (total.get(name, 0) + int(h, 16)) & ((1 << 64) - 1)
+        return {n: f"{v:016x}" for n, v in total.items()}
+
+    return add("params"), add("optimizer"), sorted({s for r in parts for s in r["digests"]["steps"]})
 
 
 def prepare(worker: Any) -> str:
