@@ -78,6 +78,20 @@ def test_every_other_piece_is_exact_and_named():
         assert not c.ok and words in c.detail(), c.detail()
 
 
+def test_the_critics_state_is_exact_and_named_where_it_was_saved():
+    """verl's value model, where the algorithm has one: its parameters and optimizer moments are certified as the
+    actor's are; a certificate saved without them (before version 3) holds a resume that has them."""
+    critic = {"critic": {"v.weight": "0000000000000001"}, "critic_optimizer": {"v.weight.exp_avg": "02"}}
+    saved = cert(**critic)
+    assert compare(saved, cert(**critic), 1.0).ok
+    c = compare(saved, cert(critic={"v.weight": "0000000000000009"}, critic_optimizer=critic["critic_optimizer"]), 1.0)
+    assert not c.ok and "1 of 1 critic parameters hold other values than saved: v.weight" in c.detail(), c.detail()
+    c = compare(saved, cert(critic=critic["critic"]), 1.0)  # the critic's moments not restored
+    assert not c.ok and "1 of 1 critic optimizer moments hold other values than saved: v.weight.exp_avg" in c.detail()
+    assert compare(cert(), cert(**critic), 1.0).ok
+    assert "the critic's 1 parameter and 1 moment digests" in saved.summary()
+
+
 def test_a_certificate_reads_back_as_written(tmp_path):
     c = cert(probe_seconds=0.004)
     c.write(tmp_path)

@@ -67,6 +67,12 @@ def test_what_provides_flash_attn_silences_the_warning_and_an_unknown_image_is_s
         verl_spec(attn_implementation="sdpa", adv_estimator="gae"), flash_attn_importable=False, image=NO_FLASH_IMAGE
     )
     assert not gae.ok and "critic" in gae.detail and "grpo" in gae.fix
+    on_cpu = attention.check(
+        verl_spec(attn_implementation="sdpa", adv_estimator="gae", device="cpu", rollout_name="hf"),
+        flash_attn_importable=False,
+        image=NO_FLASH_IMAGE,
+    )  # Relay's CPU platform loads the value model with sdpa
+    assert on_cpu.ok and "value model is loaded with sdpa" in on_cpu.detail
 
 
 def test_the_image_marker_comes_from_the_environment_else_the_dockerfile(tmp_path):

@@ -39,9 +39,10 @@ from typing import Any
 from relay.common import files
 
 NAME = "relay_certificate.json"
-# 2: the optimizer's moments and every parameter's step (`optimizer`, `optimizer_steps`); version 1 is read too
-VERSION = 2
-READS = (1, 2)
+# 2: the optimizer's moments and every parameter's step (`optimizer`, `optimizer_steps`); 3: the critic's parameters
+# and optimizer moments, where the algorithm has one (`critic`, `critic_optimizer`); versions 1 and 2 are read too
+VERSION = 3
+READS = (1, 2, 3)
 # Wrapper prefixes that FSDP1, activation checkpointing and torch.compile put in parameter names: the digest is
 # keyed by the model's own names, so that a certificate does not depend on how the model was wrapped.
 WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -76,6 +77,9 @@ class Certificate:
     # global index as the parameters are; {} in a certificate written before they were covered
     optimizer: dict[str, str] = field(default_factory=dict)
     optimizer_steps: list[int] = field(default_factory=list)  # every parameter's step, the distinct values
+    # the critic's (verl's value model, where the algorithm has one): its parameters' and optimizer moments' digests
+    critic: dict[str, str] = field(default_factory=dict)
+    critic_optimizer: dict[str, str] = field(default_factory=dict)
     version: int = VERSION
 
     def to_json(self) -> str:
@@ -90,11 +94,15 @@ class Certificate:
         tokens = sum(len(x) for x in self.logprobs)
         lr = "unknown" if self.lr is None else f"{self.lr:.6g}"
         took = f"; probe and digests took {self.probe_seconds * 1e3:.0f} ms" if self.probe_seconds is not None else ""
+        critic = (
+            f"the critic's {len(self.critic)} parameter and {len(self.critic_optimizer)} moment digests, "
+            if self.critic
+            else ""
+        )
         return (
             f"step {self.step} at world size {self.world_size} on {self.device}: probe of {len(self.probe_ids)} "
             f"sequences ({tokens} log-probs), {len(self.params)} parameter digests, {len(self.optimizer)} optimizer "
-            f"moment digests, optimizer step "
-            f"{self.optimizer_step}, lr {lr}{took}"
+            f"moment digests, {critic}optimizer step {self.optimizer_step}, lr {lr}{took}"
         )
 
 
@@ -161,6 +169,14 @@ def compare(saved: Certificate, now: Certificate, tolerance: float) -> Compariso
             problems.append(
                 f"{len(moved)} of {len(saved.optimizer)} optimizer moments hold other values than saved: {shown}"
             )
+    for part, kept, held in (
+        ("critic parameters", saved.critic, now.critic),
+        ("critic optimizer moments", saved.critic_optimizer, now.critic_optimizer),
+    ):
+        if kept:  # saved with a critic (a certificate of version 3 of a run that has one): the resume must hold it
+            if moved := sorted(k for k in kept.keys() | held.keys() if kept.get(k) != held.get(k)):
+                shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
+                problems.append(f"{len(moved)} of {len(kept)} {part} hold other values than saved: {shown}")
     if saved.optimizer_steps and now.optimizer_steps and saved.optimizer_steps != now.optimizer_steps:
         problems.append(f"the parameters' optimizer steps are {now.optimizer_steps}, saved {saved.optimizer_steps}")
     for what, a, b in (

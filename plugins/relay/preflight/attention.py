@@ -84,6 +84,12 @@ def check(
     what = f"{effective}" + ("" if asked else " (verl's default: the spec sets no attn_implementation)")
     if effective != FLASH and not critic:
         return AttentionCheck(True, f"{what}: built into torch, no flash-attn needed")
+    if effective != FLASH and getattr(s, "device", None) == "cpu":
+        return AttentionCheck(
+            True,
+            f"{what}: built into torch; on Relay's CPU platform the critic's value model is loaded with sdpa too "
+            "(relay.trainers.verl_ppo.cpu_patches)",
+        )
     needs = (
         f"{SETTING} is {what}"
         if effective == FLASH

@@ -83,6 +83,42 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int, digests: bool =
     }
 
 
+def critic_piece(worker: Any) -> dict[str, Any]:
+    """In one critic worker (its Ray actor): the critic's parameter and optimizer moment digests, all-reduced over the
+    critic's ranks."""
+    import torch
+    import torch.distributed as dist
+    from verl.utils.device import get_device_name
+
+    from relay.checkpoints import certificate
+
+    engine = critic_of(worker).engine
+    named = certificate.named_pieces(engine.module)
+    moments, _ = certificate.optimizer_pieces(engine.module, engine.optimizer)
+    sums = certificate.piece_sums([piece for _, piece in named + moments])
+    device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
+    total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    values = [f"{int(v) & ((1 << 64) - 1):016x}" for v in total.tolist()]
+    return {
+        "params": {n: v for (n, _), v in zip(named, values, strict=False)},
+        "optimizer": {n: v for (n, _), v in zip(moments, values[len(named) :], strict=True)},
+    }
+
+
+def critic_of(worker: Any) -> Any:
+    """verl's critic worker object (a TrainingWorker of the value model) inside its Ray actor."""
+    for candidate in [
+        worker,
+        *getattr(worker, "worker_dict", {}).values(),
+        *getattr(worker, "fused_worker_dict", {}).values(),
+    ]:
+        if getattr(candidate, "engine", None) is not None and getattr(candidate, "actor", None) is None:
+            return candidate
+    raise RuntimeError(f"no critic engine in {type(worker).__name__}: verl's worker layout changed")
+
+
 def actor_of(worker: Any) -> Any:
     """verl's worker object that holds the actor engine, inside the Ray actor (colocated workers are a dict)."""
     for candidate in [
@@ -106,6 +142,9 @@ def certificate_of(trainer: Any, step: int, ids: list[list[int]], pad_id: int, d
     workers = trainer.actor_rollout_wg.workers
     pieces = ray.get([w.__ray_call__.remote(worker_piece, ids, pad_id, digests) for w in workers])
     first = min(pieces, key=lambda p: p["rank"])
+    critic: dict[str, dict[str, str]] = {"params": {}, "optimizer": {}}
+    if getattr(trainer, "use_critic", False):  # the value model's state, digested live (also off the critical path)
+        critic = ray.get([w.__ray_call__.remote(critic_piece) for w in trainer.critic_wg.workers])[0]
     return certificate.Certificate(
         step=step,
         world_size=first["world_size"],
@@ -124,4 +163,6 @@ def certificate_of(trainer: Any, step: int, ids: list[list[int]], pad_id: int, d
         optimizer=first["optimizer"],
         optimizer_steps=first["optimizer_steps"],
         probe_dtype=first["probe_dtype"],
+        critic=critic["params"],
+        critic_optimizer=critic["optimizer"],
     )

@@ -28,6 +28,9 @@ smallest change that lets verl's own code go on; docs/gpu-cluster.md lists them.
    current device is the CPU itself); torch refuses it ("Invalid device string"). An FSDP1 model on a CPU is
    already where that call would move it, so the replacement only lazily initialises the root as verl's does;
    FSDP2 models go to verl's own function.
+5. verl/utils/model.py:641 (`load_valuehead_model`, the critic's value model where the algorithm has one): loads
+   with `attn_implementation="flash_attention_2"` whatever the spec says, and flash-attn needs CUDA. The
+   replacement loads the same class (`AutoModelForTokenClassification`, verl's first choice) with torch's sdpa.
 """
 
 from __future__ import annotations
@@ -72,7 +75,29 @@ def apply() -> None:
     fsdp1.CPUOffload = CPUOffloadInPlace
     _allow_fsdp1_sync_of_cpu_states()
     _keep_fsdp1_models_on_the_cpu()
+    _value_model_with_sdpa()
     _APPLIED = True
+
+
+def _value_model_with_sdpa() -> None:
+    """Patch 5: the critic's value model built with torch's sdpa attention."""
+    import verl.utils.model as verl_model
+
+    original = verl_model.load_valuehead_model
+
+    @functools.wraps(original)
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation="sdpa",
+            trust_remote_code=False,  # Relay runs no model repository's code (docs/SECURITY.md)
+        )
+
+    _replace_everywhere("load_valuehead_model", original, load_valuehead_model)
 
 
 def _replace_everywhere(name: str, original, replacement) -> None:

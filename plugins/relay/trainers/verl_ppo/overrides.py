@@ -189,7 +189,15 @@ def chunk_overrides(
     if s.rollout_name == HF_ROLLOUT:
         out["actor_rollout_ref.rollout.agent.default_agent_loop"] = HF_AGENT_LOOP
     if s.has_critic:
-        out.update({"critic.model.path": s.model_path, "critic.strategy": s.strategy, "critic.checkpoint.async_save": False})
+        out.update(
+            {
+                "critic.model.path": s.model_path,
+                "critic.strategy": s.strategy,
+                "critic.checkpoint.async_save": False,
+                # the critic's micro-batches as the actor's (verl refuses a critic config without one)
+                "critic.ppo_micro_batch_size_per_gpu": s.ppo_micro_batch_size_per_gpu,
+            }
+        )
     lines = [f"{k}={quote(v)}" for k, v in out.items()]
     lines.append(f"+ray_kwargs.ray_init.address={quote(s.ray_address)}")
     if s.attention:
