@@ -59,3 +59,29 @@ def test_the_commit_waits_for_every_worker_and_refuses_a_failed_or_gone_one(tmp_
     done[1].unlink()
     with pytest.raises(RuntimeError, match="a worker stopped before writing its part of the checkpoint: worker 1"):
         worker_saves.wait_written(done, lambda: "worker 1 (ActorDiedError: ...)", check_every_s=0)
+
+
+def test_the_ranks_digests_of_their_copies_add_up_to_the_whole_models():
+    """Each worker digests its own pieces of the saved shards (at their global offsets); the trainer's sum over the
+    ranks is the digest of the whole tensors, as the live check's all-reduce makes it."""
+    from relay.checkpoints import certificate
+
+    weight, moment = torch.randn(6, 4), torch.randn(6, 4)
+    ranks = [
+        {
+            "ok": True,
+            "digests": {
+                "params": certificate._digests([("w", (weight[r * 3 : r * 3 + 3], r * 12))]),
+                "optimizer": certificate._digests([("w.exp_avg", (moment[r * 3 : r * 3 + 3], r * 12))]),
+                "steps": [4],
+            },
+        }
+        for r in (0, 1)
+    ]
+    params, moments, steps = worker_saves.summed([*ranks, {"ok": True}])  # a critic worker's note has no digests
+    assert params == certificate.digests([("w", weight)]) and moments == certificate.digests([("w.exp_avg", moment)])
+    assert steps == [4]
+    with pytest.raises(RuntimeError, match="the saved model shard lacks"):
+        worker_saves.summed([ranks[0], {"ok": True, "digest_error": "RuntimeError: the saved model shard lacks w"}])
+    with pytest.raises(RuntimeError, match="no actor worker digested"):
+        worker_saves.summed([{"ok": True}])

@@ -41,7 +41,7 @@ _HYBRID_FORMAT_KEY = "ssd_index"  # a storage unit saved with SSD offload: value
 def is_queue_pickle(rel: str, head: bytes) -> bool:
     """A file of a step folder that verl's TransferQueue unpickles: under transfer_queue/, a pickle by its first
     bytes (whatever its name), and not an SSD blob (a blob's codec, in its storage unit's pickle, says whether it
-    is one: `check` reads those)."""
+    is one: `load` of that storage unit reads those)."""
     parts = Path(rel).parts
     return (
         FOLDER in parts

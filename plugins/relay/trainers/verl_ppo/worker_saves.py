@@ -122,6 +122,8 @@ def summed(results: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str
     parts = [r for r in results if "digests" in r or "digest_error" in r]
     if why := next((r["digest_error"] for r in parts if "digest_error" in r), None):
         raise RuntimeError(why)
+    if not parts:
+        raise RuntimeError("no actor worker digested its copies")
 
     def add(kind: str) -> dict[str, str]:
         total: dict[str, int] = {}
