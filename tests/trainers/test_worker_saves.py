@@ -85,3 +85,27 @@ def test_the_ranks_digests_of_their_copies_add_up_to_the_whole_models():
         worker_saves.summed([ranks[0], {"ok": True, "digest_error": "RuntimeError: the saved model shard lacks w"}])
     with pytest.raises(RuntimeError, match="no actor worker digested"):
         worker_saves.summed([{"ok": True}])
+
+
+def test_tensors_that_share_storage_stay_shared_in_the_copy_with_a_synchronous_saves_bytes(tmp_path):
+    """Tied embeddings (one tensor under two names), a view at an offset, a DTensor-free state dict as a world size 1
+    shard holds it: the deferred save writes what torch.save writes, the shared storage once (a copy per tensor
+    doubled it and lost the aliasing)."""
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(64, 32, generator=g)
+    fused = torch.randn(96, 32, generator=g)
+    sd = {"embed.weight": embed, "lm_head.weight": embed, "q": fused[:32], "k": fused[32:64], "v": fused[64:]}
+    sync = tmp_path / "sync" / "model.pt"
+    sync.parent.mkdir()
+    torch.save(sd, sync)
+    buffers = async_save.HostBuffers()
+    for _ in range(2):  # the same buffers from one save to the next
+        deferred = async_save.DeferredWrites(buffers)
+        with deferred.collecting():
+            torch.save(sd, tmp_path / "model.pt")
+        deferred.write()
+        assert (tmp_path / "model.pt").read_bytes() == sync.read_bytes()
+    assert buffers.nbytes == (64 + 96) * 32 * 4, "one buffer per storage"
+    copy = deferred.copied("model.pt")
+    assert copy["embed.weight"].untyped_storage().data_ptr() == copy["lm_head.weight"].untyped_storage().data_ptr()
+    assert copy["k"].storage_offset() == 32 * 32 and torch.equal(copy["k"], fused[32:64])

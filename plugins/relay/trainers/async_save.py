@@ -3,9 +3,11 @@ and trains on while a thread writes the copy.
 
 The copy is taken on the trainer's main thread, through the trainer's own save code (verl's
 FSDPCheckpointManager.save_checkpoint, its barriers included) with `torch.save` deferred: each object it would
-write is mirrored, tensor by tensor, into buffers kept from one save to the next (a fresh copy per save pays page
+write is mirrored, storage by storage, into buffers kept from one save to the next (a fresh copy per save pays page
 faults that cost more than half a synchronous save), and the writes are replayed later by the save's thread.
-The mirror keeps every tensor's type, sharding spec (a DTensor's own spec object, whose cached hash is pickled),
+Each storage is copied once, whole, as torch.save writes it, and every tensor of the object is remade over its
+copy at its own offset, size and stride: tensors that share a storage (tied embeddings, views) stay shared. The
+mirror keeps every tensor's type, sharding spec (a DTensor's own spec object, whose cached hash is pickled),
 `requires_grad` and a state dict's `_metadata`, so the files are byte for byte those of a synchronous save.
 
 The session (relay.trainers.session) keeps at most one save in flight, commits it under the lease only after
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,79 +27,109 @@ MEMORY_MARGIN = 1 * GiB  # what the buffers leave free on the host, at least
 
 
 class HostBuffers:
-    """Buffers for the tensors of the objects a save writes, keyed by the file's name and the tensor's place in the
-    object, allocated once and reused while the shapes stay the same."""
+    """Buffers for the storages of the objects a save writes, keyed by the file's name and the storage's place in the
+    object (the order torch.save meets them in), allocated once and reused while their sizes stay the same."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, Any] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() for b in self._buffers.values())
 
     def missing_bytes(self, key: str, obj: Any) -> int:
         """What mirroring `obj` would allocate anew."""
         return sum(
-            t.numel() * t.element_size() for place, t in _tensors(obj, (key,)) if not _fits(self._buffers.get(place), t)
+            size for place, size in _storages(obj, key) if (buf := self._buffers.get(place)) is None or buf.numel() != size
         )
 
     def mirror(self, key: str, obj: Any) -> Any:
-        return self._mirror(obj, (key,))
+        return self._mirror(obj, _Copied(key))
 
-    def _mirror(self, x: Any, place: tuple) -> Any:
+    def _mirror(self, x: Any, copied: _Copied) -> Any:
+        import torch
+
+        if not isinstance(x, torch.Tensor):
+            return self._mirror_one(x, copied)
+        # one object under two names (tied embeddings) is one object in the copy too: pickled once, as torch.save does
+        if id(x) not in copied.tensors:
+            copied.tensors[id(x)] = (x, self._mirror_one(x, copied))  # x kept alive: its id stays its own
+        return copied.tensors[id(x)][1]
+
+    def _mirror_one(self, x: Any, copied: _Copied) -> Any:
         import torch
         from torch.distributed.tensor import DTensor
 
         if isinstance(x, DTensor):
-            local = self._copy(x._local_tensor, place)
+            local = self._copy(x._local_tensor, copied)
             out: Any = DTensor(local, x._spec, requires_grad=x.requires_grad)
             return torch.nn.Parameter(out, requires_grad=x.requires_grad) if isinstance(x, torch.nn.Parameter) else out
         if isinstance(x, torch.Tensor):
-            out = self._copy(x, place)
+            out = self._copy(x, copied)
             if isinstance(x, torch.nn.Parameter):
                 return torch.nn.Parameter(out, requires_grad=x.requires_grad)
             return out.requires_grad_(x.requires_grad) if x.requires_grad else out
         if isinstance(x, dict):
-            d = type(x)((k, self._mirror(v, (*place, k))) for k, v in x.items())
+            d = type(x)((k, self._mirror(v, copied)) for k, v in x.items())
             if hasattr(x, "_metadata"):  # a state dict's: pickled with it
                 d._metadata = x._metadata  # type: ignore[attr-defined]
             return d
         if isinstance(x, (list, tuple)):
-            items = [self._mirror(v, (*place, i)) for i, v in enumerate(x)]
+            items = [self._mirror(v, copied) for v in x]
             return items if isinstance(x, list) else type(x)(items) if not hasattr(x, "_fields") else type(x)(*items)
         return x  # numbers, strings, None: immutable, taken as they are
 
-    def _copy(self, t: Any, place: tuple) -> Any:
+    def _copy(self, t: Any, copied: _Copied) -> Any:
+        """`t` over the copy of its storage (the storage copied once per object, whole, the first time it is met)."""
         import torch
 
-        buf = self._buffers.get(place)
-        if buf is None or not _fits(buf, t):
-            # Pinned where a GPU is: the copy from the device then runs at full speed.
-            pin = t.device.type == "cuda" and torch.cuda.is_available()
-            buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
-            self._buffers[place] = buf
-        buf.copy_(t.detach(), non_blocking=False)
-        return buf
+        src = t.untyped_storage()
+        host = copied.storages.get(src._cdata)  # torch.save tells storages apart the same way
+        if host is None:
+            place = (copied.key, len(copied.storages))
+            buf = self._buffers.get(place)
+            if buf is None or buf.numel() != src.nbytes():
+                # Pinned where a GPU is: the copy from the device then runs at full speed.
+                pin = src.device.type == "cuda" and torch.cuda.is_available()
+                buf = torch.empty(src.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
+                self._buffers[place] = buf
+            buf.copy_(torch.empty(0, dtype=torch.uint8, device=src.device).set_(src), non_blocking=False)
+            host = copied.storages[src._cdata] = buf.untyped_storage()
+        return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
 
 
-def _fits(buf: Any, t: Any) -> bool:
-    return buf is not None and buf.dtype == t.dtype and buf.size() == t.size() and buf.stride() == t.stride()
+@dataclass
+class _Copied:
+    """One object's mirroring: its storages copied so far (by torch's storage identity) and its tensors remade."""
+
+    key: str  # the file's name
+    storages: dict[int, Any] = field(default_factory=dict)
+    tensors: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
 
-def _tensors(x: Any, place: tuple) -> Iterator[tuple[tuple, Any]]:
+def _storages(x: Any, key: str) -> Iterator[tuple[tuple, int]]:
+    """(the buffer's place, its size in bytes) of every storage of `x`, once each, in the order the mirror meets them."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    if isinstance(x, DTensor):
-        yield place, x._local_tensor
-    elif isinstance(x, torch.Tensor):
-        yield place, x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _tensors(v, (*place, k))
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _tensors(v, (*place, i))
+    seen: set[int] = set()
+
+    def walk(x: Any) -> Iterator[tuple[tuple, int]]:
+        if isinstance(x, DTensor):
+            x = x._local_tensor
+        if isinstance(x, torch.Tensor):
+            src = x.untyped_storage()
+            if src._cdata not in seen:
+                yield (key, len(seen)), src.nbytes()
+                seen.add(src._cdata)
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from walk(v)
+
+    return walk(x)
 
 
 class NoRoomForCopy(Exception):
