@@ -33,6 +33,7 @@ from relay.runs import layout
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.prompt_ledger import PROMPTS, PromptLedger
 from relay.spec.run_spec import load_spec
+from support import queue_state
 from support.helpers import assert_bitwise_equal, model_state, read_metrics, relay_cli
 from support.verl_jobs import (
     ASYNC_SPEC,
@@ -91,7 +92,7 @@ def test_airflows_retry_resumes_the_killed_async_chunk_with_its_batch_in_flight(
         assert len(queue) == 2, queue  # the controller's state and the storage unit's
         for path in queue:  # what the gate reads through its restricted unpickler is what the queue's pickle.load reads
             with path.open("rb") as f:
-                assert queue_pickles.equal(queue_pickles.load(path), pickle.load(f)), path
+                assert queue_state.equal(queue_pickles.load(path), pickle.load(f)), path
 
 
 def test_a_crafted_pickle_in_the_async_runs_queue_is_refused_at_the_gate(runs, tmp_path):

@@ -32,7 +32,7 @@ def test_what_the_queue_writes_loads_to_the_same_objects_as_pickle_load(tmp_path
     for path in files:
         with path.open("rb") as f:
             plain = pickle.load(f)
-        assert queue_pickles.equal(queue_pickles.load(path), plain), path
+        assert queue_state.equal(queue_pickles.load(path), plain), path
     if ssd:  # the values with no raw form are pickles in the blobs folder, which the storage unit's pickle indexes
         index = pickle.loads(files[1].read_bytes())["ssd_index"]
         assert {m["codec"] for entries in index.values() for m in entries.values()} >= {"pickle", "tensor"}

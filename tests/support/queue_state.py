@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,3 +71,21 @@ def write(step_dir: Path, *, ssd: Path | None = None) -> Path:
     (folder / "simple_storage" / "storage_unit_info.json").write_text(json.dumps([{"position": 0, "storage_unit_id": UNIT}]))
     (folder / "metadata.json").write_text(json.dumps({"storage_saved": True, "user_metadata": {"global_steps": 1}}))
     return folder
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Whether two loaded states are the same objects: containers item by item, tensors and arrays by value and
+    dtype, records field by field (the restricted reader's result against pickle.load's)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and all(equal(x, y) for x, y in zip(a.flat, b.flat, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return equal(vars(a), vars(b))
+    return bool(a == b)  # sets, scalars, strings

@@ -56,6 +56,19 @@ def with_job_env(path: Path, env: dict[str, str], spec: Path = SPEC) -> Path:
     return path
 
 
+def spec_variant(path: Path, checkpoint_dir: Path, settings: dict, checkpoints: dict | None = None) -> Path:
+    """The verl CPU spec with `settings` (trainer.settings) and `checkpoints` changed, its runs under checkpoint_dir
+    and its data files absolute, written to `path`."""
+    d = yaml.safe_load(SPEC.read_text())
+    d["trainer"]["settings"].update(settings)
+    d["checkpoints"].update(checkpoints or {})
+    d["checkpoint_dir"] = str(checkpoint_dir)
+    d["data"]["train_files"] = [str(ROOT / f) for f in d["data"]["train_files"]]
+    d["data"]["val_files"] = [str(ROOT / f) for f in d["data"]["val_files"]]
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
 def finish(proc: subprocess.Popen, log: Path) -> str:
     rc = proc.wait(timeout=JOB_TIMEOUT)
     out = log.read_text(errors="replace")

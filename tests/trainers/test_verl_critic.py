@@ -11,13 +11,12 @@ import shutil
 
 import pytest
 import torch
-import yaml
 
 from relay.checkpoints import certificate
 from relay.devstack import stack
 from relay.runs import layout
 from relay.runs.metrics import read_events
-from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, relay_train
+from support.verl_jobs import JOB_TIMEOUT, finish, relay_train, spec_variant
 
 pytestmark = pytest.mark.lane("verl")
 
@@ -25,13 +24,7 @@ pytestmark = pytest.mark.lane("verl")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("verl_critic")
-    d = yaml.safe_load(SPEC.read_text())
-    d["trainer"]["settings"]["adv_estimator"] = "gae"
-    d["checkpoint_dir"] = str(base / "runs")
-    d["data"]["train_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["train_files"]]
-    d["data"]["val_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["val_files"]]
-    spec = base / "gae.yaml"
-    spec.write_text(yaml.safe_dump(d, sort_keys=False))
+    spec = spec_variant(base / "gae.yaml", base / "runs", {"adv_estimator": "gae"})
     run, altered = base / "runs" / "verl_tiny_cpu", base / "altered" / "verl_tiny_cpu"
     with stack.private_ray_head() as head:
         first = finish(relay_train(run, 2, head.address, base / "c1.log", spec=spec), base / "c1.log")

@@ -19,7 +19,6 @@ import sys
 import textwrap
 
 import pytest
-import yaml
 
 from relay.devstack import stack
 from relay.jobs import local_head
@@ -27,7 +26,7 @@ from relay.runs import layout
 from relay.runs.metrics import read_events
 from support.helpers import ROOT, relay_cli
 from support.ports import free_port
-from support.verl_jobs import SPEC, finish, full_model, killed_after_step_3, relay_train
+from support.verl_jobs import finish, full_model, killed_after_step_3, relay_train, spec_variant
 
 RANK = textwrap.dedent("""
     import hashlib, json, sys
@@ -91,15 +90,9 @@ def test_fsdp1s_sync_of_module_states_gives_every_rank_rank_0s_weights_on_the_cp
 
 
 def fsdp1_spec(path, checkpoint_dir, n_gpus: int, fsdp: int = 1):
-    d = yaml.safe_load(SPEC.read_text())
-    d["trainer"]["settings"]["fsdp_version"] = fsdp
-    d["trainer"]["settings"]["n_gpus_per_node"] = n_gpus
-    d["checkpoint_dir"] = str(checkpoint_dir)
-    d["checkpoints"]["on_world_size_change"] = "reshard"
-    d["data"]["train_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["train_files"]]
-    d["data"]["val_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["val_files"]]
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
+    return spec_variant(
+        path, checkpoint_dir, {"fsdp_version": fsdp, "n_gpus_per_node": n_gpus}, {"on_world_size_change": "reshard"}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -21,28 +21,20 @@ import shutil
 
 import pytest
 import torch
-import yaml
 
 from relay.checkpoints import manifest
 from relay.devstack import stack
 from relay.jobs import local_head
 from relay.runs import layout
 from support.helpers import read_metrics, relay_cli
-from support.verl_jobs import JOB_TIMEOUT, SPEC, finish, full_model, relay_train, swap_rank_shards
+from support.verl_jobs import JOB_TIMEOUT, finish, full_model, relay_train, spec_variant, swap_rank_shards
 
 pytestmark = pytest.mark.lane("verl")
 
 
 def spec_at(path, checkpoint_dir, n_gpus: int, policy: str = "refuse"):
-    d = yaml.safe_load(SPEC.read_text())
-    d["trainer"]["settings"]["n_gpus_per_node"] = n_gpus
-    d["trainer"]["settings"]["save_freq"] = 1  # a checkpoint at every step: step 1 to fall back to
-    d["checkpoint_dir"] = str(checkpoint_dir)
-    d["checkpoints"]["on_world_size_change"] = policy
-    d["data"]["train_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["train_files"]]
-    d["data"]["val_files"] = [str(SPEC.parents[2] / f) for f in d["data"]["val_files"]]
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
+    # save_freq 1: a checkpoint at every step, step 1 to fall back to
+    return spec_variant(path, checkpoint_dir, {"n_gpus_per_node": n_gpus, "save_freq": 1}, {"on_world_size_change": policy})
 
 
 @pytest.fixture(scope="module")

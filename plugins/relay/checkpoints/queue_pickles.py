@@ -194,24 +194,3 @@ def _check_blobs(path: Path, index: dict[Any, Any]) -> None:
                     "do not resume from this checkpoint: resume from an earlier one",
                 )
             loads((blobs / name).read_bytes(), str(blobs / name))
-
-
-def equal(a: Any, b: Any) -> bool:
-    """Whether two loaded states are the same objects: containers item by item, tensors and arrays by value and
-    dtype, records field by field (a test's check of the restricted reader against pickle.load)."""
-    import numpy as np
-    import torch
-
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and all(equal(x, y) for x, y in zip(a.flat, b.flat, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
-    if hasattr(a, "__dict__") and not isinstance(a, type):
-        return equal(vars(a), vars(b))
-    return bool(a == b)  # sets, scalars, strings

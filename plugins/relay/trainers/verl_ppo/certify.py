@@ -49,18 +49,7 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int, digests: bool =
     engine = actor_of(worker).actor.engine
     module = engine.module
     with engine.eval_mode():
-        named: list[Any] = []
-        moments: list[Any] = []
-        steps: list[int] = []
-        total = torch.zeros(0, dtype=torch.int64)
-        if digests:
-            named = certificate.named_pieces(module)  # FSDP1's flat parameters by their original parameters too
-            moments, steps = certificate.optimizer_pieces(module, engine.optimizer)
-            sums = certificate.piece_sums([piece for _, piece in named + moments])  # one all-reduce for both
-            device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
-            total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
-            if dist.is_initialized():
-                dist.all_reduce(total)  # int64 wraps: the sum modulo 2^64, as at world size 1
+        params, moments, steps = _engine_digests(engine) if digests else ({}, {}, [])
         logprobs, probe_dtype = certificate.probe(module, ids, pad_id)
     state: dict = next(iter(engine.optimizer.state.values()), {})
     scheduler = getattr(engine, "lr_scheduler", None)
@@ -68,10 +57,8 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int, digests: bool =
         "rank": dist.get_rank() if dist.is_initialized() else 0,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "device": get_device_name(),
-        "params": {n: f"{int(v) & ((1 << 64) - 1):016x}" for (n, _), v in zip(named, total.tolist(), strict=False)},
-        "optimizer": {
-            n: f"{int(v) & ((1 << 64) - 1):016x}" for (n, _), v in zip(moments, total.tolist()[len(named) :], strict=True)
-        },
+        "params": params,
+        "optimizer": moments,
         "optimizer_steps": steps,
         "logprobs": logprobs,
         "optimizer_step": int(state["step"]) if "step" in state else None,
@@ -86,34 +73,46 @@ def worker_piece(worker: Any, ids: list[list[int]], pad_id: int, digests: bool =
 def critic_piece(worker: Any) -> dict[str, Any]:
     """In one critic worker (its Ray actor): the critic's parameter and optimizer moment digests, all-reduced over the
     critic's ranks."""
+    params, moments, _ = _engine_digests(critic_of(worker).engine)
+    return {"params": params, "optimizer": moments}
+
+
+def _engine_digests(engine: Any) -> tuple[dict[str, str], dict[str, str], list[int]]:
+    """An engine's parameter and optimizer moment digests, this rank's pieces all-reduced over the ranks in one
+    collective (FSDP1's flat parameters by their original parameters too), and the parameters' optimizer steps."""
     import torch
     import torch.distributed as dist
     from verl.utils.device import get_device_name
 
     from relay.checkpoints import certificate
 
-    engine = critic_of(worker).engine
     named = certificate.named_pieces(engine.module)
-    moments, _ = certificate.optimizer_pieces(engine.module, engine.optimizer)
+    moments, steps = certificate.optimizer_pieces(engine.module, engine.optimizer)
     sums = certificate.piece_sums([piece for _, piece in named + moments])
     device = "cpu" if get_device_name() == "cpu" else torch.device(get_device_name(), torch.cuda.current_device())
     total = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(total)
+        dist.all_reduce(total)  # int64 wraps: the sum modulo 2^64, as at world size 1
     values = [f"{int(v) & ((1 << 64) - 1):016x}" for v in total.tolist()]
-    return {
-        "params": {n: v for (n, _), v in zip(named, values, strict=False)},
-        "optimizer": {n: v for (n, _), v in zip(moments, values[len(named) :], strict=True)},
-    }
+    return (
+        {n: v for (n, _), v in zip(named, values[: len(named)], strict=True)},
+        {n: v for (n, _), v in zip(moments, values[len(named) :], strict=True)},
+        steps,
+    )
+
+
+def _candidates(worker: Any) -> list[Any]:
+    """verl's worker objects inside one Ray actor (colocated roles are a dict of them)."""
+    return [
+        worker,
+        *getattr(worker, "worker_dict", {}).values(),
+        *getattr(worker, "fused_worker_dict", {}).values(),
+    ]
 
 
 def critic_of(worker: Any) -> Any:
     """verl's critic worker object (a TrainingWorker of the value model) inside its Ray actor."""
-    for candidate in [
-        worker,
-        *getattr(worker, "worker_dict", {}).values(),
-        *getattr(worker, "fused_worker_dict", {}).values(),
-    ]:
+    for candidate in _candidates(worker):
         if getattr(candidate, "engine", None) is not None and getattr(candidate, "actor", None) is None:
             return candidate
     raise RuntimeError(f"no critic engine in {type(worker).__name__}: verl's worker layout changed")
@@ -121,11 +120,7 @@ def critic_of(worker: Any) -> Any:
 
 def actor_of(worker: Any) -> Any:
     """verl's worker object that holds the actor engine, inside the Ray actor (colocated workers are a dict)."""
-    for candidate in [
-        worker,
-        *getattr(worker, "worker_dict", {}).values(),
-        *getattr(worker, "fused_worker_dict", {}).values(),
-    ]:
+    for candidate in _candidates(worker):
         if getattr(getattr(candidate, "actor", None), "engine", None) is not None:
             return candidate
     raise RuntimeError(f"no actor engine in {type(worker).__name__}: verl's worker layout changed")
