@@ -270,8 +270,8 @@ def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
-    from relay.trainers.verl_ppo import tiny_task
-    from relay.trainers.verl_ppo.hf_sampling import sample, seed_of
+    from relay.trainers.verl_ppo.cpu import tiny_task
+    from relay.trainers.verl_ppo.cpu.hf_sampling import sample, seed_of
 
     engine = EngineRegistry.new(
         model_type="language_model",
@@ -325,7 +325,7 @@ def engine_run(model_dir: str, start: int, end: int, load: str | None, save: str
 
 
 def verl_engine() -> tuple[bool, str]:
-    from relay.trainers.verl_ppo.tiny_model import make_tiny_model
+    from relay.trainers.verl_ppo.cpu.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as d:
         model = str(make_tiny_model(Path(d) / "tiny"))

@@ -302,8 +302,8 @@ def test_the_gates_smoke_and_certificate_checks_run_at_the_checkpoints_own_world
     rank's pieces, and the certificate check digests the pieces where they lie; a row swapped in one rank's shard
     (same shapes, finite, torch's CRCs made again) is refused by the certificate."""
     from relay.checkpoints import certificate
+    from relay.trainers.verl_ppo.cpu.tiny_model import byte_tokenizer
     from relay.trainers.verl_ppo.smoke import certify, smoke
-    from relay.trainers.verl_ppo.tiny_model import byte_tokenizer
 
     run = copy_run(verl_checkpoints, tmp_path, fsdp, ws)
     step_dir = layout.step_dir(run, 1)

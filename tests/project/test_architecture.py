@@ -172,3 +172,20 @@ def test_a_runs_folder_is_worked_out_in_one_place():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "run_dir":
                 calls.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert calls and all(c.startswith("runs/run.py:") for c in calls), calls
+
+
+def test_the_production_path_reads_without_the_cpu_stand_ins():
+    """verl's CPU platform (relay.trainers.verl_ppo.cpu) is imported only by verl itself (VERL_USE_EXTERNAL_MODULES),
+    by itself, and inside the functions that ask for a CPU stand-in by name (`tiny_model: true`, `relay model tiny`):
+    no module imports it at its top."""
+    cpu = "relay.trainers.verl_ppo.cpu"
+    found = []
+    for module, path in MODULES.items():
+        if module == cpu or module.startswith(cpu + "."):
+            continue
+        top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [n.module or "" for n in top if isinstance(n, ast.ImportFrom)] + [
+            a.name for n in top if isinstance(n, ast.Import) for a in n.names
+        ]
+        found += [f"{module} imports {name}" for name in names if name == cpu or name.startswith(cpu + ".")]
+    assert not found, found

@@ -36,7 +36,7 @@ def _worker(rank: int, args) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         architectures=["Qwen2ForCausalLM"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=bool(args.tied),
     )
     model = Qwen2ForCausalLM(cfg)
     mesh = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("fsdp",))
@@ -71,6 +71,8 @@ def _worker(rank: int, args) -> None:
         model(input_ids=torch.randint(0, args.vocab, (2, 4))).logits.float().mean().backward()
         optim.step()
     manager.save_checkpoint(str(step_dir / "actor"), global_step=args.step)
+    if args.deferred_to:
+        _deferred_save(args, rank, model, optim, manager)
     if rank == 0:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -83,6 +85,26 @@ def _worker(rank: int, args) -> None:
     dist.destroy_process_group()
 
 
+def _deferred_save(args, rank: int, model, optim, manager) -> None:
+    """The same step saved again into args.deferred_to as Relay saves off the critical path in verl's workers
+    (relay.trainers.verl_ppo.worker_saves: defer, verl's own save, write_behind, a thread writing the copies)."""
+    from types import SimpleNamespace
+
+    from relay.trainers.verl_ppo import worker_saves
+
+    engine = SimpleNamespace(module=model, optimizer=optim, checkpoint_manager=manager)
+    worker = SimpleNamespace(actor=SimpleNamespace(engine=engine))  # verl's worker object, as certify.actor_of finds it
+    actor_dir = Path(args.deferred_to) / f"global_step_{args.step}" / "actor"
+    done = Path(args.deferred_to) / f".written-{rank}.json"
+    worker_saves.prepare(worker)
+    worker_saves.defer(worker, args.step, digest=args.fsdp == 2)
+    manager.save_checkpoint(str(actor_dir), global_step=args.step)
+    assert not list(actor_dir.glob(f"*_rank_{rank}.pt")), "this rank's shards are written after verl's save, not in it"
+    worker_saves.write_behind(worker, str(done))
+    [result] = worker_saves.wait_written([done], lambda: None)
+    done.write_text(json.dumps(result))
+
+
 def make(
     run_dir: Path,
     step: int = 1,
@@ -93,10 +115,14 @@ def make(
     vocab: int = 64,
     seed: int = 0,
     load_from: Path | None = None,
+    tied: bool = False,
+    deferred_to: Path | None = None,
 ) -> Path:
     """Write global_step_<step> of run_dir in a fresh interpreter (spawns `world_size` processes); another
     seed gives other weights of the same shapes (a step trained again). load_from: a run folder whose step
-    verl loads at this world size (instead of training a step) before it saves."""
+    verl loads at this world size (instead of training a step) before it saves. tied: the model's embeddings tied to
+    its output layer. deferred_to: a run folder where the same step is saved again as Relay's saves off the critical
+    path do in verl's workers (each rank's `.written-<rank>.json` says what its thread wrote)."""
     return make_many([dict(locals())])[0]
 
 
@@ -105,12 +131,24 @@ def make_many(checkpoints: list[dict]) -> list[Path]:
     imports torch, transformers and verl once (about 7 CPU-s an interpreter here)."""
     jobs = [{**_DEFAULTS, **c, "run_dir": str(c["run_dir"])} for c in checkpoints]
     for j in jobs:
-        j["load_from"] = str(j["load_from"]) if j.get("load_from") else None
+        for key in ("load_from", "deferred_to"):
+            j[key] = str(j[key]) if j.get(key) else None
     subprocess.run([sys.executable, __file__, "--batch", json.dumps(jobs)], check=True, capture_output=True, text=True)
     return [Path(j["run_dir"]) / f"global_step_{j['step']}" for j in jobs]
 
 
-_DEFAULTS = {"step": 1, "world_size": 1, "fsdp": 2, "hidden": 32, "layers": 1, "vocab": 64, "seed": 0}
+_DEFAULTS = {
+    "step": 1,
+    "world_size": 1,
+    "fsdp": 2,
+    "hidden": 32,
+    "layers": 1,
+    "vocab": 64,
+    "seed": 0,
+    "tied": False,
+    "load_from": None,
+    "deferred_to": None,
+}
 
 
 if __name__ == "__main__":
@@ -124,6 +162,8 @@ if __name__ == "__main__":
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-from")
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--deferred-to")
     p.add_argument("--batch", help="a JSON list of make()'s arguments: several checkpoints, one after the other")
     a = p.parse_args()
     if a.batch:

@@ -1,4 +1,4 @@
-"""Relay's gloo checkpoint engine (relay.trainers.verl_ppo.gloo_checkpoint_engine), driven as verl's
+"""Relay's gloo checkpoint engine (relay.trainers.verl_ppo.cpu.gloo_checkpoint_engine), driven as verl's
 CheckpointEngineManager drives it, without Ray: two actor ranks (engine ranks 0 and -1, each walking its own
 generator of the same weights, as FSDP ranks do) and one rollout worker (rank 1), each an OS process; two syncs in
 a row, each with a group built and dropped, the second with other values."""
@@ -53,7 +53,7 @@ def _walk(step: int, walked: list[str]):
 
 def _role(role: str, inbox: Any, outbox: Any) -> None:
     try:
-        from relay.trainers.verl_ppo.gloo_checkpoint_engine import GlooCheckpointEngine
+        from relay.trainers.verl_ppo.cpu.gloo_checkpoint_engine import GlooCheckpointEngine
 
         engine = GlooCheckpointEngine(bucket_size=BUCKET, is_master=role == "actor0")
         for step in STEPS:
@@ -77,7 +77,7 @@ def _from_bytes(dtype: str, shape: list[int], data: bytes) -> torch.Tensor:
 
 
 def test_two_syncs_arrive_bitwise_over_rebuilt_groups():
-    from relay.trainers.verl_ppo.gloo_checkpoint_engine import GlooCheckpointEngine
+    from relay.trainers.verl_ppo.cpu.gloo_checkpoint_engine import GlooCheckpointEngine
 
     ctx = mp.get_context("spawn")
     # A queue each way per role: each role's messages come in its own order, whatever the order between roles.
@@ -139,10 +139,10 @@ def test_two_syncs_arrive_bitwise_over_rebuilt_groups():
 def test_registry_resolves_gloo():
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
-    from relay.trainers.verl_ppo.gloo_checkpoint_engine import GlooCheckpointEngine, register_gloo_checkpoint_engine
+    from relay.trainers.verl_ppo.cpu.gloo_checkpoint_engine import GlooCheckpointEngine, register_gloo_checkpoint_engine
 
     register_gloo_checkpoint_engine()
-    register_gloo_checkpoint_engine()  # a second import of cpu_platform: no error, the same class
+    register_gloo_checkpoint_engine()  # a second import of the cpu platform: no error, the same class
     assert CheckpointEngineRegistry.get("gloo") is GlooCheckpointEngine
     # verl's actor worker builds its engine with is_master; the rollout side with bucket_size alone
     engine = CheckpointEngineRegistry.new("gloo", is_master=True, bucket_size=1 << 20)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from relay.trainers.verl_ppo.tiny_model import make_tiny_model
+from relay.trainers.verl_ppo.cpu.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def adapter(tmp_path_factory):
     from omegaconf import OmegaConf
     from verl.workers.config import RolloutConfig
 
-    from relay.trainers.verl_ppo.hf_rollout import HFServerAdapter
+    from relay.trainers.verl_ppo.cpu.hf_rollout import HFServerAdapter
 
     path = make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     model = OmegaConf.create(

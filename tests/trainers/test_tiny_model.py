@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from relay.common.errors import RelayError
-from relay.trainers.verl_ppo.tiny_model import ensure_tiny_model, make_tiny_model
+from relay.trainers.verl_ppo.cpu.tiny_model import ensure_tiny_model, make_tiny_model
 from support.helpers import relay_cli
 
 

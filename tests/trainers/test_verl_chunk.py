@@ -473,9 +473,10 @@ def test_the_task_runner_is_verls_with_the_install_inside_its_run():
     import ray
     from verl.trainer import main_ppo
 
-    from relay.trainers.verl_ppo import horizon, runner
+    from relay.trainers.verl_ppo import runner, verl_contract
 
-    assert horizon.registry_problems() == []
+    registry = ["TRAINER_REGISTRY", "TaskRunnerV1"]
+    assert verl_contract.problems(names=registry) == []
     base = runner.original_class(main_ppo.TaskRunnerV1)
     assert "get_trainer_cls(config.trainer.v1.trainer_mode)" in inspect.getsource(base.run)
     assert "task_runner_class" in inspect.signature(main_ppo.run_ppo).parameters
@@ -489,16 +490,16 @@ def test_the_task_runner_is_verls_with_the_install_inside_its_run():
 
     again = cloudpickle.loads(cloudpickle.dumps(cls))
     assert again.run.__qualname__.endswith("RelayTaskRunner.run")
-    assert horizon.registry_problems() == []  # still answered after Ray-style pickling in this process
+    assert verl_contract.problems(names=registry) == []  # still answered after Ray-style pickling in this process
 
 
-def test_verl_contract_holds_for_the_installed_verl():
+def test_contract_holds_for_the_installed_verl():
     from importlib.metadata import version
 
-    from relay.trainers.verl_ppo import horizon
+    from relay.trainers.verl_ppo import horizon, verl_contract
 
     assert version("verl") == "0.9.1"
-    assert horizon.registry_problems() == [] and horizon.loop_bound_problems() == []
+    assert verl_contract.problems() == [] and horizon.loop_bound_problems() == []
 
 
 def test_a_horizon_dependent_schedule_is_refused_when_the_contract_breaks(tmp_path):

@@ -1,4 +1,4 @@
-"""verl's `cpu` platform (relay.trainers.verl_ppo.cpu_platform), as a verl process sees it: chosen by
+"""verl's `cpu` platform (relay.trainers.verl_ppo.cpu.platform), as a verl process sees it: chosen by
 VERL_PLATFORM=cpu, imported by verl itself through VERL_USE_EXTERNAL_MODULES, with verl's own FSDP engines
 and checkpoint manager on it. (The first piece of issue 15: verl's trainer on a CPU.)"""
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from relay.checkpoints.validate import validate_checkpoint
-from relay.trainers.verl_ppo.tiny_model import make_tiny_model
+from relay.trainers.verl_ppo.cpu.tiny_model import make_tiny_model
 from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM_ENV as ENV
 from support import verl_checkpoint
 from support.helpers import ROOT

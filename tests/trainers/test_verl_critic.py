@@ -1,5 +1,5 @@
 """verl with a critic (`adv_estimator: gae`: verl's value model, trained beside the actor) on Relay's CPU platform
-(the value model with torch's sdpa: relay.trainers.verl_ppo.cpu_patches, patch 5). verl's lane
+(the value model with torch's sdpa: relay.trainers.verl_ppo.cpu.patches, patch 5). verl's lane
 (`./scripts/test.sh --verl`): include/runs/verl_tiny_cpu.yaml with `adv_estimator: gae` trains chunk 1 (0 -> 2);
 its certificate holds the critic's parameters and optimizer moments, and the resume (2 -> 3) is certified with
 them; a copy of step 2 whose critic weights were altered consistently (two rows swapped, the shard re-saved by

@@ -1,6 +1,6 @@
 """verl's FSDP1 (`fsdp_version: 1`) on Relay's CPU platform. verl wraps every FSDP1 model with
 `sync_module_states=True`, and torch refuses that broadcast for CPU tensors; the CPU platform lifts that check only
-(relay.trainers.verl_ppo.cpu_patches, patch 3), so ranks above 0 take rank 0's weights over gloo as they would take
+(relay.trainers.verl_ppo.cpu.patches, patch 3), so ranks above 0 take rank 0's weights over gloo as they would take
 them over NCCL on GPUs, and nothing is left uninitialised for a certificate to certify.
 
 CI: torch's FSDP1 with verl's settings at world size 2, rank 1 built with other weights: after the wrap both ranks
@@ -35,7 +35,7 @@ RANK = textwrap.dedent("""
 
     dist.init_process_group("gloo")
     if sys.argv[1] == "patched":
-        from relay.trainers.verl_ppo import cpu_patches
+        from relay.trainers.verl_ppo.cpu import patches as cpu_patches
         cpu_patches._allow_fsdp1_sync_of_cpu_states()
     torch.manual_seed(dist.get_rank())  # rank 1 starts with weights of its own
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))

@@ -1,4 +1,4 @@
-"""The tiny model's task for verl's own trainer on a CPU (relay/trainers/verl_ppo/tiny_task.py) and its
+"""The tiny model's task for verl's own trainer on a CPU (relay/trainers/verl_ppo/cpu/tiny_task.py) and its
 spec (include/runs/verl_tiny_cpu.yaml): the data is deterministic, in verl's RL schema and read by verl's
 own dataset code with the tiny tokenizer; the reward gives partial credit, so a random model's answers to
 one prompt score unevenly (GRPO has something to learn from); verl's own reward manager calls it as the
@@ -16,8 +16,8 @@ import pytest
 from relay.common.errors import RelayError
 from relay.runs.run import Run
 from relay.spec.run_spec import load_spec
-from relay.trainers.verl_ppo import tiny_task
-from relay.trainers.verl_ppo.tiny_model import byte_tokenizer, make_tiny_model
+from relay.trainers.verl_ppo.cpu import tiny_task
+from relay.trainers.verl_ppo.cpu.tiny_model import byte_tokenizer, make_tiny_model
 from support.helpers import ROOT
 
 SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"

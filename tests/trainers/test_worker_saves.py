@@ -5,6 +5,7 @@ tests/airflow/test_verl_dag.py (CI) and tests/trainers/test_verl_cpu_fit.py (a w
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,13 +19,32 @@ def state(seed: int) -> dict:
     return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g), "step": seed}
 
 
+class Manager:
+    """Stands in for verl's FSDPCheckpointManager in this process: its save calls `torch.save` through its module's
+    global `torch`, as verl's does (verl's own manager: test_verls_manager_saves_off_the_critical_path_...)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def save_checkpoint(self, path):
+        torch.save(self.obj, path)
+
+
+def worker_with(manager) -> SimpleNamespace:
+    """verl's worker object as certify.actor_of finds it: worker.actor.engine.checkpoint_manager."""
+    return SimpleNamespace(actor=SimpleNamespace(engine=SimpleNamespace(checkpoint_manager=manager)))
+
+
 def test_a_workers_save_is_written_after_verls_save_returns_with_a_synchronous_saves_bytes(tmp_path):
     (tmp_path / "sync").mkdir()
     sync, deferred, done = tmp_path / "sync" / "model.pt", tmp_path / "model.pt", tmp_path / ".written-0.json"
     torch.save(state(1), sync)  # (torch names the archive's folder after the file: the same name)
+    manager = Manager(state(1))
     for step in (2, 4):  # the same buffers from one save to the next
-        worker_saves.defer(None, step)
-        torch.save(state(1), deferred)  # what verl's checkpoint manager calls, in the worker
+        worker_saves.defer(worker_with(manager), step)
+        torch.save(state(5), tmp_path / "elsewhere.pt")  # not verl's checkpoint manager saving: torch's own save
+        assert (tmp_path / "elsewhere.pt").exists(), "only verl's checkpoint manager's saves are deferred"
+        manager.save_checkpoint(deferred)  # verl's save, in the worker
         assert not deferred.exists(), "collected, not written, while verl's save runs"
         took = worker_saves.write_behind(None, str(done))
         assert took["written_now"] == [] and took["bytes"] > 64 * 32 * 4
@@ -33,15 +53,18 @@ def test_a_workers_save_is_written_after_verls_save_returns_with_a_synchronous_s
         assert deferred.read_bytes() == sync.read_bytes()
         done.unlink()
         deferred.unlink()
-    torch.save(state(3), tmp_path / "after.pt")  # torch.save is torch's own again
-    assert (tmp_path / "after.pt").exists()
+    manager.save_checkpoint(tmp_path / "after.pt")  # verl's checkpoint manager is its own again
+    assert (tmp_path / "after.pt").exists() and "save_checkpoint" not in vars(manager)
 
 
 def test_a_copy_that_does_not_fit_is_written_at_once_and_said(tmp_path, monkeypatch):
     """Raising in one rank would leave the others waiting at verl's next barrier: the shard is written now."""
     monkeypatch.setattr(async_save, "no_room_for", lambda need: "needs 9.00 GiB more of host buffers" if need else None)
-    worker_saves.defer(None, 6)
-    torch.save(state(6), tmp_path / "optim.pt")
+    manager = Manager(state(6))
+    worker_saves.defer(worker_with(manager), 6)
+    Manager(state(7)).save_checkpoint(tmp_path / "unrelated.pt")  # another manager of the class: not intercepted
+    assert (tmp_path / "unrelated.pt").exists()
+    manager.save_checkpoint(tmp_path / "optim.pt")
     assert (tmp_path / "optim.pt").exists(), "written at once"
     took = worker_saves.write_behind(None, str(tmp_path / "done.json"))
     assert took["written_now"] == ["optim.pt: its host copy needs 9.00 GiB more of host buffers"]
@@ -101,11 +124,58 @@ def test_tensors_that_share_storage_stay_shared_in_the_copy_with_a_synchronous_s
     buffers = async_save.HostBuffers()
     for _ in range(2):  # the same buffers from one save to the next
         deferred = async_save.DeferredWrites(buffers)
-        with deferred.collecting():
-            torch.save(sd, tmp_path / "model.pt")
+        manager = Manager(sd)
+        with deferred.intercepting(manager):
+            manager.save_checkpoint(tmp_path / "model.pt")
         deferred.write()
         assert (tmp_path / "model.pt").read_bytes() == sync.read_bytes()
     assert buffers.nbytes == (64 + 96) * 32 * 4, "one buffer per storage"
     copy = deferred.copied("model.pt")
     assert copy["embed.weight"].untyped_storage().data_ptr() == copy["lm_head.weight"].untyped_storage().data_ptr()
     assert copy["k"].storage_offset() == 32 * 32 and torch.equal(copy["k"], fused[32:64])
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("world_size", "fsdp"), [(1, 2), (2, 2), (2, 1)])
+def test_verls_manager_saves_off_the_critical_path_a_synchronous_saves_bytes_tied_and_resumes_bitwise(
+    tmp_path, world_size, fsdp
+):
+    """verl's own FSDPCheckpointManager, in gloo processes, on a model with tied embeddings: the step saved as Relay's
+    workers save off the critical path (worker_saves) has the synchronous save's bytes in every file of every rank;
+    verl's load of that async save, saved again, holds the synchronous save's values bit for bit (weights, optimizer
+    moments, scheduler and RNG: the resume loses nothing)."""
+    from support import verl_checkpoint
+
+    sync, deferred, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
+    common = {"world_size": world_size, "fsdp": fsdp, "tied": True, "hidden": 64}
+    verl_checkpoint.make_many(
+        [{"run_dir": sync, "deferred_to": deferred, **common}, {"run_dir": resumed, "load_from": deferred, **common}]
+    )
+    files = sorted(p.relative_to(sync) for p in (sync / "global_step_1" / "actor").rglob("*") if p.is_file())
+    shards = [f for f in files if f.suffix == ".pt"]
+    assert len(shards) == 3 * world_size, files  # model, optim and extra state of every rank
+    for f in files:
+        assert (deferred / f).read_bytes() == (sync / f).read_bytes(), f"{f}: not the synchronous save's bytes"
+        if f.suffix == ".pt":
+            assert_same_values(torch.load(resumed / f, weights_only=False), torch.load(sync / f, weights_only=False), f)
+    results = [json.loads((deferred / f".written-{r}.json").read_text()) for r in range(world_size)]
+    assert all(r["ok"] and len(r["files"]) == 3 for r in results), results
+
+
+def assert_same_values(got, want, where) -> None:
+    """Every tensor bit for bit (a DTensor's shard, its dtype) and every other value equal, at every key."""
+    if isinstance(want, torch.Tensor):
+        got, want = getattr(got, "_local_tensor", got), getattr(want, "_local_tensor", want)
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{where}: differs"
+    elif isinstance(want, dict):
+        assert sorted(map(str, got)) == sorted(map(str, want)), f"{where}: keys differ"
+        for k in want:
+            assert_same_values(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: lengths differ"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_values(g, w, f"{where}[{i}]")
+    elif hasattr(want, "tobytes"):  # numpy's RNG state
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{where}: differs"
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
 
 from relay.common.errors import RelayError
 from relay.devstack import stack
@@ -26,7 +30,7 @@ def cmd_doctor(args) -> int:
     if not args.offline:
         store = store_for_spec(spec) if spec.s3 is not None else None
         jobs = RayJobs(args.ray_address or os.environ.get("RAY_ADDRESS") or stack.ray_address())
-    findings = doctor.diagnose(run, store=store, jobs=jobs)
+    findings = doctor.diagnose(run, store=store, jobs=jobs, verl_report=verl_contract_report(spec, jobs))
     if args.json:
         print(
             json.dumps(
@@ -36,6 +40,63 @@ def cmd_doctor(args) -> int:
     else:
         print(doctor.report(findings, run))
     return 0 if all(f.ok for f in findings) else 1
+
+
+CONTRACT_JOB_TIMEOUT_S = 300  # the contract's job on the cluster: an interpreter that imports verl
+
+
+def verl_contract_report(spec, jobs: RayJobs | None) -> Callable[[bool], tuple[str, dict[str, Any]]]:
+    """How doctor checks verl's contract (relay.trainers.verl_ppo.verl_contract): in a Ray job on the cluster, where
+    the chunks will run (`jobs`), else in this host's verl (--offline)."""
+
+    def here(cpu: bool) -> tuple[str, dict[str, Any]]:
+        from relay.trainers.verl_ppo import verl_contract as contract
+
+        return "this host's", contract.report(cpu=cpu)
+
+    def on_cluster(cpu: bool) -> tuple[str, dict[str, Any]]:
+        assert jobs is not None
+        return "the cluster's", _contract_on_cluster(spec, jobs, cpu)
+
+    return here if jobs is None else on_cluster
+
+
+def _contract_on_cluster(spec, jobs: RayJobs, cpu: bool) -> dict[str, Any]:
+    """The contract's report, from a Ray job of its own (`python -m relay.trainers.verl_ppo.verl_contract --json`)."""
+    from relay.trainers.verl_ppo import verl_contract as contract
+
+    module = "relay.trainers.verl_ppo.verl_contract --json" + (" --cpu" if cpu else "")
+    sub_id = f"relay-verl-contract-{uuid.uuid4().hex[:12]}"
+    try:
+        jobs.submit_module(spec, module, {}, sub_id, {"relay_spec": spec.name, "relay_check": "verl_contract"})
+        deadline = time.time() + CONTRACT_JOB_TIMEOUT_S
+        while (state := jobs.get(sub_id)) is None or state.status not in ("SUCCEEDED", "FAILED", "STOPPED"):
+            if time.time() > deadline:
+                jobs.stop(sub_id)
+                raise RelayError(
+                    f"the verl contract check ({sub_id}) did not finish in {CONTRACT_JOB_TIMEOUT_S} s on the cluster",
+                    "check that the cluster has room for a one-CPU job, then run `relay doctor` again",
+                    retry_helps=True,
+                )
+            time.sleep(0.5)
+        logs = jobs.logs(sub_id)
+    except RelayError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to reach the Jobs API
+        raise RelayError(
+            f"cannot run the verl contract check on the cluster: {e}",
+            "start the Ray head, or run with --offline",
+            retry_helps=True,
+        ) from None
+    line = next((ln for ln in reversed(logs.splitlines()) if ln.startswith(contract.MARK)), None)
+    if line is None:
+        tail = " | ".join(logs.strip().splitlines()[-3:])
+        raise RelayError(
+            f"the verl contract check ({sub_id}) ended {state.status} without a report: {tail}",
+            "install verl (pinned 0.9.1) in the cluster image; read the job's log for the import error",
+            retry_helps=False,
+        )
+    return json.loads(line[len(contract.MARK) :])
 
 
 def add_commands(sub) -> None:

@@ -23,7 +23,6 @@ from relay.runs.run import Run
 from relay.s3.store import store_for_spec
 from relay.spec.plan import ChunkPlan
 from relay.trainers.contract import ChunkRequest, run_chunk
-from relay.trainers.verl_ppo.tiny_model import make_tiny_model
 
 
 def cmd_plan(args) -> int:
@@ -192,6 +191,8 @@ def _record_job_times(jobs: RayJobs, run: Run, sub_id: str, to_step: int) -> Non
 
 
 def cmd_model_tiny(args) -> int:
+    from relay.trainers.verl_ppo.cpu.tiny_model import make_tiny_model  # a CPU stand-in, asked for by name
+
     folder = make_tiny_model(Path(args.dir))
     print(f"tiny model (Qwen2, byte-level tokenizer with a chat template; no download) written to {folder}")
     return 0

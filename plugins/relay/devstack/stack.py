@@ -195,7 +195,7 @@ def ray_cli() -> list[str]:
     return [str(ray_venv() / "bin" / "python"), "-m", "ray.scripts.scripts"]
 
 
-# verl's resource pools count GPUs even for its `cpu` platform (relay.trainers.verl_ppo.cpu_platform): a head
+# verl's resource pools count GPUs even for its `cpu` platform (relay.trainers.verl_ppo.cpu.platform): a head
 # on a host without NVIDIA GPUs advertises this many logical ones, which Ray hands out with no device behind.
 LOGICAL_GPUS = 1
 

@@ -5,7 +5,9 @@ the code the DAG itself runs: the resume validation and quarantine records (resu
 live-job query the chunk operator makes before it submits (ray_jobs), the run's lease, the settings
 guard of preflight.settings (guard) and the source check of preflight.data (data.freeze). For a
 verl_ppo spec it also says whether its attention implementation can be loaded, as far as that can be
-known from here (preflight.attention): a warning (⚠), which never makes a resume unsafe. When the
+known from here (preflight.attention): a warning (⚠), which never makes a resume unsafe; and whether the cluster's
+verl still has every touch point Relay relies on (relay.trainers.verl_ppo.verl_contract, run as a Ray job there;
+this host's verl with --offline). When the
 run's last attempt failed and no checkpoint was saved since, it names that failure's cause as the train task
 classified it (relay.runs.failure_cause), with what to do: a warning too. The
 DAG's preflight.run task logs this same checklist, so the UI and the terminal never disagree.
@@ -13,6 +15,7 @@ DAG's preflight.run task logs this same checklist, so the UI and the terminal ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -362,6 +365,35 @@ def attention(run: Run) -> Finding | None:
     return Finding("attention", True, result.detail, result.fix, warning=not result.ok)
 
 
+def verl_contract(run: Run, report: Callable[[bool], tuple[str, dict[str, Any]]] | None = None) -> Finding | None:
+    """verl's touch points (relay.trainers.verl_ppo.verl_contract) in the verl the chunks will run: `report(cpu)` runs
+    the checks and says where (the CLI's: a Ray job on the cluster, or this host's verl with --offline). verl_ppo
+    specs only; None without a report (the DAG's cheap checklist: every chunk's driver checks it anyway)."""
+    if run.spec.trainer.kind != "verl_ppo" or report is None:
+        return None
+    name = "verl contract"
+    try:
+        where, found = report(run.spec.settings.device == "cpu")
+    except ImportError as e:
+        return Finding(
+            name, True, f"verl is not installed here ({e})", "run without --offline to check the cluster's", warning=True
+        )
+    except RelayError as e:
+        return Finding(name, False, e.what, e.fix or "")
+    fix = "install verl 0.9.1 in the cluster image (Relay's contract), or run a Relay that supports this verl"
+    if found["problems"]:
+        return Finding(name, False, f"{where} verl {found['verl']}: " + " | ".join(found["problems"]), fix)
+    if found["loop_bound"]:
+        detail = (
+            f"{where} verl {found['verl']}: " + " | ".join(found["loop_bound"]) + ": chunks end through "
+            "total_training_steps, and a horizon-dependent LR schedule is refused in chunks"
+        )
+        return Finding(name, True, detail, fix, warning=True)
+    return Finding(
+        name, True, f"{where} verl {found['verl']} (torch {found['torch']}): all {found['checked']} touch points hold"
+    )
+
+
 def last_failure(run: Run) -> Finding | None:
     """The cause of the run's last failed attempt (relay.runs.failure_cause, as the train task classified it),
     when no checkpoint was saved since: a warning that says what to do before trying again."""
@@ -410,8 +442,9 @@ def _recorded(run: Run) -> bool:
     return bool(read_record(run.dir).get("settings"))
 
 
-def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Finding]:
-    """The whole checklist, cheap checks first where it matters little."""
+def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True, verl_report=None) -> list[Finding]:
+    """The whole checklist, cheap checks first where it matters little. verl_report: verl's contract checks (see
+    verl_contract; the trainers' layer, above this one, runs them)."""
     findings = [
         interrupted_swap(run),
         checkpoint(run, store, deep=deep),
@@ -423,6 +456,7 @@ def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True) -> list[Find
         settings(run),
         prompts_in_flight(run),
         attention(run),
+        verl_contract(run, verl_report) if deep else None,
         last_failure(run),
         save_interval(run),
     ]

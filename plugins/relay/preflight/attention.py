@@ -88,7 +88,7 @@ def check(
         return AttentionCheck(
             True,
             f"{what}: built into torch; on Relay's CPU platform the critic's value model is loaded with sdpa too "
-            "(relay.trainers.verl_ppo.cpu_patches)",
+            "(relay.trainers.verl_ppo.cpu.patches)",
         )
     needs = (
         f"{SETTING} is {what}"

@@ -2,7 +2,8 @@
 and trains on while a thread writes the copy.
 
 The copy is taken on the trainer's main thread, through the trainer's own save code (verl's
-FSDPCheckpointManager.save_checkpoint, its barriers included) with `torch.save` deferred: each object it would
+FSDPCheckpointManager.save_checkpoint, its barriers included) with the `torch.save` of that module deferred, and only
+while it saves (DeferredWrites.intercepting): each object it would
 write is mirrored, storage by storage, into buffers kept from one save to the next (a fresh copy per save pays page
 faults that cost more than half a synchronous save), and the writes are replayed later by the save's thread.
 Each storage is copied once, whole, as torch.save writes it, and every tensor of the object is remade over its
@@ -17,9 +18,12 @@ its files are written and fsynced, and waits for it before the next save, the ch
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 GiB = 2**30
@@ -147,31 +151,52 @@ class DeferredWrites:
         self.when_no_room = when_no_room
         self.writes: list[tuple[Any, Path]] = []
         self.written_now: list[str] = []
-        self._save: Callable[..., Any] | None = None  # torch's own save, for the writes
 
-    @contextlib.contextmanager
-    def collecting(self) -> Iterator[DeferredWrites]:
+    def save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        """torch.save, deferred: `obj` mirrored into the host buffers, to be written by `write`. Anything but a plain
+        save to a path, or a copy that does not fit, is written now."""
         import torch
 
-        real = self._save = torch.save
+        if args or kwargs or not isinstance(f, (str, Path)):
+            return torch.save(obj, f, *args, **kwargs)  # not a plain save to a file: as asked, now
+        key = Path(f).name
+        if (short := no_room_for(self.buffers.missing_bytes(key, obj))) is not None:
+            if self.when_no_room != "write":
+                raise NoRoomForCopy(f"the host copy of {key} {short}")
+            self.written_now.append(f"{key}: its host copy {short}")
+            return torch.save(obj, f)
+        self.writes.append((self.buffers.mirror(key, obj), Path(f)))
+        return None
 
-        def deferred(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-            if args or kwargs or not isinstance(f, (str, Path)):
-                return real(obj, f, *args, **kwargs)  # not a plain save to a file: as asked, now
-            key = Path(f).name
-            if (short := no_room_for(self.buffers.missing_bytes(key, obj))) is not None:
-                if self.when_no_room != "write":
-                    raise NoRoomForCopy(f"the host copy of {key} {short}")
-                self.written_now.append(f"{key}: its host copy {short}")
-                return real(obj, f)
-            self.writes.append((self.buffers.mirror(key, obj), Path(f)))
-            return None
+    @contextlib.contextmanager
+    def intercepting(self, checkpoint_manager: Any) -> Iterator[DeferredWrites]:
+        """While the block runs, each call of `checkpoint_manager.save_checkpoint` (verl's FSDPCheckpointManager)
+        runs with the `torch.save` of its own module deferred into this object; nothing else in the process, not
+        even that module outside the call, sees another torch.save. The module's global `torch` is a view of torch
+        whose `save` is `self.save` for the length of the call (verl calls `torch.save` through it)."""
+        import torch
 
-        torch.save = deferred
+        module = sys.modules[type(checkpoint_manager).__module__]
+        if id(vars(module).get("torch")) != id(torch):  # (compared by id: mypy would narrow `torch` itself)
+            raise RuntimeError(
+                f"{module.__name__} does not call torch.save through its global `torch`: the async save cannot "
+                "defer its writes (relay.trainers.verl_ppo.verl_contract lists what it relies on)"
+            )
+        saving = checkpoint_manager.save_checkpoint  # the bound method of verl's class
+        view = _TorchWithSave(torch, self.save)
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            module.torch = view  # type: ignore[attr-defined]
+            try:
+                return saving(*args, **kwargs)
+            finally:
+                module.torch = torch  # type: ignore[attr-defined]
+
+        checkpoint_manager.save_checkpoint = save_checkpoint  # this object's only, for the block
         try:
             yield self
         finally:
-            torch.save = real
+            del checkpoint_manager.save_checkpoint  # verl's own method again
 
     def copied(self, name: str) -> Any:
         """The copy of what was to be saved as file `name` (None if nothing was)."""
@@ -181,11 +206,22 @@ class DeferredWrites:
         """Replay the collected saves (the save's thread); `before(path)` runs before each (a fault point)."""
         import torch
 
-        save = self._save or torch.save
         for obj, path in self.writes:
             if before is not None:
                 before(path)
-            save(obj, path)
+            torch.save(obj, path)
+
+
+class _TorchWithSave(types.ModuleType):
+    """torch, with another `save`: what verl's checkpoint manager's module sees while a deferred save runs."""
+
+    def __init__(self, torch: ModuleType, save: Callable[..., Any]) -> None:
+        super().__init__("torch")
+        self.__torch = torch
+        self.save = save
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__torch, name)
 
 
 def no_room_for(need: int) -> str | None:

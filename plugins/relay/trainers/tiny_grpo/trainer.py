@@ -400,9 +400,9 @@ class _TinyGRPO:
         from relay.trainers.async_save import DeferredWrites
 
         deferred = DeferredWrites(self.host_buffers)
-        with deferred.collecting():
+        with deferred.intercepting(self.ckpt):  # verl's checkpoint manager, as in verl's workers
             self.ckpt.save_checkpoint(str(folder / "actor"), global_step=step)
-            self.torch.save(self.loader.state_dict(), folder / "data.pt")
+        deferred.save(self.loader.state_dict(), folder / "data.pt")
         # The parameters' and the optimizer's digests from the copy, on the save's thread: the copy holds the values
         # saved, and a digest depends only on a tensor's values and global indices (FSDP2's DTensors keep their own
         # specs). Only the probe runs now: it needs the live model.

@@ -48,6 +48,7 @@ import shutil
 import time
 from pathlib import Path
 
+from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
@@ -241,18 +242,21 @@ class RelayChunk(PPOTrainer):
             session.save_off_critical_path(step, lambda staging_root: self._relay_snapshot(staging_root, step))
             return
         with session.saving(step) as staging_root:  # checks the lease; a failed save is removed
-            self._relay_verl_save(staging_root)
-            staged = layout.step_dir(staging_root, step)
+            staged = self._relay_verl_save(staging_root)
             self._relay_staged(staged, step)
             self._relay_certify_save(staged, step)
             session.commit(step, staged)
 
         shutil.rmtree(staging_root, ignore_errors=True)
 
-    def _relay_verl_save(self, staging_root) -> None:
-        """verl's own save (actor, critic, data.pt, the async modes' transfer_queue/), into Relay's staging folder."""
+    def _relay_verl_save(self, staging_root) -> Path:
+        """verl's own save (actor, critic, data.pt, the async modes' transfer_queue/), into Relay's staging folder.
+        Returns the step folder verl wrote, as its checkpoint callback (RelaySaved) named it."""
         from omegaconf import open_dict
 
+        step = self.global_steps
+        expected = layout.step_dir(staging_root, step)
+        self._relay_written: Path | None = None
         real_dir = self.config.trainer.default_local_dir
         with open_dict(self.config):
             self.config.trainer.default_local_dir = str(staging_root)
@@ -261,14 +265,25 @@ class RelayChunk(PPOTrainer):
         finally:
             with open_dict(self.config):
                 self.config.trainer.default_local_dir = real_dir
+        if self._relay_written != expected:
+            raise VerlContractError(
+                f"verl's save of step {step} named {self._relay_written or 'no folder'} to its checkpoint callback "
+                f"(trainer.checkpoint_callback_class), not {expected}: Relay cannot tell what verl wrote",
+                "run the verl version Relay's contract names (`relay doctor SPEC`), and keep "
+                "trainer.checkpoint_callback_class as Relay sets it",
+            )
+        return expected
+
+    def _relay_saved(self, step: int, checkpoint_dir: Path) -> None:
+        """verl's checkpoint callback (RelaySaved): its save of `step` returned, into `checkpoint_dir`."""
+        self._relay_written = checkpoint_dir if step == self.global_steps else None
 
     def _relay_snapshot(self, staging_root, step: int):
         """A save off the critical path (checkpoints.async_save; relay.trainers.verl_ppo.worker_saves): verl's save
-        with every worker's torch.save deferred into its host buffers, then the certificate's probe of the weights
-        saved (now, before they change); each worker writes its files on a thread of its own and, with FSDP2,
-        digests its copies there for the certificate. Returns the
-        writes for the session's save thread: wait until every worker wrote and fsynced its files, then the step
-        folder to commit."""
+        with every worker's checkpoint manager's torch.save deferred into its host buffers, then the certificate's
+        probe of the weights saved (now, before they change); each worker writes its files on a thread of its own
+        and, with FSDP2, digests its copies there for the certificate. Returns the writes for the session's save
+        thread: wait until every worker wrote and fsynced its files, then the step folder to commit."""
         import ray
 
         from relay.trainers.verl_ppo import worker_saves
@@ -281,7 +296,7 @@ class RelayChunk(PPOTrainer):
         ray.get([w.__ray_call__.remote(worker_saves.defer, step, later and i < actors) for i, w in enumerate(workers)])
         done = [Path(staging_root) / f".written-{i}.json" for i in range(len(workers))]
         try:
-            self._relay_verl_save(staging_root)
+            staged = self._relay_verl_save(staging_root)
         finally:  # every worker's torch.save is its own again, whatever happened
             took = ray.get(
                 [w.__ray_call__.remote(worker_saves.write_behind, str(d)) for w, d in zip(workers, done, strict=True)]
@@ -289,7 +304,6 @@ class RelayChunk(PPOTrainer):
         for t in took:
             for why in t["written_now"]:
                 verl_chunk.say(f"step {step}: {why}; written before training went on")
-        staged = layout.step_dir(staging_root, step)
         self._relay_staged(staged, step)
         probed = self._relay_certify_save(staged, step, digests=not later)  # the probe: it needs the live model
 
@@ -424,6 +438,22 @@ class RelayChunk(PPOTrainer):
         self.total_training_steps = self.global_steps
         self.relay_session.record_stop(self.global_steps, why)
         verl_chunk.say(f"stopping after step {self.global_steps} ({why}): its checkpoint is committed")
+
+
+class RelaySaved(CheckpointCallback):
+    """verl's public hook after each save (`trainer.checkpoint_callback_class`, set by overrides.chunk_overrides),
+    called in this actor once verl's save returned whole: it tells the chunk trainer which step folder verl wrote,
+    which Relay then certifies and commits."""
+
+    def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False, **kwargs) -> None:
+        relay_saved = getattr(trainer, "_relay_saved", None)
+        if relay_saved is None:
+            raise VerlContractError(
+                f"{type(trainer).__name__} is not Relay's chunk trainer: Relay's checkpoint callback has nothing to "
+                "commit into",
+                "start main_ppo through Relay's entrypoint (`relay train SPEC`, or the DAG)",
+            )
+        relay_saved(global_step, Path(checkpoint_dir))
 
 
 class RelayChunkTrainer(RelayChunk, PPOTrainerSync):

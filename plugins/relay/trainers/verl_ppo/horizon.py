@@ -5,7 +5,8 @@ stop the loop there, but verl also copies it into actor.optim.total_training_ste
 schedule's horizon: a cosine schedule or a ratio-based warmup would then change with every chunk.
 Relay keeps total_training_steps at the run's total and lowers only the loop bound
 (`loop_bound`, chunk_trainer.RelayChunkTrainer). That relies on a few facts of verl's source, which
-`contract_problems()` checks in the installed verl before any job trains:
+`loop_bound_problems()` checks in the installed verl (relay.trainers.verl_ppo.verl_contract) before any job
+trains:
 
 - the v1 TaskRunner looks its trainer class up by trainer.v1.trainer_mode in TRAINER_REGISTRY;
 - PPOTrainer._init_dataloader sets self.total_training_steps and writes the optimizer horizon;
@@ -22,7 +23,6 @@ does not depend on the horizon (constant, with an absolute warmup). A horizon-de
 from __future__ import annotations
 
 import functools
-import inspect
 
 from relay.common.errors import RelayError
 
@@ -50,78 +50,17 @@ def describe_schedule(optim, horizon: int) -> str:
 # ------------------------------------------------------------------------------ verl's contract
 
 
-def registry_problems() -> list[str]:
-    """What Relay needs to register its trainer where verl's TaskRunner looks (empty: all there)."""
-    problems = []
-    try:
-        from verl.trainer import main_ppo
-        from verl.trainer.ppo.v1 import trainer_base
-        from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-    except ImportError as e:
-        return [f"verl's v1 trainer does not import here ({e})"]
-    registry = getattr(trainer_base, "TRAINER_REGISTRY", None)
-    if not isinstance(registry, dict):
-        problems.append("verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY is gone")
-    elif registry.get("sync") is not PPOTrainerSync and getattr(registry.get("sync"), "__relay_chunk__", None) is None:
-        problems.append(f"TRAINER_REGISTRY['sync'] is {registry.get('sync')!r}, not verl's PPOTrainerSync")
-    try:
-        from pathlib import Path
-
-        from relay.trainers.verl_ppo.verl_contract import original_class
-
-        runner = original_class(main_ppo.TaskRunnerV1)
-        # The file's text, not inspect.getsource: once Ray has pickled the class by value, inspect may
-        # no longer find its source in this process.
-        text = Path(main_ppo.__file__).read_text()
-        body = text[text.find(f"class {runner.__name__}") :]
-        body = body[: body.find("\n@hydra.main")] if "\n@hydra.main" in body else body
-        if "get_trainer_cls(config.trainer.v1.trainer_mode)" not in body or "def run(self, config" not in body:
-            problems.append(
-                "TaskRunnerV1.run no longer looks the trainer up with get_trainer_cls(config.trainer.v1.trainer_mode)"
-            )
-    except (AttributeError, TypeError, OSError) as e:
-        problems.append(f"verl's TaskRunnerV1 cannot be subclassed as Relay does ({e})")
-    return problems
-
-
 def loop_bound_problems() -> list[str]:
-    """What the loop-bound subclass relies on in verl's PPOTrainer (empty: the horizon is guaranteed).
-    Read once per process, from the source verl was imported with."""
+    """The loop-bound facts above, as verl_contract checks them (empty: the horizon is guaranteed). Read once per
+    process, from the source verl was imported with."""
     return list(_loop_bound_problems())
 
 
 @functools.lru_cache(maxsize=1)
 def _loop_bound_problems() -> tuple[str, ...]:
-    try:
-        from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-    except ImportError as e:
-        return (f"verl's v1 trainer does not import here ({e})",)
-    problems = []
+    from relay.trainers.verl_ppo import verl_contract
 
-    def source(name: str) -> str:
-        try:
-            return inspect.getsource(getattr(PPOTrainer, name))
-        except (AttributeError, OSError, TypeError):
-            problems.append(f"PPOTrainer.{name} is gone or has no source")
-            return ""
-
-    init_dl, fit, setup = source("_init_dataloader"), source("fit"), source("_setup")
-    for needle, where, text in (
-        ("self.total_training_steps = total_training_steps", "_init_dataloader", init_dl),
-        ("actor_rollout_ref.actor.optim.total_training_steps = optim_total_training_steps", "_init_dataloader", init_dl),
-        ("self.global_steps <= self.total_training_steps", "fit", fit),
-        ("is_last_step = self.global_steps >= self.total_training_steps", "fit", fit),
-    ):
-        if text and needle not in text:
-            problems.append(f"PPOTrainer.{where} no longer has `{needle}`")
-    if setup:
-        first_dl, first_wg = setup.find("self._init_dataloader()"), setup.find("RayWorkerGroup(")
-        if first_dl < 0 or first_wg < 0 or first_dl > first_wg:
-            problems.append(
-                "PPOTrainer._setup no longer builds the dataloader before the worker groups "
-                "(whose LR schedulers read the horizon)"
-            )
-    return tuple(problems)
+    return tuple(verl_contract.problems(names=verl_contract.LOOP_BOUND_FACTS))
 
 
 def chunk_strategy(spec, problems: list[str] | None = None) -> str:

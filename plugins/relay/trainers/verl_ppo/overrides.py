@@ -9,6 +9,8 @@ ray_kwargs.ray_init.address, under a node verl's schema has.
 What Relay sets, and why:
 - trainer.default_local_dir: the run's folder, absolute (on shared storage): verl's default is
   relative to the working directory and built from project and experiment names.
+- trainer.checkpoint_callback_class: Relay's (chunk_trainer.RelaySaved), verl's public hook after each save: it
+  names the step folder verl wrote, which Relay certifies and commits.
 - trainer.resume_mode=auto: verl resumes from the tracker, which Relay has just validated.
 - trainer.save_freq: > 0 always (verl saves on its last step only then); chunk_steps in supervised mode.
 - trainer.total_training_steps: the run's total, the LR schedule's horizon (see horizon.py).
@@ -18,10 +20,10 @@ What Relay sets, and why:
   retention keeps what is validated and published.
 - data.train_files / val_files: the run's frozen copies, never the source paths.
 - ray_kwargs.ray_init.address: the cluster the job runs on, never a new local Ray.
-- rollout.agent.default_agent_loop: with the hf rollout, its agent loop (hf_rollout.RelaySingleTurnAgentLoop).
+- rollout.agent.default_agent_loop: with the hf rollout, its agent loop (cpu/hf_rollout.RelaySingleTurnAgentLoop).
 - trainer.v1.*: the spec's trainer_mode; for the async modes their warm-up batches and Relay's sampler, for
   separate_async the rollout's own GPUs and checkpoint engine too (async_overrides).
-- trainer.device: the spec's device (cpu: Relay's cpu platform, see cpu_platform.py).
+- trainer.device: the spec's device (cpu: Relay's cpu platform, see cpu/platform.py).
 - the models' attn_implementation (override_config, an empty mapping in verl's yaml, hence '+'): the
   spec's, else sdpa on a CPU (verl's default flash_attention_2 needs flash-attn and a GPU).
 """
@@ -37,6 +39,8 @@ from relay.trainers.verl_ppo import tracking
 from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
 from relay.trainers.verl_ppo.settings import unsaved_chunk_end
 from relay.trainers.verl_ppo.verl_contract import HF_AGENT_LOOP, HF_ROLLOUT
+
+CHECKPOINT_CALLBACK = "relay.trainers.verl_ppo.chunk_trainer.RelaySaved"  # imports verl: named, not imported, here
 
 # the only '+' overrides: not in verl's yaml, their parent is
 ADDED_KEYS = (
@@ -130,6 +134,7 @@ def chunk_overrides(
     o = s.optim
     out = {
         "trainer.default_local_dir": str(run_dir),
+        "trainer.checkpoint_callback_class": CHECKPOINT_CALLBACK,
         "trainer.resume_mode": "auto",
         "trainer.save_freq": save_freq(spec),
         "trainer.total_training_steps": total,

@@ -18,6 +18,7 @@ from relay.spec.model import StrictModel, critical
 # Hydra override keys Relay sets from the spec and the chunk; a spec's `overrides` may not name them.
 RELAY_OWNED_KEYS = (
     "trainer.default_local_dir",
+    "trainer.checkpoint_callback_class",
     "trainer.resume_mode",
     "trainer.resume_from_path",
     "trainer.save_freq",
@@ -124,7 +125,7 @@ class VerlPPOSettings(StrictModel):
     checkpoint_engine: Literal["gloo", "nccl", "nixl", "mooncake"] | None = Field(
         None,
         description="separate_async: how the weights reach the rollout's GPUs (verl's checkpoint engine); "
-        "default nccl on cuda, gloo on cpu (Relay's, relay/trainers/verl_ppo/gloo_checkpoint_engine.py)",
+        "default nccl on cuda, gloo on cpu (Relay's, relay/trainers/verl_ppo/cpu/gloo_checkpoint_engine.py)",
     )
     model_path: str = critical(min_length=1, description="Hugging Face model folder on shared storage")
     tiny_model: bool = critical(

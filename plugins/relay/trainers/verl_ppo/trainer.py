@@ -112,12 +112,8 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
         # level; its manifest lets the trainer re-check the bytes right before verl's loader reads them.
         write_manifest(session.resume.report, req.run.name, spec.settings_fingerprint())
 
-    problems = horizon.registry_problems()
-    if problems:
-        raise verl_contract.VerlContractError(
-            "Relay cannot install its chunk trainer where verl looks for it: " + "; ".join(problems),
-            "pin verl 0.9.1 in the cluster image",
-        )
+    # every touch point of verl's the chunk trainer relies on, before any GPU time (relay.trainers.verl_ppo.verl_contract)
+    verl_contract.require(cpu=s.device == "cpu")
     strategy = horizon.LOOP_BOUND if s.mode == "supervised" else horizon.chunk_strategy(spec)
     if strategy != horizon.LOOP_BOUND:
         session.say(
@@ -127,7 +123,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
         )
     data = session.data_files()
     if s.tiny_model:
-        from relay.trainers.verl_ppo.tiny_model import ensure_tiny_model
+        from relay.trainers.verl_ppo.cpu.tiny_model import ensure_tiny_model
 
         if ensure_tiny_model(s.model_path):
             session.say(f"made Relay's tiny model at {s.model_path} (tiny_model: true)")

@@ -1,15 +1,16 @@
 """verl's FSDP checkpoints saved off the critical path (`checkpoints.async_save`), inside verl's own workers.
 
 verl saves asynchronously only for Megatron; its FSDP workers write their shards with `torch.save` while training
-waits. Relay runs verl's save as it is, with `torch.save` deferred in every worker (relay.trainers.async_save:
-each object mirrored into host buffers kept from one save to the next), so verl's barriers and its small files
-(the Hugging Face config, fsdp_config.json) stay on the workers' main threads, and then a thread of each worker
-writes its copies and fsyncs them while the next steps train:
+waits. Relay runs verl's save as it is, with the `torch.save` of verl's checkpoint manager deferred in every worker
+while it saves (relay.trainers.async_save: each object mirrored into host buffers kept from one save to the next),
+so verl's barriers and its small files (the Hugging Face config, fsdp_config.json) stay on the workers' main
+threads, and then a thread of each worker writes its copies and fsyncs them while the next steps train:
 
 - `defer(worker, step)` (Ray's `__ray_call__` on every worker of the group, before verl's save): the worker's
-  `torch.save` collects; a save of this worker still being written is waited for first (one in flight);
+  checkpoint manager's `save_checkpoint` collects what it would `torch.save`; a save of this worker still being
+  written is waited for first (one in flight);
 - verl's own `save_checkpoint` runs on the workers, as always;
-- `write_behind(worker, done)` (after it): the worker's `torch.save` is its own again, and a thread writes the
+- `write_behind(worker, done)` (after it): the checkpoint manager is verl's own again, and a thread writes the
   copies, fsyncs them and then writes `done` (JSON: ok, or the error), atomically. For an actor worker of an FSDP2
   model (`digest`), the thread also digests its copies of the model's and the optimizer's shards for the step's
   certificate (relay.checkpoints.certificate: this rank's pieces, summed over the ranks by the trainer), so that
@@ -45,14 +46,15 @@ _writer: threading.Thread | None = None
 
 
 def defer(worker: Any, step: int, digest: bool = False) -> None:
-    """In one worker, before verl's save of `step`: its `torch.save` calls are collected into host buffers. `digest`:
-    the certificate's digests will be taken from the copies (an actor worker of an FSDP2 model)."""
+    """In one worker, before verl's save of `step`: its checkpoint manager's `torch.save` calls are collected into host
+    buffers while it saves. `digest`: the certificate's digests will be taken from the copies (an actor worker of an
+    FSDP2 model)."""
     global _writer
     if _writer is not None:  # at most one save in flight, in this worker too
         _writer.join()
         _writer = None
     deferred = DeferredWrites(_buffers, when_no_room="write")
-    context = deferred.collecting()
+    context = deferred.intercepting(checkpoint_manager(worker))
     context.__enter__()
     _collecting.update(deferred=deferred, context=context, step=step)
     if digest:
@@ -65,8 +67,9 @@ def defer(worker: Any, step: int, digest: bool = False) -> None:
 
 
 def write_behind(worker: Any, done: str) -> dict[str, Any]:
-    """In one worker, after verl's save: `torch.save` restored, and a thread writes what was collected, fsyncs it and
-    writes `done`. Returns what it took: the bytes copied and the files written at once for want of memory."""
+    """In one worker, after verl's save: the checkpoint manager verl's own again, and a thread writes what was
+    collected, fsyncs it and writes `done`. Returns what it took: the bytes copied and the files written at once for
+    want of memory."""
     global _writer
     if not _collecting:
         raise RuntimeError("write_behind without defer: Relay's async save was not started in this worker")
@@ -135,12 +138,21 @@ def summed(results: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str
     return add("params"), add("optimizer"), sorted({s for r in parts for s in r["digests"]["steps"]})
 
 
+def checkpoint_manager(worker: Any) -> Any:
+    """The worker's verl checkpoint manager (its engine's FSDPCheckpointManager): the actor's, or a critic worker's."""
+    from relay.trainers.verl_ppo.certify import actor_of, critic_of
+
+    try:
+        return actor_of(worker).actor.engine.checkpoint_manager
+    except RuntimeError:
+        return critic_of(worker).engine.checkpoint_manager
+
+
 def prepare(worker: Any) -> str:
     """In one worker, before the first step: its host buffers allocated for what verl's save will write."""
     from relay.trainers.async_save import prepare as allocate
-    from relay.trainers.verl_ppo.certify import actor_of
 
-    return allocate(_buffers, actor_of(worker).actor.engine.checkpoint_manager)
+    return allocate(_buffers, checkpoint_manager(worker))
 
 
 def ping(worker: Any) -> bool:

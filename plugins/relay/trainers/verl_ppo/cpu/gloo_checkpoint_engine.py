@@ -256,6 +256,9 @@ class GlooCheckpointEngine(CheckpointEngine):
 
 
 def register_gloo_checkpoint_engine() -> None:
-    """Registers GlooCheckpointEngine in verl's CheckpointEngineRegistry as `gloo`; a no-op if `gloo` is taken."""
-    if BACKEND not in CheckpointEngineRegistry._registry:
+    """Registers GlooCheckpointEngine in verl's CheckpointEngineRegistry as `gloo` (verl's public register() and get());
+    a no-op if `gloo` is taken."""
+    try:
+        CheckpointEngineRegistry.get(BACKEND)
+    except ValueError:  # not registered yet
         CheckpointEngineRegistry.register(BACKEND)(GlooCheckpointEngine)

@@ -1,6 +1,6 @@
 """The verl code that cannot run on a CPU as it is: each replacement, the verl line it replaces, and why.
 
-Applied by relay.trainers.verl_ppo.cpu_platform when verl imports it (VERL_PLATFORM=cpu), so only in
+Applied by relay.trainers.verl_ppo.cpu.platform when verl imports it (VERL_PLATFORM=cpu), so only in
 processes that run verl on the CPU platform; a GPU job never imports this module. Each patch is the
 smallest change that lets verl's own code go on; docs/gpu-cluster.md lists them.
 

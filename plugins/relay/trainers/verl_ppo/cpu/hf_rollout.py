@@ -41,7 +41,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from relay.trainers.verl_ppo.hf_sampling import sample, seed_of
+from relay.trainers.verl_ppo.cpu.hf_sampling import sample, seed_of
 
 _ADAPTER: HFServerAdapter | None = None  # the adapter of this process (a hybrid or standalone worker holds one)
 

@@ -33,7 +33,7 @@ from relay.common.errors import RelayError
 DATA_SOURCE = "relay_tiny_arith"
 ABILITY = "math"
 MAX_OPERAND = 99  # two-digit operands: answers of 1 to 3 digits, so length and first digit both carry signal
-REWARD_MODULE = "pkg://relay.trainers.verl_ppo.tiny_task"  # verl's reward.custom_reward_function.path
+REWARD_MODULE = "pkg://relay.trainers.verl_ppo.cpu.tiny_task"  # verl's reward.custom_reward_function.path
 REWARD_FUNCTION = "compute_score"  # verl's reward.custom_reward_function.name
 
 _NUMBER = re.compile(r"[0-9]+")  # ASCII digits only: \d would also take other scripts' digits
@@ -122,7 +122,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
         raise RelayError(
             f"the tiny arithmetic reward was asked to score data_source {data_source!r}; it only knows {DATA_SOURCE!r}",
             "point reward.custom_reward_function at the reward of that data, or make the data with "
-            "relay.trainers.verl_ppo.tiny_task.make_dataset",
+            "relay.trainers.verl_ppo.cpu.tiny_task.make_dataset",
             retry_helps=False,
         )
     truth = str(ground_truth).strip()

@@ -5,7 +5,7 @@ else the first registered platform whose hardware is found, else `nvidia` (so a 
 Only nvidia, huawei and amd are registered. A job that should train on CPUs sets
 
     VERL_PLATFORM=cpu
-    VERL_USE_EXTERNAL_MODULES=relay.trainers.verl_ppo.cpu_platform
+    VERL_USE_EXTERNAL_MODULES=relay.trainers.verl_ppo.cpu.platform
 
 in its environment (verl_contract.CPU_PLATFORM_ENV): `import verl` imports this module in every process
 that imports verl (the driver, the TaskRunner actor, each worker), which registers the platform before
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from relay.trainers.verl_ppo import cpu_device, cpu_patches
+from relay.trainers.verl_ppo.cpu import device as cpu_device
+from relay.trainers.verl_ppo.cpu import patches as cpu_patches
 from relay.trainers.verl_ppo.verl_contract import CPU_PLATFORM as PLATFORM
 from relay.trainers.verl_ppo.verl_contract import HF_AGENT_LOOP, HF_ROLLOUT
 
@@ -131,37 +132,38 @@ def register_fsdp_engines() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     for model_type, cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
-        # register() refuses a key it holds; a process may import this module again (a reload, a test)
-        if PLATFORM not in EngineRegistry._engines.get(model_type, {}).get("fsdp", {}):
+        try:
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM)(cls)
+        except AssertionError:  # verl's register() asserts a key is new: this process registered them already
+            pass
 
 
 def register_hf_rollout() -> None:
-    """The `hf` rollout (relay.trainers.verl_ppo.hf_rollout: transformers in the hybrid worker), named in
+    """The `hf` rollout (relay.trainers.verl_ppo.cpu.hf_rollout: transformers in the hybrid worker), named in
     verl's two rollout registries: the adapter a worker builds (`_ROLLOUT_REGISTRY`, by its path) and the
     replica the trainer launches (`RolloutReplicaRegistry`, by a loader); and its agent loop, which tags
     each request with its sample (verl's agent-loop registry). None is imported until used."""
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    base._ROLLOUT_REGISTRY[(HF_ROLLOUT, "async")] = "relay.trainers.verl_ppo.hf_rollout.HFServerAdapter"
+    base._ROLLOUT_REGISTRY[(HF_ROLLOUT, "async")] = "relay.trainers.verl_ppo.cpu.hf_rollout.HFServerAdapter"
     RolloutReplicaRegistry.register(HF_ROLLOUT, _hf_replica)
     # verl's agent-loop registry holds Hydra targets: naming the class imports nothing until a worker builds it.
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
-    _agent_loop_registry[HF_AGENT_LOOP] = {"_target_": "relay.trainers.verl_ppo.hf_rollout.RelaySingleTurnAgentLoop"}
+    _agent_loop_registry[HF_AGENT_LOOP] = {"_target_": "relay.trainers.verl_ppo.cpu.hf_rollout.RelaySingleTurnAgentLoop"}
 
 
 def register_gloo_checkpoint_engine() -> None:
-    """The `gloo` checkpoint engine (relay.trainers.verl_ppo.gloo_checkpoint_engine) in verl's CheckpointEngineRegistry:
+    """The `gloo` checkpoint engine (relay.trainers.verl_ppo.cpu.gloo_checkpoint_engine) in verl's CheckpointEngineRegistry:
     separate_async refuses the colocated `naive` engine, and verl's other engines need GPUs."""
-    from relay.trainers.verl_ppo import gloo_checkpoint_engine
+    from relay.trainers.verl_ppo.cpu import gloo_checkpoint_engine
 
     gloo_checkpoint_engine.register_gloo_checkpoint_engine()
 
 
 def _hf_replica() -> type:
-    from relay.trainers.verl_ppo.hf_rollout import HFReplica
+    from relay.trainers.verl_ppo.cpu.hf_rollout import HFReplica
 
     return HFReplica
 
