@@ -1,6 +1,7 @@
 """verl with a critic (`adv_estimator: gae`: verl's value model, trained beside the actor) on Relay's CPU platform
 (the value model with torch's sdpa: relay.trainers.verl_ppo.cpu.patches, patch 5). verl's lane
-(`./scripts/test.sh --verl`): include/runs/verl_tiny_cpu.yaml with `adv_estimator: gae` trains chunk 1 (0 -> 2);
+(`./scripts/test.sh --verl`): include/runs/verl_tiny_cpu.yaml with `adv_estimator: gae` and saves off the critical
+path (`checkpoints.async_save`, in the critic's workers too) trains chunk 1 (0 -> 2);
 its certificate holds the critic's parameters and optimizer moments, and the resume (2 -> 3) is certified with
 them; a copy of step 2 whose critic weights were altered consistently (two rows swapped, the shard re-saved by
 torch, the manifest removed) is refused at the resume, naming the critic's parameter."""
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.lane("verl")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("verl_critic")
-    spec = spec_variant(base / "gae.yaml", base / "runs", {"adv_estimator": "gae"})
+    # saves off the critical path: the critic's workers copy and write their shards as the actor's do
+    spec = spec_variant(base / "gae.yaml", base / "runs", {"adv_estimator": "gae"}, {"async_save": True})
     run, altered = base / "runs" / "verl_tiny_cpu", base / "altered" / "verl_tiny_cpu"
     with stack.private_ray_head() as head:
         first = finish(relay_train(run, 2, head.address, base / "c1.log", spec=spec), base / "c1.log")
@@ -58,6 +60,7 @@ def test_the_certificate_holds_the_critic_and_a_resume_is_certified_with_it(runs
     assert saved.critic and saved.critic_optimizer, "the critic's parameters and moments are certified"
     assert any(k.endswith(".exp_avg_sq") for k in saved.critic_optimizer)
     assert "the critic's" in runs["first"]
+    assert "of host buffers (actor and critic) allocated before the first step" in runs["first"], runs["first"][-3000:]
     checks = [(e["step"], e["certificate"]) for e in read_events(runs["run"]) if e["event"] == "resume_certificate"]
     assert checks == [(2, "certified")] and "certified resume from step 2" in runs["resumed"]
     assert layout.read_tracker(runs["run"]) == 3

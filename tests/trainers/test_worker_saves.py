@@ -73,6 +73,34 @@ def test_a_copy_that_does_not_fit_is_written_at_once_and_said(tmp_path, monkeypa
     assert torch.load(tmp_path / "optim.pt")["step"] == 6
 
 
+def test_an_actor_and_a_critic_colocated_in_one_worker_save_both_off_the_critical_path(tmp_path):
+    """verl colocates the actor's and the critic's roles in one Ray actor (its WorkerDict): one defer intercepts both
+    checkpoint managers, and their shards, which have the same file names in actor/ and critic/, keep their own
+    buffers: each file is its own synchronous save's bytes."""
+    actor, critic = Manager(state(1)), Manager({**state(2), "value_head": torch.ones(3)})
+    worker = SimpleNamespace(
+        worker_dict={
+            "actor_rollout_ref": worker_with(actor),
+            "critic": SimpleNamespace(actor=None, engine=SimpleNamespace(checkpoint_manager=critic)),
+        }
+    )
+    assert worker_saves.checkpoint_managers(worker) == {"actor": actor, "critic": critic}
+    sync, deferred, done = tmp_path / "sync", tmp_path / "async", tmp_path / ".written-0.json"
+    for folder, manager in (("actor", actor), ("critic", critic)):
+        (sync / folder).mkdir(parents=True)
+        (deferred / folder).mkdir(parents=True)
+        manager.save_checkpoint(sync / folder / "model.pt")
+    worker_saves.defer(worker, 2)
+    for folder, manager in (("actor", actor), ("critic", critic)):
+        manager.save_checkpoint(deferred / folder / "model.pt")
+    assert not list(deferred.rglob("*.pt")), "both collected while verl's saves run"
+    worker_saves.write_behind(worker, str(done))
+    [result] = worker_saves.wait_written([done], lambda: None)
+    assert result["ok"] and sorted(result["files"]) == ["model.pt", "model.pt"]
+    for folder in ("actor", "critic"):
+        assert (deferred / folder / "model.pt").read_bytes() == (sync / folder / "model.pt").read_bytes(), folder
+
+
 def test_the_commit_waits_for_every_worker_and_refuses_a_failed_or_gone_one(tmp_path):
     done = [tmp_path / f".written-{i}.json" for i in range(2)]
     done[0].write_text(json.dumps({"ok": True, "pid": 11}))

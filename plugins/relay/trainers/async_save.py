@@ -106,7 +106,7 @@ class HostBuffers:
 class _Copied:
     """One object's mirroring: its storages copied so far (by torch's storage identity) and its tensors remade."""
 
-    key: str  # the file's name
+    key: str  # the file's folder and name (actor/model_world_size_1_rank_0.pt: a critic's file has the same name)
     storages: dict[int, Any] = field(default_factory=dict)
     tensors: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
@@ -159,7 +159,7 @@ class DeferredWrites:
 
         if args or kwargs or not isinstance(f, (str, Path)):
             return torch.save(obj, f, *args, **kwargs)  # not a plain save to a file: as asked, now
-        key = Path(f).name
+        key = buffer_key(Path(f))
         if (short := no_room_for(self.buffers.missing_bytes(key, obj))) is not None:
             if self.when_no_room != "write":
                 raise NoRoomForCopy(f"the host copy of {key} {short}")
@@ -169,34 +169,30 @@ class DeferredWrites:
         return None
 
     @contextlib.contextmanager
-    def intercepting(self, checkpoint_manager: Any) -> Iterator[DeferredWrites]:
-        """While the block runs, each call of `checkpoint_manager.save_checkpoint` (verl's FSDPCheckpointManager)
-        runs with the `torch.save` of its own module deferred into this object; nothing else in the process, not
-        even that module outside the call, sees another torch.save. The module's global `torch` is a view of torch
-        whose `save` is `self.save` for the length of the call (verl calls `torch.save` through it)."""
+    def intercepting(self, *checkpoint_managers: Any) -> Iterator[DeferredWrites]:
+        """While the block runs, each call of a manager's `save_checkpoint` (verl's FSDPCheckpointManager: an actor's,
+        a critic's in the same process) runs with the `torch.save` of its own module deferred into this object;
+        nothing else in the process, not even that module outside the call, sees another torch.save. The module's
+        global `torch` is a view of torch whose `save` is `self.save` for the length of the call (verl calls
+        `torch.save` through it)."""
         import torch
 
-        module = sys.modules[type(checkpoint_manager).__module__]
-        if id(vars(module).get("torch")) != id(torch):  # (compared by id: mypy would narrow `torch` itself)
-            raise RuntimeError(
-                f"{module.__name__} does not call torch.save through its global `torch`: the async save cannot "
-                "defer its writes (relay.trainers.verl_ppo.verl_contract lists what it relies on)"
-            )
-        saving = checkpoint_manager.save_checkpoint  # the bound method of verl's class
         view = _TorchWithSave(torch, self.save)
-
-        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            module.torch = view  # type: ignore[attr-defined]
-            try:
-                return saving(*args, **kwargs)
-            finally:
-                module.torch = torch  # type: ignore[attr-defined]
-
-        checkpoint_manager.save_checkpoint = save_checkpoint  # this object's only, for the block
+        wrapped = []
         try:
+            for manager in checkpoint_managers:
+                module = sys.modules[type(manager).__module__]
+                if id(vars(module).get("torch")) != id(torch):  # (compared by id: mypy would narrow `torch` itself)
+                    raise RuntimeError(
+                        f"{module.__name__} does not call torch.save through its global `torch`: the async save "
+                        "cannot defer its writes (relay.trainers.verl_ppo.verl_contract lists what it relies on)"
+                    )
+                manager.save_checkpoint = _deferring(manager.save_checkpoint, module, view, torch)  # this object's
+                wrapped.append(manager)
             yield self
         finally:
-            del checkpoint_manager.save_checkpoint  # verl's own method again
+            for manager in wrapped:
+                del manager.save_checkpoint  # verl's own method again
 
     def copied(self, name: str) -> Any:
         """The copy of what was to be saved as file `name` (None if nothing was)."""
@@ -210,6 +206,27 @@ class DeferredWrites:
             if before is not None:
                 before(path)
             torch.save(obj, path)
+
+
+def _deferring(saving: Callable[..., Any], module: ModuleType, view: ModuleType, torch: ModuleType) -> Callable[..., Any]:
+    """`saving` (a bound save_checkpoint) run with `module`'s global `torch` swapped for `view`, only for the call."""
+
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        module.torch = view  # type: ignore[attr-defined]
+        try:
+            return saving(*args, **kwargs)
+        finally:
+            module.torch = torch  # type: ignore[attr-defined]
+
+    return save_checkpoint
+
+
+def buffer_key(path: Path) -> str:
+    """A saved file's place in the host buffers, the same from one save to the next: its role's folder and its name
+    for a shard (an actor's and a critic's share names), its name for a file of the step's own (data.pt)."""
+    from relay.runs import layout
+
+    return f"{path.parent.name}/{path.name}" if path.parent.name in layout.ROLES else path.name
 
 
 class _TorchWithSave(types.ModuleType):
@@ -247,26 +264,34 @@ def available_memory() -> int | None:
     return None
 
 
-def prepare(buffers: HostBuffers, ckpt: Any) -> str:
-    """Allocate (and touch) the buffers for what verl's FSDPCheckpointManager `ckpt` saves, before the first step:
-    the model's state, and the optimizer's once it has one (a run's first save allocates those). What it did, in
-    words; nothing when the buffers would not fit in the host's memory (each save that cannot copy then writes at
-    once)."""
+def prepare(buffers: HostBuffers, ckpts: dict[str, Any]) -> str:
+    """Allocate (and touch) the buffers for what verl's FSDPCheckpointManagers save, each into its step folder
+    (`ckpts`: {"actor": ..., "critic": ...}), before the first step: the models' states, and the optimizers' once they
+    have one (a run's first save allocates those). What it did, in words; nothing when the buffers would not fit in
+    the host's memory (each save that cannot copy then writes at once)."""
+    import contextlib
+
     from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
     from verl.utils.device import is_cuda_available
     from verl.utils.fsdp_utils import get_fsdp_state_ctx
 
     from relay.runs import layout
 
-    with get_fsdp_state_ctx(
-        ckpt.model,
-        StateDictType.SHARDED_STATE_DICT,
-        ShardedStateDictConfig(offload_to_cpu=bool(is_cuda_available)),  # as verl's save asks for them
-        ShardedOptimStateDictConfig(offload_to_cpu=bool(is_cuda_available)),
-    ):
-        states = {layout.shard_name("model", ckpt.world_size, ckpt.rank): ckpt.model.state_dict()}
-        if ckpt.optimizer is not None and ckpt.optimizer.state:
-            states[layout.shard_name("optim", ckpt.world_size, ckpt.rank)] = ckpt.optimizer.state_dict()
+    states = {}
+    with contextlib.ExitStack() as stack:
+        for folder, ckpt in ckpts.items():
+            stack.enter_context(
+                get_fsdp_state_ctx(
+                    ckpt.model,
+                    StateDictType.SHARDED_STATE_DICT,
+                    ShardedStateDictConfig(offload_to_cpu=bool(is_cuda_available)),  # as verl's save asks for them
+                    ShardedOptimStateDictConfig(offload_to_cpu=bool(is_cuda_available)),
+                )
+            )
+            states[f"{folder}/{layout.shard_name('model', ckpt.world_size, ckpt.rank)}"] = ckpt.model.state_dict()
+            if ckpt.optimizer is not None and ckpt.optimizer.state:
+                optim = f"{folder}/{layout.shard_name('optim', ckpt.world_size, ckpt.rank)}"
+                states[optim] = ckpt.optimizer.state_dict()
         short = no_room_for(sum(buffers.missing_bytes(k, v) for k, v in states.items()))
         if short is not None:
             return (
@@ -276,4 +301,8 @@ def prepare(buffers: HostBuffers, ckpt: Any) -> str:
         for key, state in states.items():
             buffers.mirror(key, state)
     size = f"{buffers.nbytes / GiB:.3f} GiB" if buffers.nbytes >= GiB / 10 else f"{buffers.nbytes / 2**20:.1f} MiB"
-    return f"saves off the critical path (checkpoints.async_save): {size} of host buffers allocated before the first step"
+    roles = f" ({' and '.join(ckpts)})" if len(ckpts) > 1 else ""
+    return (
+        f"saves off the critical path (checkpoints.async_save): {size} of host buffers{roles} allocated before the "
+        "first step"
+    )

@@ -443,7 +443,7 @@ class _TinyGRPO:
         step (relay.trainers.async_save.prepare)."""
         from relay.trainers.async_save import prepare
 
-        return prepare(self.host_buffers, self.ckpt)
+        return prepare(self.host_buffers, {"actor": self.ckpt})
 
     def certificate(
         self,

@@ -318,9 +318,10 @@ class RelayChunk(PPOTrainer):
         return write
 
     def _relay_save_workers(self) -> list:
-        """The Ray actors that write a checkpoint's shards: the actor's workers, and the critic's where there is one."""
+        """The Ray actors that write a checkpoint's shards, each once: the actor's workers, and the critic's where there
+        is one (verl colocates the roles in the same actors: each then saves both, worker_saves.checkpoint_managers)."""
         groups = [self.actor_rollout_wg] + ([self.critic_wg] if getattr(self, "use_critic", False) else [])
-        return [w for g in groups for w in g.workers]
+        return list(dict.fromkeys(w for g in groups for w in g.workers))  # Ray's handles compare by actor id
 
     @staticmethod
     def _relay_gone(workers) -> str | None:

@@ -54,7 +54,7 @@ def defer(worker: Any, step: int, digest: bool = False) -> None:
         _writer.join()
         _writer = None
     deferred = DeferredWrites(_buffers, when_no_room="write")
-    context = deferred.intercepting(checkpoint_manager(worker))
+    context = deferred.intercepting(*checkpoint_managers(worker).values())
     context.__enter__()
     _collecting.update(deferred=deferred, context=context, step=step)
     if digest:
@@ -108,7 +108,7 @@ def _digests_of_copies(worker: Any, deferred: DeferredWrites, names: list[str]) 
     from relay.checkpoints import certificate
     from relay.trainers.verl_ppo.certify import actor_of
 
-    saved = {path.name.partition("_world_size_")[0]: obj for obj, path in deferred.writes}
+    saved = {path.name.partition("_world_size_")[0]: obj for obj, path in deferred.writes if path.parent.name == "actor"}
     model, optim = saved.get("model"), saved.get("optim")
     if not isinstance(model, dict) or not isinstance(optim, dict):
         raise RuntimeError("verl saved no model or optimizer shard in this worker")
@@ -138,21 +138,28 @@ def summed(results: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str
     return add("params"), add("optimizer"), sorted({s for r in parts for s in r["digests"]["steps"]})
 
 
-def checkpoint_manager(worker: Any) -> Any:
-    """The worker's verl checkpoint manager (its engine's FSDPCheckpointManager): the actor's, or a critic worker's."""
+def checkpoint_managers(worker: Any) -> dict[str, Any]:
+    """The worker's verl checkpoint managers (each engine's FSDPCheckpointManager) by the step folder each saves into:
+    the actor's, the critic's, or both where verl colocates the roles in one Ray actor."""
     from relay.trainers.verl_ppo.certify import actor_of, critic_of
 
-    try:
-        return actor_of(worker).actor.engine.checkpoint_manager
-    except RuntimeError:
-        return critic_of(worker).engine.checkpoint_manager
+    found = {}
+    for folder, engine_of in (("actor", lambda w: actor_of(w).actor.engine), ("critic", lambda w: critic_of(w).engine)):
+        try:
+            found[folder] = engine_of(worker).checkpoint_manager
+        except RuntimeError:
+            continue  # not this role's worker
+    if not found:
+        raise RuntimeError(f"no actor or critic engine in {type(worker).__name__}: verl's worker layout changed")
+    return found
 
 
 def prepare(worker: Any) -> str:
-    """In one worker, before the first step: its host buffers allocated for what verl's save will write."""
+    """In one worker, before the first step: its host buffers allocated for what verl's saves will write (every role
+    the worker holds)."""
     from relay.trainers.async_save import prepare as allocate
 
-    return allocate(_buffers, checkpoint_manager(worker))
+    return allocate(_buffers, checkpoint_managers(worker))
 
 
 def ping(worker: Any) -> bool:
