@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -67,36 +66,31 @@ def _contract_on_cluster(spec, jobs: RayJobs, cpu: bool) -> dict[str, Any]:
 
     module = "relay.trainers.verl_ppo.verl_contract --json" + (" --cpu" if cpu else "")
     sub_id = f"relay-verl-contract-{uuid.uuid4().hex[:12]}"
+    metadata = {"relay_spec": spec.name, "relay_check": "verl_contract"}
     try:
-        jobs.submit_module(spec, module, {}, sub_id, {"relay_spec": spec.name, "relay_check": "verl_contract"})
-        deadline = time.time() + CONTRACT_JOB_TIMEOUT_S
-        while (state := jobs.get(sub_id)) is None or state.status not in ("SUCCEEDED", "FAILED", "STOPPED"):
-            if time.time() > deadline:
-                jobs.stop(sub_id)
-                raise RelayError(
-                    f"the verl contract check ({sub_id}) did not finish in {CONTRACT_JOB_TIMEOUT_S} s on the cluster",
-                    "check that the cluster has room for a one-CPU job, then run `relay doctor` again",
-                    retry_helps=True,
-                )
-            time.sleep(0.5)
-        logs = jobs.logs(sub_id)
+        status, found, logs = jobs.module_report(spec, module, sub_id, metadata, contract.MARK, CONTRACT_JOB_TIMEOUT_S)
     except RelayError:
-        raise
+        raise  # the Jobs API's own error (a head that is not up), with its fix
     except Exception as e:  # noqa: BLE001 - any failure to reach the Jobs API
         raise RelayError(
             f"cannot run the verl contract check on the cluster: {e}",
             "start the Ray head, or run with --offline",
             retry_helps=True,
         ) from None
-    line = next((ln for ln in reversed(logs.splitlines()) if ln.startswith(contract.MARK)), None)
-    if line is None:
+    if status is None:
+        raise RelayError(
+            f"the verl contract check ({sub_id}) did not finish in {CONTRACT_JOB_TIMEOUT_S} s on the cluster",
+            "check that the cluster has room for a one-CPU job, then run `relay doctor` again",
+            retry_helps=True,
+        )
+    if found is None:
         tail = " | ".join(logs.strip().splitlines()[-3:])
         raise RelayError(
-            f"the verl contract check ({sub_id}) ended {state.status} without a report: {tail}",
+            f"the verl contract check ({sub_id}) ended {status} without a report: {tail}",
             "install verl (pinned 0.9.1) in the cluster image; read the job's log for the import error",
             retry_helps=False,
         )
-    return json.loads(line[len(contract.MARK) :])
+    return found
 
 
 def add_commands(sub) -> None:

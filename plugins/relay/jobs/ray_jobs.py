@@ -12,6 +12,7 @@ the same try again finds its job and re-attaches instead of starting a second on
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import time
@@ -191,6 +192,23 @@ class RayJobs:
             entrypoint_num_cpus=spec.ray.entrypoint_num_cpus,
             entrypoint_resources=spec.ray.entrypoint_resources or None,
         )
+
+    def module_report(
+        self, spec, module: str, sub_id: str, metadata: dict[str, str], marker: str, timeout_s: float
+    ) -> tuple[str | None, dict | None, str]:
+        """Run `python -m <module>` of Relay on the cluster (submit_module) and wait for it, at most timeout_s (then
+        it is stopped): (its last status, None when it did not end in time; the JSON its log's last line starting
+        with `marker` holds, None without one; its log)."""
+        self.submit_module(spec, module, {}, sub_id, metadata)
+        deadline = time.time() + timeout_s
+        while (state := self.get(sub_id)) is None or state.status not in TERMINAL:
+            if time.time() > deadline:
+                self.stop(sub_id)
+                return None, None, ""
+            time.sleep(0.5)
+        logs = self.logs(sub_id)
+        marked = [line for line in logs.splitlines() if line.startswith(marker)]
+        return state.status, json.loads(marked[-1][len(marker) :]) if marked else None, logs
 
     def live_jobs_of_run(self, spec_name: str, run_name: str) -> list[JobState]:
         out = []

@@ -94,15 +94,11 @@ def census_job(jobs: Any, spec: Any, attempt: str, timeout_s: float = 120.0) -> 
     None when it cannot be had in time. `jobs`: the cluster's RayJobs (relay.jobs.ray_jobs)."""
     sub_id = f"{attempt}-oom-census-{int(time.time())}"
     try:
-        jobs.submit_module(spec, "relay.runs.node_oom", {}, sub_id, {"relay_spec": spec.name, "relay_role": "oom-census"})
-        deadline = time.time() + timeout_s
-        while (state := jobs.get(sub_id)) is not None and state.status not in ("SUCCEEDED", "FAILED", "STOPPED"):
-            if time.time() > deadline:
-                jobs.stop(sub_id)
-                return None
-            time.sleep(0.5)
-        lines = [ln for ln in jobs.logs(sub_id).splitlines() if ln.startswith(MARKER)]
-        return json.loads(lines[-1][len(MARKER) :]) if lines else None
+        metadata = {"relay_spec": spec.name, "relay_role": "oom-census"}
+        found: dict[str, dict[str, Any]] | None = jobs.module_report(
+            spec, "relay.runs.node_oom", sub_id, metadata, MARKER, timeout_s
+        )[1]
+        return found
     except Exception:  # noqa: BLE001 - no evidence is what a census that cannot run gives
         return None
 

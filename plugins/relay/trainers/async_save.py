@@ -269,8 +269,6 @@ def prepare(buffers: HostBuffers, ckpts: dict[str, Any]) -> str:
     (`ckpts`: {"actor": ..., "critic": ...}), before the first step: the models' states, and the optimizers' once they
     have one (a run's first save allocates those). What it did, in words; nothing when the buffers would not fit in
     the host's memory (each save that cannot copy then writes at once)."""
-    import contextlib
-
     from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
     from verl.utils.device import is_cuda_available
     from verl.utils.fsdp_utils import get_fsdp_state_ctx
