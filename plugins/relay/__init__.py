@@ -2,7 +2,7 @@
 
 Folders in layers, each importing only those below it (tests/project/test_architecture.py checks it):
 
-    common < runs < data < checkpoints < s3 < preflight < trainers < jobs < alerts < report
+    common < spec < runs < data < checkpoints < s3 < preflight < insights < trainers < jobs < alerts < ops
            < devstack < airflow;   cli/ above all but airflow
 
 The core (everything but relay.airflow) is plain Python with no Airflow import; torch, verl, ray,

@@ -109,22 +109,22 @@ def test_verls_contract_is_checked_on_the_cluster_and_here(tmp_path, ray_address
     run (the cluster's verl), or in this process with --offline; one gone makes a resume unsafe, named."""
     from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-    from relay.cli.doctor import verl_contract_report
+    from relay.cli.doctor import contract_report
     from support.verl_jobs import spec_variant
 
     spec = load_spec(spec_variant(tmp_path / "verl.yaml", tmp_path / "ckpt", {}), check_environment=False)
     run = Run.of(spec, "v")
-    assert doctor.verl_contract(run) is None, "the DAG's cheap checklist leaves it to each chunk's driver"
-    on_cluster = doctor.verl_contract(run, verl_contract_report(spec, RayJobs(ray_address)))
+    assert doctor.library_contract(run) is None, "the DAG's cheap checklist leaves it to each chunk's driver"
+    on_cluster = doctor.library_contract(run, contract_report(spec, RayJobs(ray_address)))
     assert on_cluster.ok and not on_cluster.warning, on_cluster
     assert on_cluster.detail.startswith("the cluster's verl 0.9.1 (torch ") and "touch points hold" in on_cluster.detail
-    offline = verl_contract_report(spec, None)
-    here = doctor.verl_contract(run, offline)
+    offline = contract_report(spec, None)
+    here = doctor.library_contract(run, offline)
     assert here.ok and here.detail.startswith("this host's verl 0.9.1")
     monkeypatch.delattr(
         next(c for c in ReplayBufferAsync.__mro__ if "_select_prompt_uids" in vars(c)), "_select_prompt_uids"
     )
-    gone = doctor.verl_contract(run, offline)
+    gone = doctor.library_contract(run, offline)
     assert not gone.ok and "ReplayBufferAsync._select_prompt_uids is gone (AttributeError" in gone.detail
     assert ") in verl 0.9.1; Relay relies on it since verl 0.9.1: FirstInFirstOut" in gone.detail
     assert "install verl 0.9.1" in gone.fix

@@ -6,10 +6,12 @@ airflow, beside it, and __main__.py above them all.
 """
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
 from relay.jobs.ray_jobs import NOT_SHIPPED
+from relay.spec.kinds import BUILT_IN
 
 PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "relay"
 LAYERS = [
@@ -24,6 +26,7 @@ LAYERS = [
     "trainers",
     "jobs",
     "alerts",
+    "ops",
     "devstack",
     "airflow",
 ]
@@ -189,3 +192,69 @@ def test_the_production_path_reads_without_the_cpu_stand_ins():
         ]
         found += [f"{module} imports {name}" for name in names if name == cpu or name.startswith(cpu + ".")]
     assert not found, found
+
+
+def _kind_package(module: str) -> str | None:
+    """The trainer kind whose package holds `module` (relay.trainers.<kind>...), or None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "trainers" and parts[2] in BUILT_IN else None
+
+
+def test_the_core_asks_a_trainer_kind_what_it_can_do_never_which_kind_it_is():
+    """A kind's name (as a string the code compares or looks up) and an import of its package appear only in that
+    kind's package and in the registry (relay.spec.kinds): the rest of Relay reads a kind's capabilities and
+    parts, so that a team's own kind (the entry point group relay.trainers) needs no change to Relay."""
+    registry = "relay.spec.kinds"
+    found = []
+    for module, path in MODULES.items():
+        if module == registry:
+            continue
+        own = _kind_package(module)
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+                named = [k for k in BUILT_IN if k != own and re.search(rf"\b{k}\b", n.value) and "." not in n.value]
+                found += [f"{path.relative_to(PACKAGE)}:{n.lineno} names the kind {k!r}" for k in named]
+        for line, target in _imports(path):
+            kind = _kind_package(target)
+            if kind is not None and kind != own:
+                found.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
+    assert not found, "\n".join(found)
+
+
+FRONT_ENDS = ("cli", "airflow")
+# The front-ends' imports of the core that do not go through relay.ops yet, as "front-end module -> core module".
+# The list may only shrink: a new import of the core from a front-end goes through relay.ops (or common).
+NOT_YET_THROUGH_OPS = Path(__file__).with_name("front_end_core_imports.txt")
+
+
+def _front_end_core_imports() -> set[str]:
+    found = set()
+    for module, path in MODULES.items():
+        src = _folder(module)
+        if src not in FRONT_ENDS:
+            continue
+        for _, target in _imports(path):
+            dst = _folder(target)
+            if dst not in (*FRONT_ENDS, "ops", "common", "top"):
+                found.add(f"{module} -> {target}")
+    return found
+
+
+def test_the_front_ends_reach_the_core_through_the_operations_layer():
+    """cli/ and airflow/ call relay.ops (and common): what a person or a DAG does to a run is composed once there.
+    The imports not moved yet are listed; the list only shrinks."""
+    listed = {line.strip() for line in NOT_YET_THROUGH_OPS.read_text().splitlines() if line.strip() and line[0] != "#"}
+    found = _front_end_core_imports()
+    new = sorted(found - listed)
+    assert not new, "import the core through relay.ops instead:\n" + "\n".join(new)
+    gone = sorted(listed - found)
+    assert not gone, f"no longer imported: remove from {NOT_YET_THROUGH_OPS.name}:\n" + "\n".join(gone)

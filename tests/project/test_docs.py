@@ -49,11 +49,15 @@ def test_every_key_of_every_shipped_spec_and_every_command_is_in_the_reference()
 
 
 def test_the_repository_speaks_of_the_product_not_of_how_it_was_built():
-    history = re.compile(r"\bstops? [0-9]+|rehearsal|(an earlier|a later|the previous) session", re.I)
+    history = re.compile(
+        r"\bstops? [0-9]+|rehearsal|(an earlier|a later|the previous) session|\b(that|same|faster) day\b|an earlier run\b",
+        re.I,
+    )
     product = re.compile(r"a team's (own )?rehearsal of a crash", re.I)
     found = []
     for path in [
         ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
         *(ROOT / "docs").rglob("*.md"),
         *(ROOT / "plugins").rglob("*.py"),
         *(ROOT / "tests").rglob("*.py"),
@@ -75,3 +79,47 @@ def test_the_site_builds_strictly(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_the_layer_order_is_written_as_the_architecture_test_checks_it():
+    """docs/architecture.md and the package's docstring draw the layers; the architecture test's list is the one
+    that is enforced, so both must say the same."""
+    sys.path.insert(0, str(ROOT / "tests" / "project"))
+    from test_architecture import LAYERS
+
+    line = " < ".join(LAYERS)
+    assert f"    {line}\n" in (ROOT / "docs" / "architecture.md").read_text(), f"docs/architecture.md must draw: {line}"
+    doc = " ".join((ROOT / "plugins" / "relay" / "__init__.py").read_text().split('"""')[1].split())
+    assert " ".join(line.split()) in doc, f"relay/__init__.py's docstring must draw: {line}"
+
+
+def test_the_sites_home_page_is_the_readme():
+    """One source: docs/index.md holds only the hook's marker, and the hook turns the README's links into the
+    site's (the strict build above resolves every one of them)."""
+    import mkdocs_readme
+
+    assert (ROOT / "docs" / "index.md").read_text().strip() == mkdocs_readme.MARKER
+    home = mkdocs_readme.site_home((ROOT / "README.md").read_text())
+    assert "](docs/" not in home and "](CHANGELOG.md)" not in home
+    assert home.splitlines()[0] == (ROOT / "README.md").read_text().splitlines()[0]
+
+
+# What a team reads to implement a trainer kind (docs/reference/trainer-api.md), the spec it configures, and the
+# operations both front-ends call: every public definition says what it is (ruff's D1 rules).
+DOCUMENTED = [
+    "plugins/relay/spec",
+    "plugins/relay/trainers/contract.py",
+    "plugins/relay/trainers/session.py",
+    "plugins/relay/trainers/batches.py",
+    "plugins/relay/ops",
+]
+
+
+def test_the_trainer_contract_the_spec_model_and_the_operations_have_docstrings():
+    r = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "ruff"), "check", "--no-cache", "--select", "D1", "--output-format", "concise"]
+        + [str(ROOT / p) for p in DOCUMENTED],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -537,9 +537,10 @@ def test_the_total_steps_fallback_is_exact_for_a_horizon_independent_schedule(tm
 def test_supervised_mode_one_job_saves_every_chunk_and_the_chunk_tasks_validate_behind_it(tmp_path, gpu_stand_ins):
     """One job to the run's end (verl's loop untouched), saving every chunk_steps; each chunk's
     validation admits its step while the tracker is already further on."""
-    from relay.airflow.supervised import SupervisedValidateOperator, whole_run_view
+    from relay.airflow.supervised import SupervisedValidateOperator
     from relay.preflight.admission import admit
     from relay.spec.plan import ChunkPlan
+    from relay.trainers.verl_ppo.overrides import whole_run_view
 
     log = gpu_stand_ins
     spec = make_spec(tmp_path, mode="supervised")
@@ -564,7 +565,7 @@ def test_supervised_mode_one_job_saves_every_chunk_and_the_chunk_tasks_validate_
 
 
 def test_a_failed_supervised_job_is_resubmitted_and_resumes(tmp_path, gpu_stand_ins):
-    from relay.airflow.supervised import whole_run_view
+    from relay.trainers.verl_ppo.overrides import whole_run_view
     from relay.trainers.verl_ppo.trainer import train_chunk
 
     log = gpu_stand_ins

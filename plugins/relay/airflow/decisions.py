@@ -24,7 +24,6 @@ keys) asks nothing, so backfills and CLI triggers stay unattended.
 from __future__ import annotations
 
 import textwrap
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, NoReturn
 from urllib.parse import quote
@@ -34,38 +33,9 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from relay.airflow.notifiers import notify
 from relay.common.errors import RelayError
+from relay.ops.approvals import Answer, Decision
 from relay.runs.run import Run
 from relay.spec.run_spec import load_spec
-
-
-@dataclass
-class Decision:
-    """What a person is asked: a headline, the facts (Markdown), the options, and which of them go on."""
-
-    kind: str  # fresh_start | drift | fallback
-    subject: str
-    body: str
-    options: list[str]
-    proceed: list[str]  # the options that go on; any other stops the DAG run
-    data: dict[str, Any] = field(default_factory=dict)  # what the task needs to act on the answer; "run": its name
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Answer:
-    kind: str
-    chosen: str
-    by: str
-    at: str
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def who(self) -> str:
-        return f"{self.by} in the Airflow UI at {self.at}"
 
 
 class DecisionNeeded(RelayError):

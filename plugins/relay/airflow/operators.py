@@ -15,9 +15,7 @@ the next chunk (HANDED_OFF), and the run's checkpoint reached the end step.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -25,7 +23,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from relay.airflow.assets import run_checkpoints
-from relay.airflow.decisions import Decision, DecisionNeeded, Rejected, answer, ask, skip_rejected
+from relay.airflow.decisions import DecisionNeeded, Rejected, answer, ask, skip_rejected
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import RAY_JOB_XCOM, CheckpointLink, RayJobLink, RunReportLink, ray_job_page
 from relay.airflow.notifiers import (
@@ -50,31 +48,21 @@ from relay.airflow.triggers import (
 )
 from relay.alerts import stall_limit_s
 from relay.checkpoints import manifest
-from relay.checkpoints.preview import inspect_dir
-from relay.checkpoints.resume import QUARANTINE, quarantined
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
-from relay.common.errors import LeaseLost, RelayError
-from relay.common.faultpoint import drill_env, fault_point
+from relay.common.faultpoint import fault_point
 from relay.common.timestamps import epoch
-from relay.insights.audit import audit
-from relay.insights.eta import eta
-from relay.jobs import submission
-from relay.jobs.ray_jobs import LOG_TAIL_LINES, STOP_MARGIN_S, job_metadata, submission_id
+from relay.jobs.ray_jobs import LOG_TAIL_LINES, STOP_MARGIN_S, submission_id
+from relay.ops import chunk_policy, train_chunk
 from relay.preflight import admission
 from relay.preflight.admission import admit, parse_job_output
-from relay.preflight.checks import before_chunk
-from relay.runs import failure_cause, handoff, layout, node_oom
-from relay.runs.layout import checkpoint_reached, relay_dir, step_dir
-from relay.runs.metrics import read_events
-from relay.runs.phases import record_job_times, record_phase
+from relay.runs import failure_cause, handoff, layout
+from relay.runs.layout import checkpoint_reached, step_dir
 from relay.runs.run import Run
 from relay.s3.publication import publish_checkpoint
 from relay.spec.plan import Chunk, ChunkPlan
-from relay.spec.run_spec import deadline_seconds, load_spec
+from relay.spec.run_spec import load_spec
 
-FALLBACK_APPROVED = "fallback_approved"  # events.jsonl: a person approved resuming below a quarantined step
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
-TRIGGER_TIMEOUT_MARGIN_S = 10.0  # Airflow's defer timeout comes this long after the trigger's own deadline handling
 
 
 class ChunkFailed(AirflowException):
@@ -129,6 +117,11 @@ class ChunkTaskOperator(BaseOperator):
         run = self._run(context)
         return run, ChunkPlan.from_spec(run.spec).chunk(self.chunk_index)
 
+    @staticmethod
+    def _try(context) -> train_chunk.Try:
+        ti, dag_run = context["ti"], context["dag_run"]
+        return train_chunk.Try(dag_run.run_id, ti.try_number, ti.max_tries, ti.task_id, dag_run.conf)
+
     if TYPE_CHECKING:
         # BaseOperator.defer, as the task SDK declares it (mypy takes airflow as Any): it raises TaskDeferred,
         # so an execute() that ends by deferring returns nothing.
@@ -138,6 +131,9 @@ class ChunkTaskOperator(BaseOperator):
 
 
 class RayChunkOperator(ChunkTaskOperator):
+    """A chunk's train task: the steps are relay.ops.train_chunk's, the decisions relay.ops.chunk_policy's; this
+    class adds Airflow's part (the task's state store, the Ray job link, deferral, alerts, failing the try)."""
+
     ui_color = "#e8f0fe"
     operator_extra_links = (RayJobLink(), RunReportLink())
 
@@ -145,293 +141,82 @@ class RayChunkOperator(ChunkTaskOperator):
         super().__init__(**kwargs)
         self._submission_id: str | None = None
 
-    # ---------------------------------------------------------------------------- helpers
-
-    def _done(self, context, run: Run, chunk, how: str) -> dict:
-        latest = latest_valid_step(run.dir)
-        if not chunk.done_by(latest):
-            raise AirflowException(
-                f"{chunk} of run {run}: the job ended but the latest valid checkpoint is step {latest}, not "
-                f"{chunk.end_step}. The retry resumes from step {latest or 0}."
-            )
-        self.log.info("%s of run %s: done (%s); latest checkpoint step %s", chunk, run, how, latest)
-        self._check_deadline(context, run, latest)
-        replay = audit(run.dir, run.spec.audit.tolerance)  # the steps this run trained twice, against their first try
-        if replay.compared:
-            self.log.info("%s", replay.summary())
-        notify_divergence(context, run, replay)
-        notify_recovery(context, run, f"{chunk} of run {run} is done: step {latest}", chunk=chunk.index, step=latest)
-        return {"run_name": run.name, "chunk": chunk.index, "end_step": chunk.end_step, "latest_step": latest, "how": how}
-
-    def _check_deadline(self, context, run: Run, latest: int | None) -> None:
-        """Alert once when the run's ETA is past alerts.deadline (relay.insights.eta); it never fails the task."""
-        spec = run.spec
-        if not spec.alerts.deadline:
-            return
-        try:
-            deadline = deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline")
-            found = eta(
-                run.dir,
-                total_steps=spec.total_steps,
-                chunk_steps=spec.chunk_steps,
-                latest_step=latest or 0,
-                deadline=deadline,
-            )
-        except RelayError as e:
-            self.log.warning("run %s: no ETA against alerts.deadline: %s", run, e)
-            return
-        if found is None or deadline is None:
-            return
-        self.log.info("run %s: %s", run, found.describe())
-        if (found.late_s or 0) > 0:
-            notify_deadline(context, run, found)
-
-    def _checks_before_chunk(self, context, run: Run, chunk) -> None:
-        """Settings drift and changed sources are caught before the chunk's job starts, every chunk."""
-        try:
-            checked = before_chunk(
-                run, allow_drift=context["params"].get("allow_drift") or [], dag_run=context["dag_run"].run_id
-            )
-        except RelayError as e:
-            if (warm := handoff.refuse(run.dir, chunk.index, e.what)) is not None:
-                self.log.warning("Ray job %s went on warm into %s: refused, it stops without committing", warm, chunk)
-            notify_error(
-                context,
-                run,
-                e,
-                chunk=chunk.index,
-                action=f"{chunk} not started (no retries); the run's checkpoints are untouched.",
-            )
-            raise AirflowFailException(f"{chunk} of run {run} not started: {e}") from None
-        for change in checked["source_changes"]:
-            self.log.warning("training continues on the frozen copy (data.on_source_change: use_frozen):\n%s", change)
-            notify_use_frozen(context, run, change)
-
-    def _log_resume_preview(self, run: Run, chunk, latest: int | None) -> None:
-        """What the job will load, as `python -m relay checkpoint inspect` shows it (small files only)."""
-        if not latest:
-            self.log.info("%s of run %s starts at step 0: no checkpoint to resume from", chunk, run)
-            return
-        try:
-            self.log.info("%s of run %s %s", chunk, run, inspect_dir(run.dir, latest, verify=False).one_line())
-        except RelayError as e:  # the trainer validates again, quarantines and falls back
-            self.log.warning("%s of run %s: no resume preview: %s", chunk, run, e.what)
-
-    # ---------------------------------------------------------------------------- execute
-    def _mark(self, run: Run, phase: str, chunk, attempt: str, **fields) -> None:
-        """A phase mark in events.jsonl for the goodput ledger (relay.runs.phases): one that cannot be written is
-        logged, never fails the task."""
-        try:  # fenced: a DAG run of an earlier incarnation marks nothing in the new one
-            record_phase(run.folder, phase, chunk=chunk.index, attempt=attempt, **fields)
-        except (OSError, LeaseLost) as e:
-            self.log.warning("run %s: the %s mark of %s was not recorded (%s)", run, phase, attempt, e)
-
-    def _mark_job_times(self, run: Run, chunk, hook, sub_id: str) -> None:
-        """The job's start and end as Ray recorded them (the ledger's submission, start-up and teardown)."""
-        try:
-            job = hook.jobs.get(sub_id)
-            if job is not None and job.metadata.get("relay_chunk") != str(chunk.index):
-                # A job that went on warm into this chunk started for an earlier one: its start is that chunk's.
-                job = replace(job, start_time=None)
-            record_job_times(run.dir, job, chunk=chunk.index)
-        except (OSError, RelayError) as e:
-            self.log.warning("run %s: the times of Ray job %s were not recorded (%s)", run, sub_id, e)
-
     def execute(self, context) -> dict:
         began = time.time()  # the try runs: the scheduling gap before it ends here (relay.insights.goodput)
         run, chunk = self._context(context)
         latest, problem = latest_step_or_problem(run.dir)
-        if problem:
-            self.log.warning(
-                "run %s: %s; the chunk's trainer quarantines it and falls back to the newest valid checkpoint", run, problem
-            )
+        self._warn(problem and f"run {run}: {problem}; the chunk's trainer quarantines it and falls back")
         if chunk.done_by(latest):
             return self._done(context, run, chunk, f"already reached step {latest}; nothing to train")
         self._before_job(context, run, chunk, latest)
-        hook = RayJobsHook(run.spec.ray.conn_id)
-        job = self._job_of_this_try(context, hook, run, chunk)
+        hook, at, store = RayJobsHook(run.spec.ray.conn_id), self._try(context), context.get("task_state_store")
+        remembered = store.get(JOB_STATE_KEY) if store is not None else None
+        job = train_chunk.job(hook.jobs, run, chunk, at, remembered=remembered, warn=self.log.warning)
         if job.action == "succeeded":
             return self._done(context, run, chunk, f"job {job.submission_id} had already succeeded")
-        if job.action == "ended":
-            assert job.state is not None
-            raise AirflowException(
-                f"Ray job {job.submission_id} of this try already ended {job.state.status}: "
-                f"{job.state.message}. The next try resumes from the latest checkpoint."
-            )
         started = time.time()  # an adopted job's chunk timeout counts again from here
-        dag_run, try_number = context["dag_run"].run_id, context["ti"].try_number
-        self._mark(run, "task_started", chunk, job.submission_id, at=began, dag_run=dag_run, try_number=try_number)
-        self._submission_id = job.submission_id
-        if job.action == "submit":
-            self._submit(context, hook, run, chunk, job.submission_id, latest)
-        else:
-            self._take_over(context, hook, run, chunk, job)
-        self._defer_on_job(context, hook, run, chunk, job.submission_id, started)
+        self._submission_id, page = job.submission_id, ray_job_page(hook.dashboard_url, job.submission_id)
+        went = train_chunk.start(hook.jobs, run, chunk, job, at, latest=latest, began=began)
+        self._warn(went.warning)
+        if went.stopped:
+            self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s", run, went.stopped)
+        if store is not None and went.remember:
+            store.set(JOB_STATE_KEY, job.submission_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
+        self.log.info("%s of run %s: %s: %s", chunk, run, went.how, page)
+        context["ti"].xcom_push(key=RAY_JOB_XCOM, value={"submission_id": job.submission_id, "url": page})
+        watch = train_chunk.watch(run, chunk, started=started)
+        self.log.info("%s", watch.describe())
+        trigger = RayJobTrigger(address=hook.address, submission_id=job.submission_id, **watch.trigger)
+        self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=watch.timeout_s))
 
     def _before_job(self, context, run: Run, chunk: Chunk, latest: int | None) -> None:
-        """What the chunk must pass before a job trains it: the resume preview in the log, the chunk's checks (data,
-        settings, approvals), the run's deadline, and a person's word where the resume would fall back."""
-        self._log_resume_preview(run, chunk, latest)
-        self._checks_before_chunk(context, run, chunk)
-        self._check_deadline(context, run, latest)
+        """The resume preview in the log, the chunk's checks (data, settings), the run's deadline, and a person's
+        word where the resume would fall back below quarantined checkpoints."""
+        self.log.info("%s", train_chunk.resume_preview(run, chunk, latest))
+        drift = context["params"].get("allow_drift") or []
+        checked = train_chunk.check(run, chunk, allow_drift=drift, dag_run=context["dag_run"].run_id)
+        if checked.error is not None:
+            if checked.warm_refused:
+                self.log.warning(
+                    "Ray job %s went on warm into %s: refused, it stops without committing", checked.warm_refused, chunk
+                )
+            action = f"{chunk} not started (no retries); the run's checkpoints are untouched."
+            notify_error(context, run, checked.error, chunk=chunk.index, action=action)
+            raise AirflowFailException(f"{chunk} of run {run} not started: {checked.error}")
+        for change in checked.source_changes:
+            self.log.warning("training continues on the frozen copy (data.on_source_change: use_frozen):\n%s", change)
+            notify_use_frozen(context, run, change)
+        self._deadline(context, run, train_chunk.eta_now(run, latest))
+        if (fallback := train_chunk.fallback(run, latest)) is not None:
+            ask(context, DecisionNeeded(run, fallback.decision()), method_name="fallback_decided")
+
+    def _deadline(self, context, run: Run, found) -> None:
+        """Alert once when the run's ETA is past alerts.deadline (relay.insights.eta); it never fails the task."""
+        if isinstance(found, str):
+            self.log.warning("run %s: %s", run, found)
+        elif found is not None:
+            self.log.info("run %s: %s", run, found.describe())
+            if chunk_policy.deadline_missed(found):
+                notify_deadline(context, run, found)
+
+    def _done(self, context, run: Run, chunk, how: str) -> dict:
         try:
-            self._fallback_to_approve(run, latest)
-        except DecisionNeeded as need:
-            ask(context, need, method_name="fallback_decided")
+            done = train_chunk.finish(run, chunk, how)
+        except train_chunk.NotReached as e:
+            raise AirflowException(str(e)) from None
+        self.log.info("%s of run %s: done (%s); latest checkpoint step %s", chunk, run, how, done.latest)
+        self._deadline(context, run, done.eta)
+        if done.replay.compared:
+            self.log.info("%s", done.replay.summary())
+        notify_divergence(context, run, done.replay)
+        notify_recovery(
+            context, run, f"{chunk} of run {run} is done: step {done.latest}", chunk=chunk.index, step=done.latest
+        )
+        return done.result
 
-    def _take_over(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, job: submission.JobDecision) -> None:
-        """This try follows a job it did not submit: a warm job going on into this chunk (admitted here, its lease
-        token taken over), an earlier try's job (adopted), or this try's own (re-attached)."""
-        page = ray_job_page(hook.dashboard_url, job.submission_id)
-        if job.action == "warm":
-            token = run.folder.lease().current() or {}
-            handoff.admit(
-                run.dir,
-                chunk.index,
-                attempt=job.submission_id,
-                token=int(token.get("token") or 0),
-                by=f"{context['ti'].task_id} try {context['ti'].try_number} of DAG run {context['dag_run'].run_id}",
-            )
-            if (state_store := context.get("task_state_store")) is not None:
-                state_store.set(JOB_STATE_KEY, job.submission_id)
-            self.log.info(
-                "%s of run %s: admitted and took over Ray job %s, which starts this chunk warm (%s): %s",
-                chunk,
-                run,
-                job.submission_id,
-                job.why,
-                page,
-            )
-        elif job.action == "adopt":
-            self.log.info(
-                "%s of run %s: this try adopts Ray job %s of an earlier try instead of stopping it (%s): %s",
-                chunk,
-                run,
-                job.submission_id,
-                job.why,
-                page,
-            )
-        else:
-            self.log.info(
-                "re-attaching to Ray job %s (%s) instead of submitting a second one: %s",
-                job.submission_id,
-                job.state and job.state.status,
-                page,
-            )
-
-    def _job_of_this_try(self, context, hook: RayJobsHook, run: Run, chunk: Chunk) -> submission.JobDecision:
-        sub_id = submission_id(run.spec.name, run.name, context["dag_run"].run_id, chunk.index, context["ti"].try_number)
-        state_store = context.get("task_state_store")
-        return submission.decide(
-            hook.jobs,
-            run,
-            chunk,
-            sub_id,
-            stall_limit_s=stall_limit_s(run),
-            warn=self.log.warning,
-            remembered=state_store.get(JOB_STATE_KEY) if state_store is not None else None,
-        )
-
-    def _submit(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, sub_id: str, latest: int | None) -> None:
-        """Stop the run's other jobs (one that still holds the lease gets its grace to save the step it is in:
-        relay.trainers.stopping), then submit this try's under the run's lease."""
-        ti, dag_run_id = context["ti"], context["dag_run"].run_id
-        done = submission.submit_chunk(
-            hook.jobs,
-            run,
-            chunk.end_step,
-            sub_id,
-            chunk=chunk.index,
-            env=self._drill_env(context, run, chunk),
-            metadata=lambda req: job_metadata(req, dag_run_id, ti.try_number),
-            stop_others_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S,
-            handoff=True,  # with warm chunks, the next chunk's train task admits and takes over the job
-        )
-        if done.stopped:
-            self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s", run, done.stopped)
-        self._mark(run, "job_submitted", chunk, sub_id)
-        fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
-        if (state_store := context.get("task_state_store")) is not None:
-            state_store.set(JOB_STATE_KEY, sub_id)  # Airflow keeps it across tries (ResumableJobMixin's store)
-        self.log.info(
-            "%s of run %s: resumes from step %s; submitted Ray job %s (lease token %s): %s",
-            chunk,
-            run,
-            latest or 0,
-            sub_id,
-            done.request.lease_token,
-            ray_job_page(hook.dashboard_url, sub_id),
-        )
-
-    def _defer_on_job(self, context, hook: RayJobsHook, run: Run, chunk: Chunk, sub_id: str, started: float) -> NoReturn:
-        """Give the task its "Ray job" link (RayJobLink, shown while deferred) and wait on the job in the triggerer."""
-        spec = run.spec
-        context["ti"].xcom_push(
-            key=RAY_JOB_XCOM, value={"submission_id": sub_id, "url": ray_job_page(hook.dashboard_url, sub_id)}
-        )
-        deadline = started + spec.ray.chunk_timeout_minutes * 60
-        stall_after = stall_limit_s(run)
-        self.log.info(
-            "a step-less stretch of %.0fs (plus %.0fs before the first step and after the last) is a "
-            "stall: alerted, job stopped, retried",
-            stall_after,
-            spec.alerts.startup_minutes * 60,
-        )
-        stop_grace = spec.ray.stop_grace_seconds + STOP_MARGIN_S
-        self.defer(
-            trigger=RayJobTrigger(
-                address=hook.address,
-                submission_id=sub_id,
-                deadline=deadline,
-                poll_seconds=spec.ray.poll_seconds,
-                stall_after_s=stall_after,
-                startup_s=spec.alerts.startup_minutes * 60,
-                end_step=chunk.end_step,
-                adoptable=True,
-                stop_grace_s=stop_grace,
-                run_dir=str(run.dir),
-                handoff_chunk=chunk.index + 1 if spec.warm_chunks and chunk.index < chunk.count else None,
-            ),
-            method_name="execute_complete",
-            # The trigger enforces the deadline itself (it stops the job); Airflow's own timeout, a little later,
-            # only fires when no triggerer ran it: this try fails, the job trains on, and the next try adopts it.
-            timeout=timedelta(
-                seconds=max(0.0, deadline - time.time()) + stop_grace + 2 * spec.ray.poll_seconds + TRIGGER_TIMEOUT_MARGIN_S
-            ),
-        )
-
-    @staticmethod
-    def _fallback_to_approve(run: Run, latest: int | None) -> None:
-        """Raise DecisionNeeded when this chunk would resume below a quarantined checkpoint and train more than
-        approvals.max_steps_lost steps again, unless a person approved that fallback (or approvals are off)."""
-        spec = run.spec
-        k = latest or 0
-        newer = sorted({q["step"] for q in quarantined(run.dir) if isinstance(q.get("step"), int) and q["step"] > k})
-        allowed = spec.approvals.steps_allowed(spec.chunk_steps)
-        if not spec.airflow.approvals or not newer or newer[-1] - k <= allowed:
-            return
-        n = newer[-1]
-        if any(
-            e.get("event") == FALLBACK_APPROVED and e.get("quarantined") == n and e.get("resume_from") == k
-            for e in read_events(run.dir)
-        ):
-            return
-        resume = f"Resume from step {k}"
-        raise DecisionNeeded(
-            run,
-            Decision(
-                "fallback",
-                f"Resume run {run.name} from step {k}, {n - k} steps back?",
-                f"Checkpoint(s) at step(s) {', '.join(map(str, newer))} failed validation and were quarantined (their "
-                f"reports: `{relay_dir(run.dir, QUARANTINE)}`). The newest valid checkpoint is step {k}: resuming there "
-                f"trains steps {k + 1}..{n} again, {n - k} steps, more than approvals.max_steps_lost ({allowed}).\n\n"
-                f"**{resume}** to go on. **Stop the run** to look first: nothing is changed, and the next trigger asks "
-                "again.",
-                [resume, "Stop the run"],
-                [resume],
-                {"run": run.name, "quarantined": n, "resume_from": k},
-            ),
-        )
+    def _warn(self, warning: str | None) -> None:
+        if warning:
+            self.log.warning("%s", warning)
 
     def fallback_decided(self, context, event: dict | None = None, decision: dict | None = None) -> dict:
         """A person answered the fallback question: record the approval (events.jsonl), then run the chunk."""
@@ -440,159 +225,51 @@ class RayChunkOperator(ChunkTaskOperator):
             got = answer(run, decision or {}, event or {})
         except Rejected as rejected:
             skip_rejected(self.log, rejected)
-        run.folder.record(
-            FALLBACK_APPROVED,
-            chunk=chunk.index,
-            quarantined=got.data["quarantined"],
-            resume_from=got.data["resume_from"],
-            by=got.by,
-            at=got.at,
-        )
-        self.log.warning(
-            "%s of run %s: %s approved resuming from step %s (quarantined step %s)",
-            chunk,
-            run,
-            got.by,
-            got.data["resume_from"],
-            got.data["quarantined"],
-        )
+        train_chunk.approve_fallback(run, chunk, got)
+        self.log.warning("%s of run %s: %s approved resuming from step %s", chunk, run, got.by, got.data["resume_from"])
         return self.execute(context)
-
-    @staticmethod
-    def _drill_env(context, run: Run, chunk) -> dict[str, str]:
-        """A crash drill asked for in the DAG run's conf (`relay_fault`, the demo's provoked resume): armed in
-        every job of the DAG run until it fired once, so that it fires in whichever job trains its step (a job
-        that went on warm from an earlier chunk too) and the retry that resumes is not killed again."""
-        drill = (context["dag_run"].conf or {}).get("relay_fault")
-        if not drill:
-            return {}
-        dag_run = hashlib.sha256(context["dag_run"].run_id.encode()).hexdigest()[:8]
-        which = hashlib.sha256(repr(drill).encode()).hexdigest()[:8]
-        return drill_env(drill, relay_dir(run.dir, "drills", f"{dag_run}-{which}.fired"))
 
     def execute_complete(self, context, event: dict) -> dict:
         run, chunk = self._context(context)
-        status = event_status(event, f"{chunk} of run {run}", "submission_id")
-        self._mark_job_times(run, chunk, RayJobsHook(run.spec.ray.conn_id), event["submission_id"])
+        status, sub_id = event_status(event, f"{chunk} of run {run}", "submission_id"), event["submission_id"]
+        self._warn(train_chunk.mark_job_times(run, chunk, RayJobsHook(run.spec.ray.conn_id).jobs, sub_id))
         try:
-            return self._complete(context, run, chunk, event, status)
+            tail = lambda: job_log_tail(run.spec, event)  # noqa: E731  (only a stall's alert reads it)
+            for n in train_chunk.notices(run, chunk, event, self._try(context), status=status, tail=tail):
+                notify(context, run, n.kind, n.what, **n.fields)
+            if status == HANDED_OFF:
+                return self._done(context, run, chunk, event.get("message") or "handed off warm")
+            if status != "SUCCEEDED":
+                self._failed(context, run, chunk, event, status)
+            return self._done(context, run, chunk, f"job {sub_id} succeeded")
         finally:  # a success, a failure, or a backoff's wait (deferred): this try's part ends here
-            self._mark(run, "task_done", chunk, event["submission_id"])
-
-    def _complete(self, context, run: Run, chunk, event: dict, status: str) -> dict:
-        spec = run.spec
-        self._alert_fallback(context, run, chunk, event["submission_id"])
-        if status == STALLED:
-            ti = context["ti"]
-            latest = latest_valid_step(run.dir)
-            then = (
-                f"Airflow's retry (try {ti.try_number + 1} of {ti.max_tries + 1}) resumes from step {latest or 0}"
-                if ti.try_number <= ti.max_tries
-                else f"no retries left: this DAG run stops; clear the task to resume from step {latest or 0}"
-            )
-            notify(
-                context,
-                run,
-                "stall",
-                f"{chunk}: {event.get('message', '')}",
-                chunk=chunk.index,
-                step=event.get("step"),
-                details=job_log_tail(spec, event),
-                action=f"stopped Ray job {event['submission_id']}; {then}",
-            )
-        if status == HANDED_OFF:
-            return self._done(context, run, chunk, event.get("message") or "handed off warm")
-        if status != "SUCCEEDED":
-            self._failed(context, run, chunk, event, status)
-        return self._done(context, run, chunk, f"job {event['submission_id']} succeeded")
+            self._warn(train_chunk.mark(run, "task_done", chunk, sub_id))
 
     def _failed(self, context, run: Run, chunk, event: dict, status: str) -> NoReturn:
-        """Classify the failed job's cause, record it (events.jsonl: chunk_failed) and fail the try as its
-        policy says: retry, retry after a backoff (deferred: no worker slot held), or no retry."""
-        spec, sub_id, ti = run.spec, event["submission_id"], context["ti"]
-        tail = job_log_tail(spec, event)
-        step = failure_cause.step_of_failure(run.dir, sub_id) or event.get("step")
-        oom_nodes = (  # a killed worker on any node: did that node's OOM killer act while the job ran?
-            node_oom.evidence_since_start(run.dir, sub_id, RayJobsHook(spec.ray.conn_id).jobs, spec)
-            if failure_cause.could_be_oom_kill(event.get("message", ""), tail, event.get("exit_code"))
-            else []
-        )
-        cause = failure_cause.classify(
-            status,
-            event.get("message", ""),
-            tail,
-            event.get("exit_code"),
-            step=step,
-            oom_kills=failure_cause.oom_kills_since_start(run.dir, sub_id),
-            oom_nodes=oom_nodes,
-        )
-        dag_run = context["dag_run"].run_id
-        repeated = failure_cause.repeats(cause, failure_cause.earlier_failures(run.dir, chunk.index, dag_run))
-        policy = failure_cause.STOP if repeated else failure_cause.policy(cause, spec.airflow.retry_on)
-        failure_cause.record_failure(
-            run.folder, cause, chunk=chunk.index, attempt=sub_id, dag_run=dag_run, try_number=ti.try_number, policy=policy
-        )
-        why = (
-            "the same exception at the same step as an earlier try: it is deterministic, so Airflow does not retry it"
-            if repeated
-            else f"policy for {cause.cause}: {policy} (spec airflow.retry_on)"
-        )
-        message = (
-            f"{chunk} of run {run}: Ray job {sub_id} ended {status}; {cause.describe()}\n{cause.report()}\n"
-            f"{why}\n--- last lines of the job's log ---\n{tail}"
-        )
-        self.log.error("%s", message)
-        if policy == failure_cause.STOP:
-            raise ChunkFailedForGood(message, cause)
-        if policy == failure_cause.BACKOFF and ti.try_number <= ti.max_tries and spec.airflow.retry_backoff_seconds:
-            from datetime import timedelta
-
+        """Fail the try as the failure's decision says: retry, retry after a backoff (deferred: no worker slot
+        held), or no retry."""
+        jobs, tail = RayJobsHook(run.spec.ray.conn_id).jobs, job_log_tail(run.spec, event)
+        failed = train_chunk.failure(jobs, run, chunk, event, self._try(context), status=status, tail=tail)
+        self.log.error("%s", failed.message)
+        if failed.decision.action == "stop":
+            raise ChunkFailedForGood(failed.message, failed.cause)
+        if failed.decision.action == "backoff":
             from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
 
             self.log.warning(
-                "waiting %.0fs before failing this try, so that its retry starts later (backoff)",
-                spec.airflow.retry_backoff_seconds,
+                "waiting %.0fs before failing this try, so that its retry starts later", failed.decision.backoff_s
             )
+            kwargs = {"message": failed.message, "cause": failed.cause.to_event()}
             self.defer(
-                trigger=TimeDeltaTrigger(timedelta(seconds=spec.airflow.retry_backoff_seconds)),
+                trigger=TimeDeltaTrigger(timedelta(seconds=failed.decision.backoff_s)),
                 method_name="backoff_complete",
-                kwargs={"message": message, "cause": cause.to_event()},
+                kwargs=kwargs,
             )
-        raise ChunkFailed(message, cause)
+        raise ChunkFailed(failed.message, failed.cause)
 
     def backoff_complete(self, context, event: Any = None, message: str = "", cause: dict | None = None) -> NoReturn:
         """The backoff of a failed try is over: fail it, so that Airflow retries now."""
         raise ChunkFailed(message, failure_cause.Cause(**(cause or {"cause": failure_cause.UNKNOWN})))
-
-    def _alert_fallback(self, context, run: Run, chunk, attempt: str) -> None:
-        """The job's trainer quarantined checkpoints and resumed from an older one: people should know."""
-        for e in read_events(run.dir):
-            if e["event"] != "chunk_start" or e.get("attempt") != attempt:
-                continue
-            step, bad = e["resumed_from"], e.get("quarantined")
-            if bad:
-                what = f"checkpoint(s) at step {', '.join(map(str, bad))} failed validation"
-                action = f"quarantined them (never loaded, never published) and resumed from step {step}" + (
-                    f", restored from its published copy {e['restored_from']}"
-                    if e.get("restored_from")
-                    else "; the steps after it were trained again"
-                )
-            elif e.get("tracker_refused"):
-                what = f"the tracker was refused ({'; '.join(e['tracker_refused'])})"
-                action = f"set the tracker aside and resumed from the newest valid checkpoint, step {step}"
-            else:
-                continue
-            notify(
-                context,
-                run,
-                "fallback",
-                f"{chunk}: {what} at resume; resumed from step {step}",
-                chunk=chunk.index,
-                step=step,
-                quarantined_to=str(relay_dir(run.dir, QUARANTINE)),
-                action=action,
-                scope=attempt,
-            )
 
     def on_kill(self) -> None:
         """The task was killed while in execute(): stop its job (a deferred task is the trigger's on_kill)."""

@@ -19,34 +19,13 @@ from __future__ import annotations
 
 from relay.airflow.operators import RayChunkOperator, ValidateCheckpointOperator
 from relay.runs.run import Run
-from relay.spec.plan import ChunkPlan
-from relay.trainers.verl_ppo import overrides
+from relay.spec.kinds import KINDS
 
 SUPERVISE_TASK = "supervise"
 
 
 def is_supervised(spec) -> bool:
-    return getattr(spec.settings, "mode", "chunked") == "supervised"
-
-
-def whole_run_view(spec):
-    """The spec as the supervising task and its job see it: one chunk of every step; verl saves every
-    chunk_steps (or the spec's save_freq, a divisor of it); the timeout covers every chunk."""
-
-    chunks = len(ChunkPlan.from_spec(spec).chunks)
-    settings = dict(spec.trainer.settings)
-    settings["save_freq"] = overrides.save_freq(spec)  # checked against the real chunk_steps here
-    if settings.get("validate_every_chunk"):
-        settings["test_freq"] = overrides.test_freq(spec)
-    view = spec.model_copy(
-        update={
-            "chunk_steps": spec.total_steps,
-            "trainer": spec.trainer.model_copy(update={"settings": settings}),
-            "ray": spec.ray.model_copy(update={"chunk_timeout_minutes": spec.ray.chunk_timeout_minutes * chunks}),
-        }
-    )
-    view._source = spec.source
-    return view
+    return spec.core_settings.supervised
 
 
 class SupervisedRunOperator(RayChunkOperator):
@@ -60,7 +39,7 @@ class SupervisedRunOperator(RayChunkOperator):
 
     def _run(self, context) -> Run:
         run = super()._run(context)
-        return Run.of(whole_run_view(run.spec), run.name, run.incarnation)
+        return Run.of(KINDS[run.spec.trainer.kind].whole_run_view(run.spec), run.name, run.incarnation)
 
 
 class SupervisedValidateOperator(ValidateCheckpointOperator):

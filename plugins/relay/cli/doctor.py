@@ -15,6 +15,7 @@ from relay.insights import doctor
 from relay.jobs.ray_jobs import RayJobs
 from relay.runs.run import Run
 from relay.s3.store import store_for_spec
+from relay.spec.kinds import KINDS
 from relay.spec.run_spec import load_spec
 
 
@@ -29,7 +30,7 @@ def cmd_doctor(args) -> int:
     if not args.offline:
         store = store_for_spec(spec) if spec.s3 is not None else None
         jobs = RayJobs(args.ray_address or os.environ.get("RAY_ADDRESS") or stack.ray_address())
-    findings = doctor.diagnose(run, store=store, jobs=jobs, verl_report=verl_contract_report(spec, jobs))
+    findings = doctor.diagnose(run, store=store, jobs=jobs, contract_report=contract_report(spec, jobs))
     if args.json:
         print(
             json.dumps(
@@ -41,53 +42,52 @@ def cmd_doctor(args) -> int:
     return 0 if all(f.ok for f in findings) else 1
 
 
-CONTRACT_JOB_TIMEOUT_S = 300  # the contract's job on the cluster: an interpreter that imports verl
+CONTRACT_JOB_TIMEOUT_S = 300  # the contract's job on the cluster: an interpreter that imports the library
 
 
-def verl_contract_report(spec, jobs: RayJobs | None) -> Callable[[bool], tuple[str, dict[str, Any]]]:
-    """How doctor checks verl's contract (relay.trainers.verl_ppo.verl_contract): in a Ray job on the cluster, where
-    the chunks will run (`jobs`), else in this host's verl (--offline)."""
+def contract_report(spec, jobs: RayJobs | None) -> Callable[[bool], tuple[str, dict[str, Any]]] | None:
+    """How doctor checks the trainer kind's library contract (verl_ppo: relay.trainers.verl_ppo.verl_contract): in a
+    Ray job on the cluster, where the chunks will run (`jobs`), else in this host's library (--offline). None for a
+    kind without one."""
+    contract = KINDS[spec.trainer.kind].library_contract_module()
+    if contract is None:
+        return None
 
     def here(cpu: bool) -> tuple[str, dict[str, Any]]:
-        from relay.trainers.verl_ppo import verl_contract as contract
-
         return "this host's", contract.report(cpu=cpu)
 
     def on_cluster(cpu: bool) -> tuple[str, dict[str, Any]]:
         assert jobs is not None
-        return "the cluster's", _contract_on_cluster(spec, jobs, cpu)
+        return "the cluster's", _contract_on_cluster(spec, jobs, contract, cpu)
 
     return here if jobs is None else on_cluster
 
 
-def _contract_on_cluster(spec, jobs: RayJobs, cpu: bool) -> dict[str, Any]:
-    """The contract's report, from a Ray job of its own (`python -m relay.trainers.verl_ppo.verl_contract --json`)."""
-    from relay.trainers.verl_ppo import verl_contract as contract
-
-    module = "relay.trainers.verl_ppo.verl_contract --json" + (" --cpu" if cpu else "")
-    sub_id = f"relay-verl-contract-{uuid.uuid4().hex[:12]}"
-    metadata = {"relay_spec": spec.name, "relay_check": "verl_contract"}
+def _contract_on_cluster(spec, jobs: RayJobs, contract, cpu: bool) -> dict[str, Any]:
+    """The contract's report, from a Ray job of its own (`python -m MODULE --json [--cpu]`)."""
+    module = f"{contract.__name__} --json" + (" --cpu" if cpu else "")
+    what = f"the {contract.LIBRARY} contract check"
+    sub_id = f"relay-{contract.LIBRARY}-contract-{uuid.uuid4().hex[:12]}"
+    metadata = {"relay_spec": spec.name, "relay_check": f"{contract.LIBRARY}_contract"}
     try:
         status, found, logs = jobs.module_report(spec, module, sub_id, metadata, contract.MARK, CONTRACT_JOB_TIMEOUT_S)
     except RelayError:
         raise  # the Jobs API's own error (a head that is not up), with its fix
     except Exception as e:  # noqa: BLE001 - any failure to reach the Jobs API
         raise RelayError(
-            f"cannot run the verl contract check on the cluster: {e}",
-            "start the Ray head, or run with --offline",
-            retry_helps=True,
+            f"cannot run {what} on the cluster: {e}", "start the Ray head, or run with --offline", retry_helps=True
         ) from None
     if status is None:
         raise RelayError(
-            f"the verl contract check ({sub_id}) did not finish in {CONTRACT_JOB_TIMEOUT_S} s on the cluster",
+            f"{what} ({sub_id}) did not finish in {CONTRACT_JOB_TIMEOUT_S} s on the cluster",
             "check that the cluster has room for a one-CPU job, then run `relay doctor` again",
             retry_helps=True,
         )
     if found is None:
         tail = " | ".join(logs.strip().splitlines()[-3:])
         raise RelayError(
-            f"the verl contract check ({sub_id}) ended {status} without a report: {tail}",
-            "install verl (pinned 0.9.1) in the cluster image; read the job's log for the import error",
+            f"{what} ({sub_id}) ended {status} without a report: {tail}",
+            f"install {contract.LIBRARY} in the cluster image as Relay pins it; read the job's log for the import error",
             retry_helps=False,
         )
     return found

@@ -14,13 +14,13 @@ from relay.common.errors import RelayError, StoreError
 from relay.devstack import stack
 from relay.jobs import chunk_job, local_head
 from relay.jobs.ray_jobs import STOP_MARGIN_S, RayJobs
-from relay.preflight import attention
 from relay.preflight.prepare import prepare_run
 from relay.preflight.world_size import to_spec_world_size
 from relay.runs import failure_cause, layout
 from relay.runs.phases import record_job_times
 from relay.runs.run import Run
 from relay.s3.store import store_for_spec
+from relay.spec.kinds import KINDS
 from relay.spec.plan import ChunkPlan
 from relay.trainers.contract import ChunkRequest, run_chunk
 
@@ -46,7 +46,7 @@ def cmd_spec_check(args) -> int:
     if args.verbose:
         for k, v in sorted(spec.resume_critical().items()):
             print(f"  {k} = {v!r}")
-    found = attention.check(spec)
+    found = KINDS[spec.trainer.kind].check_environment(spec)
     if found is not None and not found.ok:  # a warning: the spec is valid
         print(f"warning: attention: {found.detail}\n    fix: {found.fix}", file=sys.stderr)
     return 0
@@ -134,7 +134,7 @@ def _train_as_ray_job(args, run: Run) -> int:
     private = address is None
     try:
         with chunk_job.interrupts():
-            gpus = getattr(run.spec.settings, "gpus", 1)  # a private head on a CPU host: logical GPUs for the spec
+            gpus = run.spec.core_settings.logical_gpus  # a private head on a CPU host: logical GPUs for the spec
             with local_head.guarded(address) if address else stack.private_ray_head(say=_say, num_gpus=gpus) as where:
                 jobs = RayJobs(where.address)
                 _say(f"run {run.name}: training to step {args.to_step} as a Ray job on {where.address}")
@@ -191,9 +191,8 @@ def _record_job_times(jobs: RayJobs, run: Run, sub_id: str, to_step: int) -> Non
 
 
 def cmd_model_tiny(args) -> int:
-    from relay.trainers.verl_ppo.cpu.tiny_model import make_tiny_model  # a CPU stand-in, asked for by name
-
-    folder = make_tiny_model(Path(args.dir))
+    maker = next(k for k in KINDS.values() if k.tiny_model)  # a CPU stand-in, asked for by name
+    folder = maker.make_tiny_model(Path(args.dir))
     print(f"tiny model (Qwen2, byte-level tokenizer with a chat template; no download) written to {folder}")
     return 0
 
@@ -214,7 +213,7 @@ def add_commands(sub) -> None:
     s = sub.add_parser(
         "train",
         help="train a run to --to-step, resuming from the latest: in this process (no Airflow, "
-        "no Ray; tiny_grpo), or as one Ray job, the DAG's, its log here (verl_ppo)",
+        "no Ray), or, for a trainer kind whose chunks run as Ray jobs, as one Ray job, the DAG's, its log here",
     )
     s.add_argument("spec")
     s.add_argument("--to-step", type=int, required=True)
@@ -235,7 +234,7 @@ def add_commands(sub) -> None:
     s.add_argument("--confirm", metavar="NAME", help="the run's name, confirming --fresh-start")
     s.add_argument(
         "--ray-address",
-        help="verl_ppo: the Ray dashboard to run the job on (default: RAY_ADDRESS, else the "
+        help="a kind whose chunks run as Ray jobs: the Ray dashboard to run the job on (default: RAY_ADDRESS, else the "
         "local stack's head if it answers, else a private head of this command's "
         "own that ends with it)",
     )

@@ -4,13 +4,13 @@ Field guides for verl ask for these checks by hand before every resume. Each is 
 the code the DAG itself runs: the resume validation and quarantine records (resume, validate), the
 live-job query the chunk operator makes before it submits (ray_jobs), the run's lease, the settings
 guard of preflight.settings (guard) and the source check of preflight.data (data.freeze). For a
-verl_ppo spec it also says whether its attention implementation can be loaded, as far as that can be
-known from here (preflight.attention): a warning (⚠), which never makes a resume unsafe; and whether the cluster's
-verl still has every touch point Relay relies on (relay.trainers.verl_ppo.verl_contract, run as a Ray job there;
-this host's verl with --offline). When the
-run's last attempt failed and no checkpoint was saved since, it names that failure's cause as the train task
-classified it (relay.runs.failure_cause), with what to do: a warning too. The
-DAG's preflight.run task logs this same checklist, so the UI and the terminal never disagree.
+trainer kind with an environment check it says what that check finds (verl_ppo: whether its attention
+implementation can be loaded, as far as that can be known from here): a warning (⚠), which never makes a
+resume unsafe; and for a kind with a library contract, whether the cluster's library still has every touch
+point Relay relies on (verl_ppo: relay.trainers.verl_ppo.verl_contract, run as a Ray job there; this host's verl
+with --offline). When the run's last attempt failed and no checkpoint was saved since, it names that failure's
+cause as the train task classified it (relay.runs.failure_cause), with what to do: a warning too. The DAG's
+preflight.run task logs this same checklist, so the UI and the terminal never disagree.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from relay.checkpoints.validate import validate_checkpoint
 from relay.common.errors import RelayError
 from relay.data import freeze as frozen
 from relay.insights import save_interval as interval
-from relay.preflight import attention as attn
 from relay.preflight import guard
 from relay.runs import failure_cause, layout
 from relay.runs.metrics import read_events
 from relay.runs.prompt_ledger import PromptLedger
 from relay.runs.record import read_record
 from relay.runs.run import Run
+from relay.spec.kinds import KINDS
 
 # Snapshot keys (guard.snapshot) by what they mean; spec keys are under trainer.settings.
 ALGORITHM = {
@@ -222,8 +222,8 @@ def model(run: Run) -> Finding:
 
 def parallelism(run: Run) -> Finding:
     """The spec's world size and FSDP version against the latest checkpoint's shard names."""
-    s = run.spec.settings
-    want = (getattr(s, "world_size", None), getattr(s, "fsdp_version", None))
+    core, kind = run.spec.core_settings, KINDS[run.spec.trainer.kind]
+    want = (core.world_size, core.fsdp_version)
     run_dir = run.dir
     try:
         step = layout.read_tracker(run_dir)
@@ -236,7 +236,7 @@ def parallelism(run: Run) -> Finding:
     if want != have and report.world_size is not None:
         shard = layout.shard_name("model", report.world_size, 0)
         command = f"python -m relay checkpoint reshard {run_dir} --world-size {want[0]}"
-        if run.spec.trainer.kind == "verl_ppo" and want[1] == have[1] and isinstance(want[0], int) and want[0] >= 1:
+        if kind.reshard and want[1] == have[1] and isinstance(want[0], int) and want[0] >= 1:
             # Only the number of GPUs changed: Relay reshards verl's FSDP checkpoints (relay.checkpoints.reshard).
             if run.spec.checkpoints.on_world_size_change == "reshard":
                 return Finding(
@@ -254,10 +254,10 @@ def parallelism(run: Run) -> Finding:
             )
         else:
             fix = f"set trainer.settings.world_size: {have[0]} and fsdp_version: {have[1]} again; " + (
-                "verl's checkpoints load only at the FSDP version they were written with"
-                if run.spec.trainer.kind == "verl_ppo"
-                else f"a {run.spec.trainer.kind} checkpoint is not resharded (`relay checkpoint reshard` is for "
-                "verl's FSDP checkpoints)"
+                "its checkpoints load only at the FSDP version they were written with"
+                if kind.reshard
+                else f"a {kind.name} checkpoint is not resharded (its trainer kind cannot: `relay checkpoint reshard` "
+                "is for the kinds that can)"
             )
         return Finding(
             "parallelism",
@@ -316,7 +316,7 @@ def data(run: Run) -> Finding:
 def prompts_in_flight(run: Run) -> Finding | None:
     """verl's async trainer: the prompts in flight at the newest checkpoint, and verl's queue that holds them
     (relay.runs.prompt_ledger); a resume without it would be refused (quarantined, the tracker moved back)."""
-    if getattr(run.spec.settings, "trainer_mode", "sync") == "sync":
+    if not run.spec.core_settings.prompts_in_flight:
         return None
     step = layout.read_tracker(run.dir)
     if not step:
@@ -358,40 +358,46 @@ def settings(run: Run) -> Finding:
 
 
 def attention(run: Run) -> Finding | None:
-    """The spec's attention implementation against what this host and the cluster image provide (verl_ppo)."""
-    result = attn.check(run.spec)
+    """The spec against what this host and the cluster image provide: its kind's environment check (verl_ppo:
+    whether its attention implementation loads)."""
+    result = KINDS[run.spec.trainer.kind].check_environment(run.spec)
     if result is None:
         return None
     return Finding("attention", True, result.detail, result.fix, warning=not result.ok)
 
 
-def verl_contract(run: Run, report: Callable[[bool], tuple[str, dict[str, Any]]] | None = None) -> Finding | None:
-    """verl's touch points (relay.trainers.verl_ppo.verl_contract) in the verl the chunks will run: `report(cpu)` runs
-    the checks and says where (the CLI's: a Ray job on the cluster, or this host's verl with --offline). verl_ppo
-    specs only; None without a report (the DAG's cheap checklist: every chunk's driver checks it anyway)."""
-    if run.spec.trainer.kind != "verl_ppo" or report is None:
+def library_contract(run: Run, report: Callable[[bool], tuple[str, dict[str, Any]]] | None = None) -> Finding | None:
+    """The trainer kind's contract with the library it trains with (verl_ppo: every touch point of verl Relay relies
+    on, relay.trainers.verl_ppo.verl_contract), in the library the chunks will run: `report(cpu)` runs the checks and
+    says where (the CLI's: a Ray job on the cluster, or this host's library with --offline). None for a kind without
+    one, or without a report (the DAG's cheap checklist: every chunk's driver checks it anyway)."""
+    module = KINDS[run.spec.trainer.kind].library_contract_module()
+    if module is None or report is None:
         return None
-    name = "verl contract"
+    library = module.LIBRARY
+    name = f"{library} contract"
     try:
-        where, found = report(run.spec.settings.device == "cpu")
+        where, found = report(run.spec.core_settings.cpu_platform)
     except ImportError as e:
         return Finding(
-            name, True, f"verl is not installed here ({e})", "run without --offline to check the cluster's", warning=True
+            name,
+            True,
+            f"{library} is not installed here ({e})",
+            "run without --offline to check the cluster's",
+            warning=True,
         )
     except RelayError as e:
         return Finding(name, False, e.what, e.fix or "")
-    fix = "install verl 0.9.1 in the cluster image (Relay's contract), or run a Relay that supports this verl"
+    have, fix = f"{where} {library} {found['version']}", found["fix"]
     if found["problems"]:
-        return Finding(name, False, f"{where} verl {found['verl']}: " + " | ".join(found["problems"]), fix)
+        return Finding(name, False, f"{have}: " + " | ".join(found["problems"]), fix)
     if found["loop_bound"]:
         detail = (
-            f"{where} verl {found['verl']}: " + " | ".join(found["loop_bound"]) + ": chunks end through "
+            f"{have}: " + " | ".join(found["loop_bound"]) + ": chunks end through "
             "total_training_steps, and a horizon-dependent LR schedule is refused in chunks"
         )
         return Finding(name, True, detail, fix, warning=True)
-    return Finding(
-        name, True, f"{where} verl {found['verl']} (torch {found['torch']}): all {found['checked']} touch points hold"
-    )
+    return Finding(name, True, f"{have} (torch {found['torch']}): all {found['checked']} touch points hold")
 
 
 def last_failure(run: Run) -> Finding | None:
@@ -422,7 +428,7 @@ def save_interval(run: Run) -> Finding | None:
         interval.save_interval(
             run.dir,
             chunk_steps=spec.chunk_steps,
-            save_freq=getattr(spec.settings, "save_freq", 0) or 0,
+            save_freq=spec.core_settings.save_freq,
             mtbf_hours=spec.checkpoints.mtbf_hours,
             total_steps=spec.total_steps,
         )
@@ -442,9 +448,9 @@ def _recorded(run: Run) -> bool:
     return bool(read_record(run.dir).get("settings"))
 
 
-def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True, verl_report=None) -> list[Finding]:
-    """The whole checklist, cheap checks first where it matters little. verl_report: verl's contract checks (see
-    verl_contract; the trainers' layer, above this one, runs them)."""
+def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True, contract_report=None) -> list[Finding]:
+    """The whole checklist, cheap checks first where it matters little. contract_report: the trainer kind's library
+    contract checks (see library_contract; the CLI, above this layer, runs them)."""
     findings = [
         interrupted_swap(run),
         checkpoint(run, store, deep=deep),
@@ -456,7 +462,7 @@ def diagnose(run: Run, *, store=None, jobs=None, deep: bool = True, verl_report=
         settings(run),
         prompts_in_flight(run),
         attention(run),
-        verl_contract(run, verl_report) if deep else None,
+        library_contract(run, contract_report) if deep else None,
         last_failure(run),
         save_interval(run),
     ]

@@ -572,7 +572,7 @@ def _save_interval(run_dir: Path, spec, plan) -> SaveInterval | None:
         return save_interval(
             run_dir,
             chunk_steps=spec.chunk_steps,
-            save_freq=getattr(spec.settings, "save_freq", 0) or 0,
+            save_freq=spec.core_settings.save_freq,
             mtbf_hours=spec.checkpoints.mtbf_hours,
             total_steps=spec.total_steps,
         )

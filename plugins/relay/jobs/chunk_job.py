@@ -29,17 +29,17 @@ from relay.common.errors import RayJobError
 from relay.jobs import submission
 from relay.jobs.ray_jobs import TERMINAL, JobState, RayJobs
 from relay.runs.run import Run
+from relay.spec.kinds import KINDS
 from relay.spec.plan import ChunkPlan
 from relay.spec.run_spec import RunSpec
 from relay.trainers.contract import ChunkRequest
 
-# Trainer kinds whose `relay train` runs the chunk as a Ray job; the others train in the CLI's process.
-JOB_KINDS = frozenset({"verl_ppo"})
 STOP_WAIT_S = 30  # how long an interrupted command waits for its stopped job to end (the spec's stop grace, if given)
 
 
 def runs_as_job(spec: RunSpec) -> bool:
-    return spec.trainer.kind in JOB_KINDS
+    """Whether `relay train` runs the spec's chunks as Ray jobs (its kind's `ray_job`); else in its own process."""
+    return KINDS[spec.trainer.kind].ray_job
 
 
 class Interrupted(KeyboardInterrupt):

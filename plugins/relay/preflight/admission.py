@@ -61,7 +61,7 @@ def admit(run: Run, step: int, *, expected_step: int | None = None) -> Admission
         certify=certify_check(spec),
         run=run.name,
         fingerprint=spec.settings_fingerprint(),
-        expect_critic=spec.settings.has_critic,
+        expect_critic=spec.core_settings.critic,
         incarnation=run.incarnation,
     )
 

@@ -41,7 +41,7 @@ def check_settings(run: Run, *, allow_drift=(), by: str = "", dag_run: str = "")
 
 def check_quality(spec, files: list[str]) -> list[quality.QualityReport]:
     extra = [e for path in spec.data.expectations for e in quality.load_expectations(path)]
-    return [quality.check(f, min_rows=spec.settings.train_batch_size, extra=extra) for f in files]
+    return [quality.check(f, min_rows=spec.core_settings.batch_rows, extra=extra) for f in files]
 
 
 def prepare_data(run: Run, *, store=None, by: str = "") -> DataState:

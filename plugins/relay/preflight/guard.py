@@ -83,15 +83,15 @@ def _allowed(key: str, allow: list[str]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in allow)
 
 
-# The settings that only say how many processes train (verl: nnodes x n_gpus_per_node; the CPU trainer:
-# world_size). With checkpoints.on_world_size_change: reshard, a change of them is accepted without allow_drift:
-# the checkpoint is resharded before the chunk's job (relay.checkpoints.reshard), and the change is recorded.
-WORLD_SIZE_KEYS = (
-    "trainer.settings.nnodes",
-    "trainer.settings.n_gpus_per_node",
-    "trainer.settings.world_size",
-    "resolved.world_size",
-)
+def world_size_keys(spec) -> tuple[str, ...]:
+    """The settings that only say how many processes train (the kind's TrainerSettings.WORLD_SIZE_KEYS; verl:
+    nnodes x n_gpus_per_node). With checkpoints.on_world_size_change: reshard, a change of them is accepted
+    without allow_drift: the checkpoint is resharded before the chunk's job (relay.checkpoints.reshard), and the
+    change is recorded."""
+    own = type(spec.trainer.typed_settings()).WORLD_SIZE_KEYS
+    return (*(f"trainer.settings.{k}" for k in own), "resolved.world_size")
+
+
 RESHARD_POLICY = "checkpoints.on_world_size_change: reshard"
 
 
@@ -119,8 +119,9 @@ def check(
     current = snapshot(run.spec, run_dir)
     changes = [c for c in compare(settings["values"], current) if not _added_since(run.spec, c)]
     allow = list(allow_drift)
-    if run.spec.checkpoints.on_world_size_change == "reshard" and any(c.key in WORLD_SIZE_KEYS for c in changes):
-        allow += [RESHARD_POLICY, *(c.key for c in changes if c.key in WORLD_SIZE_KEYS)]
+    sizes = world_size_keys(run.spec)
+    if run.spec.checkpoints.on_world_size_change == "reshard" and any(c.key in sizes for c in changes):
+        allow += [RESHARD_POLICY, *(c.key for c in changes if c.key in sizes)]
     allowed = [c for c in changes if _allowed(c.key, allow)]
     # What the trainer derives (resolved.*) follows an allowed change of the spec; on its own (a new
     # trainer version resolving other defaults, say) it is drift like any other.
@@ -142,7 +143,7 @@ def check(
                 "at": _now(),
                 "by": by,
                 "dag_run": dag_run,
-                "allowed": [a for a in allow if a not in WORLD_SIZE_KEYS],
+                "allowed": [a for a in allow if a not in sizes],
                 "changes": [{"key": c.key, "was": c.was, "now": c.now} for c in changes],
             },
         ]

@@ -15,8 +15,8 @@ from relay.runs.run import Run
 def to_spec_world_size(run: Run) -> ReshardResult | None:
     """Before a chunk (checkpoints.on_world_size_change: reshard): reshard the run's latest checkpoint in place to
     the spec's world size and admit it through the gate; None when they already agree or there is no checkpoint."""
-    settings = run.spec.settings
-    want, fsdp = getattr(settings, "world_size", None), getattr(settings, "fsdp_version", None)
+    core = run.spec.core_settings
+    want, fsdp = core.world_size, core.fsdp_version
     latest = layout.read_tracker(run.dir) if run.dir.is_dir() else None
     if not latest or want is None:
         return None
@@ -29,7 +29,7 @@ def to_spec_world_size(run: Run) -> ReshardResult | None:
             "a reshard keeps the FSDP version",
             f"set trainer.settings.fsdp_version: {have.fsdp_version} again",
         )
-    tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
+    tp = core.world_size_divisor
     if want % tp:
         raise CheckpointError(
             f"run {run.name}: world size {want} does not divide by the rollout's tensor parallel size "

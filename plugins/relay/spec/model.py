@@ -26,6 +26,7 @@ def critical(default: Any = ..., **kwargs: Any) -> Any:
 
 
 def is_critical(model: type[BaseModel], field: str) -> bool:
+    """Whether `field` of `model` is marked resume-critical."""
     extra = model.model_fields[field].json_schema_extra
     return isinstance(extra, dict) and bool(extra.get(_MARK))
 

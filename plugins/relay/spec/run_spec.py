@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, ValidationI
 from relay.common import project, redaction
 from relay.common.errors import SpecError
 from relay.spec.causes import CAUSES, POLICIES
-from relay.spec.kinds import KINDS
+from relay.spec.kinds import KINDS, CoreSettings, TrainerSettings, unknown_kind
 from relay.spec.model import StrictModel, critical, critical_values
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -38,6 +38,8 @@ S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/-]*
 
 
 class TrainerSpec(StrictModel):
+    """`trainer`: the kind (relay.spec.kinds) and its settings, validated by the kind's model."""
+
     kind: str = critical(description="one of: " + ", ".join(KINDS))
     settings: dict[str, Any] = critical(default_factory=dict, description="the trainer kind's settings (below)")
 
@@ -45,14 +47,18 @@ class TrainerSpec(StrictModel):
     @classmethod
     def _known_kind(cls, v: str) -> str:
         if v not in KINDS:
-            raise ValueError(f"unknown trainer kind {v!r}; known kinds: {', '.join(KINDS)}")
+            raise ValueError(unknown_kind(v))
         return v
 
-    def typed_settings(self) -> BaseModel:
-        return KINDS[self.kind].settings_model().model_validate(self.settings)
+    def typed_settings(self) -> TrainerSettings:
+        """The settings as the kind's model (a TrainerSettings) reads them."""
+        model: type[TrainerSettings] = KINDS[self.kind].settings_model()  # type: ignore[assignment]
+        return model.model_validate(self.settings)
 
 
 class DataSpec(StrictModel):
+    """`data`: the training and validation files, their expectations, and what to do when a source changes."""
+
     train_files: list[str] = critical(
         min_length=1,
         description=(
@@ -168,6 +174,7 @@ class CheckpointPolicy(StrictModel):
     )
 
     def is_milestone(self, step: int, total_steps: int) -> bool:
+        """Whether `step` is a milestone: kept in S3 for good and exported to Hugging Face's format."""
         return step == total_steps or bool(self.milestone_every and step % self.milestone_every == 0)
 
 
@@ -240,10 +247,13 @@ class ApprovalSpec(StrictModel):
     )
 
     def steps_allowed(self, chunk_steps: int) -> int:
+        """The steps a fallback may train again without asking a person (max_steps_lost; 2 x chunk_steps by default)."""
         return self.max_steps_lost if self.max_steps_lost is not None else 2 * chunk_steps
 
 
 class RaySpec(StrictModel):
+    """`ray`: the Airflow connection to the Ray dashboard, and how a chunk's job is run, followed and stopped."""
+
     conn_id: str = Field(default="relay_ray", description="Airflow connection naming the Ray dashboard (Jobs API)")
     python: str = Field(default="python", description="interpreter the job's entrypoint runs on the cluster")
     entrypoint_num_cpus: float = Field(default=1, ge=0, description="CPUs the job's driver reserves on the cluster")
@@ -275,6 +285,8 @@ class RaySpec(StrictModel):
 
 
 class S3Spec(StrictModel):
+    """`s3`: where the run's checkpoints are published, and through which Airflow connection."""
+
     conn_id: str = Field("aws_default", description="Airflow connection (Amazon provider) of the S3 endpoint")
     uri: str = Field(pattern=S3_URI_PATTERN, description="s3://bucket/prefix that runs are published under")
     part_size_mb: int = Field(32, ge=5, le=5120, description="multipart part size")
@@ -356,6 +368,8 @@ class AlertSpec(StrictModel):
 
 
 class AirflowSpec(StrictModel):
+    """`airflow`: the DAG's schedule, retries, pools, approvals and the retry policy by failure cause."""
+
     retries: int = Field(
         default=2,
         ge=0,
@@ -419,6 +433,9 @@ class AirflowSpec(StrictModel):
 
 
 class RunSpec(StrictModel):
+    """A run spec (include/runs/*.yaml): the trainer and its settings, the steps and chunks, data, checkpoints, Ray,
+    S3, alerts and Airflow."""
+
     name: str = Field(pattern=NAME_PATTERN, description="the spec's name; its DAG is relay_<name>")
     description: str = Field("", description="a line shown as the DAG's description")
     trainer: TrainerSpec = Field(description="what trains: a trainer kind and its settings")
@@ -467,6 +484,7 @@ class RunSpec(StrictModel):
 
     @property
     def source(self) -> str:
+        """The file the spec was loaded from (`<dict>` for one built in code)."""
         return self._source
 
     @property
@@ -478,12 +496,18 @@ class RunSpec(StrictModel):
 
     @property
     def dag_id(self) -> str:
+        """The spec's DAG: relay_<name>."""
         return f"relay_{self.name}"
 
     @property
     def settings(self) -> Any:
-        """The trainer's typed settings."""
+        """The trainer's typed settings (the kind's own keys: for the kind's package)."""
         return self.trainer.typed_settings()
+
+    @property
+    def core_settings(self) -> CoreSettings:
+        """What the core reads of the trainer's settings, whatever its kind."""
+        return self.trainer.typed_settings().core()
 
     def run_dir(self, run_name: str) -> Path:
         """Where a training run's checkpoints live: verl's trainer.default_local_dir."""
@@ -498,6 +522,7 @@ class RunSpec(StrictModel):
         return out
 
     def settings_fingerprint(self) -> str:
+        """A short digest of the resume-critical settings: equal fingerprints, the same experiment."""
         blob = json.dumps(self.resume_critical(), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -549,6 +574,7 @@ def deadline_seconds(value: str | None, source: str = "<spec>", key: str = "save
 
 
 def check_run_name(run_name: str) -> str:
+    """A training run's name, or a SpecError: it names a folder and an S3 prefix, so only safe characters."""
     # fullmatch: re.match's `$` also matches before a trailing newline ("run\n" would pass).
     if not isinstance(run_name, str) or not re.fullmatch(RUN_NAME_PATTERN, run_name) or ".." in run_name:
         raise SpecError(
@@ -610,6 +636,8 @@ def spec_from_json(blob: str) -> RunSpec:
 
 
 def spec_from_dict(raw: Any, *, source: str = "<dict>", check_environment: bool = True, resolve: bool = True) -> RunSpec:
+    """A RunSpec from a parsed mapping: validated (the kind's settings too), paths resolved, and with
+    `check_environment` the files checked; a SpecError names the key and what to do."""
     if not isinstance(raw, dict):
         raise SpecError(
             source, "", f"must be a mapping of keys, got {type(raw).__name__}", "start from include/runs/demo.yaml"
@@ -825,18 +853,20 @@ def check_spec_environment(spec: RunSpec) -> None:
                 f"file not found: {f}",
                 "put the file in include/expectations/ or fix the name",
             )
-    available = spec.settings.steps_available(rows)
-    if available < spec.total_steps:
+    settings = spec.trainer.typed_settings()
+    available = settings.steps_available(rows)
+    if available is not None and available < spec.total_steps:
         raise SpecError(
             src,
             "total_steps",
             f"the data cannot supply {spec.total_steps} steps: {rows} train rows give {available} steps "
-            f"(train_batch_size {spec.settings.train_batch_size}, total_epochs {spec.settings.total_epochs})",
+            f"({settings.data_budget()})",
             "lower total_steps, raise trainer.settings.total_epochs, or add data",
         )
 
 
 def parquet_rows(source: str, key: str, path: str) -> int:
+    """The rows of a parquet file, or a SpecError naming the spec's key when it cannot be read."""
     if not Path(path).is_file():
         raise SpecError(source, key, f"file not found: {path}", "fix the path, or create the file")
     import pyarrow.parquet as pq  # lazy: only when a spec's environment is checked

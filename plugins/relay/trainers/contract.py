@@ -21,6 +21,8 @@ ENV_VAR = "RELAY_CHUNK_REQUEST"
 
 @dataclass
 class ChunkRequest:
+    """What a chunk's trainer is asked: train `run` to `to_step`, resuming from its latest valid checkpoint."""
+
     run: Run  # its incarnation: only that life's checkpoints are restored (relay.runs.record)
     to_step: int
     chunk: int | None = None  # chunk index, for logs and metrics
@@ -33,13 +35,16 @@ class ChunkRequest:
 
     @property
     def spec(self) -> RunSpec:
+        """The run's spec."""
         return self.run.spec
 
     @property
     def run_dir(self) -> Path:
+        """The run's folder: its checkpoints, metrics and events."""
         return self.run.dir
 
     def to_json(self) -> str:
+        """The request as one JSON string, the way it travels to a Ray job (ENV_VAR)."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
         return json.dumps(
             {"spec": json.loads(self.spec.to_json()), "run_name": self.run.name, "incarnation": self.run.incarnation, **d}
@@ -47,17 +52,21 @@ class ChunkRequest:
 
     @classmethod
     def from_json(cls, blob: str) -> ChunkRequest:
+        """The request from its JSON string."""
         d = json.loads(blob)
         spec = spec_from_json(json.dumps(d.pop("spec")))
         return cls(run=Run.of(spec, d.pop("run_name"), d.pop("incarnation")), **d)
 
     @classmethod
     def from_env(cls) -> ChunkRequest:
+        """The request a Ray job was given, from its environment (ENV_VAR)."""
         return cls.from_json(os.environ[ENV_VAR])
 
 
 @dataclass
 class ChunkResult:
+    """What a chunk's trainer did: the step it resumed from, the step it ended at, and the checkpoint it saved last."""
+
     run_name: str
     resumed_from: int  # 0 for a fresh start
     end_step: int

@@ -50,6 +50,9 @@ from relay.trainers.stopping import GracefulStop
 
 
 class ChunkSession:
+    """What every trainer does around its loop (see the module's docstring): create one at the chunk's start, call
+    its methods at each step and save, finish() at the end."""
+
     # (class defaults: verl's actor session is built without __init__)
     chunks_trained = 1  # chunks this job has trained (warm handoffs + 1), for chunks.restart_every
     awaiting: int | None = None  # the step this job went on warm from, until its chunk is admitted
@@ -57,6 +60,7 @@ class ChunkSession:
     _in_flight_error: BaseException | None = None
 
     def __init__(self, req: ChunkRequest, *, forward_stop=None, training_started=None):
+        """Take the run's lease (or claim the token a DAG's job was given) and find the checkpoint to resume from."""
         self.req = req
         self.spec = req.spec
         self.run_dir = req.run_dir
@@ -253,6 +257,7 @@ class ChunkSession:
 
     @staticmethod
     def say(msg: str) -> None:
+        """A progress line on stdout, marked as Relay's."""
         print(f"{PREFIX}{msg}", flush=True)
 
     def step_done(self, step: int, seconds: float, **values: float) -> None:
@@ -583,6 +588,7 @@ class ChunkSession:
             time.sleep(0.2)
 
     def finish_chunk(self, end_step: int, **fields) -> None:
+        """Record the chunk's end (events.jsonl: chunk_end) with how long it took."""
         self.record(
             "chunk_end",
             chunk=self.req.chunk,
@@ -593,6 +599,7 @@ class ChunkSession:
         )
 
     def finish(self, end_step: int) -> None:
+        """The chunk's end: wait for the last save's commit, stop the stop watch and the metrics, record the end."""
         self.wait_for_save()  # a chunk never ends before its last save is committed
         self.stopping.close()
         self.metrics.close()

@@ -5,11 +5,13 @@ Imports only pydantic, so a spec can be validated where torch is not installed (
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
+from relay.spec.kinds import CoreSettings
 from relay.spec.model import StrictModel, critical
+from relay.trainers.batches import BatchedSettings
 
 
 class ModelSettings(StrictModel):
@@ -47,8 +49,10 @@ class RewardFunctionSettings(StrictModel):
     name: str = Field("compute_score", description="the function in that file")
 
 
-class TinyGRPOSettings(StrictModel):
+class TinyGRPOSettings(BatchedSettings):
     """GRPO on a synthetic, verifiable arithmetic task ("3+4=" -> "7")."""
+
+    WORLD_SIZE_KEYS: ClassVar[tuple[str, ...]] = ("world_size",)
 
     model: ModelSettings = critical(default_factory=ModelSettings, description="the tiny Qwen2 built from its config")
     optim: OptimSettings = critical(default_factory=OptimSettings, description="the optimizer and LR schedule")
@@ -75,19 +79,16 @@ class TinyGRPOSettings(StrictModel):
     )
     save_freq: int = Field(0, ge=0, description="also save every N steps inside a chunk (0: only at the chunk's end)")
 
-    @model_validator(mode="after")
-    def _mini_batch_divides(self) -> TinyGRPOSettings:
-        if self.train_batch_size % self.ppo_mini_batch_size:
-            raise ValueError(
-                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide train_batch_size ({self.train_batch_size})"
-            )
-        return self
+    def core(self) -> CoreSettings:
+        """What the core reads: saves, the FSDP layout and world size of its checkpoints, the rows of a step."""
+        return CoreSettings(
+            save_freq=self.save_freq,
+            world_size=self.world_size,
+            fsdp_version=self.fsdp_version,
+            batch_rows=self.train_batch_size,
+        )
 
     @property
     def has_critic(self) -> bool:
         """GRPO has no critic: its checkpoints hold actor/ only (GAE-based PPO adds critic/)."""
         return False
-
-    def steps_available(self, train_rows: int) -> int:
-        """Training steps the data can supply: full batches per epoch (drop_last) times epochs, as verl counts."""
-        return (train_rows // self.train_batch_size) * self.total_epochs

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from relay.common.errors import SpecError
 from relay.runs.run import Run
+from relay.spec.plan import ChunkPlan
 from relay.trainers.verl_ppo import tracking
 from relay.trainers.verl_ppo.horizon import TOTAL_STEPS
 from relay.trainers.verl_ppo.settings import unsaved_chunk_end
@@ -252,3 +253,23 @@ def check_config(config) -> None:
     from verl.utils.config import validate_config
 
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+
+def whole_run_view(spec):
+    """The spec as the supervising task and its job see it: one chunk of every step; verl saves every
+    chunk_steps (or the spec's save_freq, a divisor of it); the timeout covers every chunk."""
+
+    chunks = len(ChunkPlan.from_spec(spec).chunks)
+    settings = dict(spec.trainer.settings)
+    settings["save_freq"] = save_freq(spec)  # checked against the real chunk_steps here
+    if settings.get("validate_every_chunk"):
+        settings["test_freq"] = test_freq(spec)
+    view = spec.model_copy(
+        update={
+            "chunk_steps": spec.total_steps,
+            "trainer": spec.trainer.model_copy(update={"settings": settings}),
+            "ray": spec.ray.model_copy(update={"chunk_timeout_minutes": spec.ray.chunk_timeout_minutes * chunks}),
+        }
+    )
+    view._source = spec.source
+    return view

@@ -9,11 +9,13 @@ except the keys Relay owns (the loop bound, the horizon, the checkpoint folder, 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from relay.spec.kinds import CoreSettings
 from relay.spec.model import StrictModel, critical
+from relay.trainers.batches import BatchedSettings
 
 # Hydra override keys Relay sets from the spec and the chunk; a spec's `overrides` may not name them.
 RELAY_OWNED_KEYS = (
@@ -91,9 +93,11 @@ def _console_only() -> list[TrackingBackend]:
     return ["console"]
 
 
-class VerlPPOSettings(StrictModel):
+class VerlPPOSettings(BatchedSettings):
     """verl's main_ppo (v1 sync, colocate_async or separate_async trainer) on a GPU Ray cluster, one Ray job per chunk
     or one supervised job."""
+
+    WORLD_SIZE_KEYS: ClassVar[tuple[str, ...]] = ("nnodes", "n_gpus_per_node")
 
     mode: Literal["chunked", "supervised"] = Field(
         "chunked",
@@ -278,13 +282,21 @@ class VerlPPOSettings(StrictModel):
         """The attention implementation Relay asks verl for (None: verl's default)."""
         return self.attn_implementation or ("sdpa" if self.device == "cpu" else None)
 
-    @model_validator(mode="after")
-    def _batches(self) -> VerlPPOSettings:
-        if self.train_batch_size % self.ppo_mini_batch_size:
-            raise ValueError(
-                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must divide train_batch_size ({self.train_batch_size})"
-            )
-        return self
+    def core(self) -> CoreSettings:
+        """What the core reads: saves, the actor's world size and FSDP layout (a world size must divide by the
+        rollout's tensor parallel size), supervised mode, the async modes' prompts in flight, the GPUs a job holds."""
+        return CoreSettings(
+            save_freq=self.save_freq,
+            world_size=self.world_size,
+            fsdp_version=self.fsdp_version,
+            world_size_divisor=self.tensor_model_parallel_size,
+            supervised=self.mode == "supervised",
+            prompts_in_flight=self.trainer_mode != "sync",
+            logical_gpus=self.gpus,
+            cpu_platform=self.device == "cpu",
+            batch_rows=self.train_batch_size,
+            critic=self.has_critic,
+        )
 
     @property
     def world_size(self) -> int:
@@ -305,10 +317,6 @@ class VerlPPOSettings(StrictModel):
     def has_critic(self) -> bool:
         """GAE needs a critic (critic/ in every checkpoint); GRPO, RLOO and the like do not."""
         return self.adv_estimator == "gae"
-
-    def steps_available(self, train_rows: int) -> int:
-        """Training steps the data can supply: full batches per epoch (drop_last) times epochs, as verl counts."""
-        return (train_rows // self.train_batch_size) * self.total_epochs
 
 
 def unsaved_chunk_end(spec) -> str | None:

@@ -513,8 +513,12 @@ def require(*, cpu: bool) -> int:
 
 def report(*, cpu: bool) -> dict[str, Any]:
     """The checks' outcome as JSON-able data: what `relay doctor` reads back from the cluster."""
+    verl = _installed("verl")
     return {
-        "verl": _installed("verl"),
+        "library": LIBRARY,
+        "version": verl,
+        "fix": f"install verl {PINNED} in the cluster image (Relay's contract), or run a Relay that supports verl {verl}",
+        "verl": verl,
         "torch": _installed("torch"),
         "checked": len(selected(cpu=cpu)),
         "problems": [why for p in required(cpu=cpu) if (why := check(p)) is not None],
@@ -523,6 +527,7 @@ def report(*, cpu: bool) -> dict[str, Any]:
 
 
 MARK = "RELAY_VERL_CONTRACT "  # the line of a job's log that holds the report
+LIBRARY = "verl"  # what relay doctor names the check after
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,9 +74,7 @@ def flash_attn_here() -> bool:
 def check(
     spec, *, flash_attn_importable: bool | None = None, image: ImageAttention | None = None, host: str | None = None
 ) -> AttentionCheck | None:
-    """The spec's attention against what can be known here; None for a trainer kind it does not apply to."""
-    if spec.trainer.kind != "verl_ppo":
-        return None
+    """The spec's attention against what can be known here (verl_ppo's environment check, relay.spec.kinds)."""
     s = spec.settings
     asked = s.attention  # None: verl's default
     effective = asked or FLASH

@@ -1,5 +1,6 @@
-"""The attention check (relay.preflight.attention): a verl_ppo spec that needs flash-attn, where neither this
-host nor the cluster image's RELAY_IMAGE_ATTENTION has it, gets a warning in `spec check` and `doctor`;
+"""The attention check (relay.trainers.verl_ppo.attention, verl_ppo's environment check): a verl_ppo spec that
+needs flash-attn, where neither this host nor the cluster image's RELAY_IMAGE_ATTENTION has it, gets a warning in
+`spec check` and `doctor`;
 the shipped GPU spec (sdpa) and the shipped Ray image agree. No service, no verl import."""
 
 import pyarrow as pa
@@ -8,9 +9,10 @@ import pytest
 import yaml
 
 from relay.insights import doctor
-from relay.preflight import attention
 from relay.runs.run import Run
+from relay.spec.kinds import KINDS
 from relay.spec.run_spec import spec_from_dict
+from relay.trainers.verl_ppo import attention
 from support.helpers import ROOT, relay_cli
 
 GSM8K = ROOT / "include" / "runs" / "gsm8k_grpo.yaml"
@@ -52,7 +54,8 @@ def test_flash_attention_2_without_flash_attn_warns_and_sdpa_does_not():
         assert found.ok and found.detail.startswith(impl)
     assert attention.check(verl_spec(device="cpu", rollout_name="hf")).ok  # sdpa on a CPU
     tiny = spec_from_dict(yaml.safe_load((ROOT / "include" / "runs" / "demo.yaml").read_text()), check_environment=False)
-    assert attention.check(tiny) is None  # another trainer kind
+    assert KINDS["tiny_grpo"].check_environment(tiny) is None  # another trainer kind: no such check
+    assert KINDS["verl_ppo"].check_environment(verl_spec()).detail == attention.check(verl_spec()).detail
 
 
 def test_what_provides_flash_attn_silences_the_warning_and_an_unknown_image_is_said_to_be_unknown():
