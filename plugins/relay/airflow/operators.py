@@ -47,18 +47,13 @@ from relay.airflow.triggers import (
     WarmJobTrigger,
 )
 from relay.alerts import stall_limit_s
-from relay.checkpoints import manifest
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.faultpoint import fault_point
 from relay.common.timestamps import epoch
-from relay.jobs.ray_jobs import LOG_TAIL_LINES, STOP_MARGIN_S, submission_id
-from relay.ops import chunk_policy, train_chunk
-from relay.preflight import admission
-from relay.preflight.admission import admit, parse_job_output
-from relay.runs import failure_cause, handoff, layout
-from relay.runs.layout import checkpoint_reached, step_dir
+from relay.jobs.ray_jobs import STOP_MARGIN_S
+from relay.ops import chunk_policy, publish_chunk, train_chunk, validate_chunk
+from relay.runs import failure_cause, handoff
 from relay.runs.run import Run
-from relay.s3.publication import publish_checkpoint
 from relay.spec.plan import Chunk, ChunkPlan
 from relay.spec.run_spec import load_spec
 
@@ -367,6 +362,7 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
     Validation runs where the checkpoint lives: in this worker (spec checkpoints.validate_on: worker)
     or as a Ray job on the cluster (ray). An invalid checkpoint is quarantined, the tracker falls
     back to the newest valid one, and the task fails without retries, naming the check that failed.
+    The steps are relay.ops.validate_chunk's.
     """
 
     ui_color = "#e6f4ea"
@@ -384,20 +380,16 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
 
     def execute(self, context) -> dict:
         run, chunk = self._context(context)
-        spec = run.spec
         fault_point(f"validate:{run}", chunk.index)  # the fault suite's worker kill lands here
         trained = (context["ti"].xcom_pull(task_ids=self.train_task) or {}) if self.train_task else {}
-        here = step_dir(run.dir, chunk.end_step)
-        if trained.get("how", "").startswith("already reached") and (not here.is_dir() or manifest.read(here)):
-            # Admitted by an earlier gate (and perhaps pruned by retention since). A checkpoint that
-            # reached its end step without one (its job was stopped after the commit) is validated now.
+        if validate_chunk.admitted_before(run, chunk, trained.get("how", "")):
             self.log.info("%s of run %s was done and admitted before this try", chunk, run)
             return {"ok": True, "step": chunk.end_step, "already": True}
-        if checkpoint_reached(run.dir, chunk.end_step):
+        if validate_chunk.reached(run, chunk):
             return self._validate(context, run, chunk)
         self.defer(
             trigger=CheckpointTrigger(
-                str(run.dir), chunk.end_step, deadline=time.time() + spec.ray.chunk_timeout_minutes * 60
+                str(run.dir), chunk.end_step, deadline=time.time() + run.spec.ray.chunk_timeout_minutes * 60
             ),
             method_name="execute_complete",
         )
@@ -411,161 +403,91 @@ class ValidateCheckpointOperator(ChunkTaskOperator):
     def ray_validation_complete(self, context, event: dict) -> dict:
         """The Ray job that validated the checkpoint on the cluster has ended."""
         run, chunk = self._context(context)
-        spec = run.spec
         status = event_status(event, f"{chunk} of run {run}", "submission_id")
         if status != "SUCCEEDED":
             raise AirflowException(
                 f"{chunk} of run {run}: validation job {event['submission_id']} ended "
-                f"{status}: {event.get('message', '')}\n{job_log_tail(spec, event)}"
+                f"{status}: {event.get('message', '')}\n{job_log_tail(run.spec, event)}"
             )
-        return self._admitted(context, run, chunk, self._ray_admission(spec, event))
+        try:
+            found = validate_chunk.admission_of_job(RayJobsHook(run.spec.ray.conn_id).jobs, event["submission_id"])
+        except validate_chunk.NoVerdict as e:
+            raise AirflowException(str(e)) from None
+        return self._admitted(context, run, chunk, found)
 
     def _validate(self, context, run: Run, chunk) -> dict:
-        if run.spec.checkpoints.validate_on == "ray":
-            return self._validate_on_ray(context, run, chunk)
-        return self._admitted(
-            context, run, chunk, admit(run, chunk.end_step, expected_step=self._expected_step(chunk)).to_dict()
-        )
-
-    def _validate_on_ray(self, context, run: Run, chunk) -> NoReturn:
-        spec = run.spec
-        hook = RayJobsHook(spec.ray.conn_id)
-        ti = context["ti"]
-        sub_id = submission_id(spec.name, run.name, context["dag_run"].run_id, chunk.index, ti.try_number) + "-validate"
-        if hook.jobs.get(sub_id) is None:
-            request = admission.request_json(run, chunk.end_step, self._expected_step(chunk))
-            hook.jobs.submit_module(
-                spec,
-                "relay.preflight.admission",
-                {admission.ENV_VAR: request},
-                sub_id,
-                {"relay_spec": spec.name, "relay_run": run.name, "relay_role": "validate"},
-            )
+        expected = self._expected_step(chunk)
+        if run.spec.checkpoints.validate_on != "ray":
+            return self._admitted(context, run, chunk, validate_chunk.admit_here(run, chunk, expected_step=expected))
+        hook = RayJobsHook(run.spec.ray.conn_id)
+        sub_id = validate_chunk.start_on_ray(hook.jobs, run, chunk, self._try(context), expected_step=expected)
         self.defer(
             trigger=RayJobTrigger(
                 address=hook.address,
                 submission_id=sub_id,
-                deadline=time.time() + spec.ray.chunk_timeout_minutes * 60,
-                poll_seconds=spec.ray.poll_seconds,
+                deadline=time.time() + run.spec.ray.chunk_timeout_minutes * 60,
+                poll_seconds=run.spec.ray.poll_seconds,
             ),
             method_name="ray_validation_complete",
         )
 
-    def _ray_admission(self, spec, event: dict) -> dict:
-        logs = RayJobsHook(spec.ray.conn_id).jobs.logs(event["submission_id"])
-        admission = parse_job_output(logs)
-        if admission is None:
-            raise AirflowException(
-                f"validation job {event['submission_id']} printed no result:\n"
-                + "\n".join(logs.splitlines()[-LOG_TAIL_LINES:])
-            )
-        return admission
-
     def _admitted(self, context, run: Run, chunk, admission: dict) -> dict:
-        report = "\n".join(f"  {'✔' if c['ok'] else '✘'} {c['name']}: {c['detail']}" for c in admission["checks"])
-        if admission["ok"]:
-            self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run, report)
+        found = validate_chunk.verdict(chunk, admission)
+        if found.ok:
+            self.log.info("%s of run %s: checkpoint valid:\n%s", chunk, run, found.report)
+            step = chunk.end_step
             notify_recovery(
-                context,
-                run,
-                f"{chunk} of run {run}: checkpoint step {chunk.end_step} is valid",
-                chunk=chunk.index,
-                step=chunk.end_step,
+                context, run, f"{chunk} of run {run}: checkpoint step {step} is valid", chunk=chunk.index, step=step
             )
             return admission
-        failed = next(c for c in admission["checks"] if not c["ok"])
         notify(
             context,
             run,
             "checkpoint_invalid",
-            f"checkpoint step {chunk.end_step} failed the {failed['name']} check: {failed['detail']}",
+            f"checkpoint step {chunk.end_step} failed the {found.check} check: {found.detail}",
             chunk=chunk.index,
             step=chunk.end_step,
-            details=f"check report of step {chunk.end_step}:\n{report}",
-            quarantined_to=admission["quarantined_to"],
-            action=f"quarantined it (never published) and pointed the tracker at step "
-            f"{admission['fell_back_to'] or 'none'}; this DAG run stops. Clear {chunk.task_group_id}.train "
-            "to train the chunk again from there.",
+            details=f"check report of step {chunk.end_step}:\n{found.report}",
+            quarantined_to=found.quarantined_to,
+            action=found.action,
         )
         raise AirflowFailException(
-            f"{chunk} of run {run}: checkpoint step {chunk.end_step} INVALID: {failed['name']}: {failed['detail']}; "
-            f"quarantined to {admission['quarantined_to']} (never published); the tracker now names step "
+            f"{chunk} of run {run}: checkpoint step {chunk.end_step} INVALID: {found.failed}; quarantined to "
+            f"{found.quarantined_to} (never published); the tracker now names step "
             f"{admission['fell_back_to'] or 'none'}. Clear this chunk's train task to train it again from there."
         )
 
 
 class PublishCheckpointOperator(ChunkTaskOperator):
     """Publish a chunk's validated checkpoint to S3 (files, manifest, then latest), export a Hugging
-    Face model for milestones and the final step, apply retention, and emit the checkpoint asset event."""
+    Face model for milestones and the final step, apply retention, and emit the checkpoint asset event
+    (relay.ops.publish_chunk)."""
 
     ui_color = "#fef7e0"
     operator_extra_links = (CheckpointLink(), RunReportLink())
 
     def execute(self, context) -> dict:
         run, chunk = self._context(context)
-        spec = run.spec
-        store = checkpoint_store(spec)
-        if self._already_published(run, chunk.end_step, store):
-            uri = store.step_uri(run.name, chunk.end_step)
-            self.log.info("%s of run %s: already published to %s", chunk, run, uri)
-            publish_report(run, store, context)
-            return {"step": chunk.end_step, "uri": uri, "already": True}
-        if not layout.step_dir(run.dir, chunk.end_step).is_dir():
-            # Trained past this chunk's end without saving there (with `relay train`, say): its
-            # later chunk's checkpoint is the one to publish.
-            self.log.warning(
-                "%s of run %s: no checkpoint at step %s and none published; nothing to publish", chunk, run, chunk.end_step
-            )
+        store = checkpoint_store(run.spec)
+        done = publish_chunk.publish(run, chunk, store)
+        if done.how == "skipped":  # trained past this chunk's end without saving there: a later chunk publishes
+            self.log.warning("%s of run %s: %s", chunk, run, done.describe())
             self._announce(context, run, {"run": run.name, "step": chunk.end_step, "skipped": True})
-            publish_report(run, store, context)
-            return {"step": chunk.end_step, "skipped": True}
-        pub = publish_checkpoint(run, chunk.end_step, store)
-        self.log.info(
-            "%s of run %s: published %s (%d files uploaded, %d already there, %d bytes in %.1fs)%s",
-            chunk,
-            run,
-            pub.uri,
-            pub.uploaded,
-            pub.skipped,
-            pub.bytes_uploaded,
-            pub.seconds,
-            f"; Hugging Face model at {pub.hf_uri}" if pub.hf_uri else "",
-        )
-        if pub.deleted_local or pub.published_retention.get("deleted"):
-            self.log.info(
-                "retention: deleted local steps %s, published steps %s",
-                pub.deleted_local,
-                pub.published_retention.get("deleted"),
-            )
-        self._announce(
-            context,
-            run,
-            {
-                "run": run.name,
-                "step": chunk.end_step,
-                "uri": pub.uri,
-                "manifest": pub.manifest_uri,
-                "hf_model": pub.hf_uri,
-                "spec": spec.name,
-                "dag_run": context["dag_run"].run_id,
-            },
-        )
+        else:
+            self.log.info("%s of run %s: %s", chunk, run, done.describe())
+        if done.how == "published":
+            pub = done.publication
+            assert pub is not None
+            extra = {"run": run.name, "step": chunk.end_step, "uri": pub.uri, "manifest": pub.manifest_uri}
+            extra |= {"hf_model": pub.hf_uri, "spec": run.spec.name, "dag_run": context["dag_run"].run_id}
+            self._announce(context, run, extra)
         publish_report(run, store, context)
-        notify_recovery(
-            context, run, f"{chunk} of run {run}: step {chunk.end_step} is published", chunk=chunk.index, step=chunk.end_step
-        )
-        return pub.to_dict()
+        if done.how == "published":
+            what = f"{chunk} of run {run}: step {chunk.end_step} is published"
+            notify_recovery(context, run, what, chunk=chunk.index, step=chunk.end_step)
+        return done.result
 
     def _announce(self, context, run: Run, extra: dict) -> None:
         """The asset event of this publication, on the run's own asset, through the spec's alias."""
         for alias in self.outlets:
             context["outlet_events"][alias].add(run_checkpoints(run), extra=extra)
-
-    @staticmethod
-    def _already_published(run: Run, step: int, store) -> bool:
-        """Published by an earlier DAG run: S3's manifest is the local one (or the local copy was pruned)."""
-        published = store.manifest(run.name, step)
-        if published is None:
-            return False
-        local = manifest.read(layout.step_dir(run.dir, step))
-        return local is None or local.files == published.files

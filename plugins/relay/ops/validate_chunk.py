@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay.checkpoints import manifest
+from relay.common.errors import RelayError
 from relay.jobs.ray_jobs import LOG_TAIL_LINES, RayJobs, submission_id
 from relay.ops.train_chunk import Try
 from relay.preflight import admission
@@ -49,8 +50,10 @@ def start_on_ray(jobs: RayJobs, run: Run, chunk: Chunk, at: Try, *, expected_ste
     return sub_id
 
 
-class NoVerdict(Exception):
+class NoVerdict(RelayError):
     """The gate's Ray job ended without printing its admission."""
+
+    retry_helps = True  # a retry validates again
 
 
 def admission_of_job(jobs: RayJobs, sub_id: str) -> dict[str, Any]:
@@ -58,7 +61,8 @@ def admission_of_job(jobs: RayJobs, sub_id: str) -> dict[str, Any]:
     logs = jobs.logs(sub_id)
     found = admission.parse_job_output(logs)
     if found is None:
-        raise NoVerdict(f"validation job {sub_id} printed no result:\n" + "\n".join(logs.splitlines()[-LOG_TAIL_LINES:]))
+        tail = "\n".join(logs.splitlines()[-LOG_TAIL_LINES:])
+        raise NoVerdict(f"validation job {sub_id} printed no result:\n{tail}", "read the job's log; a retry validates again")
     return found
 
 

@@ -34,3 +34,20 @@ class BatchedSettings(TrainerSettings):
     def data_budget(self) -> str:
         """The keys steps_available reads, with their values."""
         return f"train_batch_size {self.train_batch_size}, total_epochs {self.total_epochs}"
+
+
+def resolved_settings(spec, train_rows: int | None, *, lr_schedule: str) -> dict:
+    """What a batched trainer derives from the spec and would run with, beyond the spec's own keys (recorded with
+    the run's settings, compared by the settings guard): its world size and FSDP layout, the LR's horizon, the
+    rollouts of a step, the LR schedule in words, and the steps of an epoch."""
+    s = spec.settings
+    out = {
+        "resolved.world_size": s.world_size,
+        "resolved.fsdp_version": s.fsdp_version,
+        "resolved.lr_horizon": spec.total_steps,
+        "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
+        "resolved.lr_schedule": lr_schedule,
+    }
+    if train_rows is not None:
+        out["resolved.steps_per_epoch"] = train_rows // s.train_batch_size
+    return out

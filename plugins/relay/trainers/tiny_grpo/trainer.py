@@ -24,6 +24,7 @@ from relay.checkpoints import safeload
 from relay.checkpoints.validate import Skipped
 from relay.common.faultpoint import fault_point
 from relay.runs import layout
+from relay.trainers import batches
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession, pin_threads
 from relay.trainers.tiny_grpo import task
@@ -37,17 +38,8 @@ def _quiet_verl() -> None:
 
 def resolved_settings(spec, train_rows: int | None = None) -> dict:
     """What the trainer derives from the spec and would run with, beyond the spec's own keys."""
-    s = spec.settings
-    out = {
-        "resolved.world_size": s.world_size,
-        "resolved.fsdp_version": s.fsdp_version,
-        "resolved.lr_horizon": spec.total_steps,
-        "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
-        "resolved.lr_schedule": f"{s.optim.schedule} (warmup {s.optim.warmup_steps} steps)",
-    }
-    if train_rows is not None:
-        out["resolved.steps_per_epoch"] = train_rows // s.train_batch_size
-    return out
+    optim = spec.settings.optim
+    return batches.resolved_settings(spec, train_rows, lr_schedule=f"{optim.schedule} (warmup {optim.warmup_steps} steps)")
 
 
 def train_chunk(req: ChunkRequest) -> ChunkResult:

@@ -37,7 +37,7 @@ from relay.runs import layout
 from relay.runs.metrics import JsonlFollower, read_events
 from relay.runs.phases import phase_marks, record_phase
 from relay.spec.plan import ChunkPlan
-from relay.trainers import stopping
+from relay.trainers import batches, stopping
 from relay.trainers.contract import ChunkRequest, ChunkResult
 from relay.trainers.session import ChunkSession, stop_of
 from relay.trainers.stopping import GracefulStop
@@ -48,18 +48,8 @@ from relay.trainers.verl_ppo.runner import task_runner_class
 
 def resolved_settings(spec, train_rows: int | None = None) -> dict:
     """What the trainer derives from the spec and would run with, beyond the spec's own keys."""
-
-    s = spec.settings
-    out = {
-        "resolved.world_size": s.world_size,
-        "resolved.fsdp_version": s.fsdp_version,
-        "resolved.lr_horizon": spec.total_steps,
-        "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,
-        "resolved.lr_schedule": describe_schedule(s.optim, spec.total_steps),
-    }
-    if train_rows is not None:
-        out["resolved.steps_per_epoch"] = train_rows // s.train_batch_size
-    return out
+    lr_schedule = describe_schedule(spec.settings.optim, spec.total_steps)
+    return batches.resolved_settings(spec, train_rows, lr_schedule=lr_schedule)
 
 
 def job_env(req: ChunkRequest) -> dict[str, str]:
