@@ -7,9 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from relay.checkpoints import preview
-from relay.checkpoints.gate import admit_dir
-from relay.checkpoints.validate import validate_checkpoint
 from relay.cli.shared import (
     RUN_FOLDER,
     _checkpoints,
@@ -21,68 +18,46 @@ from relay.cli.shared import (
     _upload_options,
     _world_size,
 )
-from relay.runs import layout
-from relay.runs.folder import RunFolder
-from relay.runs.lease import take_for_operator
-from relay.runs.record import folder_incarnation
-from relay.s3 import history
-from relay.s3.restore import restore
-from relay.s3.store import parse_uri
+from relay.ops import checkpoint_folder as folder
 
 
 def cmd_checkpoint_validate(args) -> int:
+    run_dir = Path(args.dir)
     if args.quarantine:
-        admission = admit_dir(Path(args.dir), args.step)
+        admission = folder.gate(run_dir, args.step)
         print(json.dumps(admission.to_dict(), indent=2) if args.json else admission.explain())
         return 0 if admission.ok else 1
-    smoke = None
+    smoke_spec = None
     if args.smoke:
-        from relay.preflight.admission import smoke_check
-        from relay.runs.record import read_record
-
-        source = args.spec or read_record(Path(args.dir)).get("spec_source")
+        source = args.spec or folder.spec_source(run_dir)
         if not source:
             print(
                 f"--smoke needs the run's spec (its model): {args.dir} has no run record naming it; give --spec SPEC",
                 file=sys.stderr,
             )
             return 2
-        spec = _spec(source, check_environment=False)
-        smoke = smoke_check(spec.model_copy(update={"checkpoints": spec.checkpoints.model_copy(update={"smoke": True})}))
-    # Every level but smoke by default: without the safe load and the numerics, a checkpoint with NaN weights,
-    # or a pickle that would run code, would pass.
-    report = validate_checkpoint(Path(args.dir), args.step, upto="integrity" if args.quick else "numerics", smoke=smoke)
+        smoke_spec = _spec(source, check_environment=False)
+    report = folder.validate(run_dir, args.step, quick=args.quick, smoke_spec=smoke_spec)
     print(report.to_json() if args.json else report.summary())
     return 0 if report.ok else 1
 
 
 def cmd_checkpoint_publish(args) -> int:
-    run_dir = Path(args.dir)
-    step = args.step or layout.read_tracker(run_dir)
-    if step is None:
-        print(f"{run_dir} has no tracker: give --step", file=sys.stderr)
+    try:
+        done = folder.publish(Path(args.dir), args.step, _store(args.uri, args), run=args.run)
+    except folder.NoStep as e:
+        print(e, file=sys.stderr)
         return 2
-    admission = admit_dir(run_dir, step)  # only a checkpoint proven whole is published
-    if not admission.ok:
-        print(admission.explain(), file=sys.stderr)
+    if done.result is None:
+        print(done.admission.explain(), file=sys.stderr)
         return 1
-    store = _store(args.uri, args)
-    # For the incarnation the folder holds now: a fresh start meanwhile takes back what this command wrote.
-    folder = RunFolder(args.run or run_dir.name, run_dir, folder_incarnation(run_dir))
-    result = store.publish(folder, step)
-    history.publish(store, folder)
-    print(
-        f"published {result.uri}: {len(result.uploaded)} files uploaded ({result.bytes_uploaded} bytes), "
-        f"{len(result.skipped)} already there, {result.aborted_uploads} stale uploads aborted, "
-        f"{result.seconds:.1f}s; latest {'-> ' + str(step) if result.latest_moved else 'unchanged'}"
-    )
+    print(done.describe())
     return 0
 
 
 def cmd_checkpoint_restore(args) -> int:
     run_dir = Path(args.dir)
-    token = take_for_operator(run_dir, "relay checkpoint restore", force=args.force)
-    restored = restore(_store(args.uri), RunFolder(args.run or run_dir.name, run_dir), step=args.step, token=token)
+    restored = folder.restore(_store(args.uri), run_dir, run=args.run, step=args.step, force=args.force)
     if restored is None:
         print(f"no valid published checkpoint of run {args.run or run_dir.name} under {args.uri}", file=sys.stderr)
         return 1
@@ -91,62 +66,29 @@ def cmd_checkpoint_restore(args) -> int:
 
 
 def cmd_checkpoint_reshard(args) -> int:
-    from relay.checkpoints.reshard import reshard
-
-    run_dir = Path(args.dir)
-    result = reshard(run_dir, args.world_size, step=args.step, out=Path(args.out) if args.out else None)
-    # The gate on the new step, as on a trainer's save: every level; its manifest records the reshard.
-    admission = admit_dir(Path(args.out) if args.out else run_dir, result.step)
-    out = {**result.to_dict(), "valid": admission.ok, "validation": admission.explain()}
-    print(json.dumps(out, indent=2) if args.json else f"{result.explain()}\n{admission.explain()}")
-    return 0 if admission.ok else 1
+    out = Path(args.out) if args.out else None
+    done = folder.reshard(Path(args.dir), args.world_size, step=args.step, out=out)
+    print(json.dumps(done.to_dict(), indent=2) if args.json else f"{done.result.explain()}\n{done.admission.explain()}")
+    return 0 if done.admission.ok else 1
 
 
 def cmd_checkpoint_ls(args) -> int:
-    store = _store(args.uri)
-    runs = [args.run] if args.run else store.runs()
-    rows = []
-    for run in runs:
-        latest = (store.latest(run) or {}).get("step")
-        for step in store.steps(run):
-            m = store.manifest(run, step)
-            rows.append(
-                {
-                    "run": run,
-                    "step": step,
-                    "published": m is not None,
-                    "latest": step == latest,
-                    "bytes": m.total_bytes if m else None,
-                    "files": len(m.files) if m else None,
-                    "uri": store.step_uri(run, step),
-                }
-            )
+    rows = folder.published(_store(args.uri), args.run)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
     else:
         for r in rows:
-            state = "published" if r["published"] else "INCOMPLETE (no manifest)"
-            print(
-                f"{r['run']:<24} step {r['step']:>7}  {state:<24} {r['bytes'] or '':>12} "
-                f"{'latest' if r['latest'] else '':<6} {r['uri']}"
-            )
+            state = "published" if r.published else "INCOMPLETE (no manifest)"
+            print(f"{r.run:<24} step {r.step:>7}  {state:<24} {r.bytes or '':>12} {'latest' if r.latest else '':<6} {r.uri}")
     return 0
 
 
 def cmd_checkpoint_inspect(args) -> int:
-    if args.source.startswith("s3://"):
-        bucket, key = parse_uri(args.source)
-        parts = key.rstrip("/").split("/")
-        step = args.step
-        if parts and parts[-1].startswith("global_step_"):
-            step, parts = step or int(parts[-1].removeprefix("global_step_")), parts[:-1]
-        if not parts or not parts[-1]:
-            print("give s3://BUCKET/PREFIX/RUN[/global_step_N]", file=sys.stderr)
-            return 2
-        store = _store(f"s3://{bucket}/{'/'.join(parts[:-1])}")
-        result = preview.inspect_uri(store, parts[-1], step)
-    else:
-        result = preview.inspect_dir(Path(args.source), args.step)
+    try:
+        result = folder.inspect(args.source, args.step, _store)
+    except folder.NotARun as e:
+        print(e, file=sys.stderr)
+        return 2
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
     return 0 if result.checksums_ok is not False else 1
 
