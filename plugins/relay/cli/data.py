@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from relay.cli.shared import PARQUET, _path, _s3_uri, _store, _upload_options
-from relay.data import quality
-from relay.data.diff import diff
-from relay.data.fingerprint import fingerprint
+from relay.ops import data_files
 
 
 def cmd_data_check(args) -> int:
-    extra = [e for f in (args.suite or []) for e in quality.load_expectations(Path(f))]
-    report = quality.check(args.parquet, min_rows=args.min_rows, extra=extra)
+    report = data_files.check(args.parquet, min_rows=args.min_rows, suites=args.suite or [])
     print(report.to_json() if args.json else report.summary())
     return 0 if report.ok else 1
 
 
 def cmd_data_freeze(args) -> int:
-    fp = fingerprint(args.parquet)
-    store = _store(args.uri, args)
-    uri = store.put_file("/".join(p for p in (store.prefix, "data", f"{fp.sha256}.parquet") if p), Path(args.parquet))
-    print(json.dumps({"sha256": fp.sha256, "size": fp.size, "rows": fp.rows, "frozen_uri": uri}, indent=2))
+    print(json.dumps(data_files.freeze(args.parquet, _store(args.uri, args)), indent=2))
     return 0
 
 
 def cmd_data_diff(args) -> int:
-    d = diff(args.a, args.b)
+    d = data_files.compare(args.a, args.b)
     print(d.summary())
     return 0 if d.identical else 1
 

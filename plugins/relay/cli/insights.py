@@ -7,44 +7,27 @@ import tempfile
 from pathlib import Path
 
 from relay.cli.shared import _path, _s3_uri_or, _spec
-from relay.common.errors import UsageError
-from relay.insights import report
-from relay.insights.audit import audit
-from relay.runs import layout
-from relay.runs.metrics import readable_rows
+from relay.ops import run_history
 
 
 def cmd_report(args) -> int:
-    if args.source.startswith("s3://"):
-        with tempfile.TemporaryDirectory() as tmp:
-            rep = report.from_s3(args.source, Path(tmp))
-        out = Path(args.out or f"report-{rep.run}")
-    else:
-        for name in (layout.METRICS, layout.EVENTS):  # a corrupt history is a finding, not a run with nothing in it
-            readable_rows(Path(args.source) / name)
-        rep = report.build(Path(args.source))
-        out = Path(args.out) if args.out else report.default_out(Path(args.source))
+    with tempfile.TemporaryDirectory() as tmp:
+        rep, default_out = run_history.build_report(args.source, Path(tmp))
+    out = Path(args.out) if args.out else default_out
     if args.json:  # the JSON alone on stdout; files only where --out asks for them
         if args.out:
-            report.write(rep, out)
+            run_history.write_report(rep, out)
         print(json.dumps(rep.to_dict(), indent=2, default=str))
         return 0
-    paths = report.write(rep, out)
+    paths = run_history.write_report(rep, out)
     print(rep.summary())
     print(f"report: {paths['html']}\nplot:   {paths['png']}")
     return 0
 
 
 def cmd_audit(args) -> int:
-    run_dir = Path(args.run_dir)
-    if not (run_dir / layout.METRICS).is_file():
-        raise UsageError(
-            f"{run_dir} has no {layout.METRICS}: not a run folder, or nothing trained yet",
-            "give the run's folder, <checkpoint_dir>/<run>",
-        )
-    readable_rows(run_dir / layout.METRICS)  # unreadable: a finding, never "nothing to compare"
     tolerance = _spec(args.spec).audit.tolerance if args.spec else None
-    result = audit(run_dir, tolerance)
+    result = run_history.replay_audit(Path(args.run_dir), tolerance)
     print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else result.summary())
     return 0 if result.consistent else 1
 
