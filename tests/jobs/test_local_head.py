@@ -229,12 +229,13 @@ def _verl_spec(tmp_path: Path, **settings):
 def test_relay_train_runs_verl_ppo_as_a_ray_job_and_the_cpu_trainer_in_process(tmp_path, monkeypatch):
     import relay.cli as cli
     import relay.cli.runs as runs
+    from relay.ops import train_run
     from relay.trainers.contract import ChunkResult
 
     taken = []
     monkeypatch.setattr(runs, "_train_as_ray_job", lambda args, run: taken.append(("job", run)) or 0)
     monkeypatch.setattr(
-        runs,
+        train_run,
         "run_chunk",
         lambda req: taken.append(("in-process", req.run))
         or ChunkResult(req.run.name, 0, req.to_step, req.to_step, 0.0, "x"),

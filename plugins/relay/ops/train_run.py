@@ -1,0 +1,188 @@
+"""A run from its spec to its trained steps, as `relay plan`, `relay spec check` and `relay train` take it: the
+plan and what the run has done, the spec's checks, the run prepared as the DAG's preflight.run prepares it (its
+incarnation, a confirmed fresh start), its checkpoint taken to the spec's world size, and a chunk trained in this
+process or followed as a Ray job (where that job runs, the front-end decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
+from relay.common.errors import RelayError, StoreError
+from relay.jobs import chunk_job
+from relay.jobs.ray_jobs import STOP_MARGIN_S, JobState, RayJobs
+from relay.preflight.prepare import RunState, prepare_run
+from relay.preflight.world_size import to_spec_world_size
+from relay.runs import failure_cause, layout
+from relay.runs.phases import record_job_times
+from relay.runs.run import Run
+from relay.s3.store import CheckpointStore, store_for_spec
+from relay.spec.kinds import KINDS
+from relay.spec.plan import ChunkPlan
+from relay.spec.run_spec import RunSpec
+from relay.trainers.contract import ChunkRequest, ChunkResult, run_chunk
+
+
+def plan(spec: RunSpec, run_name: str | None) -> tuple[str, str | None]:
+    """The spec's chunk plan, each chunk marked done or to do against the run's latest checkpoint, and a warning
+    when that checkpoint cannot be read."""
+    run = Run.of(spec, run_name)
+    latest, problem = latest_step_or_problem(run.dir)
+    head = f"spec {spec.source} -> DAG {spec.dag_id}; run dir {run.dir}"
+    return f"{head}\n{ChunkPlan.from_spec(spec).describe(latest)}", problem
+
+
+@dataclass
+class SpecCheck:
+    """A valid spec's summary, its resume-critical settings, and its kind's environment check when it warns."""
+
+    summary: list[str]
+    critical: dict[str, Any]
+    warning: str | None = None
+
+
+def check_spec(spec: RunSpec) -> SpecCheck:
+    """What `relay spec check` says of a spec that loaded (a spec that does not is a SpecError before this)."""
+    summary = [
+        f"spec {spec.source}: valid (DAG {spec.dag_id}, trainer {spec.trainer.kind}, "
+        f"{spec.total_steps} steps in chunks of {spec.chunk_steps})",
+        f"resume-critical settings fingerprint: {spec.settings_fingerprint()}",
+    ]
+    found = KINDS[spec.trainer.kind].check_environment(spec)
+    warning = f"attention: {found.detail}\n    fix: {found.fix}" if found is not None and not found.ok else None
+    return SpecCheck(summary, spec.resume_critical(), warning)
+
+
+def store_of(spec: RunSpec, *, offline: bool) -> CheckpointStore | None:
+    """The spec's S3 store, or None offline (nothing restored from S3, the published run not looked at)."""
+    return store_for_spec(spec) if spec.s3 is not None and not offline else None
+
+
+def prepare(
+    spec: RunSpec,
+    run_name: str,
+    *,
+    fresh_start: bool,
+    confirm: str,
+    started_by: str,
+    store: CheckpointStore | None,
+    jobs: RayJobs | None,
+) -> RunState:
+    """The DAG's preflight.run, by the same code: the run's incarnation, and a confirmed fresh start (the old run
+    moved aside, locally and in S3, never deleted)."""
+    return prepare_run(
+        spec, run_name, fresh_start=fresh_start, confirm=confirm, started_by=started_by, store=store, jobs=jobs
+    )
+
+
+@dataclass
+class Resharded:
+    """The run's latest checkpoint taken to the spec's world size: what was done, and a warning when S3's copy
+    could not be replaced."""
+
+    done: str
+    warning: str | None = None
+
+
+def reshard_to_spec(run: Run, store: CheckpointStore | None) -> Resharded | None:
+    """checkpoints.on_world_size_change: reshard, as the DAG's reshard task does before each chunk: the latest
+    checkpoint taken to the spec's world size (the original kept) and admitted, and S3's copy replaced by it. None
+    when nothing was resharded."""
+    if run.spec.checkpoints.on_world_size_change != "reshard":
+        return None
+    result = to_spec_world_size(run)
+    if result is None:
+        return None
+    out = Resharded(f"run {run.name}: {result.explain()}")
+    if store is not None and run.spec.s3 is not None:
+        try:
+            store.publish(run.folder, result.step)
+        except StoreError as e:  # the local step is resharded and valid; the chunk's own saves publish again
+            out.warning = (
+                f"S3's copy of step {result.step} is still the world-size-{result.from_world_size} one: {e}; "
+                f"publish it when S3 answers: relay checkpoint publish {run.dir} {run.spec.s3.uri} --step {result.step}"
+            )
+    return out
+
+
+def runs_as_job(spec: RunSpec) -> bool:
+    """Whether the spec's chunks train as Ray jobs (its kind's `ray_job`); else in this process."""
+    return chunk_job.runs_as_job(spec)
+
+
+def train_here(run: Run, to_step: int, *, offline: bool) -> ChunkResult:
+    """Train the run to `to_step` in this process, resuming from its latest valid checkpoint (restored from S3
+    unless offline)."""
+    chunk = chunk_job.chunk_index(run.spec, to_step)
+    return run_chunk(ChunkRequest(run=run, to_step=to_step, chunk=chunk, restore=not offline))
+
+
+def follow_job(
+    jobs: RayJobs, run: Run, to_step: int, *, offline: bool, watch: Callable[..., Any] | None = None
+) -> tuple[JobState, str | None]:
+    """Submit the chunk as the DAG's Ray job and follow it to its end, its log on stdout (Ctrl-C or SIGTERM stops
+    it: chunk_job.interrupts); then its start and end for the goodput ledger. (the job's state, a warning)"""
+    sub_id = chunk_job.local_submission_id(run)
+    state = chunk_job.run_attached(
+        jobs,
+        sub_id,
+        lambda: chunk_job.submit_chunk(jobs, run, to_step, sub_id, not offline),
+        watch=watch,
+        stop_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+    )
+    try:
+        record_job_times(run.dir, jobs.get(state.submission_id), chunk=chunk_job.chunk_index(run.spec, to_step))
+    except (OSError, RelayError) as e:  # never fails the command
+        return state, f"the times of Ray job {state.submission_id} were not recorded ({e})"
+    return state, None
+
+
+@dataclass
+class JobOutcome:
+    """What a followed job did: the command's exit code and what it says (`errors` on stderr)."""
+
+    code: int
+    said: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+def job_outcome(run: Run, state: JobState, to_step: int) -> JobOutcome:
+    """A job that failed is classified and recorded (events.jsonl: chunk_failed), as the train task does; one that
+    succeeded must have left the run's latest valid checkpoint at `to_step`."""
+    if state.status != "SUCCEEDED":
+        what, code = chunk_job.failure(state)
+        cause = failure_cause.classify(
+            state.status,
+            state.message,
+            exit_code=state.exit_code,
+            step=failure_cause.step_of_failure(run.dir, state.submission_id),
+            oom_kills=failure_cause.oom_kills_since_start(run.dir, state.submission_id),
+        )
+        failure_cause.record_failure(
+            run.dir, cause, chunk=chunk_job.chunk_index(run.spec, to_step), attempt=state.submission_id
+        )
+        said = f"Ray job {state.submission_id} of run {run.name} {what} (its log is above)"
+        return JobOutcome(code, errors=[said, *cause.report().splitlines()])
+    latest = latest_valid_step(run.dir)
+    if latest is None or latest < to_step:
+        return JobOutcome(
+            1,
+            errors=[
+                f"Ray job {state.submission_id} succeeded, but run {run.name}'s latest valid checkpoint is step "
+                f"{latest or 0}, not {to_step}"
+            ],
+        )
+    return JobOutcome(
+        0, f"run {run.name}: Ray job {state.submission_id} succeeded; checkpoint {layout.step_dir(run.dir, latest)}"
+    )
+
+
+def make_tiny_model(folder: Path) -> Path:
+    """A tiny model to train on a CPU, no download (`relay model tiny`): the one a registered kind offers."""
+    maker = next(k for k in KINDS.values() if k.tiny_model)
+    made: Path = maker.make_tiny_model(folder)
+    return made
