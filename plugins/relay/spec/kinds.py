@@ -194,14 +194,15 @@ def _registered() -> dict[str, TrainerKind]:
             kind = ep.load()
         except Exception as e:  # noqa: BLE001 - a team's broken package must not take Relay down: said when named
             BROKEN[ep.name] = f"{where} did not load: {type(e).__name__}: {e}"
-            log.warning("%s", BROKEN[ep.name])
-            continue
-        if not isinstance(kind, TrainerKind) or kind.name != ep.name:
-            BROKEN[ep.name] = f"{where} is not a relay.spec.kinds.TrainerKind named {ep.name!r}"
-        elif ep.name in kinds:
-            BROKEN[ep.name] = f"{where} names a kind Relay already has; register it under another name"
         else:
-            kinds[ep.name] = kind
+            if not isinstance(kind, TrainerKind) or kind.name != ep.name:
+                BROKEN[ep.name] = f"{where} is not a relay.spec.kinds.TrainerKind named {ep.name!r}"
+            elif ep.name in kinds:
+                BROKEN[ep.name] = f"{where} names a kind Relay already has; register it under another name"
+            else:
+                kinds[ep.name] = kind
+                continue
+        log.warning("trainer kind %s left out: %s", ep.name, BROKEN[ep.name])
     return kinds
 
 
