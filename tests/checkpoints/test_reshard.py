@@ -270,22 +270,29 @@ def test_before_a_chunk_the_latest_checkpoint_is_resharded_to_the_specs_world_si
     assert to_spec_world_size(run) is None, "once is enough"
 
 
-def test_relay_train_reshards_before_its_job_and_an_unreachable_s3_only_warns(written, tmp_path, monkeypatch, capsys):
+def test_relay_train_reshards_before_its_job_and_an_unreachable_s3_only_warns(written, tmp_path, monkeypatch):
     """`relay train` (checkpoints.on_world_size_change: reshard) reshards the latest step before its job, as the DAG's
-    reshard task does; S3 not answering leaves the resharded step in place and says how to publish it later."""
-    from relay.cli.runs import _reshard_to_spec
+    reshard task does; S3 not answering leaves the resharded step in place and says how to publish it later (the
+    DAG's task fails instead: its chunk does not start on a step S3 does not hold)."""
+    from relay.common.errors import StoreError
+    from relay.ops.train_run import reshard_to_spec
     from relay.runs.run import Run
     from relay.s3.store import store_for_spec
 
     run = Run.of(verl_spec(tmp_path, "reshard", s3_uri="s3://relay/test-reshard"), "r")
     shutil.copytree(written[(2, 2)], run.dir)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
-    _reshard_to_spec(run, store_for_spec(run.spec))
-    out = capsys.readouterr()
-    assert "resharded step 1 (FSDP2) from world size 2 to 1 in place" in out.out, out
-    assert "S3's copy of step 1 is still the world-size-2 one" in out.err, out.err
-    assert f"relay checkpoint publish {run.dir} s3://relay/test-reshard --step 1" in out.err
+    done = reshard_to_spec(run, store_for_spec(run.spec))
+    assert done is not None and "resharded step 1 (FSDP2) from world size 2 to 1 in place" in done.done, done
+    assert "S3's copy of step 1 is still the world-size-2 one" in done.warning
+    assert f"relay checkpoint publish {run.dir} s3://relay/test-reshard --step 1" in done.warning
     assert manifest.read(layout.step_dir(run.dir, 1)).world_size == 1 and admit_dir(run.dir, 1).ok
+
+    again = Run.of(verl_spec(tmp_path, "reshard", s3_uri="s3://relay/test-reshard"), "dag")
+    shutil.copytree(written[(2, 2)], again.dir)
+    with pytest.raises(StoreError):
+        reshard_to_spec(again, store_for_spec(again.spec), publish_or_fail=True)
+    assert manifest.read(layout.step_dir(again.dir, 1)).world_size == 1, "the local step is resharded all the same"
 
 
 # ------------------------------------------------------------------- a reshard in place, killed anywhere

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import tempfile
 from datetime import datetime
-from pathlib import Path
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -21,14 +19,12 @@ from relay.airflow.notifiers import (
     notify_use_frozen,
 )
 from relay.airflow.task_ids import RUN_TASK
-from relay.checkpoints import safeload
 from relay.common.errors import RelayError
-from relay.insights import doctor, goodput, report
+from relay.insights import doctor
+from relay.ops import publish_chunk, run_history, train_run
 from relay.preflight.checks import check_settings, prepare_data, publish_record
 from relay.preflight.guard import DriftError
-from relay.preflight.prepare import fresh_start_done, fresh_start_plan, prepare_run, resolve_run_name, run_state
-from relay.runs import layout
-from relay.runs.metrics import read_events
+from relay.preflight.prepare import fresh_start_done, fresh_start_plan, prepare_run, resolve_run_name
 from relay.runs.run import Run
 from relay.spec.plan import ChunkPlan
 from relay.spec.run_spec import check_spec_environment, dated, dated_run_name, load_spec
@@ -120,23 +116,18 @@ def data_freeze(spec_path: str, **context) -> dict:
 def reshard_to_spec(spec_path: str, **context) -> dict | None:
     """checkpoints.on_world_size_change: reshard. Before the chunk's job: when the spec's world size differs from the
     latest checkpoint's, reshard that step in place (the original kept), validate it, publish it, alert once."""
-    from relay.preflight.world_size import to_spec_world_size
-
     run = training_run(spec_path, context)
-    try:
-        result = to_spec_world_size(run)
-        if result is None:
-            log.info("run %s: the latest checkpoint is at the spec's world size; nothing to reshard", run)
-            return None
-        store = checkpoint_store(run.spec)
-        if store is not None:  # S3's copy of the step is the resharded one from now on, as the local one is
-            store.publish(run.folder, result.step)
+    try:  # S3's copy of the step is the resharded one from now on, as the local one is
+        done = train_run.reshard_to_spec(run, checkpoint_store(run.spec), publish_or_fail=True)
     except RelayError as e:
         notify_error(context, run, e, action="the chunk was not started; the run's checkpoints are kept.")
         raise AirflowFailException(str(e)) from None
-    log.warning("run %s: %s", run, result.explain())
-    notify_resharded(context, run, result)
-    return result.to_dict()
+    if done is None:
+        log.info("run %s: the latest checkpoint is at the spec's world size; nothing to reshard", run)
+        return None
+    log.warning("%s", done.done)
+    notify_resharded(context, run, done.result)
+    return done.result.to_dict()
 
 
 def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
@@ -262,8 +253,8 @@ def finish(spec_path: str, **context) -> dict:
     """Report where the run's checkpoints and metrics are."""
     run = training_run(spec_path, context)
     spec = run.spec
-    state = run_state(run)
-    resumes = [e for e in read_events(run.dir) if e["event"] == "chunk_start" and e["resumed_from"]]
+    done = run_history.finished(run)
+    state = done.state
     log.info(
         "run %s complete: step %s/%s; checkpoints in %s; metrics in %s/metrics.jsonl; %d resumes",
         run,
@@ -271,18 +262,11 @@ def finish(spec_path: str, **context) -> dict:
         spec.total_steps,
         state.run_dir,
         state.run_dir,
-        len(resumes),
+        done.resumes,
     )
-    spent = goodput.ledger(run.dir)
-    summary = spent.describe() if spent is not None else "goodput: no chunk attempt recorded"
-    log.info("run %s %s", run, summary)
-    notify_finished(
-        context,
-        run,
-        f"run {run} finished: step {state.latest_step} of {spec.total_steps}",
-        details=summary,
-        step=state.latest_step,
-    )
+    log.info("run %s %s", run, done.goodput)
+    what = f"run {run} finished: step {state.latest_step} of {spec.total_steps}"
+    notify_finished(context, run, what, details=done.goodput, step=state.latest_step)
     publish_report(run, checkpoint_store(spec), context)
     return state.to_dict()
 
@@ -293,7 +277,7 @@ def publish_report(run: Run, store, context) -> None:
     task that asked for it."""
 
     try:
-        out = report.publish(run, store)
+        out = run_history.publish_report(run, store)
     except Exception as e:  # noqa: BLE001
         log.warning("run report of %s not written: %s", run, e)
         return
@@ -321,17 +305,15 @@ def evaluate_published(spec_path: str, **context) -> list[dict]:
         events.append({"manifest": conf_manifest})
     results = []
     for extra in events:
-        m = store.manifest_at(extra["manifest"])
-        shard = layout.shard_name("model", m.world_size, 0)
-        with tempfile.TemporaryDirectory() as tmp:
-            local = Path(tmp) / shard
-            store.download_object(f"{extra['manifest'].rsplit('/', 1)[0]}/actor/{shard}", local, m.files[f"actor/{shard}"])
-            state = safeload.load(local, mmap=False)
-        params = sum(int(v.numel()) for v in state.values() if hasattr(v, "numel"))
+        found = publish_chunk.evaluate(store, extra["manifest"])
         log.info(
-            "evaluated run %s step %s: model shard 0 holds %d parameters (%d tensors)", m.run, m.step, params, len(state)
+            "evaluated run %s step %s: model shard 0 holds %d parameters (%d tensors)",
+            found["run"],
+            found["step"],
+            found["parameters_in_shard_0"],
+            found.pop("tensors"),
         )
-        results.append({"run": m.run, "step": m.step, "parameters_in_shard_0": params})
+        results.append(found)
     if not results:
         log.warning("no checkpoint to evaluate: no triggering asset event and no conf manifest")
     return results

@@ -4,10 +4,12 @@ there (`relay train` across chunks: the later chunk's checkpoint is the one to p
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from relay.checkpoints import manifest
+from relay.checkpoints import manifest, safeload
 from relay.runs import layout
 from relay.runs.run import Run
 from relay.s3.publication import Publication, publish_checkpoint
@@ -68,3 +70,16 @@ def publish(run: Run, chunk: Chunk, store: CheckpointStore) -> Published:
         return Published("skipped", step, result={"step": step, "skipped": True})
     pub = publish_checkpoint(run, step, store)
     return Published("published", step, pub.uri, pub, pub.to_dict())
+
+
+def evaluate(store: CheckpointStore, manifest_uri: str) -> dict[str, Any]:
+    """The example evaluation of a published checkpoint: its model's first shard downloaded (checked against the
+    manifest) and loaded through the safe loader; its run, step and the parameters it holds."""
+    m = store.manifest_at(manifest_uri)
+    shard = layout.shard_name("model", m.world_size, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / shard
+        store.download_object(f"{manifest_uri.rsplit('/', 1)[0]}/actor/{shard}", local, m.files[f"actor/{shard}"])
+        state = safeload.load(local, mmap=False)
+    params = sum(int(v.numel()) for v in state.values() if hasattr(v, "numel"))
+    return {"run": m.run, "step": m.step, "parameters_in_shard_0": params, "tensors": len(state)}

@@ -3,14 +3,17 @@ fingerprints) of a run folder or of a run published in S3, and the replay audit 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from relay.common.errors import UsageError
-from relay.insights import report
+from relay.insights import goodput, report
 from relay.insights.audit import AuditReport, audit
+from relay.preflight.prepare import RunState, run_state
 from relay.runs import layout
-from relay.runs.metrics import readable_rows
+from relay.runs.metrics import read_events, readable_rows
+from relay.runs.run import Run
 
 
 def build_report(source: str, scratch: Path) -> tuple[Any, Path]:
@@ -39,3 +42,26 @@ def replay_audit(run_dir: Path, tolerance: dict[str, float] | None = None) -> Au
         )
     readable_rows(run_dir / layout.METRICS)
     return audit(run_dir, tolerance)
+
+
+def publish_report(run: Run, store: Any) -> dict[str, str]:
+    """The run's report written beside the run and, with a store, put in S3 beside its checkpoints with the run's
+    metrics, events and record (what a report from S3 is rebuilt from): the local paths, the URIs, its summary."""
+    return report.publish(run, store)
+
+
+@dataclass
+class Finished:
+    """A run at its end: its state, how many chunks resumed from a checkpoint, and what its time went to."""
+
+    state: RunState
+    resumes: int
+    goodput: str
+
+
+def finished(run: Run) -> Finished:
+    """What a run's last task says of it: its state, its resumes, its goodput ledger in one line."""
+    resumes = [e for e in read_events(run.dir) if e["event"] == "chunk_start" and e["resumed_from"]]
+    spent = goodput.ledger(run.dir)
+    summary = spent.describe() if spent is not None else "goodput: no chunk attempt recorded"
+    return Finished(run_state(run), len(resumes), summary)

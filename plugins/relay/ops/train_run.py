@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay.checkpoints.reshard import ReshardResult
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.errors import RelayError, StoreError
 from relay.jobs import chunk_job
@@ -85,23 +86,26 @@ class Resharded:
     could not be replaced."""
 
     done: str
+    result: ReshardResult
     warning: str | None = None
 
 
-def reshard_to_spec(run: Run, store: CheckpointStore | None) -> Resharded | None:
-    """checkpoints.on_world_size_change: reshard, as the DAG's reshard task does before each chunk: the latest
-    checkpoint taken to the spec's world size (the original kept) and admitted, and S3's copy replaced by it. None
-    when nothing was resharded."""
+def reshard_to_spec(run: Run, store: CheckpointStore | None, *, publish_or_fail: bool = False) -> Resharded | None:
+    """checkpoints.on_world_size_change: reshard, before each chunk: the latest checkpoint taken to the spec's world
+    size (the original kept) and admitted, and S3's copy replaced by it. None when nothing was resharded. S3 down:
+    the DAG's task fails (`publish_or_fail`); `relay train` warns and trains on (the chunk's saves publish again)."""
     if run.spec.checkpoints.on_world_size_change != "reshard":
         return None
     result = to_spec_world_size(run)
     if result is None:
         return None
-    out = Resharded(f"run {run.name}: {result.explain()}")
+    out = Resharded(f"run {run.name}: {result.explain()}", result)
     if store is not None and run.spec.s3 is not None:
         try:
             store.publish(run.folder, result.step)
         except StoreError as e:  # the local step is resharded and valid; the chunk's own saves publish again
+            if publish_or_fail:
+                raise
             out.warning = (
                 f"S3's copy of step {result.step} is still the world-size-{result.from_world_size} one: {e}; "
                 f"publish it when S3 answers: relay checkpoint publish {run.dir} {run.spec.s3.uri} --step {result.step}"
