@@ -5,9 +5,12 @@ shares the job's decision and submission through relay.jobs.submission).
   finish            the chunk is done when the run's latest valid checkpoint reached its end step
   check             the checks before a chunk (settings, data); a refused chunk refuses a warm job too
   fallback          a resume below quarantined checkpoints a person must approve (chunk_policy.fallback_to_approve)
-  job / submit      take over a warm job, re-attach, adopt, or stop the run's other jobs and submit under its lease
+  job / start       take over a warm job, re-attach, adopt, or stop the run's other jobs and submit under its lease
   watch             what the job's trigger follows: deadline, stall limits, warm handoff
+  notices           the alerts a job's end asks for: fallbacks at its resume, a stall
   failure           a failed job's cause and what the try does about it (chunk_policy.on_failure)
+
+`Try` is the Airflow task try a step runs in, as plain values (its DAG run, try number, tries, task, conf).
 """
 
 from __future__ import annotations
@@ -392,7 +395,7 @@ def notices(
         )
         for fb in fallbacks(run, sub_id)
     ]
-    if status == "STALLED":
+    if status == "STALLED":  # relay.airflow.triggers.STALLED: the trigger stopped a job that made no step
         then = chunk_policy.after_stall(latest_valid_step(run.dir), try_number=at.number, max_tries=at.max_tries)
         fields = {
             "chunk": chunk.index,
