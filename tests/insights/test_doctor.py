@@ -109,7 +109,7 @@ def test_verls_contract_is_checked_on_the_cluster_and_here(tmp_path, ray_address
     run (the cluster's verl), or in this process with --offline; one gone makes a resume unsafe, named."""
     from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-    from relay.cli.doctor import contract_report
+    from relay.ops.run_doctor import contract_report
     from support.verl_jobs import spec_variant
 
     spec = load_spec(spec_variant(tmp_path / "verl.yaml", tmp_path / "ckpt", {}), check_environment=False)
