@@ -7,7 +7,7 @@ the run's lease as a writer (relay.s3.restore), the reshard that the gate then a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,7 @@ class PublishedStep:
 
     def to_dict(self) -> dict[str, Any]:
         """The row as JSON."""
-        return {k: getattr(self, k) for k in ("run", "step", "published", "latest", "bytes", "files", "uri")}
+        return asdict(self)
 
 
 def published(store: CheckpointStore, run: str | None = None) -> list[PublishedStep]:

@@ -88,7 +88,7 @@ def world_size_keys(spec) -> tuple[str, ...]:
     nnodes x n_gpus_per_node). With checkpoints.on_world_size_change: reshard, a change of them is accepted
     without allow_drift: the checkpoint is resharded before the chunk's job (relay.checkpoints.reshard), and the
     change is recorded."""
-    own = type(spec.trainer.typed_settings()).WORLD_SIZE_KEYS
+    own = KINDS[spec.trainer.kind].settings_model().WORLD_SIZE_KEYS
     return (*(f"trainer.settings.{k}" for k in own), "resolved.world_size")
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from relay.spec.model import StrictModel
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +111,7 @@ class TrainerKind:
         """Whether its checkpoints carry a certificate that is checked offline (`certify`)."""
         return self.certify is not None
 
-    def capabilities(self) -> dict[str, Any]:
-        """What it can do, as `relay doctor` and the docs list it."""
-        return {
-            "ray_job": self.ray_job,
-            "warm_handoff": self.warm_handoff,
-            "async_save": self.async_save,
-            "certificates": self.certificates,
-            "reshard": self.reshard,
-            "modes": list(self.modes),
-        }
-
-    def settings_model(self) -> type[BaseModel]:
+    def settings_model(self) -> type[TrainerSettings]:
         """Its settings model (a TrainerSettings subclass)."""
         model = _load(self.settings)
         if not (isinstance(model, type) and issubclass(model, TrainerSettings)):

@@ -52,8 +52,7 @@ class TrainerSpec(StrictModel):
 
     def typed_settings(self) -> TrainerSettings:
         """The settings as the kind's model (a TrainerSettings) reads them."""
-        model: type[TrainerSettings] = KINDS[self.kind].settings_model()  # type: ignore[assignment]
-        return model.model_validate(self.settings)
+        return KINDS[self.kind].settings_model().model_validate(self.settings)
 
 
 class DataSpec(StrictModel):
