@@ -139,7 +139,7 @@ def test_triggering_relay_demo_with_the_form_defaults_runs_it_to_success(page, a
     assert states["chunk_02.publish"] == "success" and states["finish"] == "success"
 
     # What a person reads in the task logs of a successful run: no ERROR, and none of the platforms' noise.
-    from relay.trainers.quiet import NOISE
+    from relay.common.quiet import NOISE
 
     for t in tis:
         log = airflow["api"].task_log("relay_demo", triggered["run_id"], t["task_id"], t["try_number"])

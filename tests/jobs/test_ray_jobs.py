@@ -145,6 +145,7 @@ def test_once_the_chunks_last_step_is_in_the_trigger_polls_for_the_jobs_end_clos
     import asyncio
 
     from relay.airflow import triggers
+    from relay.ops import follow_job
 
     jobs = RayJobs(ray_address)
     sub_id = jobs.client.submit_job(entrypoint=f"python -c '{ENDING_CHUNK}'")
@@ -159,14 +160,14 @@ def test_once_the_chunks_last_step_is_in_the_trigger_polls_for_the_jobs_end_clos
         naps.append((seconds, "step 2/2" in logs))
         await real_sleep(seconds)
 
-    monkeypatch.setattr(triggers.asyncio, "sleep", sleep)
+    monkeypatch.setattr(follow_job.asyncio, "sleep", sleep)
 
     async def follow():
         return [e async for e in trigger.run()]
 
     assert [e.payload["status"] for e in asyncio.run(follow())] == ["SUCCEEDED"]
     assert {s for s, ended in naps if not ended} == {0.5}, naps
-    assert naps[-1][0] == triggers.ENDING_POLL_S and sum(1 for s, _ in naps if s == triggers.ENDING_POLL_S) >= 4, naps
+    assert naps[-1][0] == follow_job.ENDING_POLL_S and sum(1 for s, _ in naps if s == follow_job.ENDING_POLL_S) >= 4, naps
 
 
 # A chunk that prints 20 MB after each step (verl at debug level) and says each step as a trainer does: its

@@ -89,7 +89,7 @@ def test_a_chunks_log_carries_its_step_lines_and_no_known_noise(tmp_path):
     import subprocess
     import sys
 
-    from relay.trainers.quiet import NOISE
+    from relay.common.quiet import NOISE
     from support.helpers import ROOT, write_spec
 
     spec = write_spec(tmp_path, name="quiet")

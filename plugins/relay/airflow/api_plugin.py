@@ -36,10 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from relay.airflow import form
 from relay.airflow.links import RELAY_APP_PREFIX
 from relay.common.errors import RelayError
-from relay.insights import report
-from relay.preflight.prepare import resolve_run_name
-from relay.runs.run import Run
-from relay.spec.run_spec import dated_run_name, spec_for_dag
+from relay.ops import run_history, runs
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +49,8 @@ ANSWER_PATH = re.compile(
 
 
 def run_name_of(spec, conf: dict, logical_date: str | None) -> str:
-    """The run a trigger names, as preflight.run resolves it (relay.airflow.tasks.preflight)."""
-
-    if (isinstance(conf.get("run"), str) and conf["run"].strip()) or not spec.airflow.schedule:
-        return resolve_run_name(spec, conf.get("run"))
-    when = datetime.fromisoformat(logical_date) if logical_date else datetime.now(UTC)
-    return dated_run_name(spec, when)
+    """The run a trigger names, as preflight.run resolves it (relay.ops.runs.asked_run_name)."""
+    return runs.asked_run_name(spec, conf.get("run"), datetime.fromisoformat(logical_date) if logical_date else None)
 
 
 class TriggerFormMiddleware:
@@ -77,7 +70,7 @@ class TriggerFormMiddleware:
         match = TRIGGER_PATH.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
         if match is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        spec = spec_for_dag(match["dag_id"])
+        spec = runs.spec_for_dag(match["dag_id"])
         if spec is None:
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
@@ -307,7 +300,7 @@ def _pages() -> FastAPI:
     def run_report(dag_id: str, run: str, dag_run: str | None = None) -> HTMLResponse:
         """The run report, built now from the run's folder (or S3 where this server cannot see it); `dag_run`: the
         DAG run the link came from, linked back to."""
-        spec = spec_for_dag(dag_id)
+        spec = runs.spec_for_dag(dag_id)
         if spec is None:
             raise HTTPException(404, f"{dag_id} is not a DAG of a Relay run spec in include/runs")
         try:
@@ -317,7 +310,7 @@ def _pages() -> FastAPI:
 
             base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
             back = f"{base}/dags/{quote(dag_id)}" + (f"/runs/{quote(dag_run, safe='')}" if dag_run else "")
-            return HTMLResponse(report.current_html(Run.of(spec, run), checkpoint_store(spec), back=back))
+            return HTMLResponse(run_history.report_page(runs.Run.of(spec, run), checkpoint_store(spec), back=back))
         except RelayError as e:
             raise HTTPException(404, f"{e.what}. {e.fix}") from None
 

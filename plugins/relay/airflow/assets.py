@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from airflow.sdk import Asset, AssetAlias
 
-from relay.runs.run import Run
-from relay.spec.run_spec import RunSpec
+from relay.ops.runs import Run, RunSpec
 
 
 def checkpoint_alias(spec: RunSpec) -> AssetAlias:

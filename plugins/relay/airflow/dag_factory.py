@@ -34,8 +34,8 @@ from relay.airflow.supervised import is_supervised, supervise_task, validate_tas
 from relay.airflow.tasks import data_freeze, finish, preflight, reshard_to_spec, settings_guard
 from relay.common import project
 from relay.common.errors import SpecError
-from relay.spec.plan import ChunkPlan
-from relay.spec.run_spec import RunSpec, deadline_seconds, load_spec
+from relay.ops import runs
+from relay.ops.runs import ChunkPlan, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,9 @@ def _deadline_alert(spec: RunSpec):
     from airflow.sdk.definitions.callback import SyncCallback
     from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
 
-    at = datetime.fromtimestamp(deadline_seconds(spec.alerts.deadline, spec.source, "alerts.deadline") or 0, UTC)
+    at = runs.deadline_at(spec)
+    if at is None:
+        return None
     return DeadlineAlert(
         reference=DeadlineReference.FIXED_DATETIME(at),
         interval=timedelta(0),
@@ -202,7 +204,7 @@ def build_dags(runs_dir: Path | None = None) -> dict[str, DAG]:
     for path in sorted(runs_dir.glob("*.yaml")):
         try:
             # The environment (data, checkpoint dir) is checked by each run's preflight, not at every parse.
-            spec = load_spec(path, check_environment=False)
+            spec = runs.spec_at(path)
         except SpecError as e:
             log.error("%s", e)
             errors.append(str(e))

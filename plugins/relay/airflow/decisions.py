@@ -33,9 +33,9 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from relay.airflow.notifiers import notify
 from relay.common.errors import RelayError
+from relay.ops import runs
 from relay.ops.approvals import Answer, Decision
-from relay.runs.run import Run
-from relay.spec.run_spec import load_spec
+from relay.ops.runs import Run
 
 
 class DecisionNeeded(RelayError):
@@ -154,9 +154,8 @@ class DecidingPythonOperator(PythonOperator):
     def decided(self, context, event: dict | None = None, decision: dict | None = None) -> Any:
         decision = decision or {}
         kwargs: dict[str, Any] = dict(self.op_kwargs)  # type: ignore[has-type]  # PythonOperator sets it
-        spec = load_spec(kwargs["spec_path"], check_environment=False)
         try:
-            got = answer(Run.of(spec, decision.get("data", {}).get("run")), decision, event or {})
+            got = answer(runs.run_named(kwargs["spec_path"], decision.get("data", {}).get("run")), decision, event or {})
         except Rejected as rejected:
             skip_rejected(self.log, rejected)
         self.op_kwargs = {**kwargs, "answer": got.to_dict()}

@@ -5,10 +5,9 @@ from __future__ import annotations
 from functools import cached_property
 
 from airflow.sdk import BaseHook
-from botocore.config import Config
 
-from relay.jobs.ray_jobs import RayJobs
-from relay.s3.store import client_config, store_for_spec
+from relay.ops import connections
+from relay.ops.connections import RayJobs
 
 
 class RayJobsHook(BaseHook):
@@ -43,7 +42,7 @@ class RayJobsHook(BaseHook):
 
     @cached_property
     def jobs(self) -> RayJobs:
-        return RayJobs(self.address)
+        return connections.ray_jobs(self.address)
 
 
 def checkpoint_store(spec, *, probe: bool = False):
@@ -55,7 +54,5 @@ def checkpoint_store(spec, *, probe: bool = False):
         return None
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-    config = client_config()
-    if probe:
-        config = config.merge(Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "max_attempts": 1}))
-    return store_for_spec(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=config).get_conn())
+    config = connections.s3_config(probe=probe)
+    return connections.spec_store(spec, S3Hook(aws_conn_id=spec.s3.conn_id, config=config).get_conn())

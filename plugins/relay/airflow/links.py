@@ -17,8 +17,7 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
-from relay.spec.plan import ChunkPlan
-from relay.spec.run_spec import load_spec
+from relay.ops import runs
 
 RELAY_APP_PREFIX = "/relay"  # where relay.airflow.api_plugin mounts Relay's pages in the API server
 RAY_JOB_XCOM = "ray_job"  # {"submission_id", "url"}: pushed by the train task when it submits or re-attaches
@@ -71,9 +70,7 @@ class CheckpointLink(BaseOperatorLink):
         run = _run_of(operator, ti_key)
         if not run:
             return ""
-        step = (
-            ChunkPlan.from_spec(load_spec(operator.spec_path, check_environment=False)).chunk(operator.chunk_index).end_step
-        )
+        step = runs.chunk_of(operator.spec_path, operator.chunk_index).end_step
         return f"{report_page(ti_key.dag_id, run, ti_key.run_id)}#step-{step}"
 
 

@@ -28,13 +28,12 @@ from airflow.sdk import BaseNotifier
 from relay.airflow.form import CHANNELS
 from relay.airflow.hooks import checkpoint_store
 from relay.airflow.task_ids import RUN_TASK
-from relay.alerts import Alert, AlertLedger, kind_of
-from relay.checkpoints.validate import latest_valid_step
 from relay.common.errors import RelayError
 from relay.common.redaction import redact
-from relay.insights.audit import AuditReport
-from relay.runs.run import Run
-from relay.spec.run_spec import dated, dated_run_name, load_spec
+from relay.ops import run_alerts, runs
+from relay.ops.run_alerts import NOT_CONFIGURED, Alert
+from relay.ops.run_history import AuditReport
+from relay.ops.runs import Run
 
 log = logging.getLogger(__name__)
 
@@ -135,24 +134,6 @@ def deliver(alert: Alert, channels: Channels) -> dict[str, str]:
     return results
 
 
-NOT_CONFIGURED = "not configured"
-
-
-def _warn_unconfigured(ledger: AlertLedger | None, results: dict[str, str]) -> None:
-    """A channel whose connection does not exist: one clear WARNING per run (the ledger remembers it), saying which
-    connection to add; the alerts go on to the channels that work."""
-    for name, result in results.items():
-        if not result.startswith(NOT_CONFIGURED) or (ledger is not None and not ledger.first_unconfigured(name)):
-            continue
-        log.warning(
-            "alert channel %s is not configured (%s): this run's alerts are not sent there. Add the "
-            "connection (docs/guides/alerts.md says how), or remove the channel from the spec's alerts "
-            "section; this is said once per run",
-            name,
-            result.partition(": ")[2],
-        )
-
-
 def _not_configured(error: Exception) -> bool:
     """A missing connection: trying again cannot help, the log says which one to add."""
     from airflow.exceptions import AirflowNotFoundException
@@ -173,63 +154,26 @@ def run_of(context, spec) -> Run:
     return Run.of(spec, pushed.get("run_name") or asked or None, pushed.get("incarnation"))
 
 
-def last_valid(run: Run) -> tuple[int | None, str | None]:
-    """The run's newest valid checkpoint and, when S3 holds it, its URI. Best effort: an alert about an
-    unreachable S3 must still go out."""
-    spec = run.spec
-    try:
-        step = latest_valid_step(run.dir)
-    except Exception as e:  # noqa: BLE001
-        log.warning("alert: cannot read run %s's latest checkpoint: %s", run, e)
-        return None, None
-    if not step or spec.s3 is None:
-        return step, None
-    try:
-        store = checkpoint_store(spec, probe=True)
-        return step, store.step_uri(run.name, step) if store.manifest(run.name, step) else None
-    except Exception as e:  # noqa: BLE001
-        log.warning("alert: cannot ask S3 whether step %s is published: %s", step, e)
-        return step, None
-
-
 def alert_for(context, run: Run, kind: str, what: str, **fields) -> Alert:
+    """An alert of `kind` raised by this task instance, with the run's newest valid checkpoint."""
     ti = context["ti"]
-    step, uri = last_valid(run)
-    return Alert(
-        kind=kind,
-        run=run.name,
-        what=what,
-        spec=run.spec.name,
+    return run_alerts.build(
+        run,
+        kind,
+        what,
+        lambda: checkpoint_store(run.spec, probe=True),
         dag_id=ti.dag_id,
         dag_run=context["dag_run"].run_id,
         task=ti.task_id,
         try_number=ti.try_number,
         log_url=getattr(ti, "log_url", ""),
-        last_valid_step=step,
-        last_valid_uri=uri,
         **fields,
     )
 
 
 def send_once(context, run: Run, alert: Alert, key: str) -> bool:
     """Deliver `alert` unless the event `key` was alerted before; what is delivered is also in the task log."""
-    alert = alert.redacted()  # secrets (masked connections, expanded ray.env_vars) never leave as text
-    ledger, fresh = None, True
-    try:
-        if run.dir.is_dir():  # a run refused before it had a folder gets none from its alert
-            ledger = AlertLedger(run.dir)
-            fresh = ledger.claim(key, alert)
-    except Exception as e:  # noqa: BLE001 - an unreadable ledger: alert anyway
-        log.warning("alert ledger of run %s unavailable (%s): sending without de-duplication", run, e)
-    if not fresh:
-        log.info("alert %s already sent for this event (%s); not sent again", alert.kind, key)
-        return False
-    log.warning("ALERT\n%s", alert.text())
-    results = deliver(alert, Channels.of(run.spec, context.get("params")))
-    _warn_unconfigured(ledger, results)
-    if ledger is not None:
-        ledger.delivered(key, results)
-    return True
+    return run_alerts.send_once(run, alert, key, lambda a: deliver(a, Channels.of(run.spec, context.get("params"))))
 
 
 def event_key(context, spec, kind: str, scope: str = "") -> str:
@@ -260,7 +204,7 @@ def notify_error(
     return notify(
         context,
         run,
-        kind_of(error, default_kind),
+        run_alerts.kind_of(error, default_kind),
         first,
         details=rest.strip(),
         action=" ".join(x for x in (action, todo) if x),
@@ -334,15 +278,13 @@ def deadline_missed(spec_path: str, context: dict | None = None, **_) -> None:
     """Airflow's deadline alert on a run DAG (DeadlineReference.FIXED_DATETIME of alerts.deadline): one of its
     DAG runs is still going when the run should be done. Airflow calls it in the executor with the DAG run as
     JSON (`context["dag_run"]`), no task instance: the alert is built from the spec and the run's folder."""
-    spec = load_spec(spec_path, check_environment=False)
     dag_run = (context or {}).get("dag_run") or {}
     conf = dag_run.get("conf") or {}
     when = dag_run.get("logical_date")
-    logical = datetime.fromisoformat(str(when).replace("Z", "+00:00")) if when and spec.airflow.schedule else None
-    if logical is not None:  # a scheduled spec: this DAG run's training run is <name>-<logical date>
-        spec = dated(spec, logical)
-    run = Run.of(spec, conf.get("run") or (dated_run_name(spec, logical) if logical is not None else spec.name))
-    step, uri = last_valid(run)
+    logical = datetime.fromisoformat(str(when).replace("Z", "+00:00")) if when else None
+    spec = runs.spec_at(spec_path, logical)  # a scheduled spec: this DAG run's training run is <name>-<logical date>
+    run = Run.of(spec, runs.asked_run_name(spec, conf.get("run"), logical))
+    step, uri = run_alerts.last_valid(run, lambda: checkpoint_store(spec, probe=True))
     alert = Alert(
         kind="deadline",
         run=run.name,
@@ -395,19 +337,7 @@ def notify_finished(context, run: Run, what: str, *, details: str, **fields) -> 
 
 def _close_failures(context, run: Run, whole_run: bool) -> list[str]:
     """Close the run's open failure alerts (this task's, or all with whole_run); what each one was."""
-    task = context["ti"].task_id
-    try:
-        ledger = AlertLedger(run.dir)
-        open_failures = [e for e in ledger.open_failures() if whole_run or e.get("task") == task]
-    except Exception as e:  # noqa: BLE001
-        log.warning("alert ledger of run %s unavailable: %s", run, e)
-        return []
-    if open_failures:
-        ledger.close([e["key"] for e in open_failures])
-    return [
-        f"{e['kind']}" + (f" at step {e['step']}" if e.get("step") is not None else "") + f" ({e['at']})"
-        for e in open_failures
-    ]
+    return run_alerts.close_failures(run, None if whole_run else context["ti"].task_id)
 
 
 # ------------------------------------------------------------------------------------- the notifier
@@ -426,17 +356,14 @@ class RelayAlertNotifier(BaseNotifier):
 
     def notify(self, context) -> None:
         ti = context["ti"]
-        spec = load_spec(self.spec_path, check_environment=False)
+        spec = runs.spec_at(self.spec_path)
         run = run_of(context, spec)
-        try:
-            if AlertLedger(run.dir).alerted_in_try(context["dag_run"].run_id, ti.task_id, ti.try_number):
-                return
-        except Exception:  # noqa: BLE001 - no ledger: alert
-            pass
+        if run_alerts.alerted_in_try(run, context["dag_run"].run_id, ti.task_id, ti.try_number):
+            return
         error = context.get("exception")
         text = str(error) if error is not None else "the task failed (no exception was passed to the callback)"
         first, _, rest = text.partition("\n")
-        kind = "retry" if self.retry else kind_of(error, _failure_kind(ti.task_id))
+        kind = "retry" if self.retry else run_alerts.kind_of(error, _failure_kind(ti.task_id))
         alert = alert_for(context, run, kind, first, details=rest.strip(), chunk=_chunk_of(ti.task_id))
         resume = f"the run resumes from step {alert.last_valid_step or 0}"  # last_valid read once, S3 included
         if self.retry:

@@ -46,25 +46,18 @@ from relay.airflow.triggers import (
     RayJobTrigger,
     WarmJobTrigger,
 )
-from relay.alerts import stall_limit_s
-from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.faultpoint import fault_point
-from relay.common.timestamps import epoch
-from relay.jobs.ray_jobs import STOP_MARGIN_S
-from relay.ops import chunk_policy, publish_chunk, train_chunk, validate_chunk
-from relay.runs import failure_cause, handoff
-from relay.runs.run import Run
-from relay.spec.plan import Chunk, ChunkPlan
-from relay.spec.run_spec import load_spec
+from relay.ops import chunk_policy, publish_chunk, runs, train_chunk, validate_chunk
+from relay.ops.runs import Chunk, ChunkPlan, Run
 
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
 
 
 class ChunkFailed(AirflowException):
-    """A chunk's job failed; Airflow retries the task. `cause`: its classification (relay.runs.failure_cause),
+    """A chunk's job failed; Airflow retries the task. `cause`: its classification (relay.ops.chunk_policy.Cause),
     which the failure alert names."""
 
-    def __init__(self, message: str, cause: failure_cause.Cause | None = None):  # one positional arg: picklable
+    def __init__(self, message: str, cause: chunk_policy.Cause | None = None):  # one positional arg: picklable
         super().__init__(message)
         self.cause = cause
 
@@ -73,7 +66,7 @@ class ChunkFailedForGood(AirflowFailException):
     """A chunk's job failed for a cause whose policy is to stop (or the same exception at the same step
     twice): Airflow does not retry it."""
 
-    def __init__(self, message: str, cause: failure_cause.Cause | None = None):  # one positional arg: picklable
+    def __init__(self, message: str, cause: chunk_policy.Cause | None = None):  # one positional arg: picklable
         super().__init__(message)
         self.cause = cause
 
@@ -139,7 +132,7 @@ class RayChunkOperator(ChunkTaskOperator):
     def execute(self, context) -> dict:
         began = time.time()  # the try runs: the scheduling gap before it ends here (relay.insights.goodput)
         run, chunk = self._context(context)
-        latest, problem = latest_step_or_problem(run.dir)
+        latest, problem = train_chunk.latest(run)
         self._warn(problem and f"run {run}: {problem}; the chunk's trainer quarantines it and falls back")
         if chunk.done_by(latest):
             return self._done(context, run, chunk, f"already reached step {latest}; nothing to train")
@@ -264,12 +257,12 @@ class RayChunkOperator(ChunkTaskOperator):
 
     def backoff_complete(self, context, event: Any = None, message: str = "", cause: dict | None = None) -> NoReturn:
         """The backoff of a failed try is over: fail it, so that Airflow retries now."""
-        raise ChunkFailed(message, failure_cause.Cause(**(cause or {"cause": failure_cause.UNKNOWN})))
+        raise ChunkFailed(message, chunk_policy.cause_of(cause))
 
     def on_kill(self) -> None:
         """The task was killed while in execute(): stop its job (a deferred task is the trigger's on_kill)."""
         if self._submission_id:
-            spec = load_spec(self.spec_path, check_environment=False)
+            spec = runs.spec_at(self.spec_path)
             RayJobsHook(spec.ray.conn_id).jobs.stop(self._submission_id)
 
 
@@ -292,42 +285,33 @@ class WarmJobOperator(ChunkTaskOperator):
 
     def execute(self, context) -> dict:
         run, chunk = self._context(context)
-        spec, nxt = run.spec, chunk.index + 1
+        nxt = chunk.index + 1
         job = context["ti"].xcom_pull(task_ids=self.train_task, key=RAY_JOB_XCOM) or {}
         sub_id = job.get("submission_id")
-        record = handoff.warm(run.dir, nxt)
-        if not sub_id or record is None or record.get("attempt") != sub_id:
+        warm = train_chunk.ahead(run, chunk, sub_id) if sub_id else None
+        if warm is None:
             raise AirflowSkipException(f"{chunk}'s job {sub_id} did not go on warm into chunk {nxt}: nothing trains ahead")
         if getattr(context["dag_run"], "triggering_user_name", None) == "dag_test":
             # `airflow dags test` runs one task at a time, its triggers in line: nothing would admit the job while this
             # task waited for it. The next chunk's train task admits it as usual.
             raise AirflowSkipException(f"`airflow dags test`: the job training chunk {nxt} ahead is not followed")
-        if (got := handoff.answer(run.dir, nxt, sub_id)) is not None:
+        if (got := warm.answer) is not None:
             return {"submission_id": sub_id, "admitted": bool(got.get("admitted")), "why": got.get("why")}
         context["ti"].xcom_push(key=RAY_JOB_XCOM, value=job)
-        limit = handoff.admission_limit_s(spec.chunks.admission_timeout_minutes, record.get("chunk_seconds"))
         self.log.info(
             "Ray job %s went on warm into chunk %s at step %s; followed until that chunk's train task admits it (at "
             "most %.1f min): marking this task or the DAG run failed stops it without committing",
             sub_id,
             nxt,
-            record.get("from_step"),
-            limit / 60,
+            warm.from_step,
+            warm.limit_s / 60,
         )
         self.defer(
             trigger=WarmJobTrigger(
-                address=RayJobsHook(spec.ray.conn_id).address,
-                submission_id=sub_id,
-                run_dir=str(run.dir),
-                chunk=nxt,
-                deadline=(epoch(record.get("time")) or time.time()) + limit,
-                poll_seconds=spec.ray.poll_seconds,
+                address=RayJobsHook(run.spec.ray.conn_id).address,
+                submission_id=warm.submission,
                 watched=self.watched,
-                stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S,
-                # A stall while training ahead is a stall as in the train task: alerted, the job stopped.
-                stall_after_s=stall_limit_s(run),
-                startup_s=spec.alerts.startup_minutes * 60,
-                from_step=record.get("from_step"),
+                **warm.trigger,
             ),
             method_name="execute_complete",
         )
@@ -341,7 +325,7 @@ class WarmJobOperator(ChunkTaskOperator):
             self.log.info("Ray job %s, which trained chunk %s ahead: %s", sub_id, nxt, message)
             return {"submission_id": sub_id, "status": status, "message": message}
         if status == STALLED:
-            latest = latest_valid_step(run.dir)
+            latest = train_chunk.resume_step(run)
             notify(
                 context,
                 run,

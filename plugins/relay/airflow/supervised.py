@@ -18,8 +18,8 @@ gate checks the step's folder, not that the tracker names it.
 from __future__ import annotations
 
 from relay.airflow.operators import RayChunkOperator, ValidateCheckpointOperator
-from relay.runs.run import Run
-from relay.spec.kinds import KINDS
+from relay.ops import runs
+from relay.ops.runs import Run
 
 SUPERVISE_TASK = "supervise"
 
@@ -39,7 +39,7 @@ class SupervisedRunOperator(RayChunkOperator):
 
     def _run(self, context) -> Run:
         run = super()._run(context)
-        return Run.of(KINDS[run.spec.trainer.kind].whole_run_view(run.spec), run.name, run.incarnation)
+        return runs.whole_run(run)
 
 
 class SupervisedValidateOperator(ValidateCheckpointOperator):

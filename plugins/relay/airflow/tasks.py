@@ -7,7 +7,7 @@ from datetime import datetime
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay.airflow.decisions import Answer, Decision, DecisionNeeded
+from relay.airflow.decisions import Answer, DecisionNeeded
 from relay.airflow.hooks import RayJobsHook, checkpoint_store
 from relay.airflow.links import report_page
 from relay.airflow.notifiers import (
@@ -20,14 +20,8 @@ from relay.airflow.notifiers import (
 )
 from relay.airflow.task_ids import RUN_TASK
 from relay.common.errors import RelayError
-from relay.insights import doctor
-from relay.ops import publish_chunk, run_history, train_run
-from relay.preflight.checks import check_settings, prepare_data, publish_record
-from relay.preflight.guard import DriftError
-from relay.preflight.prepare import fresh_start_done, fresh_start_plan, prepare_run, resolve_run_name
-from relay.runs.run import Run
-from relay.spec.plan import ChunkPlan
-from relay.spec.run_spec import check_spec_environment, dated, dated_run_name, load_spec
+from relay.ops import preflight_run, publish_chunk, run_history, runs, train_run
+from relay.ops.runs import Run
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +29,9 @@ log = logging.getLogger(__name__)
 def training_run(spec_path: str, context, run_from_task: str = RUN_TASK) -> Run:
     """This DAG run's training run, as preflight.run resolved it: the spec's data paths dated with the DAG
     run's logical date, the run's name, and the incarnation it found or began."""
-    spec = load_spec(spec_path, check_environment=False)
     resolved = context["ti"].xcom_pull(task_ids=run_from_task)
-    if resolved.get("logical_date"):
-        spec = dated(spec, datetime.fromisoformat(resolved["logical_date"]))
-    return Run.of(spec, resolved["run_name"], resolved.get("incarnation"))
+    when = datetime.fromisoformat(resolved["logical_date"]) if resolved.get("logical_date") else None
+    return runs.run_named(spec_path, resolved["run_name"], resolved.get("incarnation"), when)
 
 
 def logical_date(context):
@@ -61,29 +53,21 @@ def settings_guard(spec_path: str, answer: dict | None = None, **context) -> lis
     if answer:
         allow, by = allow + answer["data"]["keys"], Answer(**answer).who()
     try:
-        allowed = check_settings(run, allow_drift=allow, by=by, dag_run=context["dag_run"].run_id)
-    except DriftError as e:
-        if run.spec.airflow.approvals and not answer:
-            raise DecisionNeeded(
-                run,
-                Decision(
-                    "drift",
-                    f"Accept a change of run {run.name}'s resume-critical settings?",
-                    f"These settings differ from the ones run **{run.name}** recorded:\n\n```\n{e.table}\n```\n\n"
-                    "Approve to train on with them: the change is recorded (who, when, what), as `allow_drift` records "
-                    f"it. Reject to stop: restore the settings in the spec, or start a new run.",
-                    ["Approve", "Reject"],
-                    ["Approve"],
-                    {"run": run.name, "keys": e.keys},
-                ),
-            ) from None
-        notify_error(context, run, e, action="no chunk started; the run's checkpoints are untouched.")
-        raise AirflowFailException(str(e)) from None
+        checked = preflight_run.guard_settings(
+            run,
+            allow=allow,
+            by=by,
+            dag_run=context["dag_run"].run_id,
+            store=checkpoint_store(run.spec),
+            ask=run.spec.airflow.approvals and not answer,
+        )
     except RelayError as e:
         notify_error(context, run, e, action="no chunk started; the run's checkpoints are untouched.")
         raise AirflowFailException(str(e)) from None
+    if checked.question is not None:
+        raise DecisionNeeded(run, checked.question)
+    allowed = checked.allowed
     if allowed:
-        publish_record(run, checkpoint_store(run.spec))
         log.warning("run %s: drift allowed by allow_drift and recorded: %s", run, "; ".join(allowed))
     else:
         log.info("run %s: resume-critical settings match the run's recorded ones", run)
@@ -95,7 +79,7 @@ def data_freeze(spec_path: str, **context) -> dict:
     """First chunk: check the data's quality, freeze it, record the settings. Later: guard the sources."""
     run = training_run(spec_path, context)
     try:
-        state = prepare_data(run, store=checkpoint_store(run.spec), by=_who(context))
+        state = preflight_run.freeze_data(run, checkpoint_store(run.spec), _who(context))
     except RelayError as e:
         notify_error(context, run, e, action="no chunk started; nothing was frozen or changed.")
         raise AirflowFailException(str(e)) from None
@@ -141,13 +125,10 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
     when = logical_date(context)
     started_by = f"{context['dag_run'].run_id}"
     try:
-        spec = dated(load_spec(spec_path, check_environment=False), when)
-        check_spec_environment(spec)
         # A scheduled spec: each logical date is a training run of its own, in its own folder.
-        run_name = params.get("run") or (dated_run_name(spec, when) if spec.airflow.schedule else None)
-        store = checkpoint_store(spec)
+        run = runs.run_to_start(spec_path, params.get("run"), when)
+        spec, store = run.spec, checkpoint_store(run.spec)
         confirm = params.get("confirm_fresh_start") or ""
-        run = Run.of(spec, resolve_run_name(spec, run_name))
         asked_by = f"DAG run {context['dag_run'].dag_id}/{context['dag_run'].run_id}"
         if answer:  # a person approved the fresh start in the UI
             confirm, started_by = run.name, f"{started_by} (fresh start approved by {Answer(**answer).who()})"
@@ -155,22 +136,10 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
             params.get("fresh_start")
             and confirm.strip() != run.name
             and spec.airflow.approvals
-            and not fresh_start_done(run.dir, asked_by)
+            and (question := preflight_run.fresh_start_question(run, store, asked_by)) is not None
         ):
-            plan = fresh_start_plan(run, store)
-            if plan.needed:
-                raise DecisionNeeded(
-                    run,
-                    Decision(
-                        "fresh_start",
-                        f"Start run {run.name} again from step 0?",
-                        plan.markdown(spec.checkpoint_dir, store.uri if store is not None else None),
-                        ["Approve", "Reject"],
-                        ["Approve"],
-                        {"run": run.name},
-                    ),
-                )
-        state = prepare_run(
+            raise DecisionNeeded(run, question)
+        state = train_run.prepare(
             spec,
             run.name,
             fresh_start=bool(params.get("fresh_start")),
@@ -212,7 +181,7 @@ def preflight(spec_path: str, answer: dict | None = None, **context) -> dict:
         )
         or "nobody (no alert channel configured)",
     )
-    log.info("chunk plan:\n%s", ChunkPlan.from_spec(spec).describe(state.latest_step))
+    log.info("chunk plan:\n%s", preflight_run.chunk_plan(spec, state.latest_step))
     _log_checklist(state.run(spec))
     return {
         **state.to_dict(),
@@ -237,7 +206,7 @@ def _log_checklist(run: Run) -> None:
     Informational here: a check that cannot run is logged, never fails the task."""
     spec = run.spec
     try:
-        findings = doctor.diagnose(run, store=checkpoint_store(spec), jobs=RayJobsHook(spec.ray.conn_id).jobs, deep=False)
+        findings = preflight_run.checklist(run, checkpoint_store(spec), RayJobsHook(spec.ray.conn_id).jobs)
     except Exception as e:  # noqa: BLE001 - a missing connection, say: the chunk's own submit says so, with what to do
         log.warning("resume checklist not run: %s", e)
         return
@@ -245,7 +214,7 @@ def _log_checklist(run: Run) -> None:
         "resume checklist (as `python -m relay doctor %s --run %s`):\n%s",
         spec.source,
         run,
-        "\n".join(f.line() for f in findings),
+        "\n".join(findings),
     )
 
 
@@ -293,8 +262,7 @@ def evaluate_published(spec_path: str, **context) -> list[dict]:
     """Example evaluation stub, scheduled on a spec's checkpoint asset: load each published checkpoint's
     model (through the safe loader) and report its step. Triggered by hand, conf {"manifest": URI} works too."""
 
-    spec = load_spec(spec_path, check_environment=False)
-    store = checkpoint_store(spec)
+    store = checkpoint_store(runs.spec_at(spec_path))
     events = [
         e.extra
         for events in (context.get("triggering_asset_events") or {}).values()

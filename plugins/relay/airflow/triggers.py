@@ -1,41 +1,27 @@
-"""Triggers: a Ray job followed from the triggerer (RayJobTrigger), and a checkpoint waited for on
-storage (CheckpointTrigger), so no worker slot is held while waiting.
+"""The triggers a run DAG's tasks defer to, so that no worker slot is held while a Ray job trains or a checkpoint is
+awaited: RayJobTrigger (a chunk's or a validation's job), WarmJobTrigger (a job training the next chunk ahead of its
+admission) and CheckpointTrigger. Each serialize() mirrors its __init__; run() follows through relay.ops.follow_job
+and fires one event with how the wait ended (never an exception).
 
-RayJobTrigger streams the job's new log lines (a chunk's per-step progress) into the task log, reading
-only the log's last lines per poll however long the log grows, and fires one event when the job ends.
-A running job that makes no new step for longer than its stall limit (relay.alerts.stall) is
-stopped, and the event says STALLED: a hung rollout never waits out the chunk's whole timeout. Its steps
-are read from the attempt's heartbeat in the run folder (relay.runs.heartbeat), which no volume of log
-output hides, and from the step lines of the log where the folder cannot be seen from the triggerer. It
-enforces the chunk's deadline itself, stopping the job: Airflow's own defer timeout kills the
-trigger without calling on_kill. A person's mark-failed or mark-success calls on_kill,
-which stops the job; a clear calls it too, and then a chunk's job is left for the task's next try to
-adopt; a triggerer restart does neither, and the new triggerer re-attaches.
-Failures come back as events with a message, never as exceptions.
+What stays here is Airflow's: a person's mark-failed or mark-success calls on_kill, which stops the job (or refuses
+the warm chunk); a clear calls it too, and then the job is left for the task's next try to adopt or follow; Airflow's
+own defer timeout kills a trigger without calling on_kill (so the chunk's deadline is enforced while following); a
+triggerer restart does neither, and the new triggerer re-attaches.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from asgiref.sync import sync_to_async
 
-from relay.alerts.stall import StallWatch
-from relay.common.progress import STEP_LINE
-from relay.jobs.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
-from relay.runs import handoff, heartbeat
-from relay.runs.layout import checkpoint_reached
+from relay.ops import follow_job
+from relay.ops.follow_job import ADMITTED, ENDED, HANDED_OFF, REFUSED, STALLED
 
-# Once the chunk's last step is in the log, the job's end (its save, then the driver's exit) is polled this often:
-# the task resumes within this of the job's end instead of within a whole poll interval (2 s by default).
-ENDING_POLL_S = 0.25
-STALLED = "STALLED"  # no new step for the stall limit: the job was stopped (its warm chunk refused)
-HANDED_OFF = "HANDED_OFF"  # the job committed the chunk's end step and trains the next chunk (a warm handoff)
+__all__ = ["ADMITTED", "ENDED", "HANDED_OFF", "REFUSED", "STALLED", "CheckpointTrigger", "RayJobTrigger", "WarmJobTrigger"]
+
 FINAL_STATES = ("failed", "success", "skipped", "upstream_failed", "removed")  # a person's mark ends the task
 
 
@@ -96,92 +82,19 @@ class RayJobTrigger(BaseTrigger):
         return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message, **extra})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        jobs = AsyncRayJobs(self.address)
-        watch: StallWatch | None = None  # from the job's first RUNNING poll: PENDING is waiting, not stalling
-        unreachable_since: float | None = None
-        seen: list[str] = []  # the log's last lines at the previous poll (a restarted triggerer starts empty)
-        ending = False  # the chunk's last step is trained: its save and exit come next, polled closer
-        while True:
-            try:
-                state = await jobs.get(self.submission_id)
-                tail = (await jobs.tail(self.submission_id)).splitlines() if state is not None else []
-                unreachable_since = None
-            except Exception as e:  # noqa: BLE001 - the head is down or restarting: keep trying for a while
-                now = time.time()
-                unreachable_since = unreachable_since or now
-                self.log.warning("Ray Jobs API at %s unreachable (%s); retrying", self.address, e)
-                if now - unreachable_since > self.unreachable_grace_s or now > self.deadline:
-                    yield self._event(
-                        "UNREACHABLE", f"Ray Jobs API at {self.address} unreachable for {now - unreachable_since:.0f}s: {e}"
-                    )
-                    return
-                await asyncio.sleep(self.poll_seconds)
-                continue
-            if state is None:
-                yield self._event(
-                    "LOST",
-                    f"job {self.submission_id} is unknown to the cluster at {self.address} "
-                    "(the Ray head lost it, e.g. after a restart)",
-                )
-                return
-            new, gap = new_lines(seen, tail)
-            if gap and seen:
-                self.log.info("(more lines than a poll reads were written since the last poll; the newest follow)")
-            for line in new:
-                self.log.info("%s", line)
-            seen = tail or seen
-            beat = await asyncio.to_thread(heartbeat.last_step, self.run_dir, self.submission_id) if self.run_dir else None
-            if self.end_step is not None and not ending:
-                ending = any(int(step) >= self.end_step for step in STEP_LINE.findall("\n".join(new))) or (
-                    beat is not None and beat >= self.end_step
-                )
-            # This chunk's part is done once its end is committed and the job went on warm into the next chunk,
-            # whatever befalls the job after that (a failure there is the next chunk's).
-            if (ending or state.status in TERMINAL) and self.handoff_chunk is not None and self.run_dir is not None:
-                if await asyncio.to_thread(handoff.went_on, self.run_dir, self.handoff_chunk, self.submission_id):
-                    yield self._event(
-                        HANDED_OFF,
-                        f"job {self.submission_id} committed step {self.end_step} and went on warm into chunk "
-                        f"{self.handoff_chunk}",
-                    )
-                    return
-            if state.status in TERMINAL:
-                yield self._event(state.status, state.message, exit_code=state.exit_code)
-                return
-            if self.stall_after_s and state.status == "RUNNING":
-                watch = watch or StallWatch(self.stall_after_s, self.startup_s, time.time(), self.end_step)
-                watch.saw("\n".join(new), time.time())
-                watch.saw_step(beat, time.time())
-                if stalled := watch.stalled(time.time()):
-                    ended = await self._stop_and_wait(jobs)
-                    yield self._event(
-                        STALLED, f"{stalled}; job {self.submission_id} stopped ({ended})", step=watch.last_step
-                    )
-                    return
-            if time.time() > self.deadline:
-                ended = await self._stop_and_wait(jobs)
-                yield self._event(
-                    "TIMEOUT", f"job {self.submission_id} ran past the chunk's timeout and was stopped ({ended})"
-                )
-                return
-            await asyncio.sleep(min(self.poll_seconds, ENDING_POLL_S) if ending else self.poll_seconds)
-
-    async def _stop_and_wait(self, jobs: AsyncRayJobs) -> str:
-        """Stop the job (SIGTERM: a trainer that still holds the lease finishes its step and saves it) and wait,
-        up to stop_grace_s, for it to end, so that the task's retry resumes from that save. What happened, in
-        words."""
-        await jobs.stop(self.submission_id)
-        until = time.time() + self.stop_grace_s
-        while True:
-            try:
-                state = await jobs.get(self.submission_id)
-            except Exception as e:  # noqa: BLE001 - the head went away: nothing left to wait for
-                return f"its end could not be seen: {e}"
-            if state is None or state.status in TERMINAL:
-                return f"it ended {state.status if state else 'unknown to the cluster'}"
-            if time.time() >= until:
-                return f"still {state.status} after {self.stop_grace_s:.0f}s"
-            await asyncio.sleep(min(self.poll_seconds, 1.0))
+        watch = follow_job.ChunkWatch(
+            deadline=self.deadline,
+            poll_seconds=self.poll_seconds,
+            unreachable_grace_s=self.unreachable_grace_s,
+            stall_after_s=self.stall_after_s,
+            startup_s=self.startup_s,
+            end_step=self.end_step,
+            stop_grace_s=self.stop_grace_s,
+            run_dir=self.run_dir,
+            handoff_chunk=self.handoff_chunk,
+        )
+        ended = await follow_job.chunk_job(self.address, self.submission_id, watch, self.log.info, self.log.warning)
+        yield self._event(ended.status, ended.message, **ended.extra)
 
     async def on_kill(self) -> None:
         """A person acted on the deferred task. Marked failed or success: stop the job. Cleared (a chunk's
@@ -197,10 +110,9 @@ class RayJobTrigger(BaseTrigger):
             )
             return
         self.log.info("Task marked %s by a person: stopping Ray job %s", state, self.submission_id)
-        await AsyncRayJobs(self.address).stop(self.submission_id)
+        await follow_job.stop(self.address, self.submission_id)
 
 
-ADMITTED, REFUSED, ENDED = "ADMITTED", "REFUSED", "ENDED"  # a warm job's fate, as WarmJobTrigger sees it
 # A watched task of the DAG run in one of these ends a warm job's chance of admission: the previous chunk's validation
 # failed, or the next chunk's train task will never admit it (failed, or skipped: a person rejected its decision).
 ENDING_STATES = ("failed", "upstream_failed", "skipped")
@@ -266,70 +178,23 @@ class WarmJobTrigger(BaseTrigger):
     def _event(self, status: str, message: str, **extra: Any) -> TriggerEvent:
         return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message, **extra})
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        jobs = AsyncRayJobs(self.address)
-        shown: int | None = None
-        # The step it went on from is its "end step": the save and handoff after it get the startup allowance.
-        watch = StallWatch(self.stall_after_s, self.startup_s, time.time(), self.from_step) if self.stall_after_s else None
-        while True:
-            got = await asyncio.to_thread(handoff.answer, Path(self.run_dir), self.chunk, self.submission_id)
-            if got is not None:
-                if got.get("admitted"):
-                    yield self._event(ADMITTED, f"admitted by {got.get('by')}")
-                else:
-                    yield self._event(REFUSED, str(got.get("why")), by="another")
-                return
-            try:
-                state = await jobs.get(self.submission_id)
-            except Exception as e:  # noqa: BLE001 - a head restarting: the deadline still holds
-                self.log.warning("Ray Jobs API at %s unreachable (%s); retrying", self.address, e)
-                state = None
-            if state is not None and state.status in TERMINAL:
-                yield self._event(ENDED, f"job {self.submission_id} ended {state.status} before its admission")
-                return
-            beat, waiting = await asyncio.to_thread(heartbeat.read, self.run_dir, self.submission_id)
-            if beat is not None and beat != shown:
-                self.log.info(
-                    "Ray job %s trains chunk %s ahead of its admission: step %s", self.submission_id, self.chunk, beat
-                )
-                shown = beat
-            status = why = None
-            if watch is not None:
-                watch.saw_step(beat, time.time())
-                if waiting:
-                    watch.paused(time.time())
-            if failed := await self._ended_tasks():
-                status, why = REFUSED, f"its DAG run's {', '.join(failed)}"
-            elif watch is not None and (stalled := watch.stalled(time.time())):
-                status, why = STALLED, f"{stalled} while training ahead"
-            elif time.time() > self.deadline:
-                status, why = "TIMEOUT", "no admission within its admission limit"
-            if status is not None:
-                ended = await self._refuse(jobs, str(why))
-                extra = {"step": watch.last_step} if watch is not None else {}
-                yield self._event(status, f"{why}: its warm chunk was refused ({ended})", by="this task", **extra)
-                return
-            await asyncio.sleep(self.poll_seconds)
-
-    async def _refuse(self, jobs: AsyncRayJobs, why: str, grace_s: float | None = None) -> str:
-        """Refuse the warm chunk (the job stops at its next step boundary, committing nothing of it); stop the job
-        through Ray if it has not ended within stop_grace_s (or `grace_s`). What happened, in words."""
-        refused = await asyncio.to_thread(
-            handoff.refuse_unless_admitted, Path(self.run_dir), self.chunk, self.submission_id, why
+    def _watch(self) -> follow_job.WarmWatch:
+        return follow_job.WarmWatch(
+            run_dir=self.run_dir,
+            chunk=self.chunk,
+            deadline=self.deadline,
+            poll_seconds=self.poll_seconds,
+            stop_grace_s=self.stop_grace_s,
+            stall_after_s=self.stall_after_s,
+            startup_s=self.startup_s,
+            from_step=self.from_step,
         )
-        if not refused:
-            return "it was admitted already: its train task follows it"
-        until = time.time() + (self.stop_grace_s if grace_s is None else grace_s)
-        while time.time() < until:
-            try:
-                state = await jobs.get(self.submission_id)
-            except Exception:  # noqa: BLE001
-                state = None
-            if state is None or state.status in TERMINAL:
-                return f"the job ended {state.status if state else 'unknown to the cluster'}"
-            await asyncio.sleep(min(self.poll_seconds, 1.0))
-        await jobs.stop(self.submission_id)
-        return "the job was still running after its grace: stopped through Ray"
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        ended = await follow_job.warm_job(
+            self.address, self.submission_id, self._watch(), self._ended_tasks, self.log.info, self.log.warning
+        )
+        yield self._event(ended.status, ended.message, **ended.extra)
 
     async def _ended_tasks(self) -> list[str]:
         """The watched tasks that ended without going on, as "<task> (<state>)"."""
@@ -355,8 +220,12 @@ class WarmJobTrigger(BaseTrigger):
             "Task marked %s by a person: refusing Ray job %s's warm chunk %s", state, self.submission_id, self.chunk
         )
         # Within the triggerer's on_kill timeout (30 s by default): past it, the job is stopped through Ray.
-        ended = await self._refuse(
-            AsyncRayJobs(self.address), f"its follow task was marked {state} by a person", grace_s=min(self.stop_grace_s, 20)
+        ended = await follow_job.refuse_warm(
+            self.address,
+            self.submission_id,
+            self._watch(),
+            f"its follow task was marked {state} by a person",
+            grace_s=min(self.stop_grace_s, 20),
         )
         self.log.info("%s", ended)
 
@@ -402,22 +271,5 @@ class CheckpointTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        while True:
-            try:
-                reached = await asyncio.to_thread(checkpoint_reached, self.run_dir, self.step)
-            except Exception as e:  # noqa: BLE001 - a tracker that cannot be read is the validator's to judge
-                yield TriggerEvent({"status": "present", "step": self.step, "message": str(e)})
-                return
-            if reached:
-                yield TriggerEvent({"status": "present", "step": self.step, "message": ""})
-                return
-            if time.time() > self.deadline:
-                yield TriggerEvent(
-                    {
-                        "status": "timeout",
-                        "step": self.step,
-                        "message": f"no checkpoint for step {self.step} in {self.run_dir} before the deadline",
-                    }
-                )
-                return
-            await asyncio.sleep(self.poll_seconds)
+        ended = await follow_job.checkpoint(self.run_dir, self.step, self.deadline, self.poll_seconds)
+        yield TriggerEvent({"status": ended.status, "step": self.step, "message": ended.message})

@@ -2,8 +2,8 @@
 
 Standard AWS environment variables configure S3 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
 
-The command line sits above every layer but airflow and may import each of them (never relay.airflow); no layer
-imports it. One module per group of commands, each adding its parsers (`add_commands`); what they share is in
+The command line sits above every layer but airflow; it imports the core through relay.ops (and relay.common), the
+local stack from relay.devstack, never relay.airflow; no layer imports it. One module per group of commands, each adding its parsers (`add_commands`); what they share is in
 `shared`.
 """
 
@@ -17,7 +17,7 @@ from relay.cli.exit_codes import epilog
 from relay.cli.shared import _Parser
 from relay.cli.shared import _store as _store  # relay.cli._store: an upload command's store
 from relay.common.errors import RelayError
-from relay.trainers.quiet import quiet_known_noise
+from relay.common.quiet import quiet_known_noise
 
 # `relay --help` opens with the docstring's first two paragraphs, what relay is; the third is about the code.
 DESCRIPTION = "\n\n".join((__doc__ or "").split("\n\n")[:2])

@@ -11,10 +11,8 @@ from pathlib import Path
 from relay.cli.shared import _new_folder, _ray_address, _ray_jobs_if_running, _say, _spec
 from relay.common.errors import StoreError
 from relay.devstack import stack
-from relay.jobs import chunk_job, local_head
-from relay.jobs.ray_jobs import RayJobs
 from relay.ops import train_run
-from relay.runs.run import Run
+from relay.ops.runs import Run
 
 
 def cmd_plan(args) -> int:
@@ -94,25 +92,25 @@ def _train_as_ray_job(args, run: Run) -> int:
     of this command's own (free ports, its own temp dir) that ends with it, even when the command is SIGKILLed.
     Ctrl-C or SIGTERM stops the job (and the private head)."""
     address = _ray_address(args)
-    private = address is None
+    gpus = run.spec.core_settings.logical_gpus  # a private head on a CPU host: logical GPUs for the spec
     try:
-        with chunk_job.interrupts():
-            gpus = run.spec.core_settings.logical_gpus  # a private head on a CPU host: logical GPUs for the spec
-            with local_head.guarded(address) if address else stack.private_ray_head(say=_say, num_gpus=gpus) as where:
-                _say(f"run {run.name}: training to step {args.to_step} as a Ray job on {where.address}")
-                jobs = RayJobs(where.address)
-                state, warning = train_run.follow_job(jobs, run, args.to_step, offline=args.offline, watch=where.watch_job)
-                if warning:
-                    print(f"relay: {warning}", file=sys.stderr)
+        outcome = train_run.train_as_job(
+            run,
+            args.to_step,
+            address=address,
+            private_head=lambda: stack.private_ray_head(say=_say, num_gpus=gpus),
+            offline=args.offline,
+            say=_say,
+            warn=lambda warning: print(f"relay: {warning}", file=sys.stderr),
+        )
     except KeyboardInterrupt as e:
+        what, code = train_run.interrupted(e)
         print(
-            f"relay: interrupted ({e if isinstance(e, chunk_job.Interrupted) else 'Ctrl-C'}): "
-            f"{'the private Ray head is stopped; ' if private else ''}the next `relay train` resumes run "
-            f"{run.name} from its latest checkpoint",
+            f"relay: interrupted ({what}): {'the private Ray head is stopped; ' if address is None else ''}the next "
+            f"`relay train` resumes run {run.name} from its latest checkpoint",
             file=sys.stderr,
         )
-        return chunk_job.exit_code(e)
-    outcome = train_run.job_outcome(run, state, args.to_step)
+        return code
     for line in outcome.errors:
         print(f"relay: {line}", file=sys.stderr)
     if outcome.said:

@@ -9,10 +9,8 @@ from pathlib import Path
 
 from relay.common.errors import RelayError
 from relay.devstack import stack
-from relay.jobs.ray_jobs import RayJobs
-from relay.runs import layout
-from relay.s3.store import CheckpointStore, parse_uri, s3_client, upload_args
-from relay.spec.run_spec import load_spec
+from relay.ops import checkpoint_folder, connections, runs
+from relay.ops.connections import RayJobs
 
 FIX = "\n  What to do: "  # how a RelayError prints what to do, in a usage error too
 
@@ -45,11 +43,9 @@ def _checkpoints(what: str):
 
     def check(value: str) -> str:
         _path("folder", what)(value)
-        p = Path(value)
-        is_step = lambda q: layout.STEP_DIR.match(q.name) is not None  # noqa: E731
-        if not (is_step(p) or (p / layout.TRACKER).exists() or any(is_step(c) for c in p.iterdir())):
+        if not checkpoint_folder.holds_checkpoint(Path(value)):
             raise argparse.ArgumentTypeError(
-                f"{value} holds no checkpoint (no {layout.TRACKER}, no global_step_N folder){FIX}give {what}"
+                f"{value} holds no checkpoint ({checkpoint_folder.NO_CHECKPOINT}){FIX}give {what}"
             )
         return value
 
@@ -59,7 +55,7 @@ def _checkpoints(what: str):
 def _s3_uri(value: str) -> str:
     """An argparse type: s3://BUCKET/PREFIX."""
     try:
-        parse_uri(value)
+        connections.check_s3_uri(value)
     except RelayError as e:
         raise argparse.ArgumentTypeError(f"{e.what}{FIX}{e.fix}" if e.fix else e.what) from None
     return value
@@ -95,7 +91,7 @@ PARQUET = "a parquet file"
 
 
 def _spec(path: str, check_environment: bool = True):
-    return load_spec(path, check_environment=check_environment)
+    return runs.spec_at(path, check_environment=check_environment)
 
 
 def _ray_address(args) -> str | None:
@@ -106,7 +102,7 @@ def _ray_address(args) -> str | None:
 
 def _ray_jobs_if_running(args) -> RayJobs | None:
     address = _ray_address(args)
-    return RayJobs(address) if address else None
+    return connections.ray_jobs(address) if address else None
 
 
 def _say(line: str) -> None:
@@ -116,8 +112,9 @@ def _say(line: str) -> None:
 def _store(uri: str, args=None):
     """A store on uri; an upload command's --sse, --kms-key-id and --acl go with every object it writes."""
 
-    extra = upload_args(getattr(args, "sse", None), getattr(args, "kms_key_id", None), getattr(args, "acl", None))
-    return CheckpointStore(s3_client(), uri, extra_args=extra)
+    return connections.store_at(
+        uri, sse=getattr(args, "sse", None), kms_key_id=getattr(args, "kms_key_id", None), acl=getattr(args, "acl", None)
+    )
 
 
 def _upload_options(c) -> None:

@@ -23,6 +23,14 @@ from relay.s3 import history
 from relay.s3.restore import restore as restore_published
 from relay.s3.store import CheckpointStore, parse_uri
 
+NO_CHECKPOINT = f"no {layout.TRACKER}, no global_step_N folder"  # what a folder a checkpoint command refuses lacks
+
+
+def holds_checkpoint(folder: Path) -> bool:
+    """Whether `folder` is a global_step_N folder, or holds a tracker or one: something a checkpoint command examines."""
+    is_step = lambda p: layout.STEP_DIR.match(p.name) is not None  # noqa: E731
+    return is_step(folder) or (folder / layout.TRACKER).exists() or any(is_step(c) for c in folder.iterdir())
+
 
 def spec_source(run_dir: Path) -> str | None:
     """The spec the run was started from, as its run record names it (None: no record names one)."""

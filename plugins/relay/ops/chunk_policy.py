@@ -23,6 +23,14 @@ from relay.runs import failure_cause
 FALLBACK_APPROVED = "fallback_approved"  # events.jsonl: a person approved resuming below a quarantined step
 
 
+Cause = failure_cause.Cause  # a failed job's classified cause (relay.runs.failure_cause), what a decision is made from
+
+
+def cause_of(event: Mapping[str, Any] | None) -> Cause:
+    """A cause as an event or an alert carries it (Cause.to_event); unknown without one."""
+    return failure_cause.Cause(**(event or {"cause": failure_cause.UNKNOWN}))
+
+
 def deadline_missed(found: Eta | None) -> bool:
     """Whether the run's ETA is past its deadline: alert (once; the alert ledger keeps it to one)."""
     return found is not None and (found.late_s or 0) > 0

@@ -50,6 +50,12 @@ def publish_report(run: Run, store: Any) -> dict[str, str]:
     return report.publish(run, store)
 
 
+def report_page(run: Run, store: Any, back: str | None = None) -> str:
+    """The run's report page as it is now, from its folder where this process sees it, else from S3 (the Airflow
+    UI's "Run report" link); `back`: the page it links back to."""
+    return report.current_html(run, store, back=back)
+
+
 @dataclass
 class Finished:
     """A run at its end: its state, how many chunks resumed from a checkpoint, and what its time went to."""

@@ -24,9 +24,10 @@ from typing import Any
 from relay.alerts import stall_limit_s
 from relay.checkpoints.preview import inspect_dir
 from relay.checkpoints.resume import QUARANTINE, quarantined
-from relay.checkpoints.validate import latest_valid_step
+from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.errors import LeaseLost, RelayError
 from relay.common.faultpoint import drill_env, fault_point
+from relay.common.timestamps import epoch
 from relay.insights.audit import AuditReport, audit
 from relay.insights.eta import Eta, eta
 from relay.jobs import submission
@@ -326,6 +327,54 @@ def watch(run: Run, chunk: Chunk, *, started: float) -> Watch:
     }
     timeout = max(0.0, deadline - time.time()) + stop_grace + 2 * spec.ray.poll_seconds + TRIGGER_TIMEOUT_MARGIN_S
     return Watch(trigger, timeout)
+
+
+def latest(run: Run) -> tuple[int | None, str | None]:
+    """The run's latest valid checkpoint (None for a fresh run), or None and what is wrong with the tracker's: the
+    chunk's trainer then quarantines it and falls back."""
+    return latest_step_or_problem(run.dir)
+
+
+def resume_step(run: Run) -> int | None:
+    """The step a new job of the run resumes from (None: a fresh run); a broken tracker is a CheckpointError."""
+    return latest_valid_step(run.dir)
+
+
+@dataclass
+class Ahead:
+    """A chunk's job that went on warm into the next chunk: from which step, whether that chunk's train task already
+    answered (admitted or refused it), and what the job's follower (relay.airflow.triggers.WarmJobTrigger) is given:
+    until when it waits for the answer, and the stall limits of the train task."""
+
+    submission: str  # the job's
+    chunk: int  # the chunk trained ahead
+    from_step: int | None
+    answer: dict | None
+    limit_s: float
+    trigger: dict[str, Any]
+
+
+def ahead(run: Run, chunk: Chunk, submission: str) -> Ahead | None:
+    """Whether job `submission` of `chunk` went on warm into the next chunk (None: nothing trains ahead), and how to
+    follow it until that chunk's train task admits it (chunks.admission_timeout_minutes; by default twice the chunk's
+    own duration, at least 5 minutes)."""
+    spec, nxt = run.spec, chunk.index + 1
+    record = handoff.warm(run.dir, nxt)
+    if record is None or record.get("attempt") != submission:
+        return None
+    limit = handoff.admission_limit_s(spec.chunks.admission_timeout_minutes, record.get("chunk_seconds"))
+    trigger = {
+        "run_dir": str(run.dir),
+        "chunk": nxt,
+        "deadline": (epoch(record.get("time")) or time.time()) + limit,
+        "poll_seconds": spec.ray.poll_seconds,
+        "stop_grace_s": spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+        # A stall while training ahead is a stall as in the train task: alerted, the job stopped.
+        "stall_after_s": stall_limit_s(run),
+        "startup_s": spec.alerts.startup_minutes * 60,
+        "from_step": record.get("from_step"),
+    }
+    return Ahead(submission, nxt, record.get("from_step"), handoff.answer(run.dir, nxt, submission), limit, trigger)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 from relay.checkpoints.reshard import ReshardResult
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
 from relay.common.errors import RelayError, StoreError
-from relay.jobs import chunk_job
+from relay.jobs import chunk_job, local_head
 from relay.jobs.ray_jobs import STOP_MARGIN_S, JobState, RayJobs
 from relay.preflight.prepare import RunState, prepare_run
 from relay.preflight.world_size import to_spec_world_size
@@ -72,11 +72,19 @@ def prepare(
     started_by: str,
     store: CheckpointStore | None,
     jobs: RayJobs | None,
+    asked_by: str | None = None,
 ) -> RunState:
     """The DAG's preflight.run, by the same code: the run's incarnation, and a confirmed fresh start (the old run
-    moved aside, locally and in S3, never deleted)."""
+    moved aside, locally and in S3, never deleted; once per `asked_by`, a DAG run's id)."""
     return prepare_run(
-        spec, run_name, fresh_start=fresh_start, confirm=confirm, started_by=started_by, store=store, jobs=jobs
+        spec,
+        run_name,
+        fresh_start=fresh_start,
+        confirm=confirm,
+        started_by=started_by,
+        store=store,
+        jobs=jobs,
+        asked_by=asked_by,
     )
 
 
@@ -111,6 +119,33 @@ def reshard_to_spec(run: Run, store: CheckpointStore | None, *, publish_or_fail:
                 f"publish it when S3 answers: relay checkpoint publish {run.dir} {run.spec.s3.uri} --step {result.step}"
             )
     return out
+
+
+def train_as_job(
+    run: Run,
+    to_step: int,
+    *,
+    address: str | None,
+    private_head: Callable[[], Any],
+    offline: bool,
+    say: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> JobOutcome:
+    """`relay train` of a kind whose chunks run as Ray jobs: the chunk as the DAG's Ray job, on the cluster at
+    `address`, else on `private_head()` (a head of the command's own that ends with it); its log on stdout. SIGTERM
+    and SIGHUP stop the job (and the private head) as Ctrl-C does: a KeyboardInterrupt (see `interrupted`)."""
+    with chunk_job.interrupts():
+        with local_head.guarded(address) if address else private_head() as where:
+            say(f"run {run.name}: training to step {to_step} as a Ray job on {where.address}")
+            state, warning = follow_job(RayJobs(where.address), run, to_step, offline=offline, watch=where.watch_job)
+            if warning:
+                warn(warning)
+    return job_outcome(run, state, to_step)
+
+
+def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped a command (a signal's name, or Ctrl-C) and its exit code: 128 + the signal's number."""
+    return (str(e) if isinstance(e, chunk_job.Interrupted) else "Ctrl-C"), chunk_job.exit_code(e)
 
 
 def runs_as_job(spec: RunSpec) -> bool:

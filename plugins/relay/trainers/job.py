@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 
 from relay.common.errors import RelayError, StoppedEarly
+from relay.common.quiet import quiet_known_noise
 from relay.trainers.contract import ChunkRequest, run_chunk
-from relay.trainers.quiet import quiet_known_noise
 
 
 def main() -> int:
