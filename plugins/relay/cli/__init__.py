@@ -3,8 +3,8 @@
 Standard AWS environment variables configure S3 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
 
 The command line sits above every layer but airflow; it imports the core through relay.ops (and relay.common), the
-local stack from relay.devstack, never relay.airflow; no layer imports it. One module per group of commands, each adding its parsers (`add_commands`); what they share is in
-`shared`.
+local stack from relay.devstack, never relay.airflow; no layer imports it. One module per group of commands, each
+adding its parsers (`add_commands`); what they share is in `shared`.
 """
 
 from __future__ import annotations
