@@ -34,6 +34,7 @@ PLANNED = {
     "task-process-kill": "the train task's process SIGKILLed between its job's submission and its deferral",
     "job-frozen": "a chunk's trainer frozen (SIGSTOP): alive, no new step",
     "warm-chunk-kill": "a trainer killed in a chunk its job started warm (chunks.handoff: warm)",
+    "team-kind-kill": "a team's own trainer kind (registered by entry point) killed in its chunk's Ray job",
     "warm-gate-refusal": "the checkpoint a warm chunk went on from fails the gate while the job trains ahead",
     "graceful-stop": "a trainer SIGTERMed mid-chunk (a pod's end, a spot notice, `ray job stop`)",
     "s3-stopped": "S3 server stopped during a publish, restarted later",

@@ -15,6 +15,7 @@ from relay.jobs.ray_jobs import RayJobs
 from relay.runs import layout
 from relay.runs.lease import Lease
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
+from relay.runs.run import Run
 from relay.s3.store import store_for_spec
 from relay.spec.run_spec import load_spec
 from support.helpers import (
@@ -26,6 +27,7 @@ from support.helpers import (
     read_metrics,
     relay_cli,
     start_dags_test,
+    train,
     write_spec,
 )
 
@@ -229,59 +231,83 @@ def test_bad_environment_is_refused_before_any_job(airflow_home, ray_address):
 
 
 @pytest.mark.fault
-def test_warm_chunks_train_in_one_job_and_a_kill_in_a_warm_chunk_resumes_cold(
-    airflow_home, ray_address, uninterrupted, fault_row
+def test_the_demo_run_trains_warm_and_a_kill_in_a_warm_chunk_resumes_cold(
+    airflow_home, ray_address, s3_server, tmp_path, fault_row
 ):
-    """chunks.handoff warm, three chunks of 4 steps and a drill that kills the trainer after step 10: chunk 1's job
-    goes on warm into chunks 2 and 3, whose train tasks admit and take it over; the kill in chunk 3 fails its try,
-    and the retry starts a new job from checkpoint 8. Every chunk is validated and published as a cold one is (the
-    validation where the checkpoint lives, as a Ray job of its own: checkpoints.validate_on ray), and the run ends
-    bitwise equal to the uninterrupted one."""
+    """The demo's run (its spec's 60 steps in 3 warm chunks of 20) with the demo's crash drill, which kills the trainer
+    after step 30: chunk 1's job goes on warm into chunk 2, the kill fails that attempt, and chunk 2's train task
+    starts a new job from checkpoint 20, which goes on warm into chunk 3, whose train task admits and takes it over.
+    Every chunk is validated and published as a cold one is (the validation where the checkpoint lives, as a Ray job
+    of its own: checkpoints.validate_on ray), the run ends bitwise equal to an uninterrupted one, and the demo says of
+    it what docs/quickstart.md shows (tests/support/demo_transcript.py)."""
+    from relay.devstack import demo
+    from support import demo_transcript
+
+    shape = {"total_steps": 60, "chunk_steps": 20}
     spec_path = write_spec(
         airflow_home["runs"],
-        name="warm",
-        chunk_steps=4,
-        **{"chunks.handoff": "warm", "airflow.approvals": False, "checkpoints.validate_on": "ray"},
+        name="demo",
+        **shape,
+        **{
+            "chunks.handoff": "warm",
+            "airflow.approvals": False,
+            "checkpoints.validate_on": "ray",
+            "checkpoints.hf_export": True,
+        },
     )
-    rd = run_dir(spec_path, "warm")
+    spec = load_spec(spec_path, check_environment=False)
+    run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"  # named as the demo names its run
+    rd = run_dir(spec_path, run)
+    fault, kill_at = demo.drill(spec)
     t0 = time.time()
-    r = dags_test(airflow_home, "relay_warm", {"run": "warm", "relay_fault": {"kill_at": "after_step@10"}})
+    r = dags_test(airflow_home, "relay_demo", {"run": run, "relay_fault": fault})
     assert r.returncode == 0, r.stdout[-5000:]
-    validated = [j for j in jobs_of_run(ray_address, "warm", t0) if (j.metadata or {}).get("relay_role") == "validate"]
+    validated = [j for j in jobs_of_run(ray_address, run, t0) if (j.metadata or {}).get("relay_role") == "validate"]
     assert [str(j.status) for j in validated] == ["SUCCEEDED"] * 3, "each chunk's checkpoint validated on the cluster"
     assert "checkpoint valid" in r.stdout and "✔ numerics" in r.stdout
     starts = [e for e in read_events(rd) if e["event"] == "chunk_start"]
     assert [(e["chunk"], e["resumed_from"], e["warm"]) for e in starts] == [
         (1, 0, False),
-        (2, 4, True),
-        (3, 8, True),
-        (3, 8, False),
-    ], "chunks 2 and 3 start warm in chunk 1's job; the retry after the kill starts cold"
-    assert starts[0]["attempt"] == starts[1]["attempt"] == starts[2]["attempt"] != starts[3]["attempt"]
+        (2, 20, True),
+        (2, 20, False),
+        (3, 40, True),
+    ], "chunk 2 starts warm in chunk 1's job; after the kill a new job resumes it cold and goes on warm into chunk 3"
+    assert starts[0]["attempt"] == starts[1]["attempt"] != starts[2]["attempt"] == starts[3]["attempt"]
     assert "went on warm into chunk 2" in r.stdout and "admitted and took over Ray job" in r.stdout
-    assert layout.read_tracker(rd) == STEPS
-    assert [row["step"] for row in read_metrics(rd)] == list(range(1, STEPS + 1))
+    assert layout.read_tracker(rd) == 60
+    assert [row["step"] for row in read_metrics(rd)] == list(range(1, 61))
     retrained = [row["step"] for row in read_jsonl(rd / SUPERSEDED)]
-    assert retrained and min(retrained) == 9, "only the killed warm chunk's steps after checkpoint 8"
-    assert_bitwise_equal(model_state(rd / f"global_step_{STEPS}"), uninterrupted)
-    store = store_for_spec(load_spec(spec_path, check_environment=False))
-    assert [m.step for m in store.published("warm")] == [4, 8, 12], "each chunk validated and published"
+    assert retrained == list(range(21, kill_at + 1)), "only the killed warm chunk's steps after checkpoint 20"
+    straight = tmp_path / "straight"
+    train(write_spec(tmp_path, name="demo", **shape), straight, 60)
+    assert_bitwise_equal(model_state(rd / "global_step_60"), model_state(straight / "global_step_60"))
+    store = store_for_spec(spec)
+    assert [m.step for m in store.published(run)] == [20, 40, 60], "each chunk validated and published"
     g = goodput.ledger(rd)
     assert g is not None and [(a.chunk, a.warm, a.outcome) for a in g.attempts] == [
         (1, False, "finished"),
-        (2, True, "finished"),
-        (3, True, "killed"),
-        (3, False, "finished"),
+        (2, True, "killed"),
+        (2, False, "finished"),
+        (3, True, "finished"),
     ]
-    assert [a.parts.get("startup", 0) > 0 for a in g.attempts] == [True, False, False, True], (
+    assert [a.parts.get("startup", 0) > 0 for a in g.attempts] == [True, False, True, False], (
         "start-up only in chunk 1 and after the failure"
+    )
+    resumed, told = demo.resumed_chunk_2(Run.of(spec, run), kill_at)
+    assert resumed, told
+    said = [demo.drill_notice(spec, kill_at), *demo.summary(Run.of(spec, run), "success", s3_server), told]
+    demo_transcript.check_or_record(
+        demo_transcript.recorded(
+            said, checkpoint_dir=rd.parent, s3_uri=spec.s3.uri if spec.s3 else "", s3_endpoint=s3_server
+        )
     )
     fault_row(
         case="warm-chunk-kill",
         layer="full stack (Airflow, Ray, S3)",
-        fault="the trainer is killed after step 10, in chunk 3, which its job started warm after committing chunk 2",
-        action="chunk 3's try failed; its retry started a new job that resumed cold from checkpoint 8 (rows 9.. of the "
-        "warm job kept in metrics.superseded.jsonl)",
+        fault=f"the demo's drill: the trainer is killed after step {kill_at}, in chunk 2, which chunk 1's job went on "
+        "into warm",
+        action="chunk 2's attempt failed; a new job resumed it cold from checkpoint 20 (rows 21.. of the warm job kept "
+        "in metrics.superseded.jsonl) and went on warm into chunk 3",
         steps_lost=len(retrained),
         run_dir=rd,
         store=store,

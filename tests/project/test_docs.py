@@ -123,3 +123,21 @@ def test_the_trainer_contract_the_spec_model_and_the_operations_have_docstrings(
         text=True,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_demo_output_in_the_docs_is_the_recorded_transcript():
+    """The demo's output is shown from one source: the transcript in docs/quickstart.md that the demo's DAG test
+    records (tests/support/demo_transcript.py). The README's excerpt is lines of it (attempt ids shortened to
+    `...-cNN-tN`), and no other page shows the demo's output."""
+    from support import demo_transcript
+
+    recorded = demo_transcript.shape(demo_transcript.in_docs())
+    assert len(recorded) > 5 and recorded[0].startswith("[demo] chunk N's trainer will be killed"), recorded[:3]
+    short = [re.sub(r"relay-demo-\S+?(-cN-tN:)", r"...\1", line) for line in recorded]
+    readme = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("[demo] ")]
+    assert readme, "the README shows an excerpt of the demo's output"
+    stale = [line for line in demo_transcript.shape(readme) if line not in short]
+    assert not stale, f"README lines that the recorded transcript does not say: {stale}"
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        if page != demo_transcript.QUICKSTART:
+            assert "[demo] " not in page.read_text(), f"{page} shows demo output of its own: show the transcript's"

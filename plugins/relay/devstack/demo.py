@@ -15,7 +15,7 @@ from relay.insights import report
 from relay.runs.metrics import SUPERSEDED, read_events, read_jsonl
 from relay.runs.run import Run
 from relay.spec.plan import ChunkPlan
-from relay.spec.run_spec import load_spec
+from relay.spec.run_spec import RunSpec, load_spec
 
 DEMO_SPEC = "include/runs/demo.yaml"
 
@@ -27,7 +27,7 @@ def say(msg: str) -> None:
 def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: float = 1200) -> int:
     spec = load_spec(root() / DEMO_SPEC)
     demo_run = Run.of(spec, f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    kill_at = spec.chunk_steps + spec.chunk_steps // 2  # the middle of chunk 2
+    fault, kill_at = drill(spec)
     say("starting the local stack: S3 (SeaweedFS), Ray head, Airflow (api-server, scheduler, dag-processor, triggerer)")
     info = stack.up(with_airflow=True)
     try:
@@ -37,21 +37,19 @@ def run(keep_running: bool = False, provoke_resume: bool = True, timeout_s: floa
         api.wait_for_dag(spec.dag_id)
         conf: dict[str, Any] = {"run": demo_run.name}
         if provoke_resume:
-            # A crash drill: chunk 2's trainer SIGKILLs itself right after step kill_at, on its first attempt
-            # only, before it saves (a graceful stop would save first); Airflow's retry resumes it.
-            conf["relay_fault"] = {"kill_at": f"after_step@{kill_at}"}
-            say(
-                f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): a new job "
-                f"resumes it from its latest checkpoint, step {spec.chunk_steps}"
-            )
+            conf["relay_fault"] = fault
+            say(drill_notice(spec, kill_at))
         dag_run = api.trigger(spec.dag_id, conf)
         say(f"triggered {spec.dag_id}, DAG run {dag_run['dag_run_id']}, training run {demo_run}")
         state = _follow(api, demo_run, dag_run["dag_run_id"], timeout_s)
-        _summary(demo_run, state)
+        for line in summary(demo_run, state, stack.s3_endpoint()):
+            say(line)
         if state != "success":
             return 1
-        if provoke_resume and not _resumed_chunk_2(demo_run, kill_at):
-            return 1
+        if provoke_resume:
+            resumed, told = resumed_chunk_2(demo_run, kill_at)
+            say(told)
+            return 0 if resumed else 1
         return 0
     finally:
         if keep_running:
@@ -79,33 +77,49 @@ def _follow(api: AirflowAPI, run: Run, dag_run_id: str, timeout_s: float) -> str
     return "timed out"
 
 
-def _resumed_chunk_2(run: Run, kill_at: int) -> bool:
-    """Whether a retry of chunk 2 resumed from its start step; says what it cost."""
+def drill(spec: RunSpec) -> tuple[dict[str, str], int]:
+    """The demo's crash drill (the DAG run's conf relay_fault) and the step it kills at: chunk 2's trainer SIGKILLs
+    itself right after the middle step of chunk 2, on its first attempt only, before it saves (a graceful stop would
+    save first); Airflow's retry resumes it."""
+    kill_at = spec.chunk_steps + spec.chunk_steps // 2
+    return {"kill_at": f"after_step@{kill_at}"}, kill_at
+
+
+def drill_notice(spec: RunSpec, kill_at: int) -> str:
+    """What the demo says of its drill before it triggers the run."""
+    return (
+        f"chunk 2's trainer will be killed after step {kill_at} on purpose (conf relay_fault): a new job "
+        f"resumes it from its latest checkpoint, step {spec.chunk_steps}"
+    )
+
+
+def resumed_chunk_2(run: Run, kill_at: int) -> tuple[bool, str]:
+    """Whether a retry of chunk 2 resumed from its start step, and what the demo says of it (what it cost)."""
     spec, run_dir = run.spec, run.dir
     starts = [e for e in read_events(run_dir) if e["event"] == "chunk_start" and e.get("chunk") == 2]
     resumed = [e for e in starts[1:] if e.get("resumed_from") == spec.chunk_steps]
     if not resumed:
-        say(
+        return False, (
             f"FAILED: no retry of chunk 2 resumed from step {spec.chunk_steps} (chunk 2's attempts resumed from "
             f"{[e.get('resumed_from') for e in starts]}); the provoked resume did not happen"
         )
-        return False
     lost = len(read_jsonl(run_dir / SUPERSEDED))
-    say(
+    return True, (
         f"chunk 2's trainer was killed after step {kill_at}; its retry resumed from step {spec.chunk_steps}: "
         f"{lost} step(s) lost and trained again (kept in {SUPERSEDED})"
     )
-    return True
 
 
-def _summary(run: Run, state: str) -> None:
+def summary(run: Run, state: str, s3_endpoint: str) -> list[str]:
+    """What the demo says once the DAG run ended: the reward's rise, each chunk attempt and how it started, the
+    publications, where the run's files are, and the run report's summary."""
     spec, run_dir = run.spec, run.dir
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    say(f"DAG run finished: {state}")
+    out = [f"DAG run finished: {state}"]
     if rows:
         first = sum(r["reward_mean"] for r in rows[:10]) / min(10, len(rows))
         last = sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows))
-        say(f"reward_mean: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
+        out.append(f"reward_mean: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     for e in read_events(run_dir):
         if e["event"] == "chunk_start":
             how = (
@@ -115,24 +129,24 @@ def _summary(run: Run, state: str) -> None:
                 if e["resumed_from"]
                 else "a new job, started"
             )
-            say(f"chunk {e['chunk']} attempt {e['attempt']}: {how} from step {e['resumed_from']}")
+            out.append(f"chunk {e['chunk']} attempt {e['attempt']}: {how} from step {e['resumed_from']}")
     for e in read_events(run_dir):
         if e["event"] == "publish":
-            say(
+            out.append(
                 f"published step {e['step']}: {e['uri']}"
                 + (f"  (Hugging Face model: {e['hf_uri']})" if e.get("hf_uri") else "")
             )
-    say(f"checkpoints: {run_dir}  (tracker: {run_dir / 'latest_checkpointed_iteration.txt'})")
-    say(f"metrics:     {run_dir / 'metrics.jsonl'}  (one row per step)")
-    say(f"events:      {run_dir / 'events.jsonl'}")
+    out.append(f"checkpoints: {run_dir}  (tracker: {run_dir / 'latest_checkpointed_iteration.txt'})")
+    out.append(f"metrics:     {run_dir / 'metrics.jsonl'}  (one row per step)")
+    out.append(f"events:      {run_dir / 'events.jsonl'}")
     if spec.s3:
-        say(
-            f"S3:          {spec.s3.uri}/{run}/latest.json on {stack.s3_endpoint()}  "
+        out.append(
+            f"S3:          {spec.s3.uri}/{run}/latest.json on {s3_endpoint}  "
             f"(`.venv/bin/relay checkpoint ls {spec.s3.uri} --run {run}` with AWS_ENDPOINT_URL set)"
         )
     if rows:
         rep = report.build(run_dir, plan=ChunkPlan.from_spec(spec), spec=spec)
         paths = report.write(rep, report.default_out(run_dir))
-        for line in rep.summary().splitlines():
-            say(line)
-        say(f"report:      {paths['html']}  (plot: {paths['png']}; `.venv/bin/relay report {run_dir}`)")
+        out += rep.summary().splitlines()
+        out.append(f"report:      {paths['html']}  (plot: {paths['png']}; `.venv/bin/relay report {run_dir}`)")
+    return out
