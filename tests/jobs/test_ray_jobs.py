@@ -90,6 +90,7 @@ def test_progress_polling_reads_a_bounded_tail_of_a_50_mb_log(ray_address, monke
 
     from relay.airflow import triggers
     from relay.jobs.ray_jobs import TAIL_LINES, AsyncRayJobs
+    from relay.ops import follow_job
 
     reads: list[int] = []
 
@@ -100,7 +101,7 @@ def test_progress_polling_reads_a_bounded_tail_of_a_50_mb_log(ray_address, monke
             reads.append(self.bytes_read - before)
             return text
 
-    monkeypatch.setattr(triggers, "AsyncRayJobs", Counted)
+    monkeypatch.setattr(follow_job, "AsyncRayJobs", Counted)
     jobs = RayJobs(ray_address)
     sub_id = jobs.client.submit_job(entrypoint=f"python -c '{VERBOSE_CHUNK}'")
     trigger = triggers.RayJobTrigger(

@@ -58,7 +58,7 @@ def settings_guard(spec_path: str, answer: dict | None = None, **context) -> lis
             allow=allow,
             by=by,
             dag_run=context["dag_run"].run_id,
-            store=checkpoint_store(run.spec),
+            store=lambda: checkpoint_store(run.spec),
             ask=run.spec.airflow.approvals and not answer,
         )
     except RelayError as e:

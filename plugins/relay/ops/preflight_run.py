@@ -5,6 +5,7 @@ on: a state to push, or the question to ask a person where `airflow.approvals` a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,10 +52,11 @@ class SettingsCheck:
 
 
 def guard_settings(
-    run: Run, *, allow: list[str], by: str, dag_run: str, store: CheckpointStore | None, ask: bool
+    run: Run, *, allow: list[str], by: str, dag_run: str, store: Callable[[], CheckpointStore | None], ask: bool
 ) -> SettingsCheck:
     """The run's resume-critical settings against the ones it recorded: a drift not in `allow` raises DriftError,
-    or with `ask` becomes a question; an allowed drift is recorded and the run record published again."""
+    or with `ask` becomes a question; an allowed drift is recorded and the run record published again (`store`:
+    the run's store, asked for only then)."""
     try:
         allowed = check_settings(run, allow_drift=allow, by=by, dag_run=dag_run)
     except DriftError as e:
@@ -62,7 +64,7 @@ def guard_settings(
             raise
         return SettingsCheck(question=_drift_question(run, e))
     if allowed:
-        publish_record(run, store)
+        publish_record(run, store())
     return SettingsCheck(allowed)
 
 
