@@ -7,7 +7,13 @@ from relay.devstack import demo, stack
 
 def cmd_stack(args) -> int:
     if args.action == "up":
-        info = stack.up(with_airflow=not args.no_airflow, db_url=args.db, ray_cpus=args.ray_cpus, ray_gpus=args.ray_gpus)
+        info = stack.up(
+            with_airflow=not args.no_airflow,
+            db_url=args.db,
+            ray_cpus=args.ray_cpus,
+            ray_gpus=args.ray_gpus,
+            ray_nodes=args.ray_nodes,
+        )
         for k, v in info.items():
             print(f"{k:>12}: {v}")
     elif args.action == "down":
@@ -15,6 +21,10 @@ def cmd_stack(args) -> int:
     else:
         print(f"state folder: {stack.state_dir()}")
         print("running: " + (", ".join(stack.running_services()) or "nothing started by relay"))
+        if stack.ray_running():
+            print(f"Ray cluster at {stack.ray_address()}:")
+            for node in stack.ray_nodes():
+                print(f"  {node.line()}")
     return 0
 
 
@@ -39,8 +49,17 @@ def add_commands(sub) -> None:
         type=int,
         default=stack.LOGICAL_GPUS,
         metavar="N",
-        help="up, on a host without NVIDIA GPUs: logical GPUs the Ray head advertises (default 1); a verl spec "
-        "holds its training world's, and separate_async's rollout one more each",
+        help="up, on a host without NVIDIA GPUs: logical GPUs the Ray head advertises (default 1), or with "
+        "--ray-nodes each worker node; a verl spec holds its training world's, and separate_async's rollout one more each",
+    )
+    s.add_argument(
+        "--ray-nodes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="up: N worker nodes beside the head on this host, each its own raylet, ports (from "
+        "RELAY_RAY_NODE_PORT_BASE) and --ray-gpus logical GPUs; the head then has none, so that training runs on "
+        "the worker nodes (default 0: the head alone); again after a node was lost, it starts the missing ones",
     )
     s.add_argument(
         "--wait",

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
@@ -236,24 +237,132 @@ def stack_ray_ports() -> set[int]:
     )
 
 
+# Worker nodes of the local stack (`relay stack up --ray-nodes N`): node i's ports from RELAY_RAY_NODE_PORT_BASE +
+# (i - 1) * NODE_PORT_BLOCK, the six of its raylet first, then its workers' range.
+NODE_PORT_BLOCK = 200
+NODE_CPUS = 4  # each worker node's logical CPUs: a verl worker's bundle and the helpers it places beside it
+NODE_OBJECT_STORE_BYTES = 200 * 1024 * 1024  # each node's object store: several nodes share the host's memory
+# The head's health checks of its nodes: a raylet of a loaded 2-core host may answer late; only this many missed
+# checks (each this far apart, and waited for this long) make the head declare a node dead (Ray's: 5, 3 s, 10 s).
+HEALTH_CHECK_ENV = {
+    "RAY_health_check_failure_threshold": "10",
+    "RAY_health_check_period_ms": "3000",
+    "RAY_health_check_timeout_ms": "20000",
+}
+ROLE_LABEL, NODE_LABEL = "relay.io/role", "relay.io/node"  # the labels of the stack's nodes (`ray list nodes`)
+
+
+def ray_node_ports(node: int) -> dict[str, int]:
+    """Worker node `node`'s ports (from 1), by `ray start` option."""
+    base = ports()["RELAY_RAY_NODE_PORT_BASE"] + (node - 1) * NODE_PORT_BLOCK
+    out = {option: base + i for i, option in enumerate(local_head.NODE_PORT_OPTIONS)}
+    return {**out, "min-worker-port": base + 10, "max-worker-port": base + NODE_PORT_BLOCK - 1}
+
+
+def ray_temp_dir(node: int = 0) -> Path:
+    """Node `node`'s temp dir (0: the head): its own, short (Ray's socket paths live there), named after the stack's
+    folder, so that a node is found, stopped or lost by it alone and never another stack's or Ray's default one."""
+    tag = hashlib.sha256(str(state_dir()).encode()).hexdigest()[:8]
+    return Path(f"/tmp/relay-{tag}-{'head' if node == 0 else f'w{node:02d}'}")
+
+
 def ray_running() -> bool:
     """Whether the local stack's Ray head answers (its dashboard, the Jobs API)."""
     return _http_ok(f"{ray_address()}/api/version")
 
 
-def ray_start(num_cpus: int | None = None, num_gpus: int = LOGICAL_GPUS) -> str:
-    """Start a Ray head (if none answers) and return its Jobs API address. num_gpus: its logical GPUs on a host
-    without NVIDIA GPUs."""
-    if ray_running():
-        return ray_address()
+def ray_start(num_cpus: int | None = None, num_gpus: int = LOGICAL_GPUS, nodes: int = 0) -> str:
+    """Start a Ray head (if none answers) and `nodes` worker nodes on this host (those not running), and return the
+    head's Jobs API address. num_gpus: the logical GPUs of the head, or with worker nodes of each of them (the head
+    then has none: GPU work goes to the worker nodes, the chunks' drivers run on the head) on a host without NVIDIA
+    GPUs. The head's logical CPUs: num_cpus (default head_cpus()); each worker node's: NODE_CPUS."""
+    if not ray_running():
+        d = state_dir() / "ray"
+        d.mkdir(parents=True, exist_ok=True)
+        temp = ray_temp_dir()
+        temp.mkdir(parents=True, exist_ok=True)
+        cmd = local_head.head_command(
+            ray_cli(),
+            ray_head_ports(),
+            num_cpus=num_cpus or head_cpus(),
+            num_gpus=0 if nodes else logical_gpus(num_gpus),
+            temp_dir=temp,
+        )
+        cmd.append(f"--labels={ROLE_LABEL}=head")
+        env = {**ray_env(), **HEALTH_CHECK_ENV, local_head.MARKER: temp.name}
+        local_head.run_ray_start(cmd, env, cwd=d, log=d / "ray-start.log", sid_file=temp / local_head.SID_FILE)
+        _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
+    for node in range(1, nodes + 1):
+        if not ray_node_running(node):
+            ray_node_start(node, num_gpus=num_gpus)
+    return ray_address()
+
+
+def ray_node_running(node: int) -> bool:
+    """Whether worker node `node` of the stack has live processes on this host."""
+    return bool(local_head.head_processes(ray_temp_dir(node)))
+
+
+def ray_node_start(node: int, num_cpus: int = NODE_CPUS, num_gpus: int = LOGICAL_GPUS) -> None:
+    """Worker node `node` (from 1) of the stack's cluster on this host: its own raylet, ports and temp dir, labelled
+    relay.io/node=worker-<node>; returns once the head counts it."""
+    temp = ray_temp_dir(node)
+    temp.mkdir(parents=True, exist_ok=True)
+    cmd = local_head.node_command(
+        ray_cli(),
+        f"127.0.0.1:{ports()['RELAY_RAY_GCS_PORT']}",
+        ray_node_ports(node),
+        num_cpus=num_cpus,
+        num_gpus=logical_gpus(num_gpus),
+        temp_dir=temp,
+        labels={ROLE_LABEL: "worker", NODE_LABEL: f"worker-{node}"},
+        object_store_bytes=NODE_OBJECT_STORE_BYTES,
+    )
     d = state_dir() / "ray"
     d.mkdir(parents=True, exist_ok=True)
-    cmd = local_head.head_command(
-        ray_cli(), ray_head_ports(), num_cpus=num_cpus or head_cpus(), num_gpus=logical_gpus(num_gpus)
-    )
-    local_head.run_ray_start(cmd, ray_env(), cwd=d, log=d / "ray-start.log")
-    _wait_http(f"{ray_address()}/api/version", 60, "Ray dashboard")
-    return ray_address()
+    env = {**ray_env(), local_head.MARKER: temp.name}
+    local_head.run_ray_start(cmd, env, cwd=d, log=d / f"ray-node-{node}.log", sid_file=temp / local_head.SID_FILE)
+    deadline = time.time() + 60
+    while not any(n.name == f"worker-{node}" and n.alive for n in ray_nodes()):
+        if time.time() > deadline:
+            raise RuntimeError(f"Ray node worker-{node} started but the head does not count it; see {d}")
+        time.sleep(0.5)
+
+
+def ray_node_lose(node: int) -> int:
+    """Lose worker node `node` as a dead host would: SIGKILL its raylet and every process of it (a training worker
+    placed there dies with it), never `ray stop` (it stops every node of the host). How many processes died."""
+    return local_head.stop_head(ray_temp_dir(node), grace_s=0)
+
+
+@dataclass
+class RayNode:
+    """A node of the stack's cluster as the head's state API sees it."""
+
+    name: str  # head, worker-<i>, or the node's id where it has no relay.io/node label
+    alive: bool
+    cpus: float
+    gpus: float
+    node_id: str
+
+    def line(self) -> str:
+        """The node in `relay stack status`'s words."""
+        state = "alive" if self.alive else "dead"
+        return f"{self.name:<10} {state:<5} {self.cpus:g} CPU, {self.gpus:g} GPU  (node {self.node_id[:12]})"
+
+
+def ray_nodes(address: str | None = None) -> list[RayNode]:
+    """The cluster's nodes, alive and dead, from the head's state API (`ray list nodes`); the head first."""
+    url = f"{address or ray_address()}/api/v0/nodes?limit=1000&detail=1"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        rows = json.load(r)["data"]["result"]["result"]
+    out = []
+    for row in rows:
+        labels = row.get("labels") or {}
+        name = "head" if row.get("is_head_node") else labels.get(NODE_LABEL) or row["node_id"][:12]
+        total = row.get("resources_total") or {}
+        out.append(RayNode(name, row.get("state") == "ALIVE", total.get("CPU", 0), total.get("GPU", 0), row["node_id"]))
+    return sorted(out, key=lambda n: (n.name != "head", n.name, not n.alive))
 
 
 # Ray's CPUs are a count to schedule by, not cores it pins. A verl chunk on the CPU path holds 4 (the job's
@@ -282,9 +391,11 @@ def private_ray_head(num_cpus: int | None = None, say=None, num_gpus: int = LOGI
 
 
 def ray_stop() -> None:
-    subprocess.call(
-        [*ray_cli(), "stop", "--force"], cwd=state_dir(), env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    """Stop the stack's head and its worker nodes, each by its temp dir (never `ray stop`: it stops every Ray of the
+    host, a private head's and another stack's too)."""
+    temps = sorted(ray_temp_dir().parent.glob(f"{ray_temp_dir().name.rpartition('-')[0]}-*"), reverse=True)
+    for temp in temps:  # the worker nodes first, then the head
+        local_head.stop_head(temp, grace_s=2)
 
 
 # ------------------------------------------------------------------------------------- Airflow
@@ -548,11 +659,15 @@ def _wait_http(url: str, timeout: float, what: str) -> None:
 
 
 def up(
-    with_airflow: bool = True, db_url: str | None = None, ray_cpus: int | None = None, ray_gpus: int = LOGICAL_GPUS
+    with_airflow: bool = True,
+    db_url: str | None = None,
+    ray_cpus: int | None = None,
+    ray_gpus: int = LOGICAL_GPUS,
+    ray_nodes: int = 0,
 ) -> dict:
     """Start the whole local stack; return how to reach it. ray_cpus: the head's logical CPUs (head_cpus());
-    ray_gpus: its logical GPUs on a host without NVIDIA GPUs."""
-    info = {"s3": s3_start(), "ray": ray_start(ray_cpus, ray_gpus)}
+    ray_gpus: its logical GPUs on a host without NVIDIA GPUs, or with `ray_nodes` worker nodes each node's."""
+    info = {"s3": s3_start(), "ray": ray_start(ray_cpus, ray_gpus, ray_nodes)}
     if with_airflow:
         info["mail"] = str(mail_start())
         env = {**airflow_env(state_dir() / "airflow", db_url), "AIRFLOW_CONN_SMTP_DEFAULT": mail_connection()}

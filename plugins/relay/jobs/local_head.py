@@ -104,6 +104,49 @@ def head_command(
     ]
 
 
+# A worker node's ports, as `ray start --address` takes them (the head's PORT_OPTIONS less the head's own).
+NODE_PORT_OPTIONS = (
+    "node-manager-port",
+    "object-manager-port",
+    "runtime-env-agent-port",
+    "dashboard-agent-grpc-port",
+    "dashboard-agent-listen-port",
+    "metrics-export-port",
+)
+
+
+def node_command(
+    ray_cli: list[str],
+    gcs_address: str,
+    ports: dict[str, int],
+    *,
+    num_cpus: int,
+    num_gpus: int | None,
+    temp_dir: Path | str,
+    labels: dict[str, str],
+    object_store_bytes: int,
+) -> list[str]:
+    """`ray start --address=GCS`: one more node of the cluster on this host, its own raylet on `ports` (option -> port:
+    NODE_PORT_OPTIONS and WORKER_PORT_OPTIONS), its own temp dir (so that it can be lost alone: its processes are
+    found by it), its logical CPUs and GPUs, node labels, and a small object store (several share the host's memory)."""
+    missing = [o for o in (*NODE_PORT_OPTIONS, *WORKER_PORT_OPTIONS) if o not in ports]
+    if missing:
+        raise ValueError(f"no port for {', '.join(missing)}")
+    return [
+        *ray_cli,
+        "start",
+        f"--address={gcs_address}",
+        f"--num-cpus={num_cpus}",
+        *([f"--num-gpus={num_gpus}"] if num_gpus is not None else []),
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        f"--object-store-memory={object_store_bytes}",
+        f"--labels={','.join(f'{k}={v}' for k, v in labels.items())}",
+        *(f"--{option}={ports[option]}" for option in (*NODE_PORT_OPTIONS, *WORKER_PORT_OPTIONS)),
+        f"--temp-dir={temp_dir}",
+    ]
+
+
 def run_ray_start(
     cmd: list[str], env: dict[str, str], cwd: Path, log: Path, sid_file: Path | None = None, timeout: float = START_TIMEOUT_S
 ) -> None:
