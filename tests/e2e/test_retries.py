@@ -93,8 +93,13 @@ def task(api, dag_id: str, run_id: str, task_id: str) -> dict:
     return next(t for t in api.task_instances(dag_id, run_id) if t["task_id"] == task_id)
 
 
-def chunk_jobs(ray_address: str, run: str, since: float, chunk: int) -> list:
-    return [j for j in jobs_of_run(ray_address, run, since) if (j.metadata or {}).get("relay_chunk") == str(chunk)]
+def chunk_jobs(ray_address: str, run: str, since: float, chunk: int, spec: str | None = None) -> list:
+    """Chunk `chunk`'s jobs of run `run` (of spec `spec` where given: another test's spec may name a run alike)."""
+    return [
+        j
+        for j in jobs_of_run(ray_address, run, since)
+        if (j.metadata or {}).get("relay_chunk") == str(chunk) and spec in (None, (j.metadata or {}).get("relay_spec"))
+    ]
 
 
 def trained_once_and_equal(spec_path: Path, run: str, uninterrupted: dict) -> tuple[Path, object]:
@@ -117,13 +122,13 @@ def adopted(api, ray_address, dag_id: str, run_id: str, run: str, since: float, 
             600,
             "chunk 1's next try to defer",
         )
-        jobs = chunk_jobs(ray_address, run, since, 1)
+        jobs = chunk_jobs(ray_address, run, since, 1, dag_id.removeprefix("relay_"))
         assert [str(j.status) for j in jobs] == ["RUNNING"], "the first try's job was adopted, not stopped or doubled"
     finally:
         Path(f"{release}.go").touch()
     finished = api.wait_for_run(dag_id, run_id, timeout=900)
     assert finished["state"] == "success", api.task_instances(dag_id, run_id)
-    assert [str(j.status) for j in chunk_jobs(ray_address, run, since, 1)] == ["SUCCEEDED"]
+    assert [str(j.status) for j in chunk_jobs(ray_address, run, since, 1, dag_id.removeprefix("relay_"))] == ["SUCCEEDED"]
     assert task(api, dag_id, run_id, "chunk_01.train")["try_number"] == 2
     publish_overlapped_the_next_chunk(api, dag_id, run_id)
 
