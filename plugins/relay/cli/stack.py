@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from relay.devstack import demo, stack
 
 
@@ -12,10 +14,16 @@ def cmd_stack(args) -> int:
             db_url=args.db,
             ray_cpus=args.ray_cpus,
             ray_gpus=args.ray_gpus,
-            ray_nodes=args.ray_nodes,
+            worker_nodes=args.ray_nodes,
         )
         for k, v in info.items():
             print(f"{k:>12}: {v}")
+        if args.ray_nodes and any(n.name == "head" and n.alive and n.gpus for n in stack.ray_nodes()):
+            print(
+                "warning: the Ray head was started without worker nodes and keeps its GPUs, so training may run on it; "
+                "`relay stack down` first for a head without GPUs",
+                file=sys.stderr,
+            )
     elif args.action == "down":
         print("stopped: " + ", ".join(stack.down(wait_s=args.wait)))
     else:

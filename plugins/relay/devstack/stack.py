@@ -663,11 +663,11 @@ def up(
     db_url: str | None = None,
     ray_cpus: int | None = None,
     ray_gpus: int = LOGICAL_GPUS,
-    ray_nodes: int = 0,
+    worker_nodes: int = 0,
 ) -> dict:
     """Start the whole local stack; return how to reach it. ray_cpus: the head's logical CPUs (head_cpus());
-    ray_gpus: its logical GPUs on a host without NVIDIA GPUs, or with `ray_nodes` worker nodes each node's."""
-    info = {"s3": s3_start(), "ray": ray_start(ray_cpus, ray_gpus, ray_nodes)}
+    ray_gpus: its logical GPUs on a host without NVIDIA GPUs, or with `worker_nodes` worker nodes each node's."""
+    info = {"s3": s3_start(), "ray": ray_start(ray_cpus, ray_gpus, worker_nodes)}
     if with_airflow:
         info["mail"] = str(mail_start())
         env = {**airflow_env(state_dir() / "airflow", db_url), "AIRFLOW_CONN_SMTP_DEFAULT": mail_connection()}
@@ -780,6 +780,8 @@ def down(wait_s: float = 0, say=print) -> list[str]:
         [n for n in running_services() if n == "s3"], timeout=2
     )
     ray_stop()
+    if ray_running():  # a head this stack did not start in its temp dir (another tool's, or an older Relay's)
+        say(f"a Ray head still answers at {ray_address()}: not one this stack started; `ray stop` stops every Ray here")
     return [*stopped, "ray"]
 
 
