@@ -15,6 +15,7 @@ the next chunk (HANDED_OFF), and the run's checkpoint reached the end step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -303,7 +304,7 @@ class WarmJobOperator(ChunkTaskOperator):
             "most %.1f min): marking this task or the DAG run failed stops it without committing",
             sub_id,
             nxt,
-            warm.from_step,
+            warm.watch.from_step,
             warm.limit_s / 60,
         )
         self.defer(
@@ -311,7 +312,7 @@ class WarmJobOperator(ChunkTaskOperator):
                 address=RayJobsHook(run.spec.ray.conn_id).address,
                 submission_id=warm.submission,
                 watched=self.watched,
-                **warm.trigger,
+                **dataclasses.asdict(warm.watch),
             ),
             method_name="execute_complete",
         )

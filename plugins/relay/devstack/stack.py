@@ -262,8 +262,11 @@ def ray_node_ports(node: int) -> dict[str, int]:
 def ray_temp_dir(node: int = 0) -> Path:
     """Node `node`'s temp dir (0: the head): its own, short (Ray's socket paths live there), named after the stack's
     folder, so that a node is found, stopped or lost by it alone and never another stack's or Ray's default one."""
-    tag = hashlib.sha256(str(state_dir()).encode()).hexdigest()[:8]
-    return Path(f"/tmp/relay-{tag}-{'head' if node == 0 else f'w{node:02d}'}")
+    return Path(f"/tmp/{_ray_temp_prefix()}-{'head' if node == 0 else f'w{node:02d}'}")
+
+
+def _ray_temp_prefix() -> str:
+    return f"relay-{hashlib.sha256(str(state_dir()).encode()).hexdigest()[:8]}"
 
 
 def ray_running() -> bool:
@@ -393,8 +396,7 @@ def private_ray_head(num_cpus: int | None = None, say=None, num_gpus: int = LOGI
 def ray_stop() -> None:
     """Stop the stack's head and its worker nodes, each by its temp dir (never `ray stop`: it stops every Ray of the
     host, a private head's and another stack's too)."""
-    temps = sorted(ray_temp_dir().parent.glob(f"{ray_temp_dir().name.rpartition('-')[0]}-*"), reverse=True)
-    for temp in temps:  # the worker nodes first, then the head
+    for temp in sorted(Path("/tmp").glob(f"{_ray_temp_prefix()}-*"), reverse=True):  # worker nodes ("-w..") first
         local_head.stop_head(temp, grace_s=2)
 
 

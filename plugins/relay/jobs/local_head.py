@@ -53,11 +53,8 @@ WATCH_POLL_S = 0.5
 WATCHING = "watching"  # the watchdog's first line: it is ready
 START_TIMEOUT_S = 180
 
-# Every port `ray start --head` opens, by its option; min/max worker ports come as 0: the OS picks each one.
-PORT_OPTIONS = (
-    "port",
-    "dashboard-port",
-    "ray-client-server-port",
+# Every port of a node that `ray start` opens, by its option (a worker node's: `ray start --address`).
+NODE_PORT_OPTIONS = (
     "node-manager-port",
     "object-manager-port",
     "runtime-env-agent-port",
@@ -65,6 +62,8 @@ PORT_OPTIONS = (
     "dashboard-agent-listen-port",
     "metrics-export-port",
 )
+# Every port `ray start --head` opens, by its option; min/max worker ports come as 0: the OS picks each one.
+PORT_OPTIONS = ("port", "dashboard-port", "ray-client-server-port", *NODE_PORT_OPTIONS)
 WORKER_PORT_OPTIONS = ("min-worker-port", "max-worker-port")
 
 
@@ -102,17 +101,6 @@ def head_command(
         *([f"--temp-dir={temp_dir}"] if temp_dir is not None else []),
         *([f"--num-gpus={num_gpus}"] if num_gpus is not None else []),
     ]
-
-
-# A worker node's ports, as `ray start --address` takes them (the head's PORT_OPTIONS less the head's own).
-NODE_PORT_OPTIONS = (
-    "node-manager-port",
-    "object-manager-port",
-    "runtime-env-agent-port",
-    "dashboard-agent-grpc-port",
-    "dashboard-agent-listen-port",
-    "metrics-export-port",
-)
 
 
 def node_command(

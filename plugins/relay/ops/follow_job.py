@@ -52,7 +52,7 @@ class Ended:
 
 @dataclass
 class ChunkWatch:
-    """How a chunk's job is followed (relay.ops.train_chunk.watch builds it for the train task)."""
+    """How a job is followed: RayJobTrigger's arguments (relay.ops.train_chunk.watch gives a chunk's), less Airflow's."""
 
     deadline: float  # epoch seconds: the job is stopped after this
     poll_seconds: float = 2.0

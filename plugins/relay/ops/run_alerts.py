@@ -15,6 +15,7 @@ from relay.runs.run import Run
 __all__ = ["Alert", "alerted_in_try", "build", "close_failures", "kind_of", "last_valid", "send_once"]
 
 log = logging.getLogger(__name__)
+NOT_CONFIGURED = "not configured"  # a channel's result when its connection does not exist
 
 
 def last_valid(run: Run, store_of: Callable[[], Any]) -> tuple[int | None, str | None]:
@@ -69,9 +70,6 @@ def send_once(run: Run, alert: Alert, key: str, deliver: Callable[[Alert], dict[
     if ledger is not None:
         ledger.delivered(key, results)
     return True
-
-
-NOT_CONFIGURED = "not configured"  # a channel's result when its connection does not exist
 
 
 def close_failures(run: Run, task: str | None) -> list[str]:

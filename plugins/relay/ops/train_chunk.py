@@ -32,7 +32,7 @@ from relay.insights.audit import AuditReport, audit
 from relay.insights.eta import Eta, eta
 from relay.jobs import submission
 from relay.jobs.ray_jobs import STOP_MARGIN_S, RayJobs, job_metadata, submission_id
-from relay.ops import chunk_policy
+from relay.ops import chunk_policy, follow_job
 from relay.ops.approvals import Answer
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, handoff, node_oom
@@ -342,16 +342,14 @@ def resume_step(run: Run) -> int | None:
 
 @dataclass
 class Ahead:
-    """A chunk's job that went on warm into the next chunk: from which step, whether that chunk's train task already
-    answered (admitted or refused it), and what the job's follower (relay.airflow.triggers.WarmJobTrigger) is given:
-    until when it waits for the answer, and the stall limits of the train task."""
+    """A chunk's job that went on warm into the next chunk: whether that chunk's train task already answered (admitted
+    or refused it), the admission limit, and how the job's follower (relay.airflow.triggers.WarmJobTrigger) follows it
+    (the chunk, the step it went on from, until when it waits for the answer, the train task's stall limits)."""
 
     submission: str  # the job's
-    chunk: int  # the chunk trained ahead
-    from_step: int | None
     answer: dict | None
     limit_s: float
-    trigger: dict[str, Any]
+    watch: follow_job.WarmWatch
 
 
 def ahead(run: Run, chunk: Chunk, submission: str) -> Ahead | None:
@@ -363,18 +361,18 @@ def ahead(run: Run, chunk: Chunk, submission: str) -> Ahead | None:
     if record is None or record.get("attempt") != submission:
         return None
     limit = handoff.admission_limit_s(spec.chunks.admission_timeout_minutes, record.get("chunk_seconds"))
-    trigger = {
-        "run_dir": str(run.dir),
-        "chunk": nxt,
-        "deadline": (epoch(record.get("time")) or time.time()) + limit,
-        "poll_seconds": spec.ray.poll_seconds,
-        "stop_grace_s": spec.ray.stop_grace_seconds + STOP_MARGIN_S,
+    watch = follow_job.WarmWatch(
+        run_dir=str(run.dir),
+        chunk=nxt,
+        deadline=(epoch(record.get("time")) or time.time()) + limit,
+        poll_seconds=spec.ray.poll_seconds,
+        stop_grace_s=spec.ray.stop_grace_seconds + STOP_MARGIN_S,
         # A stall while training ahead is a stall as in the train task: alerted, the job stopped.
-        "stall_after_s": stall_limit_s(run),
-        "startup_s": spec.alerts.startup_minutes * 60,
-        "from_step": record.get("from_step"),
-    }
-    return Ahead(submission, nxt, record.get("from_step"), handoff.answer(run.dir, nxt, submission), limit, trigger)
+        stall_after_s=stall_limit_s(run),
+        startup_s=spec.alerts.startup_minutes * 60,
+        from_step=record.get("from_step"),
+    )
+    return Ahead(submission, handoff.answer(run.dir, nxt, submission), limit, watch)
 
 
 @dataclass(frozen=True)
@@ -444,7 +442,7 @@ def notices(
         )
         for fb in fallbacks(run, sub_id)
     ]
-    if status == "STALLED":  # relay.airflow.triggers.STALLED: the trigger stopped a job that made no step
+    if status == follow_job.STALLED:  # the trigger stopped a job that made no step
         then = chunk_policy.after_stall(latest_valid_step(run.dir), try_number=at.number, max_tries=at.max_tries)
         fields = {
             "chunk": chunk.index,
