@@ -7,6 +7,7 @@ A stack of its own (its folder and ports), never the test session's head."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 
@@ -58,6 +59,8 @@ def own_stack(tmp_path, monkeypatch, s3_server, ray_address):
         monkeypatch.setenv(key, value)
     yield env
     relay_cli("stack", "down", env=env, timeout=120)
+    for node in range(3):  # the nodes' temp dirs under /tmp, named after this stack's folder
+        shutil.rmtree(stack.ray_temp_dir(node), ignore_errors=True)
 
 
 def test_the_local_stack_runs_worker_nodes_that_are_lost_alone_and_start_again(own_stack, ray_address):
