@@ -53,6 +53,8 @@ PLANNED = {
     "warm-job-validation-error": "a validation that errors while the chunk's job trains the next chunk ahead",
     "warm-job-failed-waiting": "a DAG run marked failed while its warm job waits for its admission",
     "warm-job-killed-waiting": "a warm job killed while it waits for its admission",
+    "node-lost": "a Ray worker node lost (its raylet and processes killed) under an elastic run, then started again",
+    "node-lost-elastic-dag": "a Ray worker node lost mid-chunk under an elastic verl run's DAG, started again later",
 }
 
 

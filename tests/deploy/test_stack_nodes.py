@@ -3,25 +3,42 @@ on its hosts (each node its own raylet, ports, temp dir, logical GPUs and label)
 nodes; a worker node is lost alone (its raylet and processes killed, never `ray stop`), `relay stack up` starts it
 again, and `relay stack down` stops this stack's nodes and no other Ray of the host.
 
+On the same cluster, an elastic run (verl's spec at nnodes [1, 2]) with a checkpoint verl wrote at world size 2: the
+sizing reads the nodes from the dashboard, the lost node is the failure's evidence (node_lost), the retry goes on at
+world size 1 from the checkpoint resharded and admitted, a wait for nodes ends when the node is back, and the next
+cold start grows back to 2.
+
 A stack of its own (its folder and ports), never the test session's head."""
 
 from __future__ import annotations
 
-import shutil
-import socket
+import asyncio
+import concurrent.futures
 import time
 
 import pytest
 
+from relay.checkpoints import manifest
 from relay.devstack import stack
-from relay.jobs.local_head import NODE_PORT_OPTIONS
 from relay.jobs.ray_jobs import RayJobs
+from relay.ops import elastic, follow_job
+from relay.runs import failure_cause as fc
+from relay.runs import layout
+from relay.runs.metrics import read_events, record_event
+from relay.runs.run import Run
+from support import verl_checkpoint
 from support.helpers import relay_cli
 from support.polling import wait_for
-from support.ports import free_ports
+from support.private_stack import node_stack_env
+from support.verl_jobs import spec_variant
 
 pytestmark = pytest.mark.services
 
+HOLD_GPUS = (
+    "import ray, time; from ray.util.placement_group import placement_group; ray.init(); "
+    "pg = placement_group([{'CPU': 1, 'GPU': 1}] * 2, strategy='STRICT_SPREAD'); ray.get(pg.ready()); "
+    "print('HOLDING', flush=True); time.sleep(600)"
+)
 GPU_TASK = (
     "import ray; ray.init(); "
     "where = ray.remote(num_gpus=1)(lambda: ray.get_runtime_context().get_node_id()); "
@@ -29,41 +46,33 @@ GPU_TASK = (
 )
 
 
-def _node_port_base(nodes: int) -> int:
-    """A RELAY_RAY_NODE_PORT_BASE whose nodes' raylet ports are all free now."""
-    for base in range(14000, 24000, stack.NODE_PORT_BLOCK * nodes):  # below the OS's ephemeral ports
-        wanted = [base + (n * stack.NODE_PORT_BLOCK) + i for n in range(nodes) for i in range(len(NODE_PORT_OPTIONS))]
-        try:
-            held = []
-            for port in wanted:
-                s = socket.socket()
-                held.append(s)
-                s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise AssertionError("no free block of ports for the worker nodes")
+@pytest.fixture
+def own_stack(tmp_path, s3_server, ray_address):
+    """This test's stack: its folder, its head's ports and its nodes' (S3 is the session's: it answers already)."""
+    with node_stack_env(tmp_path / "stack", nodes=2) as env:
+        yield env
 
 
 @pytest.fixture
-def own_stack(tmp_path, monkeypatch, s3_server, ray_address):
-    """This test's stack: its folder, its head's ports and its nodes' (S3 is the session's: it answers already)."""
-    env = {"RELAY_STACK_DIR": str(tmp_path / "stack"), "RELAY_RAY_NODE_PORT_BASE": str(_node_port_base(2))}
-    head = [key for key in stack.RAY_HEAD_PORTS.values() if "WORKER_PORT" not in key]
-    env.update(zip(head, map(str, free_ports(len(head))), strict=True))
-    env.update(RELAY_RAY_MIN_WORKER_PORT="0", RELAY_RAY_MAX_WORKER_PORT="0")  # the head's workers: ports the OS picks
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    yield env
-    relay_cli("stack", "down", env=env, timeout=120)
-    for node in range(3):  # the nodes' temp dirs under /tmp, named after this stack's folder
-        shutil.rmtree(stack.ray_temp_dir(node), ignore_errors=True)
+def elastic_run(tmp_path):
+    """verl's CPU spec at nnodes [1, 2] (no wait for lost nodes), a run whose step 1 verl wrote at world size 2."""
+    from relay.spec.run_spec import load_spec
+
+    path = spec_variant(
+        tmp_path / "elastic.yaml",
+        tmp_path / "ckpt",
+        {"nnodes": [1, 2], "n_gpus_per_node": 1},
+        {"on_world_size_change": "reshard", "smoke": False},  # the written checkpoint has no tokenizer to smoke-test
+    )
+    run = Run.of(load_spec(path, check_environment=False), "r")
+    verl_checkpoint.make_many([{"run_dir": run.dir, "world_size": 2, "fsdp": 2, "hidden": 24, "layers": 2, "vocab": 67}])
+    return run.spec.model_copy(update={"elastic": run.spec.elastic.model_copy(update={"wait_for_nodes_minutes": 0})})
 
 
-def test_the_local_stack_runs_worker_nodes_that_are_lost_alone_and_start_again(own_stack, ray_address):
+@pytest.mark.fault
+def test_the_local_stack_runs_worker_nodes_that_are_lost_alone_and_start_again(
+    own_stack, ray_address, elastic_run, fault_row
+):
     env = own_stack
     up = relay_cli("stack", "up", "--no-airflow", "--ray-nodes", "2", "--ray-cpus", "2", env=env, timeout=300)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
@@ -80,6 +89,19 @@ def test_the_local_stack_runs_worker_nodes_that_are_lost_alone_and_start_again(o
     (placed,) = [line.split()[1] for line in logs.splitlines() if line.startswith("GPU_TASK_ON ")]
     assert placed in (nodes["worker-1"].node_id, nodes["worker-2"].node_id), "GPU work runs on a worker node"
 
+    address = stack.ray_address()
+    run = Run.of(elastic_run, "r")
+    sized = elastic.size(run, address, None, chunk=1)
+    assert (sized.world_size, sized.previous, sized.resharded) == (2, 2, None), sized
+    record_event(run.dir, "chunk_start", attempt="job-1", chunk=2, world_size=2)
+
+    # A job holding a GPU on each worker node (as verl's workers hold theirs), followed as a chunk's trigger follows it
+    held = jobs.client.submit_job(entrypoint=f'python -c "{HOLD_GPUS}"')
+    wait_for(lambda: (s := jobs.get(held)) is not None and s.job_id and "HOLDING" in jobs.logs(held), 120, "the hold")
+    watch = follow_job.ChunkWatch(deadline=time.time() + 600, poll_seconds=1.0, stop_grace_s=10.0)
+    follow = concurrent.futures.ThreadPoolExecutor(1)
+    followed = follow.submit(asyncio.run, follow_job.chunk_job(address, held, watch, lambda _: None, lambda _: None))
+
     lost = nodes["worker-1"]
     assert stack.ray_node_lose(1) > 0
     t0 = time.time()
@@ -89,13 +111,49 @@ def test_the_local_stack_runs_worker_nodes_that_are_lost_alone_and_start_again(o
         "the head to declare worker-1 dead",
     )
     dead_after = time.time() - t0
+    ended = followed.result(timeout=120)
+    follow.shutdown()
+    assert ended.status == follow_job.NODE_LOST and "worker-1" in ended.message, ended
+    assert fc.classify(ended.status, ended.message).cause == fc.NODE_LOST
     alive = {n.name for n in stack.ray_nodes() if n.alive}
     assert alive == {"head", "worker-2"}, f"only worker-1 was lost ({dead_after:.0f}s): {alive}"
 
-    again = relay_cli("stack", "up", "--no-airflow", "--ray-nodes", "2", env=env, timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    evidence = elastic.lost_nodes(address, run, "job-1")
+    assert len(evidence) == 1 and evidence[0].startswith("Ray node worker-1 (") and "while the job ran" in evidence[0]
+    cause = fc.classify("FAILED", "gloo: Connection closed by peer", exit_code=1, lost_nodes=evidence)
+    assert cause.cause == fc.NODE_LOST, cause.report()
+    fc.record_failure(run.dir, cause, chunk=2, attempt="job-1")
+    shrunk = elastic.size(run, address, None, chunk=2)  # elastic.wait_for_nodes_minutes 0: at once
+    assert (shrunk.world_size, shrunk.previous, shrunk.changed) == (1, 2, True), shrunk
+    assert shrunk.resharded is not None and shrunk.resharded.result.to_world_size == 1
+    m = manifest.read(layout.step_dir(run.dir, 1))
+    assert m.world_size == 1 and m.resharded_from["world_size"] == 2, "admitted by the gate at the new size"
+    assert "worker-2: 0 of 1 GPU free" not in shrunk.why and "below the spec's largest, 2" in shrunk.why
+
+    two = [[3.0, 1.0], [3.0, 1.0]]
+    waited = follow_job.capacity(address, two, time.time() + 1, 0.5)
+    assert asyncio.run(waited).status == follow_job.WAITED, "one worker node cannot hold world size 2"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        back_soon = pool.submit(asyncio.run, follow_job.capacity(address, two, time.time() + 300, 1.0))
+        again = relay_cli("stack", "up", "--no-airflow", "--ray-nodes", "2", env=env, timeout=300)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert back_soon.result(timeout=300).status == follow_job.CAPACITY, "the wait ends when the node is back"
     back = [n for n in stack.ray_nodes() if n.name == "worker-1" and n.alive]
     assert len(back) == 1 and back[0].node_id != lost.node_id, "worker-1 started again, a new node"
+    grown = elastic.size(run, address, None, chunk=3)
+    assert (grown.world_size, grown.previous, grown.changed) == (2, 1, True), grown
+    assert manifest.read(layout.step_dir(run.dir, 1)).world_size == 2
+    chosen = [(e["chunk"], e["world_size"], e["previous"]) for e in read_events(run.dir) if e["event"] == elastic.EVENT]
+    assert chosen == [(1, 2, 2), (2, 1, 2), (3, 2, 1)], chosen
+    fault_row(
+        case="node-lost",
+        layer="Ray cluster (a worker node of an elastic run)",
+        fault="worker-1's raylet and processes SIGKILLed; started again later",
+        action="classified node_lost from the head's dead-node record; the next size 1, its step resharded 2 -> 1 and "
+        "admitted; a wait for size 2 ended when the node was back, and the next size 2 (step resharded 1 -> 2)",
+        steps_lost=0,
+        run_dir=run.dir,
+    )
 
     down = relay_cli("stack", "down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr[-3000:]

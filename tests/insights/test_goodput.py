@@ -128,3 +128,37 @@ def test_no_attempt_no_ledger(tmp_path):
     assert goodput.ledger(tmp_path) is None
     (tmp_path / layout.EVENTS).write_text(json.dumps({"event": "freeze", "time": event_time()}) + "\n")
     assert goodput.ledger(tmp_path) is None
+
+
+def test_an_elastic_runs_wait_for_nodes_and_time_below_its_largest_world_size_are_counted():
+    """Chunk 1 waits 30 s for nodes (below its minimum) inside its train task, then trains at world size 2; chunk 2's
+    retry after a lost node trains at 1; chunk 3 grows back to 2."""
+
+    def attempt(t, name, chunk, size, resumed, to):
+        return [
+            (t, "phase", {"phase": "job_started", "attempt": name, "chunk": chunk}),
+            (
+                t + 5,
+                "chunk_start",
+                {"attempt": name, "chunk": chunk, "resumed_from": resumed, "to_step": to, "world_size": size},
+            ),
+            (t + 16.5, "chunk_end", {"attempt": name, "chunk": chunk, "end_step": to}),
+            (t + 18, "phase", {"phase": "job_ended", "attempt": name, "chunk": chunk}),
+        ]
+
+    events = _events(
+        (0, "phase", {"phase": "task_started", "attempt": "a1", "chunk": 1, "dag_run": "d"}),
+        (1, "capacity_wait", {"chunk": 1, "below_minimum": True}),
+        (31, "world_size", {"chunk": 1, "world_size": 2, "largest": 2, "waited_s": 30.0}),
+        *attempt(32, "a1", 1, 2, 0, 5),
+        *attempt(60, "a2", 2, 1, 5, 10),
+        *attempt(90, "a3", 3, 2, 10, 15),
+    )
+    g = goodput.build(events, [], [])
+    assert g is not None and sum(g.parts.values()) == pytest.approx(g.wall_s)
+    assert g.parts["capacity_wait"] == pytest.approx(30), "the wait for nodes, not the train task's submission"
+    assert g.parts["submission"] == pytest.approx(1 + 1), "before the wait, and after it until the job ran"
+    assert [(w, round(e - s)) for s, e, w in g.world_sizes] == [(2, 28), (1, 30), (2, 13)]
+    assert g.largest_world_size == 2 and g.below_largest_s == pytest.approx(30)
+    assert "below its largest world size (2) for 30s" in g.summary(), g.summary()
+    assert g.to_dict()["world_size"]["below_largest_s"] == pytest.approx(30)

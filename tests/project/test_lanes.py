@@ -89,7 +89,12 @@ def test_ci_leaves_each_lanes_tests_to_its_lane_and_the_faults_lane_runs_every_f
     assert not set(ci) & set(verl), "a verl lane test in CI"
     assert "tests/airflow/test_verl_dag.py::test_every_verl_resume_is_certified_by_verls_own_workers" in ci
     assert any(t.startswith("tests/airflow/test_verl_async_dag.py::") for t in verl)
-    assert all(t.startswith(("tests/trainers/test_verl_", "tests/airflow/test_verl_async_dag.py")) for t in verl), verl
+    lane_files = (
+        "tests/trainers/test_verl_",
+        "tests/airflow/test_verl_async_dag.py",
+        "tests/airflow/test_verl_elastic_dag.py",
+    )
+    assert all(t.startswith(lane_files) for t in verl), verl
     in_lane_only = [t for t in faults if t not in ci]
     assert "tests/e2e/test_celery.py::test_a_run_on_celery_workers_survives_a_worker_killed_during_a_validation" in (
         in_lane_only

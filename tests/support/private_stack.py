@@ -195,3 +195,51 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def node_port_base(nodes: int) -> int:
+    """A RELAY_RAY_NODE_PORT_BASE whose nodes' raylet ports are all free now."""
+    import socket
+
+    from relay.jobs.local_head import NODE_PORT_OPTIONS
+
+    for base in range(14000, 24000, stack.NODE_PORT_BLOCK * nodes):  # below the OS's ephemeral ports
+        wanted = [base + (n * stack.NODE_PORT_BLOCK) + i for n in range(nodes) for i in range(len(NODE_PORT_OPTIONS))]
+        held = []
+        try:
+            for port in wanted:
+                s = socket.socket()
+                held.append(s)
+                s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise AssertionError("no free block of ports for the worker nodes")
+
+
+@contextmanager
+def node_stack_env(folder: Path, nodes: int = 2):
+    """The environment of a local stack of its own (`relay stack up --ray-nodes N`): its folder, its head's ports and
+    its nodes'; set in os.environ for the while and yielded. On the way out its Ray nodes are stopped and their
+    temp dirs removed (the caller starts what it needs: `relay stack up --no-airflow --ray-nodes N`)."""
+    import shutil
+
+    from support.helpers import relay_cli
+
+    env = {"RELAY_STACK_DIR": str(folder), "RELAY_RAY_NODE_PORT_BASE": str(node_port_base(nodes))}
+    head = [key for key in stack.RAY_HEAD_PORTS.values() if "WORKER_PORT" not in key]
+    env.update(zip(head, map(str, free_ports(len(head))), strict=True))
+    env.update(RELAY_RAY_MIN_WORKER_PORT="0", RELAY_RAY_MAX_WORKER_PORT="0")  # the head's workers: ports the OS picks
+    with stack_env(env):
+        try:
+            yield env
+        finally:
+            try:
+                relay_cli("stack", "down", env=env, timeout=120)
+            finally:  # the command could not run (a broken fork server): its nodes are stopped all the same
+                stack.ray_stop()
+            for node in range(nodes + 1):  # the nodes' temp dirs under /tmp, named after this stack's folder
+                shutil.rmtree(stack.ray_temp_dir(node), ignore_errors=True)

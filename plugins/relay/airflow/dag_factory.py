@@ -125,8 +125,9 @@ def build_dag(spec: RunSpec) -> DAG:
                         doc_md=f"Wait for step {chunk.end_step}'s checkpoint; validate it; quarantine it if it is "
                         "not whole.",
                     )
-                    if spec.checkpoints.on_world_size_change == "reshard":
-                        # Its own task, so the UI shows it: a no-op unless the world size changed.
+                    if spec.checkpoints.on_world_size_change == "reshard" and not spec.core_settings.world_options:
+                        # Its own task, so the UI shows it: a no-op unless the world size changed. (An elastic run's
+                        # train task reshards to the size it picks for the job: relay.ops.elastic.)
                         reshard = PythonOperator(
                             task_id="reshard",
                             python_callable=reshard_to_spec,

@@ -33,6 +33,7 @@ from relay.airflow.notifiers import (
     notify_divergence,
     notify_error,
     notify_recovery,
+    notify_resharded,
     notify_use_frozen,
 )
 from relay.airflow.task_ids import RUN_TASK
@@ -43,12 +44,13 @@ from relay.airflow.triggers import (
     HANDED_OFF,
     REFUSED,
     STALLED,
+    CapacityTrigger,
     CheckpointTrigger,
     RayJobTrigger,
     WarmJobTrigger,
 )
 from relay.common.faultpoint import fault_point
-from relay.ops import chunk_policy, publish_chunk, runs, train_chunk, validate_chunk
+from relay.ops import chunk_policy, elastic, publish_chunk, runs, train_chunk, validate_chunk
 from relay.ops.runs import Chunk, ChunkPlan, Run
 
 JOB_STATE_KEY = "relay_ray_job"  # the chunk's submission id, in the task's state store (kept across tries)
@@ -145,7 +147,12 @@ class RayChunkOperator(ChunkTaskOperator):
             return self._done(context, run, chunk, f"job {job.submission_id} had already succeeded")
         started = time.time()  # an adopted job's chunk timeout counts again from here
         self._submission_id, page = job.submission_id, ray_job_page(hook.dashboard_url, job.submission_id)
-        went = train_chunk.start(hook.jobs, run, chunk, job, at, latest=latest, began=began)
+        try:
+            went = train_chunk.start(
+                hook.jobs, run, chunk, job, at, latest=latest, began=began, size=lambda: self._size(context, run, chunk)
+            )
+        except elastic.WaitForNodes as wait:
+            self._wait_for_nodes(context, run, chunk, wait, hook.address)
         self._warn(went.warning)
         if went.stopped:
             self.log.warning("stopped live jobs of run %s before submitting (one writer per run): %s", run, went.stopped)
@@ -157,6 +164,43 @@ class RayChunkOperator(ChunkTaskOperator):
         self.log.info("%s", watch.describe())
         trigger = RayJobTrigger(address=hook.address, submission_id=job.submission_id, **watch.trigger)
         self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=watch.timeout_s))
+
+    def _size(self, context, run: Run, chunk: Chunk) -> int | None:
+        """An elastic run's world size for the job about to be submitted (relay.ops.elastic.size), its checkpoint
+        resharded to it: a change is alerted (and the reshard, as a spec's change of size is)."""
+        hook = RayJobsHook(run.spec.ray.conn_id)
+        sized = elastic.size(run, hook.address, checkpoint_store(run.spec), chunk=chunk.index, publish_or_fail=True)
+        if sized is None:
+            return None
+        self.log.info("%s of run %s trains at world size %s: %s", chunk, run, sized.world_size, sized.why)
+        if sized.resharded is not None:
+            self.log.info("%s", sized.resharded.done)
+            notify_resharded(context, run, sized.resharded.result)
+        if sized.changed:
+            notify(
+                context,
+                run,
+                "world_size",
+                f"{chunk}: world size {sized.previous} -> {sized.world_size}",
+                chunk=chunk.index,
+                details=sized.why,
+                action=f"training goes on at world size {sized.world_size} from the resharded checkpoint",
+                scope=f"{chunk.index}|{sized.previous}|{sized.world_size}",
+            )
+        return sized.world_size
+
+    def _wait_for_nodes(self, context, run: Run, chunk: Chunk, wait: elastic.WaitForNodes, address: str) -> NoReturn:
+        """The chunk waits for the cluster's nodes, deferred (no worker slot held); below the minimum, alerted once."""
+        self.log.warning("%s", wait)
+        if wait.below_minimum:
+            notify(context, run, "capacity", f"{chunk}: {wait.what}", chunk=chunk.index, action=wait.fix or "")
+        trigger = CapacityTrigger(address, wait.groups, wait.until, run.spec.elastic.poll_seconds)
+        self.defer(trigger=trigger, method_name="capacity_returned")
+
+    def capacity_returned(self, context, event: dict | None = None) -> dict:
+        """The wait for nodes is over (the cluster holds them, or elastic.wait_for_nodes_minutes passed): go on."""
+        self.log.info("%s", (event or {}).get("message", ""))
+        return self.execute(context)
 
     def _before_job(self, context, run: Run, chunk: Chunk, latest: int | None) -> None:
         """The resume preview in the log, the chunk's checks (data, settings), the run's deadline, and a person's

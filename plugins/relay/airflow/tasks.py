@@ -20,7 +20,7 @@ from relay.airflow.notifiers import (
 )
 from relay.airflow.task_ids import RUN_TASK
 from relay.common.errors import RelayError
-from relay.ops import preflight_run, publish_chunk, run_history, runs, train_run
+from relay.ops import preflight_run, publish_chunk, reshard_run, run_history, runs, train_run
 from relay.ops.runs import Run
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def reshard_to_spec(spec_path: str, **context) -> dict | None:
     latest checkpoint's, reshard that step in place (the original kept), validate it, publish it, alert once."""
     run = training_run(spec_path, context)
     try:  # S3's copy of the step is the resharded one from now on, as the local one is
-        done = train_run.reshard_to_spec(run, checkpoint_store(run.spec), publish_or_fail=True)
+        done = reshard_run.reshard_to_spec(run, checkpoint_store(run.spec), publish_or_fail=True)
     except RelayError as e:
         notify_error(context, run, e, action="the chunk was not started; the run's checkpoints are kept.")
         raise AirflowFailException(str(e)) from None

@@ -273,3 +273,25 @@ class CheckpointTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         ended = await follow_job.checkpoint(self.run_dir, self.step, self.deadline, self.poll_seconds)
         yield TriggerEvent({"status": ended.status, "step": self.step, "message": ended.message})
+
+
+class CapacityTrigger(BaseTrigger):
+    """Fire when the Ray cluster holds the placement groups an elastic chunk waits for ([CPUs, GPUs] each, one node
+    each), or at `until` (epoch seconds; None: no end): relay.ops.follow_job.capacity."""
+
+    def __init__(self, address: str, groups: list[list[float]], until: float | None, poll_seconds: float = 15.0):
+        super().__init__()
+        self.address = address
+        self.groups = groups
+        self.until = until
+        self.poll_seconds = poll_seconds
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"address": self.address, "groups": self.groups, "until": self.until, "poll_seconds": self.poll_seconds},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        ended = await follow_job.capacity(self.address, self.groups, self.until, self.poll_seconds)
+        yield TriggerEvent({"status": ended.status, "message": ended.message})

@@ -42,6 +42,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "decision": ("warning", "a decision waits for you in the Airflow UI"),
     "deadline": ("warning", "the run will miss its deadline"),
     "resharded": ("warning", "the latest checkpoint was resharded to the spec's world size"),
+    "world_size": ("warning", "the run's world size changed with its Ray cluster"),
+    "capacity": ("warning", "a chunk waits for the Ray cluster's nodes"),
     "replay_divergence": ("warning", "a step trained again after a resume differs from its first try"),
     "recovered": ("ok", "run recovered"),
     "finished": ("ok", "run finished"),

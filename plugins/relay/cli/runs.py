@@ -9,17 +9,25 @@ import sys
 from pathlib import Path
 
 from relay.cli.shared import _new_folder, _ray_address, _ray_jobs_if_running, _say, _spec
-from relay.common.errors import StoreError
+from relay.common.errors import RelayError, StoreError
 from relay.devstack import stack
-from relay.ops import train_run
+from relay.ops import reshard_run, train_run
 from relay.ops.runs import Run
 
 
 def cmd_plan(args) -> int:
-    text, problem = train_run.plan(_spec(args.spec, check_environment=False), args.run)
+    spec = _spec(args.spec, check_environment=False)
+    text, problem = train_run.plan(spec, args.run)
     if problem:
         print(f"warning: {problem}", file=sys.stderr)
     print(text)
+    if spec.core_settings.world_options:  # elastic: the size the next chunk would take on the cluster now
+        address = _ray_address(args)
+        try:
+            said = train_run.next_world_size(spec, args.run, address) if address else None
+        except RelayError as e:
+            said = f"the cluster at {address} did not say what it holds ({e.what})"
+        print(said or "world size: no Ray cluster to ask (give --ray-address, or start the local stack)")
     return 0
 
 
@@ -64,7 +72,7 @@ def cmd_train(args) -> int:
         run = state.run(spec)
         # Before every `relay train`, so the one after a refused resume also finds the step it falls back to at the
         # new size.
-        if (resharded := train_run.reshard_to_spec(run, store)) is not None:
+        if (resharded := reshard_run.reshard_to_spec(run, store)) is not None:
             print(resharded.done)
             if resharded.warning:
                 print(f"warning: {resharded.warning}", file=sys.stderr)
@@ -128,6 +136,11 @@ def add_commands(sub) -> None:
     s = sub.add_parser("plan", help="print a spec's chunk plan and what a run has done")
     s.add_argument("spec")
     s.add_argument("--run", help="training run name (default: the spec's name)")
+    s.add_argument(
+        "--ray-address",
+        help="an elastic spec: the Ray dashboard asked what size the next chunk would take (default: RAY_ADDRESS, "
+        "else the local stack's head when it answers)",
+    )
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("spec", help="spec commands")

@@ -21,7 +21,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
@@ -29,7 +28,7 @@ import boto3
 from relay.common import project
 from relay.common.errors import SpecError
 from relay.devstack.airflow_api import AirflowAPI
-from relay.jobs import local_head
+from relay.jobs import cluster, local_head
 from relay.spec.run_spec import load_spec
 
 
@@ -249,7 +248,7 @@ HEALTH_CHECK_ENV = {
     "RAY_health_check_period_ms": "3000",
     "RAY_health_check_timeout_ms": "20000",
 }
-ROLE_LABEL, NODE_LABEL = "relay.io/role", "relay.io/node"  # the labels of the stack's nodes (`ray list nodes`)
+ROLE_LABEL, NODE_LABEL = "relay.io/role", cluster.NODE_LABEL  # the labels of the stack's nodes (`ray list nodes`)
 
 
 def ray_node_ports(node: int) -> dict[str, int]:
@@ -338,34 +337,9 @@ def ray_node_lose(node: int) -> int:
     return local_head.stop_head(ray_temp_dir(node), grace_s=0)
 
 
-@dataclass
-class RayNode:
-    """A node of the stack's cluster as the head's state API sees it."""
-
-    name: str  # head, worker-<i>, or the node's id where it has no relay.io/node label
-    alive: bool
-    cpus: float
-    gpus: float
-    node_id: str
-
-    def line(self) -> str:
-        """The node in `relay stack status`'s words."""
-        state = "alive" if self.alive else "dead"
-        return f"{self.name:<10} {state:<5} {self.cpus:g} CPU, {self.gpus:g} GPU  (node {self.node_id[:12]})"
-
-
-def ray_nodes(address: str | None = None) -> list[RayNode]:
+def ray_nodes(address: str | None = None) -> list[cluster.Node]:
     """The cluster's nodes, alive and dead, from the head's state API (`ray list nodes`); the head first."""
-    url = f"{address or ray_address()}/api/v0/nodes?limit=1000&detail=1"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        rows = json.load(r)["data"]["result"]["result"]
-    out = []
-    for row in rows:
-        labels = row.get("labels") or {}
-        name = "head" if row.get("is_head_node") else labels.get(NODE_LABEL) or row["node_id"][:12]
-        total = row.get("resources_total") or {}
-        out.append(RayNode(name, row.get("state") == "ALIVE", total.get("CPU", 0), total.get("GPU", 0), row["node_id"]))
-    return sorted(out, key=lambda n: (n.name != "head", n.name, not n.alive))
+    return cluster.nodes(address or ray_address())
 
 
 # Ray's CPUs are a count to schedule by, not cores it pins. A verl chunk on the CPU path holds 4 (the job's

@@ -30,6 +30,8 @@ from relay.runs.metrics import SUPERSEDED, read_jsonl
 # When, where and by whom a step was trained: never the same in two tries, and not what the step computed.
 BOOKKEEPING = frozenset({"seconds", "time", "attempt", "chunk", "superseded_by"})
 ANY = "*"  # audit.tolerance's key for the metrics it does not name
+# What a step trained again at another world size (an elastic run) must keep: its data, its LR, its global batch
+ACROSS_WORLD_SIZES = frozenset({"step", "lr", "sample_indices", "prompt_ids", "train_batch_size", "rollouts"})
 
 
 @dataclass
@@ -54,6 +56,7 @@ class AuditReport:
     steps: list[int] = field(default_factory=list)  # the steps trained twice that were compared
     divergences: list[Divergence] = field(default_factory=list)
     not_retrained: list[int] = field(default_factory=list)  # superseded steps the run has not trained again yet
+    across_world_sizes: list[int] = field(default_factory=list)  # steps trained again at another world size
     prompts: PromptAudit | None = None  # verl's async trainers: each prompt handed out trained once
 
     @property
@@ -93,6 +96,9 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
     report = AuditReport(str(run_dir))
     rows = read_jsonl(run_dir / layout.METRICS)
     kept = {r["step"]: r for r in rows if isinstance(r.get("step"), int)}
+    sizes = {  # an elastic run's attempts' world sizes: a step trained again at another compares what it keeps
+        e.get("attempt"): e.get("world_size") for e in read_jsonl(run_dir / layout.EVENTS) if e.get("event") == "chunk_start"
+    }
     steps = set()
     for first in read_jsonl(run_dir / SUPERSEDED):
         step = first.get("step")
@@ -104,7 +110,13 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
             continue
         report.compared += 1
         steps.add(step)
-        for metric in sorted((set(first) | set(again)) - BOOKKEEPING):
+        metrics = (set(first) | set(again)) - BOOKKEEPING
+        if sizes.get(first.get("attempt")) != sizes.get(again.get("attempt")):
+            # The reduction order changed with the world size: losses and samples differ in their last bits. The
+            # data order, the LR and the batch do not.
+            metrics &= ACROSS_WORLD_SIZES
+            report.across_world_sizes.append(step)
+        for metric in sorted(metrics):
             tol = float((tolerance or {}).get(metric, (tolerance or {}).get(ANY, 0.0)))
             a, b = first.get(metric), again.get(metric)
             if not _same(a, b, tol):

@@ -233,6 +233,14 @@ def parallelism(run: Run) -> Finding:
         return Finding("parallelism", True, f"world size {want[0]}, FSDP{want[1]}; no checkpoint to compare with")
     report = validate_checkpoint(run_dir, step, upto="structure")
     have = (report.world_size, report.fsdp_version)
+    allowed = [o.world_size for o in core.world_options]
+    if allowed and have[0] in allowed and have[1] == want[1]:  # elastic: any allowed size; the next chunk picks one
+        return Finding(
+            "parallelism",
+            True,
+            f"step {step}'s shards are world size {have[0]}, FSDP{have[1]}: one of the spec's elastic world sizes "
+            f"({', '.join(map(str, allowed))}); each chunk's cold start reshards it to the size the cluster holds",
+        )
     if want != have and report.world_size is not None:
         shard = layout.shard_name("model", report.world_size, 0)
         command = f"python -m relay checkpoint reshard {run_dir} --world-size {want[0]}"

@@ -37,6 +37,8 @@ PARTS = {
     "scheduling": "Airflow between Relay's tasks: a task waiting for its upstream and a worker, a deferred task resumed",
     "submission": "the train task running -> its Ray job running: Relay's checks before a chunk, the submission, "
     "Ray's runtime env",
+    "capacity_wait": "an elastic chunk waiting for the cluster's nodes: below its minimum world size, or for a lost "
+    "node's return (elastic.wait_for_nodes_minutes)",
     "startup": "the job (or `relay train`'s process) running -> its first step: imports, model build, resume load",
     "handoff": "a warm chunk's start in the job that ended the chunk before (its end's commit -> its first step), "
     "and its wait for the chunk's admission before its first commit",
@@ -51,7 +53,7 @@ PARTS = {
 }
 # Which part takes an instant where several ran. Publication is not among them: chunk k publishes while chunk
 # k+1 trains, so it counts only where the run waited on it (`_gap`); the other parts are gaps.
-PRIORITY = ("save", "validation", "trained_twice", "training", "handoff", "startup", "submission")
+PRIORITY = ("save", "validation", "trained_twice", "training", "handoff", "startup", "capacity_wait", "submission")
 INTERRUPTED = ("failed", "killed", "stopped")
 OPENING = ("task_started", "job_submitted", "job_started")  # the marks that may open an attempt
 
@@ -127,6 +129,15 @@ class Ledger:
     steps_lost: int  # rows superseded by resumes: steps trained and thrown away
     attempts: list[Attempt]
     failures: list[Failure]
+    # An elastic run's world size over time (start, end, size) from its chunk starts, and its largest allowed
+    world_sizes: list[tuple[float, float, int]] = field(default_factory=list)
+    largest_world_size: int | None = None
+
+    @property
+    def below_largest_s(self) -> float:
+        """Seconds the run trained below its largest world size (an elastic run on a smaller cluster)."""
+        top = self.largest_world_size
+        return sum(end - start for start, end, size in self.world_sizes if top is not None and size < top)
 
     @property
     def wall_s(self) -> float:
@@ -167,6 +178,8 @@ class Ledger:
             f"goodput {self.effective_training:.1%}: the steps kept took {_clock(self.parts['training'])} of "
             f"{_clock(self.wall_s)} wall time; " + ", ".join(f"{k} {v / self.wall_s:.1%}" for v, k in top)
         )
+        if self.below_largest_s > 0:
+            line += f"; below its largest world size ({self.largest_world_size}) for {_clock(self.below_largest_s)}"
         if not self.failures:
             return line + "; no failure"
         recovered = [f.time_to_recover_s for f in self.failures if f.time_to_recover_s is not None]
@@ -207,6 +220,11 @@ class Ledger:
             "failures": [f.to_dict() for f in self.failures],
             "chunks": self.chunks(),
             "attempts": [a.to_dict() for a in self.attempts],
+            "world_size": {
+                "largest": self.largest_world_size,
+                "below_largest_s": round(self.below_largest_s, 3),
+                "spans": [{"start": event_time(s), "end": event_time(e), "world_size": w} for s, e, w in self.world_sizes],
+            },
         }
 
 
@@ -258,7 +276,31 @@ def build(events: list[dict], kept: list[dict], superseded: list[dict]) -> Ledge
         if owner is not None:
             owner.parts[part] = owner.parts.get(part, 0.0) + q - p
     failures = _failures(attempts)
-    return Ledger(start, end, parts, steps_kept=len(kept), steps_lost=len(superseded), attempts=attempts, failures=failures)
+    sizes = world_sizes(events, end)
+    chosen = [int(e["largest"]) for e in events if e.get("event") == "world_size" and e.get("largest")]
+    return Ledger(
+        start,
+        end,
+        parts,
+        steps_kept=len(kept),
+        steps_lost=len(superseded),
+        attempts=attempts,
+        failures=failures,
+        world_sizes=sizes,
+        largest_world_size=max(chosen + [w for *_, w in sizes], default=None),
+    )
+
+
+def world_sizes(events: list[dict], end: float) -> list[tuple[float, float, int]]:
+    """The run's world size over time: from each chunk start (a warm one too) that says its size to the next one,
+    the last to `end`; empty when no chunk start says it."""
+    starts = [
+        (t, int(e["world_size"]))
+        for e in events
+        if e.get("event") == "chunk_start" and e.get("world_size") and (t := epoch(e.get("time"))) is not None
+    ]
+    ends = [t for t, _ in starts[1:]] + [max(end, starts[-1][0])] if starts else []
+    return [(t, stop, w) for (t, w), stop in zip(starts, ends, strict=True)]
 
 
 def attempts_of(events: list[dict], kept: Sequence[dict] = (), superseded: Sequence[dict] = ()) -> list[Attempt]:
@@ -374,8 +416,10 @@ def _spans(attempts: list[Attempt], events: list[dict]) -> list[tuple[float, flo
                 if isinstance(e.get("step"), int):
                     committed[e["step"]] = a
     for e in events:
-        part = {"validation": "validation", "publish": "publication"}.get(str(e.get("event")))
         t = epoch(e.get("time"))
+        if e.get("event") == "world_size" and t is not None and _num(e.get("waited_s")):
+            spans.append((t - float(e["waited_s"]), t, "capacity_wait", None))
+        part = {"validation": "validation", "publish": "publication"}.get(str(e.get("event")))
         if part and t is not None and _num(e.get("seconds")):
             spans.append((t - float(e["seconds"]), t, part, committed.get(e.get("step"))))  # type: ignore[arg-type]
     return [s for s in spans if s[1] > s[0]]

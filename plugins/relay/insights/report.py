@@ -65,6 +65,7 @@ PART_COLOURS = {  # the goodput ledger's parts (relay.insights.goodput.PARTS): k
     "startup": "#ff7f0e",
     "handoff": "#ffbb78",
     "submission": "#9467bd",
+    "capacity_wait": "#f4a261",
     "scheduling": "#8c564b",
     "teardown": "#e377c2",
     "retry_wait": "#7f7f7f",
@@ -145,6 +146,21 @@ class Report:
     goodput: goodput.Ledger | None = None  # where the wall time went, what failures cost
     incarnation: dict = field(default_factory=dict)  # this life of the run: id, begun, by whom, the old one's place
     decisions: list[str] = field(default_factory=list)  # what people decided: fresh starts, drift, fallbacks
+    world_sizes: dict[str, int] = field(default_factory=dict)  # an attempt's world size, from its chunk_start
+
+    def world_size_bands(self) -> list[tuple[int, int, int]]:
+        """(first step, last step, world size) of each stretch of kept steps trained at one world size: an elastic
+        run's band on the plot (empty when no attempt said its size)."""
+        out: list[tuple[int, int, int]] = []
+        for r in self.rows:
+            size = self.world_sizes.get(str(r.get("attempt")))
+            if size is None:
+                continue
+            if out and out[-1][2] == size and out[-1][1] == r["step"] - 1:
+                out[-1] = (out[-1][0], r["step"], size)
+            else:
+                out.append((r["step"], r["step"], size))
+        return out
 
     @property
     def steps(self) -> list[int]:
@@ -181,6 +197,9 @@ class Report:
         resumed = [m.label for m in self.markers if m.kind in ("resume", "retry")]
         if resumed:
             lines.append("resumes: " + "; ".join(resumed))
+        bands = self.world_size_bands()
+        if len({size for *_, size in bands}) > 1:
+            lines.append("world size: " + ", ".join(f"{size} (steps {a}-{b})" for a, b, size in bands))
         if self.goodput is not None:
             lines.append(self.goodput.summary())
         if self.audit is not None and self.audit.compared:
@@ -248,6 +267,23 @@ class Report:
                     color=MARKER_STYLE[m.kind][0],
                 )
         panels = axes[len(strip) :]
+        bands = self.world_size_bands()
+        largest = max([size for *_, size in bands] + [(self.goodput and self.goodput.largest_world_size) or 0])
+        for ax in panels:  # an elastic run's steps trained below its largest world size, shaded
+            for first, last, size in bands:
+                if size < largest:
+                    ax.axvspan(first - 0.5, last + 0.5, color="#f4a261", alpha=0.18, lw=0)
+        for first, last, size in bands if len({s for *_, s in bands}) > 1 else []:
+            panels[0].annotate(
+                f"world size {size}",
+                ((first + last) / 2, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(0, -9),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+                color="#b5651d" if size < largest else "#555",
+            )
         for ax, (title, keys) in zip(panels, PANELS, strict=False):
             steps, values = self.series(keys)
             if steps:
@@ -531,6 +567,11 @@ def build(run_dir: Path, *, store=None, run: str | None = None, plan=None, sourc
         goodput=goodput.build(events, rows, superseded),
         incarnation=_incarnation(record),
         decisions=_decisions(record, events),
+        world_sizes={
+            str(e["attempt"]): int(e["world_size"])
+            for e in events
+            if e.get("event") == "chunk_start" and e.get("world_size") and e.get("attempt")
+        },
     )
 
 

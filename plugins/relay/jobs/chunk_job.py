@@ -102,11 +102,18 @@ def metadata(req: ChunkRequest) -> dict[str, str]:
     }
 
 
-def submit_chunk(jobs: RayJobs, run: Run, to_step: int, sub_id: str, restore: bool = True) -> ChunkRequest:
+def submit_chunk(
+    jobs: RayJobs,
+    run: Run,
+    to_step: int,
+    sub_id: str,
+    restore: bool = True,
+    size: Callable[[], int | None] | None = None,
+) -> ChunkRequest:
     """`relay train`'s job, submitted as the DAG's train task submits one (relay.jobs.submission), with this
-    command's metadata."""
+    command's metadata; size: an elastic run's world size (relay.ops.elastic)."""
     return submission.submit_chunk(
-        jobs, run, to_step, sub_id, chunk=chunk_index(run.spec, to_step), metadata=metadata, restore=restore
+        jobs, run, to_step, sub_id, chunk=chunk_index(run.spec, to_step), metadata=metadata, restore=restore, size=size
     ).request
 
 

@@ -128,6 +128,7 @@ class JobState:
     start_time: float | None = None  # epoch seconds
     exit_code: int | None = None  # the driver's, once it ended (negative: killed by that signal)
     end_time: float | None = None  # epoch seconds, once it ended
+    job_id: str | None = None  # Ray's id of the job's driver (its placement groups' creator), once it runs
 
 
 class RayJobs:
@@ -168,6 +169,7 @@ class RayJobs:
             _seconds(info.start_time),
             info.driver_exit_code,
             _seconds(info.end_time),
+            info.job_id,
         )
 
     def submit(
@@ -321,6 +323,7 @@ class AsyncRayJobs:
             _seconds(d.get("start_time")),
             d.get("driver_exit_code"),
             _seconds(d.get("end_time")),
+            d.get("job_id"),
         )
 
     async def tail(self, sub_id: str, lines: int = TAIL_LINES) -> str:

@@ -30,6 +30,8 @@ from relay.runs.run import Run
 from relay.spec.plan import Chunk
 from relay.trainers.contract import ChunkRequest
 
+WORLD_SIZE_KEY = "relay_world_size"  # the job's metadata: an elastic spec's world size it trains at
+
 Action = Literal["warm", "reattach", "adopt", "submit", "succeeded", "ended"]
 
 
@@ -50,10 +52,12 @@ def decide(
     remembered: str | None,
     stall_limit_s: float,
     warn: Callable[[str], None],
+    grow: Callable[[JobState], str | None] | None = None,
 ) -> JobDecision:
     """What this try does about its chunk's job (see the module's docstring). remembered: the submission id
-    an earlier try stored in Airflow's task state; warn: where a passed-over earlier job is said."""
-    if (warm := warm_job(jobs, run, chunk, warn=warn)) is not None:
+    an earlier try stored in Airflow's task state; warn: where a passed-over earlier job is said; grow: why a warm
+    job should start cold instead to train at a larger world size (relay.ops.elastic), None when not."""
+    if (warm := warm_job(jobs, run, chunk, warn=warn, grow=grow)) is not None:
         return warm
     existing = jobs.get(sub_id)
     if existing is not None:
@@ -69,7 +73,14 @@ def decide(
     return JobDecision("submit", sub_id)
 
 
-def warm_job(jobs: RayJobs, run: Run, chunk: Chunk, *, warn: Callable[[str], None]) -> JobDecision | None:
+def warm_job(
+    jobs: RayJobs,
+    run: Run,
+    chunk: Chunk,
+    *,
+    warn: Callable[[str], None],
+    grow: Callable[[JobState], str | None] | None = None,
+) -> JobDecision | None:
     """The job that went on warm into this chunk, if this try can take it over (see the module's docstring)."""
     record = handoff.warm(run.dir, chunk.index)
     if record is None:
@@ -84,6 +95,10 @@ def warm_job(jobs: RayJobs, run: Run, chunk: Chunk, *, warn: Callable[[str], Non
             f"Ray job {attempt} went on warm into {chunk}, but the run's spec changed since it started: it is refused "
             "(it stops without committing) and the chunk starts a new job"
         )
+        return None
+    if grow is not None and (larger := grow(state)) is not None:
+        handoff.refuse(run.dir, chunk.index, f"{larger}: the chunk starts cold to grow")
+        warn(f"Ray job {attempt} went on warm into {chunk}, but {larger}: it is refused and the chunk starts cold")
         return None
     why = f"it committed step {record.get('from_step')} and went on warm into this chunk (lease token {record.get('token')})"
     return JobDecision("warm", attempt, why, state)
@@ -132,12 +147,26 @@ class Submitted:
 
 
 def chunk_request(
-    run: Run, to_step: int, sub_id: str, *, chunk: int | None, restore: bool = True, handoff: bool = False
+    run: Run,
+    to_step: int,
+    sub_id: str,
+    *,
+    chunk: int | None,
+    restore: bool = True,
+    handoff: bool = False,
+    world_size: int | None = None,
 ) -> ChunkRequest:
     """The job's request, with the run's lease taken for sub_id now (the token travels in the request)."""
     token = run.folder.lease().acquire(sub_id)
     return ChunkRequest(
-        run=run, to_step=to_step, chunk=chunk, attempt=sub_id, lease_token=token, restore=restore, handoff=handoff
+        run=run,
+        to_step=to_step,
+        chunk=chunk,
+        attempt=sub_id,
+        lease_token=token,
+        restore=restore,
+        handoff=handoff,
+        world_size=world_size,
     )
 
 
@@ -153,14 +182,21 @@ def submit_chunk(
     restore: bool = True,
     stop_others_wait_s: float | None = None,
     handoff: bool = False,
+    size: Callable[[], int | None] | None = None,
 ) -> Submitted:
     """Submit the chunk's job under a lease taken for it. stop_others_wait_s: stop every other live job of the
     run first, waiting up to that long for each to save its step (the DAG's train task: one writer per run);
-    None leaves them (`relay train`: a job of the run that still runs is fenced out by the new token)."""
+    None leaves them (`relay train`: a job of the run that still runs is fenced out by the new token). size: an
+    elastic spec's world size for the job, chosen once the run's other jobs gave their GPUs back
+    (relay.ops.elastic; it may raise to wait for nodes)."""
     stopped = (
         [] if stop_others_wait_s is None else jobs.stop_run(run.spec.name, run.name, keep=sub_id, wait_s=stop_others_wait_s)
     )
-    req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore, handoff=handoff)
+    world_size = size() if size is not None else None
+    req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore, handoff=handoff, world_size=world_size)
+    meta = metadata(req)
+    if world_size is not None:
+        meta[WORLD_SIZE_KEY] = str(world_size)  # a warm job's size: the next chunk grows it back (relay.ops.elastic)
     # (the trainer kind's job_env, e.g. verl's cpu platform for device cpu, is added by RayJobs.submit)
-    jobs.submit(req, sub_id, metadata(req), env)
+    jobs.submit(req, sub_id, meta, env)
     return Submitted(req, stopped)

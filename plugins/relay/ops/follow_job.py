@@ -11,6 +11,7 @@
   something refuses the warm chunk (REFUSED, STALLED, TIMEOUT): the job then stops at its next step boundary without
   committing anything of it.
 - `checkpoint`: a chunk's checkpoint waited for on storage.
+- `capacity`: an elastic chunk's wait for the cluster to hold a world size again (relay.ops.elastic).
 
 Each returns how the wait ended (`Ended`), never an exception.
 """
@@ -24,16 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from relay.alerts.stall import StallWatch
+from relay.common.errors import RelayError
 from relay.common.progress import STEP_LINE
+from relay.jobs import cluster
 from relay.jobs.ray_jobs import TERMINAL, AsyncRayJobs, new_lines
 from relay.runs import handoff, heartbeat
 from relay.runs.layout import checkpoint_reached
 
+NODE_POLL_S = 10.0  # how often a running job's nodes are looked at: one of them dead ends the wait (NODE_LOST)
 # Once the chunk's last step is in the log, the job's end (its save, then the driver's exit) is polled this often:
 # the task resumes within this of the job's end instead of within a whole poll interval (2 s by default).
 ENDING_POLL_S = 0.25
 STALLED = "STALLED"  # no new step for the stall limit: the job was stopped (its warm chunk refused)
+NODE_LOST = "NODE_LOST"  # a node holding the job's workers died: the job was stopped (its ranks there are gone)
 HANDED_OFF = "HANDED_OFF"  # the job committed the chunk's end step and trains the next chunk (a warm handoff)
 ADMITTED, REFUSED, ENDED = "ADMITTED", "REFUSED", "ENDED"  # a warm job's fate, as warm_job sees it
 
@@ -72,6 +79,7 @@ async def chunk_job(address: str, submission_id: str, w: ChunkWatch, say: Say, w
     unreachable_since: float | None = None
     seen: list[str] = []  # the log's last lines at the previous poll (a restarted triggerer starts empty)
     ending = False  # the chunk's last step is trained: its save and exit come next, polled closer
+    nodes = JobNodes(address)
     while True:
         try:
             state = await jobs.get(submission_id)
@@ -111,6 +119,11 @@ async def chunk_job(address: str, submission_id: str, w: ChunkWatch, say: Say, w
                 )
         if state.status in TERMINAL:
             return Ended(state.status, state.message, {"exit_code": state.exit_code})
+        if state.status == "RUNNING" and (dead := await nodes.lost(state.job_id)):
+            # Its ranks there are gone: the others wait on them (a collective, a rollout) until a stall limit.
+            ended = await stop_and_wait(jobs, submission_id, w.stop_grace_s, w.poll_seconds)
+            names = ", ".join(f"{n.name} ({n.node_id[:12]})" for n in dead)
+            return Ended(NODE_LOST, f"Ray node {names} of job {submission_id} died; job stopped ({ended})")
         if w.stall_after_s and state.status == "RUNNING":
             watch = watch or StallWatch(w.stall_after_s, w.startup_s, time.time(), w.end_step)
             watch.saw("\n".join(new), time.time())
@@ -122,6 +135,30 @@ async def chunk_job(address: str, submission_id: str, w: ChunkWatch, say: Say, w
             ended = await stop_and_wait(jobs, submission_id, w.stop_grace_s, w.poll_seconds)
             return Ended("TIMEOUT", f"job {submission_id} ran past the chunk's timeout and was stopped ({ended})")
         await asyncio.sleep(min(w.poll_seconds, ENDING_POLL_S) if ending else w.poll_seconds)
+
+
+class JobNodes:
+    """The nodes a running job's placement groups were seen on (remembered: a dead node's bundles move), looked at
+    every NODE_POLL_S; `lost` names those of them the head has declared dead."""
+
+    def __init__(self, address: str):
+        """The job's nodes on the cluster at `address`, none seen yet."""
+        self.address = address
+        self.seen: set[str] = set()
+        self.next_look = 0.0
+
+    async def lost(self, job_id: str | None) -> list[cluster.Node]:
+        """The job's nodes the head declared dead (empty between looks, and before the job has an id)."""
+        if not job_id or time.time() < self.next_look:
+            return []
+        self.next_look = time.time() + NODE_POLL_S
+        try:
+            self.seen |= await cluster.job_nodes_async(self.address, job_id)
+            if not self.seen:
+                return []
+            return [n for n in await cluster.nodes_async(self.address) if not n.alive and n.node_id in self.seen]
+        except (TimeoutError, RelayError, OSError, aiohttp.ClientError):
+            return []  # the dashboard did not answer: asked again at the next look
 
 
 async def stop_and_wait(jobs: AsyncRayJobs, submission_id: str, grace_s: float, poll_seconds: float) -> str:
@@ -238,3 +275,24 @@ async def checkpoint(run_dir: str, step: int, deadline: float, poll_seconds: flo
         if time.time() > deadline:
             return Ended("timeout", f"no checkpoint for step {step} in {run_dir} before the deadline")
         await asyncio.sleep(poll_seconds)
+
+
+CAPACITY, WAITED = "CAPACITY", "WAITED"  # a capacity wait's end: the cluster holds the groups, or the wait is over
+
+
+async def capacity(address: str, groups: list[list[float]], until: float | None, poll_seconds: float) -> Ended:
+    """Wait until the Ray cluster at `address` holds the placement groups `groups` ([CPUs, GPUs] each, on one node;
+    CAPACITY) or until `until` (epoch seconds; WAITED); an elastic chunk's wait for nodes (relay.ops.elastic). A
+    dashboard that does not answer is asked again at the next poll."""
+    need = [(float(c), float(g)) for c, g in groups]
+    while True:
+        try:
+            found = await cluster.nodes_async(address)
+        except (TimeoutError, RelayError, OSError, aiohttp.ClientError):
+            found = []
+        if found and cluster.fits(need, found):
+            return Ended(CAPACITY, "the cluster holds them: " + "; ".join(n.line().strip() for n in found if n.alive))
+        if until is not None and time.time() >= until:
+            return Ended(WAITED, "the wait for nodes is over")
+        left = poll_seconds if until is None else max(0.1, min(poll_seconds, until - time.time()))
+        await asyncio.sleep(left)

@@ -13,6 +13,7 @@ from relay.common.errors import RelayError
 from relay.insights import doctor
 from relay.insights.doctor import Finding
 from relay.jobs.ray_jobs import RayJobs
+from relay.ops import elastic
 from relay.runs.run import Run
 from relay.s3.store import store_for_spec
 from relay.spec.kinds import KINDS
@@ -25,7 +26,22 @@ def checklist(spec: RunSpec, run_name: str | None, *, ray_address: str | None) -
     run = Run.of(spec, run_name)
     store = store_for_spec(spec) if ray_address is not None and spec.s3 is not None else None
     jobs = RayJobs(ray_address) if ray_address is not None else None
-    return run, doctor.diagnose(run, store=store, jobs=jobs, contract_report=contract_report(spec, jobs))
+    findings = doctor.diagnose(run, store=store, jobs=jobs, contract_report=contract_report(spec, jobs))
+    if ray_address is not None and spec.core_settings.world_options:
+        findings.append(world_size(run, ray_address))
+    return run, findings
+
+
+def world_size(run: Run, address: str) -> Finding:
+    """An elastic run: the world size its next chunk would train at on the cluster now, and why (a wait is a
+    warning: the chunk would go on once the nodes are up)."""
+    try:
+        said = elastic.next_size(run, address) or ""
+    except RelayError as e:
+        return Finding("world size", False, f"the cluster did not say what it holds: {e.what}", e.fix or "")
+    waits = said.startswith("the next chunk would wait")
+    fix = "start worker nodes, or lower the minimum of trainer.settings.nnodes" if waits else ""
+    return Finding("world size", True, said, fix, warning=waits)
 
 
 def report(findings: list[Finding], run: Run) -> str:

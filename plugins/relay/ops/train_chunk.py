@@ -32,7 +32,7 @@ from relay.insights.audit import AuditReport, audit
 from relay.insights.eta import Eta, eta
 from relay.jobs import submission
 from relay.jobs.ray_jobs import STOP_MARGIN_S, RayJobs, job_metadata, submission_id
-from relay.ops import chunk_policy, follow_job
+from relay.ops import chunk_policy, elastic, follow_job
 from relay.ops.approvals import Answer
 from relay.preflight.checks import before_chunk
 from relay.runs import failure_cause, handoff, node_oom
@@ -174,9 +174,19 @@ def job(
     jobs: RayJobs, run: Run, chunk: Chunk, at: Try, *, remembered: str | None, warn: Callable[[str], None]
 ) -> submission.JobDecision:
     """What this try does about its chunk's job (relay.jobs.submission.decide); JobEnded when this try's own job
-    already ended without success."""
+    already ended without success. An elastic run's warm job is refused when the cluster could hold a larger world
+    size now: the chunk starts cold and grows."""
     sub_id = submission_id(run.spec.name, run.name, at.dag_run, chunk.index, at.number)
-    decided = submission.decide(jobs, run, chunk, sub_id, stall_limit_s=stall_limit_s(run), warn=warn, remembered=remembered)
+    decided = submission.decide(
+        jobs,
+        run,
+        chunk,
+        sub_id,
+        stall_limit_s=stall_limit_s(run),
+        warn=warn,
+        remembered=remembered,
+        grow=elastic.grow(run, jobs.address),
+    )
     if decided.action == "ended" and decided.state is not None:
         raise JobEnded(
             f"Ray job {sub_id} of this try already ended {decided.state.status}: {decided.state.message}",
@@ -205,17 +215,20 @@ def start(
     *,
     latest: int | None,
     began: float,
+    size: Callable[[], int | None] | None = None,
 ) -> Started:
     """Act on the job's decision: submit this try's job (a drill in the DAG run's conf armed in it), admit and
     take over the job that went on warm into this chunk, or follow an earlier try's job (adopted) or this try's
     own (re-attached). The try's start is marked first (`began`: when the task began; the goodput ledger's
-    scheduling gap ends there)."""
+    scheduling gap ends there). size: an elastic run's world size for a submitted job (relay.ops.elastic.size)."""
     sub_id = decided.submission_id
     warning = mark(run, "task_started", chunk, sub_id, at=began, dag_run=at.dag_run, try_number=at.number)
     if decided.action == "submit":
         env = drill(run, at.conf, at.dag_run)
-        done = submit(jobs, run, chunk, sub_id, dag_run=at.dag_run, try_number=at.number, env=env)
+        done = submit(jobs, run, chunk, sub_id, dag_run=at.dag_run, try_number=at.number, env=env, size=size)
         how = f"resumes from step {latest or 0}; submitted Ray job {sub_id} (lease token {done.request.lease_token})"
+        if done.request.world_size is not None:
+            how += f" at world size {done.request.world_size}"
         return Started(how, True, list(done.stopped), warning)
     if decided.action == "warm":
         admit_warm(run, chunk, sub_id, by=at.by())
@@ -237,7 +250,15 @@ def admit_warm(run: Run, chunk: Chunk, attempt: str, *, by: str) -> None:
 
 
 def submit(
-    jobs: RayJobs, run: Run, chunk: Chunk, sub_id: str, *, dag_run: str, try_number: int, env: dict[str, str]
+    jobs: RayJobs,
+    run: Run,
+    chunk: Chunk,
+    sub_id: str,
+    *,
+    dag_run: str,
+    try_number: int,
+    env: dict[str, str],
+    size: Callable[[], int | None] | None = None,
 ) -> submission.Submitted:
     """Stop the run's other jobs (one that holds the lease gets its grace to save the step it is in), then submit
     this try's under the run's lease; with warm chunks the next chunk's train task admits and takes it over."""
@@ -251,6 +272,7 @@ def submit(
         metadata=lambda req: job_metadata(req, dag_run, try_number),
         stop_others_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S,
         handoff=True,
+        size=size,
     )
     mark(run, "job_submitted", chunk, sub_id)
     fault_point(f"after_submit:{run}", chunk.index)  # the fault suite's worker kill lands here
@@ -483,15 +505,21 @@ def failure(
         if failure_cause.could_be_oom_kill(message, tail, event.get("exit_code"))
         else []
     )
-    cause = failure_cause.classify(
-        status,
-        message,
-        tail,
-        event.get("exit_code"),
-        step=step,
-        oom_kills=failure_cause.oom_kills_since_start(run.dir, sub_id),
-        oom_nodes=oom_nodes,
-    )
+
+    def classified(lost: list[str] | None) -> failure_cause.Cause:
+        return failure_cause.classify(
+            status,
+            message,
+            tail,
+            event.get("exit_code"),
+            step=step,
+            oom_kills=failure_cause.oom_kills_since_start(run.dir, sub_id),
+            oom_nodes=oom_nodes,
+            lost_nodes=lost,
+        )
+
+    suspect = classified(None).cause  # a lost peer's collective error comes before the head declares its node dead
+    cause = classified(elastic.lost_nodes(jobs.address, run, sub_id, settle_s=elastic.death_settle_s(run, suspect)))
     decision = chunk_policy.on_failure(
         cause,
         failure_cause.earlier_failures(run.dir, chunk.index, at.dag_run),

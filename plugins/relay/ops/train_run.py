@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relay.checkpoints.reshard import ReshardResult
 from relay.checkpoints.validate import latest_step_or_problem, latest_valid_step
-from relay.common.errors import RelayError, StoreError
+from relay.common.errors import RelayError
 from relay.jobs import chunk_job, local_head
 from relay.jobs.ray_jobs import STOP_MARGIN_S, JobState, RayJobs
+from relay.ops import elastic
 from relay.preflight.prepare import RunState, prepare_run
-from relay.preflight.world_size import to_spec_world_size
 from relay.runs import failure_cause, layout
 from relay.runs.phases import record_job_times
 from relay.runs.run import Run
@@ -35,6 +34,11 @@ def plan(spec: RunSpec, run_name: str | None) -> tuple[str, str | None]:
     latest, problem = latest_step_or_problem(run.dir)
     head = f"spec {spec.source} -> DAG {spec.dag_id}; run dir {run.dir}"
     return f"{head}\n{ChunkPlan.from_spec(spec).describe(latest)}", problem
+
+
+def next_world_size(spec: RunSpec, run_name: str | None, address: str) -> str | None:
+    """An elastic spec: what size the run's next chunk would train at on the cluster at `address`, and why."""
+    return elastic.next_size(Run.of(spec, run_name), address)
 
 
 @dataclass
@@ -88,39 +92,6 @@ def prepare(
     )
 
 
-@dataclass
-class Resharded:
-    """The run's latest checkpoint taken to the spec's world size: what was done, and a warning when S3's copy
-    could not be replaced."""
-
-    done: str
-    result: ReshardResult
-    warning: str | None = None
-
-
-def reshard_to_spec(run: Run, store: CheckpointStore | None, *, publish_or_fail: bool = False) -> Resharded | None:
-    """checkpoints.on_world_size_change: reshard, before each chunk: the latest checkpoint taken to the spec's world
-    size (the original kept) and admitted, and S3's copy replaced by it. None when nothing was resharded. S3 down:
-    the DAG's task fails (`publish_or_fail`); `relay train` warns and trains on (the chunk's saves publish again)."""
-    if run.spec.checkpoints.on_world_size_change != "reshard":
-        return None
-    result = to_spec_world_size(run)
-    if result is None:
-        return None
-    out = Resharded(f"run {run.name}: {result.explain()}", result)
-    if store is not None and run.spec.s3 is not None:
-        try:
-            store.publish(run.folder, result.step)
-        except StoreError as e:  # the local step is resharded and valid; the chunk's own saves publish again
-            if publish_or_fail:
-                raise
-            out.warning = (
-                f"S3's copy of step {result.step} is still the world-size-{result.from_world_size} one: {e}; "
-                f"publish it when S3 answers: relay checkpoint publish {run.dir} {run.spec.s3.uri} --step {result.step}"
-            )
-    return out
-
-
 def train_as_job(
     run: Run,
     to_step: int,
@@ -137,10 +108,12 @@ def train_as_job(
     with chunk_job.interrupts():
         with local_head.guarded(address) if address else private_head() as where:
             say(f"run {run.name}: training to step {to_step} as a Ray job on {where.address}")
-            state, warning = follow_job(RayJobs(where.address), run, to_step, offline=offline, watch=where.watch_job)
+            state, warning = follow_job(
+                RayJobs(where.address), run, to_step, offline=offline, watch=where.watch_job, say=say
+            )
             if warning:
                 warn(warning)
-    return job_outcome(run, state, to_step)
+    return job_outcome(run, state, to_step, address=where.address)
 
 
 def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -161,15 +134,33 @@ def train_here(run: Run, to_step: int, *, offline: bool) -> ChunkResult:
 
 
 def follow_job(
-    jobs: RayJobs, run: Run, to_step: int, *, offline: bool, watch: Callable[..., Any] | None = None
+    jobs: RayJobs,
+    run: Run,
+    to_step: int,
+    *,
+    offline: bool,
+    watch: Callable[..., Any] | None = None,
+    say: Callable[[str], None] = print,
 ) -> tuple[JobState, str | None]:
     """Submit the chunk as the DAG's Ray job and follow it to its end, its log on stdout (Ctrl-C or SIGTERM stops
-    it: chunk_job.interrupts); then its start and end for the goodput ledger. (the job's state, a warning)"""
+    it: chunk_job.interrupts); then its start and end for the goodput ledger. An elastic run's world size is chosen
+    first, waiting here while the cluster holds too little (`say` tells what it waits for). (the job's state, a
+    warning)"""
     sub_id = chunk_job.local_submission_id(run)
+    chunk = chunk_job.chunk_index(run.spec, to_step)
+
+    def size() -> int | None:  # an elastic run's world size, waited for here while the cluster holds too little
+        sized = elastic.wait_here(run, jobs.address, store_of(run.spec, offline=offline), chunk=chunk, say=say)
+        if sized is not None:
+            say(f"run {run.name}: world size {sized.world_size}: {sized.why}")
+            if sized.resharded is not None:
+                say(sized.resharded.done)
+        return sized.world_size if sized is not None else None
+
     state = chunk_job.run_attached(
         jobs,
         sub_id,
-        lambda: chunk_job.submit_chunk(jobs, run, to_step, sub_id, not offline),
+        lambda: chunk_job.submit_chunk(jobs, run, to_step, sub_id, not offline, size=size),
         watch=watch,
         stop_wait_s=run.spec.ray.stop_grace_seconds + STOP_MARGIN_S,
     )
@@ -189,9 +180,10 @@ class JobOutcome:
     errors: list[str] = field(default_factory=list)
 
 
-def job_outcome(run: Run, state: JobState, to_step: int) -> JobOutcome:
-    """A job that failed is classified and recorded (events.jsonl: chunk_failed), as the train task does; one that
-    succeeded must have left the run's latest valid checkpoint at `to_step`."""
+def job_outcome(run: Run, state: JobState, to_step: int, *, address: str | None = None) -> JobOutcome:
+    """A job that failed is classified and recorded (events.jsonl: chunk_failed), as the train task does (a node of
+    the cluster at `address` that died while it ran is its cause); one that succeeded must have left the run's
+    latest valid checkpoint at `to_step`."""
     if state.status != "SUCCEEDED":
         what, code = chunk_job.failure(state)
         cause = failure_cause.classify(
@@ -200,6 +192,7 @@ def job_outcome(run: Run, state: JobState, to_step: int) -> JobOutcome:
             exit_code=state.exit_code,
             step=failure_cause.step_of_failure(run.dir, state.submission_id),
             oom_kills=failure_cause.oom_kills_since_start(run.dir, state.submission_id),
+            lost_nodes=elastic.lost_nodes(address, run, state.submission_id) if address else None,
         )
         failure_cause.record_failure(
             run.dir, cause, chunk=chunk_job.chunk_index(run.spec, to_step), attempt=state.submission_id

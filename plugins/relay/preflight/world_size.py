@@ -12,11 +12,21 @@ from relay.runs import layout
 from relay.runs.run import Run
 
 
-def to_spec_world_size(run: Run) -> ReshardResult | None:
+def latest_world_size(run: Run) -> int | None:
+    """The world size the run's latest checkpoint was saved at (None: no checkpoint, or it does not say)."""
+    latest = layout.read_tracker(run.dir) if run.dir.is_dir() else None
+    return validate_checkpoint(run.dir, latest, upto="structure").world_size if latest else None
+
+
+def to_spec_world_size(run: Run, want: int | None = None) -> ReshardResult | None:
     """Before a chunk (checkpoints.on_world_size_change: reshard): reshard the run's latest checkpoint in place to
-    the spec's world size and admit it through the gate; None when they already agree or there is no checkpoint."""
+    the spec's world size (or `want`: an elastic spec's, chosen for the chunk's job) and admit it through the gate;
+    None when they already agree or there is no checkpoint. An elastic spec's size is chosen at the job's submission
+    (relay.ops.elastic), so without `want` it is left alone here."""
     core = run.spec.core_settings
-    want, fsdp = core.world_size, core.fsdp_version
+    if want is None and core.world_options:
+        return None
+    want, fsdp = want or core.world_size, core.fsdp_version
     latest = layout.read_tracker(run.dir) if run.dir.is_dir() else None
     if not latest or want is None:
         return None

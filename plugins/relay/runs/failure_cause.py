@@ -4,7 +4,8 @@ Airflow retries), the alerts and `relay doctor`.
 The evidence is what a person would read: the Ray job's status and message, its driver's exit code (a
 negative code, or 128+N from the shell Ray starts it with, is signal N) and a bounded tail of its log.
 The rules go from the most specific evidence to the least: Relay's own `[relay] cause:` line (which also
-says whether a retry can help), then a line that names the cause wherever it is (CUDA out of memory, a
+says whether a retry can help), then a node of the cluster that died while the job ran (the dashboard's state
+API), then a line that names the cause wherever it is (CUDA out of memory, a
 NCCL watchdog, Ray's memory monitor killing a worker on any node); then a traceback, which outranks
 keywords: the exception it ends in is an exception of the training code, unless its own text says a node
 was lost or a collective timed out, even when its message mentions a preemption or its type is
@@ -42,6 +43,7 @@ from relay.spec.causes import COLLECTIVE_TIMEOUT as COLLECTIVE_TIMEOUT
 from relay.spec.causes import EXCEPTION as EXCEPTION
 from relay.spec.causes import HOST_OOM as HOST_OOM
 from relay.spec.causes import INFRASTRUCTURE as INFRASTRUCTURE
+from relay.spec.causes import NODE_LOST as NODE_LOST
 from relay.spec.causes import POLICIES as POLICIES
 from relay.spec.causes import PREEMPTED as PREEMPTED
 from relay.spec.causes import REFUSED as REFUSED
@@ -150,13 +152,15 @@ def classify(
     step: int | None = None,
     oom_kills: int = 0,
     oom_nodes: list[str] | None = None,
+    lost_nodes: list[str] | None = None,
 ) -> Cause:
     """The cause of a failed chunk attempt. status: the Ray job's (FAILED, STOPPED) or the trigger's own
     (STALLED, TIMEOUT, LOST, UNREACHABLE); message: Ray's message (it ends with the log's last lines);
     log_tail: the job's last log lines; step: the step it failed at; oom_kills: how many processes the
     kernel's OOM killer ended in the job's cgroup while it ran (evidence for a bare SIGKILL); oom_nodes: the nodes
     whose kernel OOM-kill count rose while it ran, in words (relay.jobs.node_oom.rises: evidence for a killed
-    worker on any node)."""
+    worker on any node); lost_nodes: the cluster's nodes that died while it ran, in words (relay.jobs.cluster: a
+    lost node explains its actors' deaths and its peers' collective timeouts)."""
 
     lines = unprefixed(log_tail or message or "")
     msg_lines = unprefixed(message or "")
@@ -168,6 +172,10 @@ def classify(
     def made(cause: str, evidence: list[str], signature: str | None = None, retry_helps: bool | None = None) -> Cause:
         return Cause(cause, step, list(dict.fromkeys(evidence)), signature, exit_code, retry_helps)
 
+    if status == "NODE_LOST":  # the trigger saw a node of the job's die and stopped it
+        return made(NODE_LOST, [*(lost_nodes or []), message[:300]])
+    if status in ("STALLED", "TIMEOUT") and lost_nodes:  # its peers waited on the lost node's ranks
+        return made(NODE_LOST, [*lost_nodes, message[:300]])
     if status in ("STALLED", "TIMEOUT"):
         return made(STALLED, [message[:300]] if message else [])
     if status == "UNREACHABLE":
@@ -179,6 +187,8 @@ def classify(
         said = [ln for ln in lines if ln.startswith("[relay] chunk") and (" failed" in ln or " stopped" in ln)][-1:]
         helps = {"can": True, "cannot": False}.get(relay[-1].group(2) or "")
         return made(relay[-1].group(1), [*said, relay[-1].group(0)], retry_helps=helps)
+    if lost_nodes:
+        return made(NODE_LOST, [*lost_nodes, *(found(NODE_LOST_LINES) or found(COLLECTIVE_LINES))[-1:]])
     if ev := found(ACCELERATOR_OOM_LINES):
         return made(ACCELERATOR_OOM, ev)
     if ev := found(HOST_OOM_LINES):
@@ -199,14 +209,16 @@ def classify(
     if exc := last_exception(lines) or last_exception(msg_lines):  # a long traceback outgrows a short tail
         signature, evidence = exc
         if NODE_LOST_LINES.search(signature):  # a lost node shows as an actor's traceback
-            return made(PREEMPTED, evidence, signature)
+            return made(NODE_LOST, evidence, signature)
         if killed and re.match(r"(ActorDiedError|RayActorError|WorkerCrashedError|ActorUnavailableError)\b", signature):
             # killed from outside, and no node's OOM-kill count rose: preempted, not the training code's exception
             return made(PREEMPTED, [*killed[-1:], *evidence], signature)
         return made(EXCEPTION, evidence, signature)
     if ev := found(INFRA_LINES):
         return made(INFRASTRUCTURE, ev)
-    if ev := found(NODE_LOST_LINES) or found(PREEMPTED_LINES):
+    if ev := found(NODE_LOST_LINES):
+        return made(NODE_LOST, ev)
+    if ev := found(PREEMPTED_LINES):
         return made(PREEMPTED, ev)
     if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP) or status == "STOPPED":
         what = (

@@ -7,6 +7,7 @@ classification (relay.runs.failure_cause), which reads the run folder.
 from __future__ import annotations
 
 PREEMPTED = "preempted"
+NODE_LOST = "node_lost"
 HOST_OOM = "host_oom"
 ACCELERATOR_OOM = "accelerator_oom"
 COLLECTIVE_TIMEOUT = "collective_timeout"
@@ -21,6 +22,13 @@ POLICIES = (RETRY, BACKOFF, STOP)
 
 # cause -> (what it is, in an alert's words; its default policy; what a person does about it)
 CAUSES: dict[str, tuple[str, str, str]] = {
+    NODE_LOST: (
+        "a Ray node of the job was lost (its raylet died: a dead host, a reclaimed spot node)",
+        RETRY,
+        "nothing for an elastic run (nnodes as [min, max]): its retry goes on at the world size the cluster still "
+        "holds after elastic.wait_for_nodes_minutes, and grows back when nodes return. Otherwise the retry waits for "
+        "the same GPUs: bring the node back, or give the spec a range. If it repeats, look at the node's health",
+    ),
     PREEMPTED: (
         "preempted or node lost: the job was killed from outside",
         RETRY,

@@ -39,6 +39,21 @@ BUILT_IN = {
 
 
 @dataclass(frozen=True)
+class WorldOption:
+    """A world size an elastic spec may train at, and what it needs of the cluster: its placement groups, each
+    (CPUs, GPUs) that one node must hold (verl packs each node's workers onto one node)."""
+
+    world_size: int
+    nnodes: int
+    gpus_per_node: int
+    groups: tuple[tuple[float, float], ...]
+
+    def describe(self) -> str:
+        """The option in a log's words."""
+        return f"world size {self.world_size} ({self.nnodes} node(s) x {self.gpus_per_node} GPU(s))"
+
+
+@dataclass(frozen=True)
 class CoreSettings:
     """What the core reads of a trainer's settings, whatever the kind (TrainerSettings.core)."""
 
@@ -52,6 +67,9 @@ class CoreSettings:
     cpu_platform: bool = True  # it runs on Relay's CPU stand-ins, not a GPU cluster
     batch_rows: int = 1  # the training rows one step reads: a training file needs at least that many
     critic: bool = False  # its checkpoints hold a critic/ beside actor/
+    # elastic: the world sizes it may train at, the largest first (empty: only world_size); each chunk's cold start
+    # takes the largest the cluster holds (relay.ops.elastic)
+    world_options: tuple[WorldOption, ...] = ()
 
 
 class TrainerSettings(StrictModel):

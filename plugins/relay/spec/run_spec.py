@@ -283,6 +283,21 @@ class RaySpec(StrictModel):
     )
 
 
+class ElasticSpec(StrictModel):
+    """`elastic`: how a run whose world size is a range (verl's nnodes or n_gpus_per_node as [min, max]) follows its
+    cluster (docs/guides/elastic.md)."""
+
+    wait_for_nodes_minutes: float = Field(
+        default=5,
+        ge=0,
+        description=(
+            "after a node is lost, how long a chunk's retry waits for the cluster to hold the world size it lost "
+            "before it goes on at the largest one the cluster holds (never below the minimum)"
+        ),
+    )
+    poll_seconds: float = Field(default=15, gt=0, description="how often a waiting chunk asks the cluster what it holds")
+
+
 class S3Spec(StrictModel):
     """`s3`: where the run's checkpoints are published, and through which Airflow connection."""
 
@@ -451,6 +466,9 @@ class RunSpec(StrictModel):
         default_factory=ChunkPolicy, description="how a chunk hands over to the next: warm (the same job) or cold"
     )
     ray: RaySpec = Field(default_factory=RaySpec, description="the Ray cluster the chunks run on")
+    elastic: ElasticSpec = Field(
+        default_factory=ElasticSpec, description="a world size that follows the cluster (a range of nnodes)"
+    )
     s3: S3Spec | None = Field(None, description="where validated checkpoints are published; none: nothing is published")
     alerts: AlertSpec = Field(default_factory=AlertSpec, description="who is told what, and when a job counts as stalled")
     airflow: AirflowSpec = Field(default_factory=AirflowSpec, description="the DAG: retries, schedule, pool, approvals")
@@ -684,6 +702,20 @@ def _check_handoff(spec: RunSpec) -> None:
             "chunks.handoff",
             f"warm chunks cannot run here: {why}",
             "use chunks.handoff: cold, or leave it empty (warm where the run can be)",
+        )
+    if spec.core_settings.world_options and spec.checkpoints.on_world_size_change != "reshard":
+        raise SpecError(
+            spec.source,
+            "checkpoints.on_world_size_change",
+            "an elastic world size (a range of nodes or GPUs) changes the checkpoints' world size between chunks",
+            "set checkpoints.on_world_size_change: reshard (each change is resharded, certified and alerted)",
+        )
+    if spec.core_settings.world_options and spec.core_settings.supervised:
+        raise SpecError(
+            spec.source,
+            "trainer.settings.mode",
+            "supervised mode trains the whole run in one job, whose world size cannot follow the cluster",
+            "use mode: chunked with an elastic world size, or give nnodes and n_gpus_per_node as counts",
         )
     if spec.checkpoints.async_save and not kind.async_save:
         raise SpecError(

@@ -41,8 +41,9 @@ def resolved_settings(spec, train_rows: int | None, *, lr_schedule: str) -> dict
     the run's settings, compared by the settings guard): its world size and FSDP layout, the LR's horizon, the
     rollouts of a step, the LR schedule in words, and the steps of an epoch."""
     s = spec.settings
+    sizes = [o.world_size for o in s.core().world_options]  # elastic: the range the run may train at
     out = {
-        "resolved.world_size": s.world_size,
+        "resolved.world_size": f"{min(sizes)}..{max(sizes)}" if sizes else s.world_size,
         "resolved.fsdp_version": s.fsdp_version,
         "resolved.lr_horizon": spec.total_steps,
         "resolved.rollouts_per_step": s.train_batch_size * s.rollout_n,

@@ -221,6 +221,7 @@ class ChunkSession:
             resumed_from=self.resume_step,
             to_step=self.req.to_step,
             warm=False,
+            world_size=self.world_size,
             lease_token=self.token,
             superseded_rows=dropped,
             restored_from=self.resume.restored_from,
@@ -254,6 +255,11 @@ class ChunkSession:
             return None
         life = {"incarnation": self.lease.incarnation} if self.lease.incarnation else {}
         return record_event(self.run_dir, event, **life, **fields)
+
+    @property
+    def world_size(self) -> int | None:
+        """The processes this job trains with: an elastic spec's chosen size, else the spec's (None: not said)."""
+        return self.req.world_size or self.spec.core_settings.world_size
 
     @staticmethod
     def say(msg: str) -> None:
@@ -502,6 +508,7 @@ class ChunkSession:
             resumed_from=step,
             to_step=nxt.end_step,
             warm=True,
+            world_size=self.world_size,
             lease_token=self.token,
             superseded_rows=0,
             host=socket.gethostname(),

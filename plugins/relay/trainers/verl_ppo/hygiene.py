@@ -67,11 +67,12 @@ def check_tracker_agrees(run_dir: Path, resume_step: int) -> None:
         )
 
 
-def check_parallelism(spec, run_dir: Path, resume_step: int, report=None) -> None:
-    """Refuse a world-size or FSDP-version change against the checkpoint the chunk resumes from."""
+def check_parallelism(spec, run_dir: Path, resume_step: int, report=None, settings=None) -> None:
+    """Refuse a world-size or FSDP-version change against the checkpoint the chunk resumes from. settings: the
+    job's (an elastic spec's at the world size chosen for it); default the spec's."""
     if not resume_step:
         return
-    s = spec.settings
+    s = settings or spec.settings
     if report is not None and report.world_size is not None:
         found = (report.world_size, report.fsdp_version)
     else:

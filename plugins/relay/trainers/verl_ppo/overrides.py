@@ -107,11 +107,13 @@ def chunk_overrides(
     data: dict[str, list[str]],
     strategy: str = "loop_bound",
     end_step: int | None = None,
+    world=None,
 ) -> list[str]:
     """verl's overrides for one chunk (chunked mode) or the one job (supervised mode).
 
     first_step_of_run: the job starts at step 0 (only then does val_before_train apply).
     end_step: the chunk's end; used for total_training_steps only with strategy total_steps.
+    world: the settings at the job's world size (an elastic spec's, VerlPPOSettings.at); default the spec's.
     """
 
     spec = run.spec
@@ -145,8 +147,8 @@ def chunk_overrides(
         "trainer.project_name": tracking.project_name(spec),
         "trainer.experiment_name": tracking.experiment_name(run),
         "trainer.logger": list(s.logger),
-        "trainer.nnodes": s.nnodes,
-        "trainer.n_gpus_per_node": s.n_gpus_per_node,
+        "trainer.nnodes": (world or s.at(None)).nnodes,
+        "trainer.n_gpus_per_node": (world or s.at(None)).n_gpus_per_node,
         "trainer.max_actor_ckpt_to_keep": None,
         "trainer.max_critic_ckpt_to_keep": None,
         "trainer.del_local_ckpt_after_load": False,

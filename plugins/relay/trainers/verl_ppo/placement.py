@@ -17,6 +17,7 @@ not up yet: start the nodes before the chunk.
 from __future__ import annotations
 
 from relay.common.errors import RelayError
+from relay.trainers.verl_ppo.settings import VERL_ROLLOUT_CPUS_PER_GPU
 
 
 class PlacementError(RelayError):
@@ -73,7 +74,7 @@ def ray_nodes() -> list[dict[str, float]]:
 
 
 # verl's ResourcePoolManager for a standalone rollout replica (verl/workers/rollout/replica.py, init_standalone)
-STANDALONE_COLOCATE_COUNT = 2
+STANDALONE_COLOCATE_COUNT = VERL_ROLLOUT_CPUS_PER_GPU
 
 
 def check_separate_rollout(

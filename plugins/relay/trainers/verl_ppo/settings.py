@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from relay.spec.kinds import CoreSettings
+from relay.spec.kinds import CoreSettings, WorldOption
 from relay.spec.model import StrictModel, critical
 from relay.trainers.batches import BatchedSettings
 
@@ -151,8 +151,12 @@ class VerlPPOSettings(BatchedSettings):
         "vllm", description="vllm | sglang (GPU engines) | hf: transformers' generate(), for the tiny model on a CPU"
     )
     fsdp_version: Literal[1, 2] = critical(2, description="1: strategy fsdp, 2: fsdp2")
-    nnodes: int = critical(1, ge=1, description="nodes of the training world (world size = nnodes x n_gpus_per_node)")
-    n_gpus_per_node: int = critical(8, ge=1, description="GPUs per node")
+    nnodes: int | tuple[int, int] = critical(
+        1,
+        description="nodes of the training world (world size = nnodes x n_gpus_per_node); [min, max]: elastic, each "
+        "chunk's cold start takes the largest world size the Ray cluster holds then (docs/guides/elastic.md)",
+    )
+    n_gpus_per_node: int | tuple[int, int] = critical(8, description="GPUs per node; [min, max]: elastic, as nnodes")
     adv_estimator: str = critical("grpo", min_length=1, description="verl's algorithm.adv_estimator (gae has a critic)")
     rollout_n: int = critical(5, ge=1, description="responses per prompt")
     train_batch_size: int = critical(1024, gt=0, description="prompts per step")
@@ -242,6 +246,23 @@ class VerlPPOSettings(BatchedSettings):
                 )
         return v
 
+    @field_validator("nnodes", "n_gpus_per_node")
+    @classmethod
+    def _count_or_range(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (v, v) if isinstance(v, int) else v
+        if low < 1 or high < low:
+            raise ValueError(f"give a count of at least 1, or a range [min, max] with 1 <= min <= max (got {_text(v)})")
+        return v
+
+    @model_validator(mode="after")
+    def _some_world_size_runs(self) -> VerlPPOSettings:
+        if self.elastic and not self.world_options():
+            raise ValueError(
+                f"no world size in nnodes {_text(self.nnodes)} x n_gpus_per_node {_text(self.n_gpus_per_node)} runs "
+                f"this batch: {'; '.join(self.refused_world_sizes())}; widen the range or change the batch sizes"
+            )
+        return self
+
     @model_validator(mode="after")
     def _cpu_rollout(self) -> VerlPPOSettings:
         if self.device == "cpu" and self.rollout_name != "hf":
@@ -296,12 +317,73 @@ class VerlPPOSettings(BatchedSettings):
             cpu_platform=self.device == "cpu",
             batch_rows=self.train_batch_size,
             critic=self.has_critic,
+            world_options=tuple(self.world_options()) if self.elastic else (),
         )
 
     @property
+    def elastic(self) -> bool:
+        """nnodes or n_gpus_per_node is a range: each chunk's cold start picks its world size (relay.ops.elastic)."""
+        return not (isinstance(self.nnodes, int) and isinstance(self.n_gpus_per_node, int))
+
+    def world_options(self) -> list[WorldOption]:
+        """The world sizes the ranges allow that verl can run this batch at, the largest first (fewer nodes first
+        among equals), each with the placement groups it needs: verl's per node of the training pool (3 CPUs and 1
+        GPU per worker, packed on one node) and separate_async's rollout replicas (2 CPUs per GPU)."""
+        out = []
+        rollout: list[tuple[float, float]] = []
+        if self.trainer_mode == "separate_async":
+            per = float(self.rollout_n_gpus_per_node)
+            rollout = [(VERL_ROLLOUT_CPUS_PER_GPU * per, per)] * self.rollout_nnodes
+        for nodes in _span(self.nnodes):
+            for per_node in _span(self.n_gpus_per_node):
+                if self.world_size_refused(nodes * per_node) is None:
+                    groups = [(float(VERL_CPUS_PER_WORKER * per_node), float(per_node))] * nodes + rollout
+                    out.append(WorldOption(nodes * per_node, nodes, per_node, tuple(groups)))
+        return sorted(out, key=lambda o: (-o.world_size, o.nnodes))
+
+    def world_size_refused(self, size: int) -> str | None:
+        """Why verl cannot train this batch at world size `size` (None: it can): each rank takes an equal share of
+        a step's responses and of each mini-batch's, and the rollout's tensor parallel groups tile the world."""
+        responses, mini = self.train_batch_size * self.rollout_n, self.ppo_mini_batch_size * self.rollout_n
+        if size % self.tensor_model_parallel_size:
+            return f"{size}: not a multiple of tensor_model_parallel_size {self.tensor_model_parallel_size}"
+        if responses % size or mini % size:
+            return f"{size}: {responses} responses a step in mini-batches of {mini} do not split over {size} ranks"
+        return None
+
+    def refused_world_sizes(self) -> list[str]:
+        """Every world size of the ranges verl cannot run, with why."""
+        sizes = sorted({n * g for n in _span(self.nnodes) for g in _span(self.n_gpus_per_node)})
+        return [why for size in sizes if (why := self.world_size_refused(size))]
+
+    def at(self, world_size: int | None) -> VerlPPOSettings:
+        """These settings with nnodes and n_gpus_per_node set for one world size (an elastic spec's option; None:
+        the largest); a fixed spec's own. A world size the spec does not allow is a ValueError."""
+        if not self.elastic:
+            if world_size not in (None, self.world_size):
+                raise ValueError(f"the spec trains at world size {self.world_size}, not {world_size}")
+            return self
+        option = next((o for o in self.world_options() if world_size in (None, o.world_size)), None)
+        if option is None:
+            allowed = ", ".join(str(o.world_size) for o in self.world_options())
+            raise ValueError(f"world size {world_size} is not one of the spec's: {allowed}")
+        return self.model_copy(update={"nnodes": option.nnodes, "n_gpus_per_node": option.gpus_per_node})
+
+    @property
     def world_size(self) -> int:
-        """The actor's FSDP world size: its shard names carry it, so it may not change within a run."""
+        """The actor's FSDP world size (its shard names carry it: a change reshards the checkpoint); elastic: the
+        largest allowed."""
+        if self.elastic:
+            return self.world_options()[0].world_size
+        assert isinstance(self.nnodes, int) and isinstance(self.n_gpus_per_node, int)
         return self.nnodes * self.n_gpus_per_node
+
+    def world_size_text(self) -> str:
+        """The world size as the spec gives it: 8, or 8..16 (elastic)."""
+        if not self.elastic:
+            return str(self.world_size)
+        sizes = [o.world_size for o in self.world_options()]
+        return f"{min(sizes)}..{max(sizes)}"
 
     @property
     def gpus(self) -> int:
@@ -317,6 +399,21 @@ class VerlPPOSettings(BatchedSettings):
     def has_critic(self) -> bool:
         """GAE needs a critic (critic/ in every checkpoint); GRPO, RLOO and the like do not."""
         return self.adv_estimator == "gae"
+
+
+# verl's ResourcePoolManager: CPUs per training worker (max_colocate_count), and a standalone rollout replica's
+# (verl/single_controller/ray/base.py, verl/workers/rollout/replica.py)
+VERL_CPUS_PER_WORKER = 3
+VERL_ROLLOUT_CPUS_PER_GPU = 2
+
+
+def _span(v: int | tuple[int, int]) -> range:
+    low, high = (v, v) if isinstance(v, int) else v
+    return range(low, high + 1)
+
+
+def _text(v: int | tuple[int, int]) -> str:
+    return str(v) if isinstance(v, int) else f"[{v[0]}, {v[1]}]"
 
 
 def unsaved_chunk_end(spec) -> str | None:

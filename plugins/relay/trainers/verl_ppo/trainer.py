@@ -95,7 +95,12 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     if start >= req.to_step:
         session.say(f"run {req.run.name} already reached step {start} >= {req.to_step}: nothing to train")
         return ChunkResult(req.run.name, start, start, 0, 0.0, str(layout.step_dir(run_dir, start)))
-    hygiene.check_parallelism(spec, run_dir, start, session.resume.report)
+    world = s.at(req.world_size)  # an elastic spec's nnodes and GPUs per node at the size chosen for this job
+    if s.elastic:
+        session.say(
+            f"world size {world.world_size} of {s.world_size_text()} (nnodes {world.nnodes} x {world.n_gpus_per_node})"
+        )
+    hygiene.check_parallelism(spec, run_dir, start, session.resume.report, world)
     hygiene.check_tracker_agrees(run_dir, start)
     if start and session.resume.report is not None and manifest.read(layout.step_dir(run_dir, start)) is None:
         # A checkpoint no gate saw (a mid-chunk save, a restore): the resume just validated it at every
@@ -118,7 +123,9 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
         if ensure_tiny_model(s.model_path):
             session.say(f"made Relay's tiny model at {s.model_path} (tiny_model: true)")
     config = overrides.compose(
-        overrides.chunk_overrides(req.run, first_step_of_run=start == 0, data=data, strategy=strategy, end_step=req.to_step)
+        overrides.chunk_overrides(
+            req.run, first_step_of_run=start == 0, data=data, strategy=strategy, end_step=req.to_step, world=world
+        )
     )
     from verl.utils.device import auto_set_device
 
