@@ -4,11 +4,11 @@ stack of its own (`relay stack up --ray-nodes 2`: a head and two worker nodes, e
 
 The run starts on a cluster whose worker nodes are both dead: chunk 1 waits below the minimum (deferred, one
 `capacity` alert, nothing trained) until the nodes are started. Chunk 1 then trains at world size 2 and goes on warm
-into chunk 2; after step 3 worker-1's raylet is killed with its
-processes (a dead host). The failure is `node_lost` (the head declared the node dead while the job ran); the retry
-goes on at world size 1 from step 2 resharded 2 -> 1 (admitted by the gate, republished, its certificate holding at
-the new size, as verl's workers recompute it after the load); worker-1 is started again
-while chunk 2 trains, and chunk 3 refuses chunk 2's warm job to start cold at world size 2, step 4 resharded 1 -> 2.
+into chunk 2; after step 3 worker-1's raylet is killed with its processes (a dead host). The trigger stops the job
+once the head declares the node dead, and the failure is `node_lost`; the retry goes on at world size 1 from step 2
+resharded 2 -> 1 (admitted by the gate, republished, its certificate holding at the new size, as verl's workers
+recompute it after the load). worker-1 is started again while the retry is held at the end of step 4, and chunk 3
+refuses that job's warm chunk to start cold at world size 2, step 4 resharded 1 -> 2.
 Against a run of the same spec that never changed size (`relay train` 0 -> 6 at world size 2 on the same cluster):
 the same data order, LR and global batch at every step; the replay audit passes; nothing is quarantined; the report
 shows the world size's band and the ledger the time below the largest size."""
@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from relay.alerts.ledger import AlertLedger
+from relay.common.faultpoint import FAULT_ENV
 from relay.devstack import stack
 from relay.insights import goodput, report
 from relay.insights.audit import audit
@@ -35,8 +36,9 @@ pytestmark = [pytest.mark.services, pytest.mark.lane("verl")]
 RUN = "elastic"
 
 
-def elastic_source(path, nnodes) -> None:
+def elastic_source(path, nnodes, env: dict[str, str] | None = None) -> None:
     d = yaml.safe_load(SPEC.read_text())
+    d.setdefault("ray", {}).setdefault("env_vars", {}).update(env or {})
     d["name"] = "verl_elastic"
     d["trainer"]["settings"].update(nnodes=nnodes, n_gpus_per_node=1)
     d["checkpoints"]["on_world_size_change"] = "reshard"
@@ -48,7 +50,8 @@ def elastic_source(path, nnodes) -> None:
 @pytest.mark.fault
 def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(airflow_home, s3_server, tmp_path, fault_row):
     source = tmp_path / "verl_elastic.yaml"
-    elastic_source(source, [1, 2])
+    held = tmp_path / "held-at-step-4"  # the first job to end step 4 (chunk 2's retry) waits there for worker-1
+    elastic_source(source, [1, 2], {FAULT_ENV: "verl_step_end@4", "RELAY_FAULT_ONCE": str(held)})
     spec_path = dag_spec(source, airflow_home["runs"], "relay_verl_elastic")
     run_dir = load_spec(spec_path, check_environment=False).run_dir(RUN)
     with node_stack_env(tmp_path / "stack", nodes=2) as env:
@@ -73,8 +76,12 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(airflow_home, 
                 e["event"] == "chunk_start" and e.get("world_size") == 1 for e in read_events(run_dir)
             )
             wait_for(at_one, JOB_TIMEOUT, "chunk 2's retry at world size 1")
+            wait_for(held.exists, JOB_TIMEOUT, "chunk 2's retry held at the end of step 4")
             again = relay_cli("stack", "up", "--no-airflow", "--ray-nodes", "2", env=env, timeout=300)
             assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+            both = lambda: sum(1 for n in cluster.nodes(address) if n.alive and n.gpus) == 2  # noqa: E731
+            wait_for(both, 120, "worker-1 back")
+            held.with_name(held.name + ".go").touch()  # before chunk 3's admission: it grows back to world size 2
             returncode, out = dag.wait(timeout=3 * JOB_TIMEOUT)
         finally:
             if dag.proc.poll() is None:

@@ -178,7 +178,7 @@ def test_after_a_lost_node_the_retry_waits_for_the_lost_size_then_goes_on_with_w
     assert not waiting.value.below_minimum and waiting.value.until == pytest.approx(t0 + 300, abs=0.01)
     assert waiting.value.groups == [[3.0, 1.0], [3.0, 1.0]], "it waits for the world size it lost"
     assert "a node was lost under its world-size-2 job" in waiting.value.what
-    assert "worker-2: 1 of 1 GPU free" in waiting.value.what
+    assert "worker-2: 1 of 1 GPU and 4 of 4 CPU free" in waiting.value.what
 
     sized = elastic.size(run, "http://ray", None, chunk=1, now=t0 + 301)  # no checkpoint yet: nothing to reshard
     assert (sized.world_size, sized.previous, sized.changed) == (1, None, False)

@@ -264,9 +264,12 @@ def death_settle_s(run: Run, suspect: str) -> float:
 
 
 def free_text(found: list[cluster.Node]) -> str:
-    """What the live nodes have free, in words."""
+    """What the live nodes have free, in words (a worker needs CPUs beside its GPU)."""
     live = [n for n in found if n.alive and n.gpus]  # a node without GPUs (a CPU-only head) holds no worker
-    return "; ".join(f"{n.name}: {n.gpus_free:g} of {n.gpus:g} GPU free" for n in live) or "no live node with GPUs"
+    return (
+        "; ".join(f"{n.name}: {n.gpus_free:g} of {n.gpus:g} GPU and {n.cpus_free:g} of {n.cpus:g} CPU free" for n in live)
+        or "no live node with GPUs"
+    )
 
 
 def wait_here(

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 from relay.checkpoints.reshard import ReshardResult, reshard
 from relay.checkpoints.validate import validate_checkpoint
-from relay.common.errors import CheckpointError
+from relay.common.errors import CheckpointError, RelayError
 from relay.preflight.admission import admit
 from relay.runs import layout
 from relay.runs.run import Run
 
 
 def latest_world_size(run: Run) -> int | None:
-    """The world size the run's latest checkpoint was saved at (None: no checkpoint, or it does not say)."""
-    latest = layout.read_tracker(run.dir) if run.dir.is_dir() else None
-    return validate_checkpoint(run.dir, latest, upto="structure").world_size if latest else None
+    """The world size the run's latest checkpoint was saved at (None: no checkpoint, or it does not say: a broken
+    tracker or step is the trainer's to quarantine and fall back from)."""
+    try:
+        latest = layout.read_tracker(run.dir) if run.dir.is_dir() else None
+        return validate_checkpoint(run.dir, latest, upto="structure").world_size if latest else None
+    except RelayError:
+        return None
 
 
 def to_spec_world_size(run: Run, want: int | None = None) -> ReshardResult | None:
