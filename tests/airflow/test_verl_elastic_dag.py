@@ -136,9 +136,10 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(airflow_home, 
         case="node-lost-elastic-dag",
         layer="Ray cluster (a worker node under verl's ranks, through the DAG)",
         fault="worker-1's raylet and processes SIGKILLed after step 3 of chunk 2 (world size 2); started again while "
-        "chunk 2's retry trained",
-        action="node_lost; the retry at world size 1 from step 2 resharded and certified; chunk 3 refused the warm job "
-        "and started cold at world size 2 from step 4 resharded; data order and LR equal a run that never changed size",
+        "chunk 2's retry (world size 1) was held at the end of step 4",
+        action="the trigger stopped the job once the head declared the node dead (node_lost); the retry at world size 1 "
+        "from step 2 resharded and certified; chunk 3 refused the warm job and started cold at world size 2 from step 4 "
+        "resharded and certified; data order, LR and batch equal a run that never changed size",
         steps_lost=len(retrained),
         run_dir=run_dir,
     )

@@ -24,7 +24,7 @@ from relay.jobs.ray_jobs import RayJobs
 from relay.ops import elastic, follow_job
 from relay.runs import failure_cause as fc
 from relay.runs import layout
-from relay.runs.metrics import read_events, record_event
+from relay.runs.metrics import MetricsLog, read_events, record_event
 from relay.runs.run import Run
 from support import verl_checkpoint
 from support.helpers import relay_cli
@@ -66,6 +66,7 @@ def elastic_run(tmp_path):
     )
     run = Run.of(load_spec(path, check_environment=False), "r")
     verl_checkpoint.make_many([{"run_dir": run.dir, "world_size": 2, "fsdp": 2, "hidden": 24, "layers": 2, "vocab": 67}])
+    MetricsLog(run.dir).append({"step": 1, "attempt": "job-0", "chunk": 1, "loss": 0.5})  # the step's row, as trained
     return run.spec.model_copy(update={"elastic": run.spec.elastic.model_copy(update={"wait_for_nodes_minutes": 0})})
 
 
@@ -91,6 +92,9 @@ def test_the_local_stack_runs_worker_nodes_that_are_lost_alone_and_start_again(
 
     address = stack.ray_address()
     run = Run.of(elastic_run, "r")
+    plan = relay_cli("plan", elastic_run.source, "--run", "r", "--ray-address", address)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "the next chunk would train at world size 2 of 1..2: the cluster holds world size 2" in plan.stdout, plan.stdout
     sized = elastic.size(run, address, None, chunk=1)
     assert (sized.world_size, sized.previous, sized.resharded) == (2, 2, None), sized
     record_event(run.dir, "chunk_start", attempt="job-1", chunk=2, world_size=2)
