@@ -262,3 +262,14 @@ def test_the_nodes_of_a_jobs_placement_groups_are_read_from_the_state_api():
         }
     }
     assert cluster.placed_on(answer, "02000000") == {"a" * 56, "b" * 56}
+
+
+def test_a_size_made_of_more_nodes_or_of_more_gpus_each_trains_as_the_cluster_can_hold_it():
+    s = settings(nnodes=[1, 2], n_gpus_per_node=[1, 2], ppo_mini_batch_size=4)
+    twos = [(o.nnodes, o.gpus_per_node) for o in s.world_options() if o.world_size == 2]
+    assert twos == [(1, 2), (2, 1)], "fewer nodes first"
+    picked = cluster.pick(s.world_options(), nodes())  # two worker nodes of one GPU each: 2 x 1, not 1 x 2
+    assert (picked.world_size, picked.nnodes, picked.gpus_per_node) == (2, 2, 1)
+    chosen = s.at(picked.world_size, picked.nnodes)
+    assert (chosen.nnodes, chosen.n_gpus_per_node) == (2, 1), "the job gets the nodes the pick fitted"
+    assert (s.at(2).nnodes, s.at(2).n_gpus_per_node) == (1, 2)

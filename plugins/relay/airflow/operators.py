@@ -165,7 +165,7 @@ class RayChunkOperator(ChunkTaskOperator):
         trigger = RayJobTrigger(address=hook.address, submission_id=job.submission_id, **watch.trigger)
         self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=watch.timeout_s))
 
-    def _size(self, context, run: Run, chunk: Chunk) -> int | None:
+    def _size(self, context, run: Run, chunk: Chunk) -> elastic.WorldOption | None:
         """An elastic run's world size for the job about to be submitted (relay.ops.elastic.size), its checkpoint
         resharded to it: a change is alerted (and the reshard, as a spec's change of size is)."""
         hook = RayJobsHook(run.spec.ray.conn_id)
@@ -187,7 +187,7 @@ class RayChunkOperator(ChunkTaskOperator):
                 action=f"training goes on at world size {sized.world_size} from the resharded checkpoint",
                 scope=f"{chunk.index}|{sized.previous}|{sized.world_size}",
             )
-        return sized.world_size
+        return sized.option
 
     def _wait_for_nodes(self, context, run: Run, chunk: Chunk, wait: elastic.WaitForNodes, address: str) -> NoReturn:
         """The chunk waits for the cluster's nodes, deferred (no worker slot held); below the minimum, alerted once."""

@@ -29,7 +29,7 @@ from relay.common.errors import RayJobError
 from relay.jobs import submission
 from relay.jobs.ray_jobs import TERMINAL, JobState, RayJobs
 from relay.runs.run import Run
-from relay.spec.kinds import KINDS
+from relay.spec.kinds import KINDS, WorldOption
 from relay.spec.plan import ChunkPlan
 from relay.spec.run_spec import RunSpec
 from relay.trainers.contract import ChunkRequest
@@ -108,7 +108,7 @@ def submit_chunk(
     to_step: int,
     sub_id: str,
     restore: bool = True,
-    size: Callable[[], int | None] | None = None,
+    size: Callable[[], WorldOption | None] | None = None,
 ) -> ChunkRequest:
     """`relay train`'s job, submitted as the DAG's train task submits one (relay.jobs.submission), with this
     command's metadata; size: an elastic run's world size (relay.ops.elastic)."""

@@ -27,6 +27,7 @@ from relay.jobs.ray_jobs import LIVE, JobState, RayJobs
 from relay.runs import handoff
 from relay.runs.metrics import MetricsLog
 from relay.runs.run import Run
+from relay.spec.kinds import WorldOption
 from relay.spec.plan import Chunk
 from relay.trainers.contract import ChunkRequest
 
@@ -154,7 +155,7 @@ def chunk_request(
     chunk: int | None,
     restore: bool = True,
     handoff: bool = False,
-    world_size: int | None = None,
+    world: WorldOption | None = None,
 ) -> ChunkRequest:
     """The job's request, with the run's lease taken for sub_id now (the token travels in the request)."""
     token = run.folder.lease().acquire(sub_id)
@@ -166,7 +167,8 @@ def chunk_request(
         lease_token=token,
         restore=restore,
         handoff=handoff,
-        world_size=world_size,
+        world_size=world.world_size if world is not None else None,
+        nnodes=world.nnodes if world is not None else None,
     )
 
 
@@ -182,7 +184,7 @@ def submit_chunk(
     restore: bool = True,
     stop_others_wait_s: float | None = None,
     handoff: bool = False,
-    size: Callable[[], int | None] | None = None,
+    size: Callable[[], WorldOption | None] | None = None,
 ) -> Submitted:
     """Submit the chunk's job under a lease taken for it. stop_others_wait_s: stop every other live job of the
     run first, waiting up to that long for each to save its step (the DAG's train task: one writer per run);
@@ -192,11 +194,11 @@ def submit_chunk(
     stopped = (
         [] if stop_others_wait_s is None else jobs.stop_run(run.spec.name, run.name, keep=sub_id, wait_s=stop_others_wait_s)
     )
-    world_size = size() if size is not None else None
-    req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore, handoff=handoff, world_size=world_size)
+    world = size() if size is not None else None
+    req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore, handoff=handoff, world=world)
     meta = metadata(req)
-    if world_size is not None:
-        meta[WORLD_SIZE_KEY] = str(world_size)  # a warm job's size: the next chunk grows it back (relay.ops.elastic)
+    if world is not None:
+        meta[WORLD_SIZE_KEY] = str(world.world_size)  # a warm job's size: the next chunk grows it back (relay.ops.elastic)
     # (the trainer kind's job_env, e.g. verl's cpu platform for device cpu, is added by RayJobs.submit)
     jobs.submit(req, sub_id, meta, env)
     return Submitted(req, stopped)

@@ -46,10 +46,15 @@ SETTLE_READS, SETTLE_S = 3, 3.0  # a stopped job's placement groups take a few s
 class Sized:
     """The world size a chunk's job trains at: the checkpoint's before (None: no checkpoint), why, and the reshard."""
 
-    world_size: int
+    option: WorldOption  # its nodes and GPUs per node
     previous: int | None
     why: str
     resharded: Resharded | None = None
+
+    @property
+    def world_size(self) -> int:
+        """The processes the job trains with."""
+        return self.option.world_size
 
     @property
     def changed(self) -> bool:
@@ -116,7 +121,7 @@ def size(
     run.folder.record(
         EVENT, chunk=chunk, world_size=best.world_size, previous=previous, largest=largest, why=why, waited_s=waited
     )
-    return Sized(best.world_size, previous, why, resharded)
+    return Sized(best, previous, why, resharded)
 
 
 def waiting_since(run: Run, chunk: int | None) -> float | None:

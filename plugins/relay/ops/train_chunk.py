@@ -40,6 +40,7 @@ from relay.runs.layout import relay_dir
 from relay.runs.metrics import read_events
 from relay.runs.phases import record_job_times, record_phase
 from relay.runs.run import Run
+from relay.spec.kinds import WorldOption
 from relay.spec.plan import Chunk
 from relay.spec.run_spec import deadline_seconds
 
@@ -215,7 +216,7 @@ def start(
     *,
     latest: int | None,
     began: float,
-    size: Callable[[], int | None] | None = None,
+    size: Callable[[], WorldOption | None] | None = None,
 ) -> Started:
     """Act on the job's decision: submit this try's job (a drill in the DAG run's conf armed in it), admit and
     take over the job that went on warm into this chunk, or follow an earlier try's job (adopted) or this try's
@@ -258,7 +259,7 @@ def submit(
     dag_run: str,
     try_number: int,
     env: dict[str, str],
-    size: Callable[[], int | None] | None = None,
+    size: Callable[[], WorldOption | None] | None = None,
 ) -> submission.Submitted:
     """Stop the run's other jobs (one that holds the lease gets its grace to save the step it is in), then submit
     this try's under the run's lease; with warm chunks the next chunk's train task admits and takes it over."""

@@ -21,7 +21,7 @@ from relay.runs import failure_cause, layout
 from relay.runs.phases import record_job_times
 from relay.runs.run import Run
 from relay.s3.store import CheckpointStore, store_for_spec
-from relay.spec.kinds import KINDS
+from relay.spec.kinds import KINDS, WorldOption
 from relay.spec.plan import ChunkPlan
 from relay.spec.run_spec import RunSpec
 from relay.trainers.contract import ChunkRequest, ChunkResult, run_chunk
@@ -149,13 +149,13 @@ def follow_job(
     sub_id = chunk_job.local_submission_id(run)
     chunk = chunk_job.chunk_index(run.spec, to_step)
 
-    def size() -> int | None:  # an elastic run's world size, waited for here while the cluster holds too little
+    def size() -> WorldOption | None:  # an elastic run's world size, waited for here while the cluster holds too little
         sized = elastic.wait_here(run, jobs.address, store_of(run.spec, offline=offline), chunk=chunk, say=say)
         if sized is not None:
             say(f"run {run.name}: world size {sized.world_size}: {sized.why}")
             if sized.resharded is not None:
                 say(sized.resharded.done)
-        return sized.world_size if sized is not None else None
+        return sized.option if sized is not None else None
 
     state = chunk_job.run_attached(
         jobs,

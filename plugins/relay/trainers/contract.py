@@ -32,9 +32,10 @@ class ChunkRequest:
     # A DAG's job: with warm chunks, go on into the next chunk, whose train task admits it. Never `relay train`'s:
     # nothing would admit its next chunk.
     handoff: bool = False
-    # An elastic spec's world size for this job, chosen at its submission from what the cluster holds
+    # An elastic spec's world size for this job and its nodes, chosen at its submission from what the cluster holds
     # (relay.ops.elastic); None: the spec's own.
     world_size: int | None = None
+    nnodes: int | None = None
 
     @property
     def spec(self) -> RunSpec:

@@ -356,14 +356,17 @@ class VerlPPOSettings(BatchedSettings):
         sizes = sorted({n * g for n in _span(self.nnodes) for g in _span(self.n_gpus_per_node)})
         return [why for size in sizes if (why := self.world_size_refused(size))]
 
-    def at(self, world_size: int | None) -> VerlPPOSettings:
-        """These settings with nnodes and n_gpus_per_node set for one world size (an elastic spec's option; None:
-        the largest); a fixed spec's own. A world size the spec does not allow is a ValueError."""
+    def at(self, world_size: int | None, nnodes: int | None = None) -> VerlPPOSettings:
+        """These settings with nnodes and n_gpus_per_node set for one world size (an elastic spec's option, on
+        `nnodes` nodes where given: a size may be made of more nodes or of more GPUs each; None: the largest); a fixed
+        spec's own. A world size the spec does not allow is a ValueError."""
         if not self.elastic:
             if world_size not in (None, self.world_size):
                 raise ValueError(f"the spec trains at world size {self.world_size}, not {world_size}")
             return self
-        option = next((o for o in self.world_options() if world_size in (None, o.world_size)), None)
+        option = next(
+            (o for o in self.world_options() if world_size in (None, o.world_size) and nnodes in (None, o.nnodes)), None
+        )
         if option is None:
             allowed = ", ".join(str(o.world_size) for o in self.world_options())
             raise ValueError(f"world size {world_size} is not one of the spec's: {allowed}")

@@ -95,7 +95,7 @@ def train_chunk(req: ChunkRequest) -> ChunkResult:
     if start >= req.to_step:
         session.say(f"run {req.run.name} already reached step {start} >= {req.to_step}: nothing to train")
         return ChunkResult(req.run.name, start, start, 0, 0.0, str(layout.step_dir(run_dir, start)))
-    world = s.at(req.world_size)  # an elastic spec's nnodes and GPUs per node at the size chosen for this job
+    world = s.at(req.world_size, req.nnodes)  # an elastic spec's nnodes and GPUs per node chosen for this job
     if s.elastic:
         session.say(
             f"world size {world.world_size} of {s.world_size_text()} (nnodes {world.nnodes} x {world.n_gpus_per_node})"
