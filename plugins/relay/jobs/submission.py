@@ -32,6 +32,7 @@ from relay.spec.plan import Chunk
 from relay.trainers.contract import ChunkRequest
 
 WORLD_SIZE_KEY = "relay_world_size"  # the job's metadata: an elastic spec's world size it trains at
+WORLD_NODES_KEY = "relay_world_nnodes"  # and on how many nodes
 
 Action = Literal["warm", "reattach", "adopt", "submit", "succeeded", "ended"]
 
@@ -198,7 +199,8 @@ def submit_chunk(
     req = chunk_request(run, to_step, sub_id, chunk=chunk, restore=restore, handoff=handoff, world=world)
     meta = metadata(req)
     if world is not None:
-        meta[WORLD_SIZE_KEY] = str(world.world_size)  # a warm job's size: the next chunk grows it back (relay.ops.elastic)
+        # a warm job's size: the next chunk grows it back (relay.ops.elastic)
+        meta.update({WORLD_SIZE_KEY: str(world.world_size), WORLD_NODES_KEY: str(world.nnodes)})
     # (the trainer kind's job_env, e.g. verl's cpu platform for device cpu, is added by RayJobs.submit)
     jobs.submit(req, sub_id, meta, env)
     return Submitted(req, stopped)

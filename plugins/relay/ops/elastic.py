@@ -27,7 +27,7 @@ from relay.common.errors import RelayError
 from relay.common.timestamps import epoch, event_time
 from relay.jobs import cluster
 from relay.jobs.ray_jobs import JobState
-from relay.jobs.submission import WORLD_SIZE_KEY
+from relay.jobs.submission import WORLD_NODES_KEY, WORLD_SIZE_KEY
 from relay.ops.reshard_run import Resharded, reshard_to_spec
 from relay.preflight.world_size import latest_world_size
 from relay.runs.failure_cause import EVENT as FAILED
@@ -215,8 +215,8 @@ def grow(run: Run, address: str) -> Callable[[JobState], str | None] | None:
         return None
 
     def larger(state: JobState) -> str | None:
-        have = int(state.metadata.get(WORLD_SIZE_KEY) or 0)
-        current = next((o for o in allowed if o.world_size == have), None)
+        have, on = int(state.metadata.get(WORLD_SIZE_KEY) or 0), int(state.metadata.get(WORLD_NODES_KEY) or 0)
+        current = next((o for o in allowed if o.world_size == have and on in (0, o.nnodes)), None)
         if current is None:
             return None
         try:
