@@ -275,7 +275,7 @@ def test_relay_train_reshards_before_its_job_and_an_unreachable_s3_only_warns(wr
     reshard task does; S3 not answering leaves the resharded step in place and says how to publish it later (the
     DAG's task fails instead: its chunk does not start on a step S3 does not hold)."""
     from relay.common.errors import StoreError
-    from relay.ops.train_run import reshard_to_spec
+    from relay.ops.reshard_run import reshard_to_spec
     from relay.runs.run import Run
     from relay.s3.store import store_for_spec
 
