@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks: ./scripts/bench.sh certificate|checkpoints|handoff|data|overhead|reshard|verl_async_save|verl_startup [args]. Each prints ratios against a named baseline,
+# Benchmarks: ./scripts/bench.sh async|certificate|checkpoints|handoff|data|overhead|reshard|verl_async_save|verl_startup [args]. Each prints ratios against a named baseline,
 # measured in the same run. Starts the S3 server it needs; stops it at the end if it started it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

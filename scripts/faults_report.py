@@ -55,6 +55,7 @@ PLANNED = {
     "warm-job-killed-waiting": "a warm job killed while it waits for its admission",
     "node-lost": "a Ray worker node lost (its raylet and processes killed) under an elastic run, then started again",
     "node-lost-elastic-dag": "a Ray worker node lost mid-chunk under an elastic verl run's DAG, started again later",
+    "async-lossless-kill": "a lossless separate_async verl job SIGKILLed mid-chunk, its rollout generating ahead",
 }
 
 

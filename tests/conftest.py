@@ -22,6 +22,7 @@ from support.helpers import ROOT, model_state, relay_cli, session_shared, shared
 SLOW_FIRST = (
     "trainers/test_verl_cpu_fit.py",
     "airflow/test_verl_dag.py",
+    "airflow/test_verl_separate_dag.py",
     "airflow/test_verl_async_dag.py",
     "e2e/test_retries.py",
     "airflow/test_run_dag.py",

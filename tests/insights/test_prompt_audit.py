@@ -11,6 +11,7 @@ import pytest
 
 from relay.insights.audit import audit
 from relay.runs import layout
+from relay.runs.metrics import SUPERSEDED
 from relay.runs.prompt_ledger import PROMPTS, PromptLedger
 
 BATCH, WARMUP = 4, 1
@@ -157,3 +158,79 @@ def test_doctor_says_what_is_in_flight_and_that_a_lost_queue_would_be_refused(tm
     (layout.step_dir(run.dir, 4) / "transfer_queue").rmdir()
     found = prompts_in_flight(run)
     assert not found.ok and "transfer_queue/ that holds them is gone" in found.detail and "restore step 4" in found.fix
+
+
+def lossless_run(run_dir, *, lose=False, stale_at=None):
+    """A lossless run of 4 steps: verl's own choice, partial rollouts across weight updates, a failed group evicted
+    and refilled at step 2, a resume at step 2 that re-issued the prompt still generating; lose: a prompt vanishes
+    from the books; stale_at: a step that trained a response generated beyond the bound."""
+    ledger = PromptLedger()
+    ledger.exactness, ledger.max_staleness = "lossless", 2
+    rows = []
+    ledger.hand_out(["w0", "w1"], [100, 101], 1)
+    for step in range(1, 5):
+        n = ledger.next_seq
+        ledger.hand_out([f"u{n}", f"u{n + 1}"], [n, n + 1], step)
+        if step == 2:
+            ledger.evict({"u3": "rollout_failure"})
+            ledger.hand_out(["r0"], [50], step)  # verl's refill
+        if step == 3:
+            ledger.reissued(["u5"])
+        ready = sorted(ledger.live.values(), key=lambda p: p.seq)[:2]
+        if lose and step == 3:
+            ledger.drop([ready[0].uid])
+            ready = sorted(ledger.live.values(), key=lambda p: p.seq)[:2]
+        trained = ledger.train([p.uid for p in ready])
+        versions = [[step - 2, step - 1] if step > 1 else 0 for _ in trained]  # cut at a weight update, then resumed
+        if step == stale_at:
+            versions[0] = step - 3
+        rows.append(
+            {
+                "step": step,
+                "sample_indices": [p.index for p in trained],
+                "prompt_seqs": [p.seq for p in trained],
+                "policy_versions": versions,
+                **ledger.row_fields(),
+            }
+        )
+    folder = layout.step_dir(run_dir, 4)
+    folder.mkdir(parents=True, exist_ok=True)
+    ledger.write(folder, 4, 1)
+    layout.write_tracker(run_dir, 4)
+    (run_dir / layout.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_lossless_run_passes_with_its_evictions_reissues_and_partial_rollouts_accounted(tmp_path):
+    lossless_run(tmp_path)
+    # a killed try of step 3: other prompts and values (verl's loop takes what finished first), the same LR
+    killed = {"step": 3, "lr": 0.5, "sample_indices": [9], "prompt_seqs": [9], "policy_versions": [2], "loss": 1.0}
+    (tmp_path / SUPERSEDED).write_text(json.dumps(killed) + "\n")
+    rows = [json.loads(line) for line in (tmp_path / layout.METRICS).read_text().splitlines()]
+    (tmp_path / layout.METRICS).write_text("".join(json.dumps({**r, "lr": 0.5}) + "\n" for r in rows))
+    result = audit(tmp_path)
+    assert result.lossless and result.steps == [3], result.summary()
+    assert "its LR as on the first try (lossless: the prompts by the prompt audit)" in result.summary()
+    p = result.prompts
+    assert result.consistent and p is not None and p.exactness == "lossless", p.summary() if p else result
+    assert [(e["index"], e["reason"], e["step"]) for e in p.evicted] == [(3, "rollout_failure", 2)]
+    assert (p.reissued, p.partial, p.max_staleness) == (1, 6, 2)
+    assert "1 evicted (rollout_failure)" in p.summary() and "within 2 policy versions" in p.summary()
+
+
+def test_a_lossless_step_trained_again_under_another_lr_diverges(tmp_path):
+    lossless_run(tmp_path)
+    (tmp_path / SUPERSEDED).write_text(json.dumps({"step": 3, "lr": 0.25, "loss": 1.0}) + "\n")
+    result = audit(tmp_path)
+    assert not result.consistent and [(d.step, d.metric) for d in result.divergences] == [(3, "lr")]
+
+
+def test_a_lossless_run_that_lost_a_prompt_in_flight_or_trained_too_stale_a_response_fails(tmp_path):
+    lossless_run(tmp_path / "lost", lose=True)
+    p = audit(tmp_path / "lost").prompts
+    assert p is not None and not p.consistent
+    assert [s["index"] for s in p.skipped] == [5] and "never trained (skipped): dataset rows 5" in p.summary()
+
+    lossless_run(tmp_path / "stale", stale_at=3)
+    p = audit(tmp_path / "stale").prompts
+    assert p is not None and not p.consistent
+    assert "step 3: trained responses generated [2] steps before it, beyond max_staleness 2" in p.summary()

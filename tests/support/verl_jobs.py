@@ -21,6 +21,7 @@ from support.helpers import PY, ROOT, read_metrics, start_dags_test
 SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu.yaml"
 ASYNC_SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu_async.yaml"  # verl's colocate_async trainer
 SEPARATE_SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu_separate.yaml"  # verl's separate_async trainer
+LOSSLESS_SPEC = ROOT / "include" / "runs" / "verl_tiny_cpu_lossless.yaml"  # separate_async at its own speed, lossless
 JOB_TIMEOUT = 900
 
 
@@ -150,7 +151,8 @@ def optimizer_state(step_dir) -> dict:
 
 def dag_spec(source: Path, folder: Path, ray_conn_id: str, **changes) -> Path:
     """A shipped verl spec for a DAG test: this module's checkpoint folder, an S3 prefix of its own, its Ray connection,
-    approvals off (`airflow dags test` has no API server to answer a question with), and `changes` on top."""
+    approvals off (`airflow dags test` has no API server to answer a question with), and `changes` on top (`settings`:
+    keys of trainer.settings)."""
     d = yaml.safe_load(source.read_text())
     d["checkpoint_dir"] = str(folder / "ckpt")
     d["data"]["train_files"] = [str(ROOT / f) for f in d["data"]["train_files"]]
@@ -158,6 +160,8 @@ def dag_spec(source: Path, folder: Path, ray_conn_id: str, **changes) -> Path:
     d.setdefault("s3", {})["uri"] = f"s3://relay/test-{d['name'].replace('_', '-')}-{int(time.time())}"
     d["ray"]["conn_id"] = ray_conn_id
     d["airflow"]["approvals"] = False
+    settings = changes.pop("settings", {})
+    d["trainer"]["settings"].update(settings)
     d.update(changes)
     path = folder / source.name
     path.write_text(yaml.safe_dump(d, sort_keys=False))

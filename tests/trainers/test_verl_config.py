@@ -138,8 +138,9 @@ def test_supervised_mode_saves_every_chunk_and_runs_to_the_end(tmp_path):
 
 
 def test_colocate_async_composes_with_relays_sampler_and_passes_verls_validation(tmp_path):
-    """trainer_mode colocate_async: verl's async trainer, its warm-up batches, Relay's first-in-first-out sampler
-    (loaded by verl's custom_sampler hook) and no prompt dropped for staleness; resume-critical."""
+    """trainer_mode colocate_async: verl's async trainer, its warm-up batches, Relay's sampler (loaded by verl's
+    custom_sampler hook); on GPUs lossless by default, verl's `wait` bound at warmup_batches + 1 policy versions;
+    bitwise: no prompt dropped or awaited for staleness; resume-critical."""
     from verl.utils.import_utils import load_extern_type
 
     from relay.trainers.verl_ppo import overrides
@@ -148,12 +149,19 @@ def test_colocate_async_composes_with_relays_sampler_and_passes_verls_validation
     cfg = overrides.compose(overrides_for(spec))
     v1 = cfg.trainer.v1
     assert v1.trainer_mode == "colocate_async" and v1.colocate_async.num_warmup_batches == 2
-    assert v1.sampler.max_off_policy_threshold is None
+    assert spec.settings.exactness == "lossless"  # cuda's default
+    assert v1.sampler.max_off_policy_threshold == 3 and v1.sampler.max_off_policy_strategy == "wait"
+    bitwise = overrides.compose(overrides_for(spec_of(tmp_path, trainer_mode="colocate_async", resume_exactness="bitwise")))
+    assert bitwise.trainer.v1.sampler.max_off_policy_threshold is None
+    drop = spec_of(tmp_path, trainer_mode="colocate_async", max_staleness=4, stale_strategy="drop")
+    dropping = overrides.compose(overrides_for(drop)).trainer.v1.sampler
+    assert dropping.max_off_policy_threshold == 4 and dropping.max_off_policy_strategy == "drop"
     sampler = load_extern_type(v1.sampler.custom_sampler.path, v1.sampler.custom_sampler.name)
     assert sampler.__module__ == "relay.trainers.verl_ppo.async_trainer" and sampler.__name__ == "FirstInFirstOut"
     overrides.check_config(cfg)
     crit = spec.resume_critical()
     assert crit["trainer.settings.trainer_mode"] == "colocate_async" and crit["trainer.settings.warmup_batches"] == 2
+    assert "trainer.settings.resume_exactness" in crit and "trainer.settings.max_staleness" in crit
     assert as_dict(overrides_for(spec_of(tmp_path)))["trainer.v1.trainer_mode"] == "'sync'"  # the default
 
 
@@ -173,7 +181,24 @@ def test_separate_async_composes_with_the_rollouts_own_gpus_and_relays_gloo_engi
     assert v1.separate_async.parameter_sync_step == 2 and v1.separate_async.hybrid_rollout.enable_switch is False
     assert v1.sampler.custom_sampler.name == "FirstInFirstOut" and v1.sampler.max_off_policy_threshold is None
     assert (rollout.nnodes, rollout.n_gpus_per_node, rollout.checkpoint_engine.backend) == (1, 1, "gloo")
+    assert spec.settings.exactness == "bitwise"  # cpu's default
+    assert dict(rollout.engine_kwargs.hf) == {"token_latency_ms": 0.0, "response_lengths": "model"}
     overrides.check_config(cfg)
+    engine = {"token_latency_ms": 40, "response_lengths": "long_tail"}
+    timed = spec_of(
+        tmp_path,
+        trainer_mode="separate_async",
+        train_batch_size=4,
+        ppo_mini_batch_size=2,
+        parameter_sync_step=2,
+        resume_exactness="lossless",
+        hf_engine=engine,
+        **cpu,
+    )
+    timed_cfg = overrides.compose(overrides_for(timed))
+    assert dict(timed_cfg.actor_rollout_ref.rollout.engine_kwargs.hf) == {**engine, "token_latency_ms": 40.0}
+    assert timed_cfg.trainer.v1.sampler.max_off_policy_threshold == 2
+    overrides.check_config(timed_cfg)
     assert spec.settings.gpus == spec.settings.world_size + 1
     assert spec.resume_critical()["trainer.settings.parameter_sync_step"] == 2
     assert spec_of(tmp_path, trainer_mode="separate_async", ppo_mini_batch_size=1024).settings.engine_for_weights == "nccl"
@@ -198,6 +223,11 @@ def test_separate_async_composes_with_the_rollouts_own_gpus_and_relays_gloo_engi
             "checkpoint_engine nccl needs GPUs: on device cpu use gloo",
         ),
         ({"overrides": ["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]}, "Relay sets"),
+        ({"resume_exactness": "lossless"}, "resume_exactness lossless is for the async modes"),
+        (
+            {"trainer_mode": "colocate_async", "warmup_batches": 2, "max_staleness": 2},
+            r"max_staleness 2 is below warmup_batches \+ 1 \(3\).*set max_staleness to 3 or more",
+        ),
         ({"trainer_mode": "colocate_async", "mode": "supervised"}, "runs in mode chunked"),
         ({"trainer_mode": "colocate_async", "warmup_batches": 0}, "warmup_batches"),
         ({"trainer_mode": "colocate_async", "overrides": ["trainer.v1.sampler.max_off_policy_threshold=2"]}, "Relay sets"),

@@ -12,7 +12,10 @@ GPUs: its generation need not repeat bit for bit); `"*"` there applies to every 
 Relay's CPU trainer and verl's CPU path are exact. `relay audit RUN_DIR` runs it at any time.
 
 For verl's asynchronous trainers it also runs the prompt audit (relay.insights.prompts): every prompt handed out
-trained exactly once, with the staleness of a run never stopped.
+trained exactly once (or evicted with a recorded reason), with the staleness of a run never stopped (bitwise) or
+within its bound (lossless). A lossless resume does not promise that a step trained again trains the same prompts
+or the same values (verl's loop picks what finished first): its steps trained twice compare what it does promise,
+the step and its LR (LOSSLESS_REPLAY), and the prompt audit proves the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ BOOKKEEPING = frozenset({"seconds", "time", "attempt", "chunk", "superseded_by"}
 ANY = "*"  # audit.tolerance's key for the metrics it does not name
 # What a step trained again at another world size (an elastic run) must keep: its data, its LR, its global batch
 ACROSS_WORLD_SIZES = frozenset({"step", "lr", "sample_indices", "prompt_ids", "train_batch_size", "rollouts"})
+LOSSLESS_REPLAY = frozenset({"step", "lr"})  # what a lossless async resume repeats of a step trained twice
 
 
 @dataclass
@@ -57,6 +61,7 @@ class AuditReport:
     divergences: list[Divergence] = field(default_factory=list)
     not_retrained: list[int] = field(default_factory=list)  # superseded steps the run has not trained again yet
     across_world_sizes: list[int] = field(default_factory=list)  # steps trained again at another world size
+    lossless: bool = False  # a lossless async run: steps trained twice compare LOSSLESS_REPLAY only
     prompts: PromptAudit | None = None  # verl's async trainers: each prompt handed out trained once
 
     @property
@@ -67,10 +72,12 @@ class AuditReport:
         if not self.compared:
             head = "replay audit: no step was trained twice (nothing to compare)"
         elif self.consistent:
-            head = (
-                f"replay audit: consistent: {len(self.steps)} step(s) trained twice "
-                f"({_ranges(self.steps)}), every metric as on the first try"
+            same = (
+                "its LR as on the first try (lossless: the prompts by the prompt audit)"
+                if self.lossless
+                else ("every metric as on the first try")
             )
+            head = f"replay audit: consistent: {len(self.steps)} step(s) trained twice ({_ranges(self.steps)}), {same}"
         else:
             bad = sorted({d.step for d in self.divergences})
             head = (
@@ -100,6 +107,8 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
         e.get("attempt"): e.get("world_size") for e in read_jsonl(run_dir / layout.EVENTS) if e.get("event") == "chunk_start"
     }
     steps = set()
+    report.prompts = audit_prompts(run_dir, rows)
+    report.lossless = report.prompts is not None and report.prompts.exactness == "lossless"
     for first in read_jsonl(run_dir / SUPERSEDED):
         step = first.get("step")
         if not isinstance(step, int):
@@ -116,6 +125,8 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
             # data order, the LR and the batch do not.
             metrics &= ACROSS_WORLD_SIZES
             report.across_world_sizes.append(step)
+        if report.lossless:
+            metrics &= LOSSLESS_REPLAY
         for metric in sorted(metrics):
             tol = float((tolerance or {}).get(metric, (tolerance or {}).get(ANY, 0.0)))
             a, b = first.get(metric), again.get(metric)
@@ -125,7 +136,6 @@ def audit(run_dir: Path | str, tolerance: Mapping[str, float] | None = None) -> 
                 )
     report.steps = sorted(steps)
     report.not_retrained = sorted(set(report.not_retrained))
-    report.prompts = audit_prompts(run_dir, rows)
     return report
 
 

@@ -1,16 +1,19 @@
-"""The prompt audit of an asynchronous verl run: every prompt handed out was trained exactly once, with the
-staleness of a run never interrupted.
+"""The prompt audit of an asynchronous verl run: every prompt handed out was trained exactly once (or evicted by verl
+with its reason recorded), each within the staleness the run promises.
 
 verl's async trainers train prompts handed out steps before (relay.runs.prompt_ledger): a kill, a
 chunk boundary or a resume that loses the batch in flight skips those prompts, and one that regenerates them
 trains them again or under other weights. Each kept metrics row of such a run says which prompts its step handed
-out (`handed_out_seqs`, `handed_out_indices`) and trained (`prompt_seqs`, `sample_indices`, `policy_versions`);
-the latest checkpoint lists the prompts in flight at its step. Over the rows up to that checkpoint:
+out (`handed_out_seqs`, `handed_out_indices`), trained (`prompt_seqs`, `sample_indices`, `policy_versions`) and
+evicted with why (`evicted_seqs`, `evicted_reasons`); the latest checkpoint lists the prompts in flight at its step.
+Over the rows up to that checkpoint:
 
-- every prompt handed out (numbered 0, 1, ... in the order the dataloader gave them) was trained once, or is in
-  flight in the checkpoint; none trained twice, none skipped (named by dataset row);
-- each step trained samples generated `min(step - 1, warmup_batches)` steps before it, as a run that never
-  stopped does (prompts generated under the weights they were handed out with, trained first in, first out).
+- every prompt handed out (numbered 0, 1, ... in the order the dataloader gave them) was trained once, or evicted
+  once with a reason, or is in flight in the checkpoint; none trained twice, none skipped (named by dataset row);
+- resume_exactness bitwise: each step trained samples generated `min(step - 1, warmup_batches)` steps before it, as
+  a run that never stopped does (prompts generated under the weights they were handed out with, first in, first
+  out); lossless: every trained response was generated (its oldest token) within max_staleness policy versions of
+  the step that trained it.
 
 Plain Python: run by `relay audit` with the replay audit (relay.insights.audit).
 """
@@ -40,6 +43,11 @@ class PromptAudit:
     staleness: dict[int, list[int]] = field(default_factory=dict)  # step -> each trained prompt's staleness
     wrong_staleness: list[dict] = field(default_factory=list)  # {step, expected, got}
     problems: list[str] = field(default_factory=list)  # what else does not add up (missing rows, records)
+    exactness: str = "bitwise"  # the run's resume_exactness
+    max_staleness: int | None = None  # lossless: the most policy versions a trained response spans
+    evicted: list[dict] = field(default_factory=list)  # evicted by verl: {seq, index, reason, step}
+    reissued: int = 0  # prompts a resume generated again (lossless)
+    partial: int = 0  # trained prompts whose responses span several policy versions (partial rollouts)
 
     @property
     def consistent(self) -> bool:
@@ -47,6 +55,15 @@ class PromptAudit:
 
     def summary(self) -> str:
         if self.consistent:
+            if self.exactness == "lossless":
+                reasons = sorted({e["reason"] for e in self.evicted})
+                evicted = f", {len(self.evicted)} evicted ({', '.join(reasons)})" if self.evicted else ""
+                return (
+                    f"prompt audit: consistent (lossless): {self.handed_out} prompt(s) handed out over {self.steps} "
+                    f"step(s), {self.trained} trained once each{evicted}, {self.in_flight} in flight at step "
+                    f"{self.checkpoint_step}; {self.reissued} re-issued by a resume, {self.partial} generated across "
+                    f"policy versions; every response within {self.max_staleness} policy versions of its step"
+                )
             return (
                 f"prompt audit: consistent: {self.handed_out} prompt(s) handed out over {self.steps} step(s), "
                 f"{self.trained} trained once each, {self.in_flight} in flight at step {self.checkpoint_step}; "
@@ -59,7 +76,13 @@ class PromptAudit:
         for p in self.twice[:10]:
             lines.append(f"  prompt {p['seq']} (dataset row {p['index']}) trained more than once: steps {p['steps']}")
         for w in self.wrong_staleness[:10]:
-            lines.append(f"  step {w['step']}: staleness {w['got']}, a run never stopped has {w['expected']}")
+            if self.exactness == "lossless":
+                lines.append(
+                    f"  step {w['step']}: trained responses generated {w['got']} steps before it, beyond "
+                    f"max_staleness {self.max_staleness} policy versions"
+                )
+            else:
+                lines.append(f"  step {w['step']}: staleness {w['got']}, a run never stopped has {w['expected']}")
         lines += [f"  {p}" for p in self.problems[:10]]
         return "\n".join(lines)
 
@@ -86,6 +109,10 @@ def audit_prompts(run_dir: Path, rows: list[dict[str, Any]]) -> PromptAudit | No
         step = max(r["step"] for r in rows if isinstance(r.get("step"), int))
     warmup = ledger.warmup_batches if ledger else _warmup_of(run_dir)
     report = PromptAudit(step, problems=problems)
+    report.exactness, report.max_staleness = (
+        (ledger.exactness, ledger.max_staleness) if ledger else _exactness_of(run_dir, warmup)
+    )
+    lossless = report.exactness == "lossless"
     by_step = {r["step"]: r for r in rows if isinstance(r.get("step"), int) and r["step"] <= step}
     missing = [s for s in range(1, step + 1) if s not in by_step or "prompt_seqs" not in by_step[s]]
     if missing:
@@ -93,6 +120,7 @@ def audit_prompts(run_dir: Path, rows: list[dict[str, Any]]) -> PromptAudit | No
     handed: dict[int, int] = {}
     trained_at: dict[int, list[int]] = defaultdict(list)
     index_of: dict[int, int] = {}
+    evicted_at: dict[int, list[dict]] = defaultdict(list)
     for s in sorted(by_step):
         r = by_step[s]
         for seq, index in zip(r.get("handed_out_seqs", []), r.get("handed_out_indices", []), strict=False):
@@ -100,7 +128,22 @@ def audit_prompts(run_dir: Path, rows: list[dict[str, Any]]) -> PromptAudit | No
         for seq, index in zip(r.get("prompt_seqs", []), r.get("sample_indices", []), strict=False):
             trained_at[seq].append(s)
             index_of[seq] = index
-        got = [s - 1 - v if isinstance(v, int) else None for v in r.get("policy_versions", [])]
+        for seq, index, why in zip(
+            r.get("evicted_seqs", []), r.get("evicted_indices", []), r.get("evicted_reasons", []), strict=False
+        ):
+            evicted_at[seq].append({"seq": seq, "index": index, "reason": why, "step": s})
+        report.reissued += len(r.get("reissued_seqs", []))
+        versions = r.get("policy_versions", [])
+        report.partial += sum(1 for v in versions if isinstance(v, list) and len(set(v)) > 1)
+        if lossless:  # the oldest policy a response was generated with (a partial rollout spans several)
+            got: list[int | None] = [s - 1 - _oldest(v) if _oldest(v) is not None else None for v in versions]
+            report.staleness[s] = [g for g in got if g is not None]
+            bound = report.max_staleness
+            over = sorted({g for g in report.staleness[s] if bound is not None and g > bound - 1})
+            if over:
+                report.wrong_staleness.append({"step": s, "expected": bound, "got": over})
+            continue
+        got = [s - 1 - v if isinstance(v, int) else None for v in versions]
         report.staleness[s] = [g for g in got if g is not None]
         want = expected_staleness(s, warmup) if warmup is not None else None
         if want is not None and any(g != want for g in got):
@@ -114,11 +157,15 @@ def audit_prompts(run_dir: Path, rows: list[dict[str, Any]]) -> PromptAudit | No
         handed_count = max(handed, default=-1) + 1
     report.steps, report.handed_out, report.in_flight = len(by_step), len(handed), len(in_flight)
     report.trained = sum(len(v) for v in trained_at.values())
-    for seq in sorted(set(handed) | set(trained_at) | set(in_flight)):
+    report.evicted = [e for seq in sorted(evicted_at) for e in evicted_at[seq]]
+    for seq in sorted(set(handed) | set(trained_at) | set(in_flight) | set(evicted_at)):
         steps = trained_at.get(seq, [])
-        if len(steps) > 1 or (steps and seq in in_flight):
-            report.twice.append({"seq": seq, "index": index_of.get(seq, handed.get(seq)), "steps": steps})
-        elif not steps and seq not in in_flight:
+        evictions = evicted_at.get(seq, [])
+        ends = len(steps) + len(evictions) + (seq in in_flight)
+        if ends > 1:
+            settled = steps + [f"evicted at {e['step']} ({e['reason']})" for e in evictions]
+            report.twice.append({"seq": seq, "index": index_of.get(seq, handed.get(seq)), "steps": settled})
+        elif ends == 0:
             report.skipped.append({"seq": seq, "index": handed.get(seq)})
     never_handed = sorted(set(range(handed_count)) - set(handed))
     if never_handed:
@@ -127,6 +174,33 @@ def audit_prompts(run_dir: Path, rows: list[dict[str, Any]]) -> PromptAudit | No
             f"(numbers {never_handed[:10]})"
         )
     return report
+
+
+def _oldest(version: Any) -> int | None:
+    """The oldest policy version of a trained prompt's responses (an int, or [first, last] across a partial rollout)."""
+    if isinstance(version, int):
+        return version if version >= 0 else None
+    if isinstance(version, list) and version and all(isinstance(v, int) for v in version):
+        return min(version)
+    return None
+
+
+def _exactness_of(run_dir: Path, warmup: int | None) -> tuple[str, int | None]:
+    """The run's resume_exactness and staleness bound from its record (a report's folder from S3 holds no
+    checkpoint): the settings as verl_ppo resolves them (lossless by default on cuda, bitwise on cpu)."""
+    try:
+        critical = read_record(run_dir).get("resume_critical") or {}
+    except Exception:  # noqa: BLE001 - no record, or an unreadable one: the bitwise check, as before
+        return "bitwise", None
+    exactness = critical.get("trainer.settings.resume_exactness")
+    if exactness is None:
+        on_gpus = critical.get("trainer.settings.device") == "cuda"
+        async_mode = critical.get("trainer.settings.trainer_mode") in ("colocate_async", "separate_async")
+        exactness = "lossless" if on_gpus and async_mode else "bitwise"
+    bound = critical.get("trainer.settings.max_staleness")
+    if not isinstance(bound, int):
+        bound = warmup + 1 if isinstance(warmup, int) else None
+    return str(exactness), bound
 
 
 def _warmup_of(run_dir: Path) -> int | None:

@@ -8,8 +8,9 @@ it to that identity, so that
 
 - the sampler trains prompts first in, first out (relay.trainers.verl_ppo.async_trainer.FirstInFirstOut),
 - a step's batch is put in one order (by seq) whatever order its responses finished in,
-- each metrics row says which prompts the step trained (`sample_indices`, `prompt_seqs`, `policy_versions`)
-  and which it handed out (`handed_out_seqs`), and
+- each metrics row says which prompts the step trained (`sample_indices`, `prompt_seqs`, `policy_versions`),
+  which it handed out (`handed_out_seqs`), which verl evicted and why (`evicted_seqs`, `evicted_reasons`: a failed
+  rollout, a stale group under stale_strategy drop, a filtered one) and which a resume re-issued (`reissued_seqs`), and
 - a checkpoint lists the prompts in flight at its step (PROMPTS, JSON: read without unpickling), checked against
   what verl restores into its TransferQueue before the first step.
 
@@ -22,12 +23,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from relay.common.errors import CheckpointError, RelayError
 from relay.common.files import atomic_write_json
 
 PROMPTS = "relay_prompts.json"  # in a step folder of an async run: the prompts in flight at that step
-VERSION = 1
+VERSION = 2  # 2: exactness and max_staleness (a version 1 ledger is bitwise)
+EVICTION_REASONS = ("rollout_failure", "stale", "filtered")
 
 
 @dataclass
@@ -43,7 +46,11 @@ class PromptLedger:
         self.next_seq = 0
         self.live: dict[str, Prompt] = {}  # handed out, not trained
         self.handed_since_row: list[tuple[int, int]] = []  # (seq, dataset index) handed out since the last row
+        self.evicted_since_row: list[tuple[int, int, str]] = []  # (seq, dataset index, reason) evicted since then
+        self.reissued_since_row: list[int] = []  # seqs a resume handed out again (their generation started over)
         self.warmup_batches = 0
+        self.exactness = "bitwise"  # relay.trainers.verl_ppo.async_trainer: bitwise | lossless
+        self.max_staleness: int | None = None  # lossless: the most policy versions a trained prompt spans
 
     # ---- as the trainer goes
     def hand_out(self, uids: list[str], indices: list[int], step: int) -> None:
@@ -65,10 +72,42 @@ class PromptLedger:
             )
         return sorted((self.live.pop(u) for u in uids), key=lambda p: p.seq)
 
+    def evict(self, reasons: dict[str, str]) -> list[Prompt]:
+        """Prompts verl evicted (uid -> reason, one of EVICTION_REASONS): they leave the ledger, accounted for."""
+        out = []
+        for uid, reason in reasons.items():
+            p = self.live.pop(uid, None)
+            if p is not None:
+                self.evicted_since_row.append((p.seq, p.index, reason))
+                out.append(p)
+        return out
+
+    def reissued(self, uids: list[str]) -> list[Prompt]:
+        """Prompts in flight at a checkpoint that a resume handed out again (they stay in the ledger)."""
+        out = sorted((self.live[u] for u in uids if u in self.live), key=lambda p: p.seq)
+        self.reissued_since_row += [p.seq for p in out]
+        return out
+
     def row_done(self) -> list[tuple[int, int]]:
         """The prompts (seq, dataset index) handed out since the last row (for this row), and start a new count."""
         out, self.handed_since_row = self.handed_since_row, []
         return out
+
+    def row_fields(self) -> dict[str, Any]:
+        """This row's prompts handed out, evicted and re-issued since the last row, and start new counts."""
+        handed = self.row_done()
+        evicted, self.evicted_since_row = self.evicted_since_row, []
+        reissued, self.reissued_since_row = self.reissued_since_row, []
+        row: dict[str, Any] = {"handed_out_seqs": [seq for seq, _ in handed], "handed_out_indices": [i for _, i in handed]}
+        if evicted:
+            row.update(
+                evicted_seqs=[seq for seq, _, _ in evicted],
+                evicted_indices=[i for _, i, _ in evicted],
+                evicted_reasons=[why for _, _, why in evicted],
+            )
+        if reissued:
+            row["reissued_seqs"] = reissued
+        return row
 
     def order(self, uid: str) -> int | None:
         p = self.live.get(uid)
@@ -88,6 +127,8 @@ class PromptLedger:
             "version": VERSION,
             "step": step,
             "warmup_batches": warmup_batches,
+            "exactness": self.exactness,
+            "max_staleness": self.max_staleness,
             "next_seq": self.next_seq,
             "in_flight": [asdict(p) for p in sorted(self.live.values(), key=lambda p: p.seq)],
         }
@@ -102,6 +143,9 @@ class PromptLedger:
             ledger = cls()
             ledger.next_seq = int(body["next_seq"])
             ledger.warmup_batches = int(body["warmup_batches"])
+            ledger.exactness = str(body.get("exactness", "bitwise"))
+            bound = body.get("max_staleness")
+            ledger.max_staleness = int(bound) if bound is not None else None
             for p in body["in_flight"]:
                 ledger.live[p["uid"]] = Prompt(str(p["uid"]), int(p["seq"]), int(p["index"]), int(p["handed_out_at"]))
         except FileNotFoundError:

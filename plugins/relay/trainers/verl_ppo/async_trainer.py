@@ -1,10 +1,31 @@
-"""verl's async trainers (colocate_async, separate_async), chunked so that a resume is exact: every prompt trained
-once, at the step and with the policy version an uninterrupted run trains it.
+"""verl's async trainers (colocate_async, separate_async), chunked so that a resume loses no prompt: each one handed
+out is trained once, or evicted by verl with its reason recorded, whatever stops the job.
 
 verl's async modes hand prompts out ahead of training (`num_warmup_batches`, then one batch a step) and train
 whatever has finished: which prompts a step trains, and under which weights each was generated, depend on
 timing, and a resume re-issues the prompts in flight under the newest weights (`_reissue_inflight_prompts`).
-Relay keeps verl's loop, its TransferQueue and its checkpoint of the prompts in flight, and adds one rule:
+Relay keeps verl's loop, its TransferQueue and its checkpoint of the prompts in flight, numbers every prompt
+handed out in its ledger (relay.runs.prompt_ledger: PROMPTS, JSON, in every save), and resumes in one of two ways,
+the spec's `resume_exactness`:
+
+**lossless** (the default on GPUs): verl's own speed. Between saves verl runs as it does alone: generation
+overlaps training (separate_async), the replicas are aborted and resumed around weight updates (partial rollouts),
+the sampler takes verl's own choice (the oldest handed out among the finished), and verl's `wait` strategy bounds
+staleness (`max_off_policy_threshold` = the spec's max_staleness; `drop` if the spec allows evictions). Relay adds:
+
+- every eviction (a failed rollout, a stale group under `drop`, a filtered one) leaves the ledger with its reason,
+  in the step's metrics row: accounted for, never silently lost;
+- at a save, separate_async's rollout is paused (its replicas aborted, verl's clients parked) while verl
+  writes the checkpoint with its `transfer_queue/`, so that the queue's controller and storage are one moment's;
+  colocate_async's is paused already (verl aborts it before training);
+- at a resume, the queue must hold exactly the ledger's prompts; verl re-issues those still generating, and Relay
+  checks it re-issued exactly those (`reissued_seqs` in the next row).
+
+relay.insights.prompts then proves each prompt handed out trained once or evicted with a reason, and every trained
+response generated within max_staleness policy versions of the step that trained it.
+
+**bitwise** (the default on CPUs, for proofs and deterministic stacks): a resume trains what an uninterrupted run
+trains, bit for bit, at the cost of verl's overlap:
 
 - **generation pinned to the weights a prompt was handed out under.** Before a step samples its batch and
   again before the weights change, every prompt handed out is generated to its end (`_relay_drain`): a prompt
@@ -12,16 +33,12 @@ Relay keeps verl's loop, its TransferQueue and its checkpoint of the prompts in 
   started with), in full, never partly by newer ones. separate_async's rollout, on workers of its own, is thus
   idle at every save, its next batch due after the weights of the saved step, which a resume gives it first;
 - **first in, first out** (FirstInFirstOut, verl's `trainer.v1.sampler.custom_sampler` hook): a step trains the
-  oldest prompts handed out (relay.runs.prompt_ledger numbers them), not the first to finish;
-- **every save holds what is in flight**: verl's own `transfer_queue/` (the finished responses, rewards and
-  their versions) and Relay's ledger of those prompts (PROMPTS, JSON). At a resume, verl restores the queue and
-  Relay checks it holds exactly the ledger's prompts, all finished, before the first step; verl then adds no
-  warm-up (its queue is full), so the next step trains what the uninterrupted run trains.
+  oldest prompts handed out, not the first to finish;
+- at a resume the queue holds exactly the ledger's prompts, all finished; verl then adds no warm-up (its queue is
+  full), so the next step trains what the uninterrupted run trains.
 
-A chunk boundary, a graceful stop and a warm handoff are saves like any other: nothing is drained away or
-regenerated. The cost: a step waits for the slowest response in flight (verl's partial rollout would carry it
-over into the next step, under other weights), which on GPUs is the long tail a team must measure
-(docs/gpu-cluster.md).
+The cost: a step waits for the whole batch in flight, the long tail included (`./scripts/bench.sh async`).
+A chunk boundary, a graceful stop and a warm handoff are saves like any other in both.
 
 Imports verl (the TaskRunner actor only).
 """
@@ -30,7 +47,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import transfer_queue as tq
@@ -49,20 +67,37 @@ IN_FLIGHT = ("pending", "running")
 
 class FirstInFirstOut(ReplayBufferAsync):
     """verl's async replay buffer, choosing the oldest prompts handed out (the trainer's ledger) instead of the
-    first to finish; verl's own order (the step a prompt was handed out at) for validation."""
+    first to finish (bitwise), or verl's own choice (lossless; and validation); every eviction told to the ledger."""
 
-    # the trainer's PromptLedger.order, attached after verl builds the buffer
+    # attached by the trainer after verl builds the buffer: its PromptLedger.order and evict, and its exactness
     prompt_order: Callable[[str], int | None] | None = None
+    on_evicted: Callable[[dict[str, str]], object] | None = None
+    verls_order = False
 
-    def _select_prompt_uids(self, partition_id, sampleable_keys, batch_size):
-        if partition_id != TRAIN:
-            return super()._select_prompt_uids(partition_id, sampleable_keys, batch_size)
-        if self.prompt_order is None:
+    def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons):
+        evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
+            global_steps, partition_id, eviction_reasons
+        )
+        if evicted and partition_id == TRAIN:
+            stale, _filtered, failed, _ = eviction_reasons
+            why = {u: "rollout_failure" if u in failed else "stale" if u in stale else "filtered" for u in evicted}
+            self._ledger_attached().on_evicted(why)  # type: ignore[misc]
+        return evicted, stale_count, dapo_count, metrics
+
+    def _ledger_attached(self) -> FirstInFirstOut:
+        if self.prompt_order is None or self.on_evicted is None:
             raise RelayError(
                 "Relay's first-in-first-out sampler has no prompt ledger attached",
                 "run verl's async trainer through Relay's chunk trainer",
                 retry_helps=False,
             )
+        return self
+
+    def _select_prompt_uids(self, partition_id, sampleable_keys, batch_size):
+        if partition_id != TRAIN:
+            return super()._select_prompt_uids(partition_id, sampleable_keys, batch_size)
+        self._ledger_attached()
+        assert self.prompt_order is not None
         found = {uid: self.prompt_order(uid) for uid in sampleable_keys}
         seqs = {uid: seq for uid, seq in found.items() if seq is not None}
         unknown = sorted(set(found) - set(seqs))
@@ -72,6 +107,8 @@ class FirstInFirstOut(ReplayBufferAsync):
                 "start the run's chunk again: its queue was not restored from the checkpoint Relay validated",
                 retry_helps=False,
             )
+        if self.verls_order:
+            return super()._select_prompt_uids(partition_id, sampleable_keys, batch_size)
         chosen = sorted(sampleable_keys, key=lambda uid: seqs[uid])[:batch_size]
         return chosen, dict(self.partitions[partition_id]), dict(self.prompt_global_steps[partition_id])
 
@@ -88,7 +125,11 @@ class AsyncPrompts(PPOTrainer):
 
     def __init__(self, config):
         super().__init__(config)
-        self._relay_ledger = PromptLedger()
+        settings = self.relay_session.spec.settings
+        self._relay_lossless = settings.exactness == "lossless"
+        self._relay_bound = settings.staleness_bound if self._relay_lossless else None
+        self._relay_ledger = self._relay_own(PromptLedger())
+        self._relay_reissue_due: list[str] = []
         if not isinstance(self.replay_buffer, FirstInFirstOut):
             raise RelayError(
                 f"verl built {type(self.replay_buffer).__name__} as the replay buffer, not Relay's FirstInFirstOut",
@@ -96,6 +137,13 @@ class AsyncPrompts(PPOTrainer):
                 retry_helps=False,
             )
         self.replay_buffer.prompt_order = lambda uid: self._relay_ledger.order(uid)
+        self.replay_buffer.on_evicted = lambda why: self._relay_ledger.evict(why)
+        self.replay_buffer.verls_order = self._relay_lossless
+
+    def _relay_own(self, ledger: PromptLedger) -> PromptLedger:
+        ledger.exactness = "lossless" if self._relay_lossless else "bitwise"
+        ledger.max_staleness = self._relay_bound
+        return ledger
 
     # ---- every prompt handed out is numbered
     def _submit_batch_to_rollout(self, batch):
@@ -125,15 +173,39 @@ class AsyncPrompts(PPOTrainer):
 
     def on_sample_begin(self):
         super().on_sample_begin()
-        self._relay_drain()  # the oldest prompts are finished before the sampler chooses: no race to finish first
+        if not self._relay_lossless:
+            self._relay_drain()  # the oldest prompts are finished before the sampler chooses: no race to finish first
 
     def on_sample_end(self):
-        self._relay_drain()  # (a refill during sampling) then verl's abort finds nothing to cut short
+        if not self._relay_lossless:
+            self._relay_drain()  # (a refill during sampling) then verl's abort finds nothing to cut short
         super().on_sample_end()
 
     def on_step_end(self):
-        self._relay_drain()  # the weights change here (separate_async: the rollout's, through its engine)
+        if not self._relay_lossless:
+            self._relay_drain()  # the weights change here (separate_async: the rollout's, through its engine)
         super().on_step_end()
+
+    # ---- lossless: the queue paused while verl saves it
+    def _relay_verl_save(self, staging_root) -> Path:
+        with self._relay_queue_paused():
+            return super()._relay_verl_save(staging_root)
+
+    @contextmanager
+    def _relay_queue_paused(self) -> Iterator[None]:
+        """separate_async's rollout paused (replicas aborted: verl's clients park what they cut short) and the queue
+        settled, for verl's save of its TransferQueue; resumed after. colocate_async's is paused already (verl's
+        on_sample_end), bitwise's drained."""
+        standalone = getattr(self, "standalone_checkpoint_manager", None)
+        if not self._relay_lossless or standalone is None:
+            yield
+            return
+        standalone.abort_replicas()
+        try:
+            _settle()
+            yield
+        finally:
+            standalone.resume_generation_replicas()
 
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         self._relay_uid_index = self._relay_ledger.seq_by_uid()  # the step's samples in seq order (canonical_order)
@@ -157,20 +229,20 @@ class AsyncPrompts(PPOTrainer):
         return batch
 
     def _relay_trained_fields(self) -> dict:
-        handed = self._relay_ledger.row_done()
         return {
             **super()._relay_trained_fields(),
             **getattr(self, "_relay_trained", {}),
-            "handed_out_seqs": [seq for seq, _ in handed],
-            "handed_out_indices": [index for _, index in handed],
+            **self._relay_ledger.row_fields(),
         }
 
     # ---- a save holds the prompts in flight; a resume restores exactly those
     def _relay_before_save(self, step: int) -> None:
         if dropped("inflight", step):  # the fault suite: lose a batch in flight, as frameworks do
-            lost = sorted(self._relay_ledger.live.values(), key=lambda p: p.seq)[: self.config.data.train_batch_size]
+            items = _train_items()  # the oldest generated (lossless: one still generating would be written again)
+            done = [p for p in self._relay_ledger.live.values() if items.get(p.uid, {}).get("status") not in IN_FLIGHT]
+            lost = sorted(done, key=lambda p: p.seq)[: self.config.data.train_batch_size]
             uids = {p.uid for p in lost}
-            keys = [k for k in _train_items() if str(k).partition("_")[0] in uids]
+            keys = [k for k in items if str(k).partition("_")[0] in uids]
             tq.kv_clear(keys=keys, partition_id=TRAIN)
             self._relay_ledger.drop(list(uids))
             verl_chunk.say(f"[relay-fault] dropped the prompts in flight {sorted(p.index for p in lost)} at step {step}")
@@ -185,6 +257,10 @@ class AsyncPrompts(PPOTrainer):
         lost = sorted(p.index for u, p in ledger.live.items() if u not in prompts)
         unknown = sorted(set(prompts) - set(ledger.live))
         unfinished = sorted(k for k, t in prompts.items() if t.get("status") in IN_FLIGHT)
+        # lossless: verl re-issues the prompts still generating (checked in _reissue_inflight_prompts)
+        self._relay_reissue_due = unfinished if self._relay_lossless else []
+        if self._relay_lossless:
+            unfinished = []
         if lost or unknown or unfinished:
             problems = (
                 lost and f"missing from verl's transfer_queue/: dataset rows {lost[:10]}",
@@ -201,8 +277,41 @@ class AsyncPrompts(PPOTrainer):
         orphans = [k for k, t in items.items() if not t.get("is_prompt") and str(k).partition("_")[0] not in prompts]
         if orphans:
             tq.kv_clear(keys=orphans, partition_id=TRAIN)
-        self._relay_ledger = ledger
-        verl_chunk.say(f"restored {len(prompts)} prompt(s) in flight at step {step}, all generated, none lost")
+        self._relay_ledger = self._relay_own(ledger)
+        due = len(self._relay_reissue_due)
+        state = f"{due} to generate again" if due else "all generated"
+        verl_chunk.say(f"restored {len(prompts)} prompt(s) in flight at step {step}, {state}, none lost")
+
+    def _reissue_inflight_prompts(self, partition_id: str = TRAIN) -> int:
+        """verl re-issues the prompts still generating at the checkpoint: exactly the ones the ledger said (lossless)."""
+        count = super()._reissue_inflight_prompts(partition_id)
+        if partition_id != TRAIN:
+            return count
+        due, self._relay_reissue_due = self._relay_reissue_due, []
+        items = _train_items()
+        again = [u for u in due if items.get(u, {}).get("global_steps") == self.global_steps]
+        if count != len(due) or len(again) != len(due):
+            raise self.relay_session.refuse_resume(
+                "prompts_in_flight",
+                f"verl re-issued {count} prompt(s) at step {self.global_steps}, the checkpoint had {len(due)} still "
+                f"generating ({len(again)} of them handed out again): the resume would skip or repeat prompts",
+            )
+        if due:
+            self._relay_ledger.reissued(due)
+            verl_chunk.say(f"verl re-issued the {len(due)} prompt(s) that were generating at the checkpoint")
+        return count
+
+
+def _settle(quiet: float = 0.25, longest: float = 10.0) -> None:
+    """Wait until the training partition's tags stop changing (sessions that finished before an abort still write
+    their trajectory and status), at most `longest` seconds."""
+    began, last = time.time(), None
+    while time.time() - began < longest:
+        now = {k: (t.get("status"), t.get("max_global_steps")) for k, t in _train_items().items()}
+        if now == last:
+            return
+        last = now
+        time.sleep(quiet)
 
 
 def _version(versions: set) -> int | list[int]:

@@ -196,6 +196,9 @@ def chunk_overrides(
         out.update(async_overrides(s))
     if s.rollout_name == HF_ROLLOUT:
         out["actor_rollout_ref.rollout.agent.default_agent_loop"] = HF_AGENT_LOOP
+        # the stand-in engine's timing (cpu/hf_rollout.py reads it from the rollout's engine_kwargs)
+        out["+actor_rollout_ref.rollout.engine_kwargs.hf.token_latency_ms"] = s.hf_engine.token_latency_ms
+        out["+actor_rollout_ref.rollout.engine_kwargs.hf.response_lengths"] = s.hf_engine.response_lengths
     if s.has_critic:
         out.update(
             {
@@ -219,9 +222,13 @@ def async_overrides(s) -> dict:
     dropped for staleness (each one is trained `warmup_batches` steps after it was handed out, by design).
     separate_async: its mini-batches per step, the rollout's own GPUs and the engine that gives them the weights;
     verl's hybrid switching (the training GPUs lent to generation while they wait) stays off, verl's default."""
+    lossless = s.exactness == "lossless"
     out = {
         f"trainer.v1.{s.trainer_mode}.num_warmup_batches": s.warmup_batches,
-        "trainer.v1.sampler.max_off_policy_threshold": None,
+        # bitwise: no bound (each prompt is trained warmup_batches steps after it was handed out, by the drain);
+        # lossless: verl's own bound, its `wait` strategy (none lost) or `drop` (evictions the ledger records)
+        "trainer.v1.sampler.max_off_policy_threshold": s.staleness_bound if lossless else None,
+        "trainer.v1.sampler.max_off_policy_strategy": s.stale_strategy if lossless else "wait",
         "trainer.v1.sampler.custom_sampler.path": "pkg://relay.trainers.verl_ppo.async_trainer",
         "trainer.v1.sampler.custom_sampler.name": "FirstInFirstOut",
     }

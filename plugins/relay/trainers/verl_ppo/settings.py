@@ -89,6 +89,24 @@ class VerlOptimSettings(StrictModel):
 TrackingBackend = Literal["console", "wandb", "mlflow", "tensorboard", "file"]
 
 
+class HFEngineSettings(StrictModel):
+    """The hf rollout's timing (rollout_name hf, the CPU stand-in for an inference engine): how long each token
+    takes and how long responses are, so that overlap, partial rollouts and the long tail happen as on GPUs."""
+
+    token_latency_ms: float = Field(
+        0.0,
+        ge=0,
+        le=10_000,
+        description="each response is streamed one token per this many milliseconds (0: returned at once); an abort "
+        "cuts it where it is, and the rest is generated after the resume under the weights of then",
+    )
+    response_lengths: Literal["model", "long_tail"] = Field(
+        "model",
+        description="model: as long as the model samples (to EOS or max_response_length); long_tail: each sample's "
+        "length drawn from a Pareto tail (most short, a few at max_response_length), as reasoning models answer",
+    )
+
+
 def _console_only() -> list[TrackingBackend]:
     return ["console"]
 
@@ -121,6 +139,29 @@ class VerlPPOSettings(BatchedSettings):
         ge=1,
         description="separate_async: optimizer steps per training step, one mini-batch each (train_batch_size = "
         "parameter_sync_step x ppo_mini_batch_size); the rollout gets new weights once per training step",
+    )
+    resume_exactness: Literal["bitwise", "lossless"] | None = critical(
+        None,
+        description="the async modes: bitwise (every prompt generated in full under the weights it was handed out "
+        "with, trained first in, first out: generation drained before each sample and weight change; resumes bit for "
+        "bit, for CPU proofs and deterministic stacks) | lossless (verl's own overlap, selection and partial rollouts "
+        "between saves: every prompt trained once or evicted with a recorded reason, staleness at most "
+        "max_staleness); default lossless on cuda, bitwise on cpu (docs/gpu-cluster.md)",
+    )
+    max_staleness: int | None = critical(
+        None,
+        ge=2,
+        description="lossless: the most policy versions a trained prompt may span, from the step that handed it out "
+        "to the step that trains it (verl's max_off_policy_threshold); default warmup_batches + 1, the least",
+    )
+    stale_strategy: Literal["wait", "drop"] = critical(
+        "wait",
+        description="lossless: a prompt in flight at max_staleness holds the sampler until it is done (wait: none "
+        "lost), or is evicted and replaced (drop: recorded in the prompt ledger with its reason)",
+    )
+    hf_engine: HFEngineSettings = Field(
+        default_factory=lambda: HFEngineSettings.model_validate({}),
+        description="rollout_name hf: the stand-in engine's timing",
     )
     rollout_nnodes: int = Field(1, ge=1, description="separate_async: nodes of the rollout's own GPUs")
     rollout_n_gpus_per_node: int = Field(
@@ -291,7 +332,31 @@ class VerlPPOSettings(BatchedSettings):
             raise ValueError(f"parameter_sync_step is separate_async's; trainer_mode {self.trainer_mode} takes 1")
         if self.trainer_mode != "sync" and self.mode == "supervised":
             raise ValueError(f"trainer_mode {self.trainer_mode} runs in mode chunked (its chunks may go on warm)")
+        if self.trainer_mode == "sync" and self.resume_exactness == "lossless":
+            raise ValueError(
+                "resume_exactness lossless is for the async modes (colocate_async, separate_async); trainer_mode sync "
+                "generates each step's batch under its own weights and resumes bitwise: remove resume_exactness"
+            )
+        if self.max_staleness is not None and self.max_staleness < self.warmup_batches + 1:
+            raise ValueError(
+                f"max_staleness {self.max_staleness} is below warmup_batches + 1 ({self.warmup_batches + 1}): a prompt "
+                f"handed out {self.warmup_batches} batch(es) ahead spans that many policy versions when it is trained; "
+                f"set max_staleness to {self.warmup_batches + 1} or more"
+            )
         return self
+
+    @property
+    def exactness(self) -> str:
+        """How a resume of the async modes is exact: the spec's resume_exactness, else lossless on cuda and bitwise
+        on cpu; the sync trainer is bitwise (relay.trainers.verl_ppo.async_trainer)."""
+        if self.trainer_mode == "sync":
+            return "bitwise"
+        return self.resume_exactness or ("bitwise" if self.device == "cpu" else "lossless")
+
+    @property
+    def staleness_bound(self) -> int:
+        """lossless: the most policy versions a trained prompt may span (verl's max_off_policy_threshold)."""
+        return self.max_staleness or self.warmup_batches + 1
 
     @property
     def engine_for_weights(self) -> str:

@@ -251,7 +251,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     ),
     _trainer("step", "what each step trained (its samples' uids and policy versions)", params=("metrics", "timing_raw")),
     *(
-        _trainer(hook, "the async rule drains the prompts in flight before a step samples", params=())
+        _trainer(hook, "bitwise drains the prompts in flight before a step samples", params=())
         for hook in ("on_sample_begin", "on_sample_end")
     ),
     TouchPoint(
@@ -263,6 +263,32 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
         "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.__init__",
         "FirstInFirstOut returns the buffer's own partitions and prompt_global_steps",
         source=("self.partitions", "self.prompt_global_steps"),
+    ),
+    TouchPoint(
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._evict_terminal_groups",
+        "every eviction verl makes is recorded in the prompt ledger with its reason (stale, filtered, failed uids)",
+        params=("global_steps", "partition_id", "eviction_reasons"),
+        source=("stale_uids, dapo_uids, failed_uids, dapo_counts = eviction_reasons", "return evicted_uids, "),
+    ),
+    _trainer(
+        "_reissue_inflight_prompts",
+        "lossless: a resume lets verl re-issue the prompts that were generating, stamped with the resume's step; "
+        "Relay checks it re-issued exactly the ledger's",
+        params=("partition_id",),
+        source=('tag.get("status") in ("pending", "running")', '"global_steps": self.global_steps'),
+    ),
+    TouchPoint(
+        "verl.checkpoint_engine.base:CheckpointEngineManager.abort_replicas",
+        "lossless: separate_async's rollout paused while verl saves its queue (resumed by resume_generation_replicas)",
+    ),
+    TouchPoint(
+        "verl.checkpoint_engine.base:CheckpointEngineManager.resume_generation_replicas",
+        "lossless: separate_async's rollout resumed after verl saved its queue",
+    ),
+    TouchPoint(
+        "verl.workers.rollout.llm_server:FullyAsyncLLMServerClient.generate",
+        "the hf stand-in's abort answers stop_reason aborted with the tokens so far; verl's client asks again with them",
+        source=('output.stop_reason not in ("aborted", "abort")', "prompt_ids=prompt_ids + final_output.token_ids"),
     ),
     # ---- inside verl's workers (Ray's __ray_call__: certify, worker_saves, async_save)
     TouchPoint(
