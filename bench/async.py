@@ -10,7 +10,8 @@ lengths up to 32 tokens. Three runs of its 8 steps on one private Ray head, one 
   verl       verl's own main_ppo on the config Relay composes, Relay's hooks and saves off (bench/async_verl_loop.py)
 
 From each job's console (verl's own metrics line, the same in all three): the step time less its save
-(timing_s/step - timing_s/save_checkpoint), median of steps 2-8 (step 1 waits for the warm-up batch in all), and
+(timing_s/step - timing_s/save_checkpoint), the mean of steps 2-8 (step 1 waits for the warm-up batch in all; a step
+that waited for the tail is often followed by one whose batch is ready, so the mean is the throughput), and
 the time the steps waited for samples (timing_s/gen). From the stand-in's record of each request
 (RELAY_HF_ENGINE_TRACE): the time the engine was busy generating, and the requests an abort cut short. The share
 of generation overlapped with training is at least 1 - waited / busy (a wait with the engine idle, verl's 2 s
@@ -144,7 +145,7 @@ def measure(name: str, log: str, trace: Path) -> dict:
     generating, requests, cut = busy(trace)
     return {
         "name": name,
-        "step": statistics.median(per_step),
+        "step": statistics.fmean(per_step),
         "waited": waited,
         "busy": generating,
         "overlap": max(0.0, 1 - waited / generating) if generating else 0.0,

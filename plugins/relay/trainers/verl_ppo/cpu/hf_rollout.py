@@ -319,14 +319,14 @@ class HFRolloutServer:
 
 
 def _cut_short(out: TokenOutput, given: int) -> TokenOutput:
-    """The first `given` tokens of a response, as an engine returns a request it aborted."""
+    """The first `given` tokens of a response, as an engine returns a request it aborted (with no token, no policy
+    version: verl's client then dates the response by the weights that generate it)."""
     logps = out.log_probs[:given] if out.log_probs is not None else None
+    extra = dict(out.extra_fields or {})
+    if given == 0:
+        extra.pop("global_steps", None)
     return TokenOutput(
-        token_ids=list(out.token_ids[:given]),
-        log_probs=logps,
-        stop_reason="aborted",
-        num_preempted=0,
-        extra_fields=dict(out.extra_fields or {}),
+        token_ids=list(out.token_ids[:given]), log_probs=logps, stop_reason="aborted", num_preempted=0, extra_fields=extra
     )
 
 
