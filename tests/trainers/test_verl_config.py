@@ -224,6 +224,7 @@ def test_separate_async_composes_with_the_rollouts_own_gpus_and_relays_gloo_engi
         ),
         ({"overrides": ["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]}, "Relay sets"),
         ({"resume_exactness": "lossless"}, "resume_exactness lossless is for the async modes"),
+        ({"hf_engine": {"token_latency_ms": 20}}, "rollout_name vllm is a real engine: remove hf_engine"),
         (
             {"trainer_mode": "colocate_async", "warmup_batches": 2, "max_staleness": 2},
             r"max_staleness 2 is below warmup_batches \+ 1 \(3\).*set max_staleness to 3 or more",

@@ -312,6 +312,11 @@ class VerlPPOSettings(BatchedSettings):
             )
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             raise ValueError("flash_attention_2 needs a GPU: on device cpu use sdpa or eager")
+        if self.rollout_name != "hf" and self.hf_engine != HFEngineSettings.model_validate({}):
+            raise ValueError(
+                f"hf_engine times the hf rollout (the CPU stand-in); rollout_name {self.rollout_name} is a real engine: "
+                "remove hf_engine"
+            )
         return self
 
     @model_validator(mode="after")
