@@ -93,6 +93,7 @@ def test_ci_leaves_each_lanes_tests_to_its_lane_and_the_faults_lane_runs_every_f
         "tests/trainers/test_verl_",
         "tests/airflow/test_verl_async_dag.py",
         "tests/airflow/test_verl_elastic_dag.py",
+        "tests/airflow/test_verl_lossless_dag.py",
     )
     assert all(t.startswith(lane_files) for t in verl), verl
     in_lane_only = [t for t in faults if t not in ci]

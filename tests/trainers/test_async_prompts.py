@@ -161,3 +161,40 @@ def test_a_lossless_resume_lets_verl_reissue_exactly_the_prompts_still_generatin
     with pytest.raises(Refused) as e:
         t._reissue_inflight_prompts()
     assert "verl re-issued 0 prompt(s) at step 5, the checkpoint had 1 still generating" in e.value.args[1]
+
+
+@pytest.mark.parametrize(
+    "mode, lossless, paused_by_verl, pauses",
+    [
+        ("separate_async", True, False, ["standalone.abort", "saved", "standalone.resume"]),
+        ("colocate_async", True, True, ["saved"]),  # a save inside a step: verl aborted its replicas for training
+        ("colocate_async", True, False, ["hybrid.abort", "saved", "hybrid.resume"]),  # a graceful stop's, after resume
+        ("separate_async", False, False, ["saved"]),  # bitwise: drained, nothing generating
+    ],
+)
+def test_a_save_pauses_the_rollout_that_is_generating_around_verls_snapshot_of_its_queue(
+    tmp_path, monkeypatch, mode, lossless, paused_by_verl, pauses
+):
+    from relay.trainers.verl_ppo import async_trainer
+
+    said: list[str] = []
+
+    class Manager:
+        def __init__(self, name):
+            self.name = name
+
+        def abort_replicas(self):
+            said.append(f"{self.name}.abort")
+
+        def resume_generation_replicas(self):
+            said.append(f"{self.name}.resume")
+
+    t, _ = trainer_at(tmp_path, monkeypatch, finished("u0"), lossless=lossless)
+    t.checkpoint_manager = Manager("hybrid")
+    if mode == "separate_async":
+        t.standalone_checkpoint_manager = Manager("standalone")
+    t._relay_rollout_paused = paused_by_verl
+    monkeypatch.setattr(async_trainer, "_settle", lambda: None)
+    with t._relay_queue_paused():
+        said.append("saved")
+    assert said == pauses

@@ -15,9 +15,10 @@ staleness (`max_off_policy_threshold` = the spec's max_staleness; `drop` if the 
 
 - every eviction (a failed rollout, a stale group under `drop`, a filtered one) leaves the ledger with its reason,
   in the step's metrics row: accounted for, never silently lost;
-- at a save, separate_async's rollout is paused (its replicas aborted, verl's clients parked) while verl
-  writes the checkpoint with its `transfer_queue/`, so that the queue's controller and storage are one moment's;
-  colocate_async's is paused already (verl aborts it before training);
+- at a save, the rollout is paused (its replicas aborted, verl's clients parked) while verl writes the checkpoint
+  with its `transfer_queue/`, so that the queue's controller and storage are one moment's: separate_async's always,
+  colocate_async's where verl has not paused it already (a save inside a step comes after verl's abort; a graceful
+  stop's, after its resume);
 - at a resume, the queue must hold exactly the ledger's prompts; verl re-issues those still generating, and Relay
   checks it re-issued exactly those (`reissued_seqs` in the next row).
 
@@ -180,10 +181,13 @@ class AsyncPrompts(PPOTrainer):
         if not self._relay_lossless:
             self._relay_drain()  # (a refill during sampling) then verl's abort finds nothing to cut short
         super().on_sample_end()
+        # colocate_async: verl aborted its replicas for training; they resume after the weight update (on_step_end)
+        self._relay_rollout_paused = self._relay_rollout() is getattr(self, "checkpoint_manager", None)
 
     def on_step_end(self):
         if not self._relay_lossless:
             self._relay_drain()  # the weights change here (separate_async: the rollout's, through its engine)
+        self._relay_rollout_paused = False  # verl resumes generation in it (a graceful stop then saves: pause again)
         super().on_step_end()
 
     # ---- lossless: the queue paused while verl saves it
@@ -191,21 +195,26 @@ class AsyncPrompts(PPOTrainer):
         with self._relay_queue_paused():
             return super()._relay_verl_save(staging_root)
 
+    def _relay_rollout(self):
+        """The checkpoint manager of the replicas that generate the training prompts: separate_async's standalone
+        ones, colocate_async's hybrid ones."""
+        return getattr(self, "standalone_checkpoint_manager", None) or getattr(self, "checkpoint_manager", None)
+
     @contextmanager
     def _relay_queue_paused(self) -> Iterator[None]:
-        """separate_async's rollout paused (replicas aborted: verl's clients park what they cut short) and the queue
-        settled, for verl's save of its TransferQueue; resumed after. colocate_async's is paused already (verl's
-        on_sample_end), bitwise's drained."""
-        standalone = getattr(self, "standalone_checkpoint_manager", None)
-        if not self._relay_lossless or standalone is None:
+        """The rollout paused (replicas aborted: verl's clients park what they cut short) and the queue settled, for
+        verl's save of its TransferQueue; resumed after. Not where it is paused already (colocate_async between
+        verl's on_sample_end and on_step_end, the save inside a step) or drained (bitwise)."""
+        rollout = self._relay_rollout()
+        if not self._relay_lossless or getattr(self, "_relay_rollout_paused", False) or rollout is None:
             yield
             return
-        standalone.abort_replicas()
+        rollout.abort_replicas()
         try:
             _settle()
             yield
         finally:
-            standalone.resume_generation_replicas()
+            rollout.resume_generation_replicas()
 
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         self._relay_uid_index = self._relay_ledger.seq_by_uid()  # the step's samples in seq order (canonical_order)
