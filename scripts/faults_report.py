@@ -111,8 +111,10 @@ def render(rows: list[dict], sources: list[Path], wall: int | None = None, worke
         ),
         "",
         "Each case asserts that the run finishes, that its final weights are bitwise those of an "
-        "uninterrupted run with the same seed, and that the steps lost are at most the steps since the last "
-        "valid checkpoint. *Steps lost*: steps trained before the fault and trained again after it. *Cause as "
+        "uninterrupted run with the same seed (an elastic run across world sizes: the same data order, LR and batch; "
+        "a lossless async run: every prompt trained once within its staleness bound, by `relay audit`), and that "
+        "the steps lost are at most the steps since the last valid checkpoint. *Steps lost*: steps trained before "
+        "the fault and trained again after it. *Cause as "
         "classified*: what Relay's failure classification (relay.runs.failure_cause) named each attempt the fault "
         "ended; none when no attempt failed. *Data lost*: a step's metrics row, a committed checkpoint that no "
         "newer published one covers, or a frozen data copy, found neither in the run's folder nor in S3.",
