@@ -218,10 +218,11 @@ def chunk_overrides(
 
 
 def async_overrides(s) -> dict:
-    """The async rule (relay.trainers.verl_ppo.async_trainer): Relay's first-in-first-out sampler, and no prompt
-    dropped for staleness (each one is trained `warmup_batches` steps after it was handed out, by design).
-    separate_async: its mini-batches per step, the rollout's own GPUs and the engine that gives them the weights;
-    verl's hybrid switching (the training GPUs lent to generation while they wait) stays off, verl's default."""
+    """The async modes (relay.trainers.verl_ppo.async_trainer): Relay's sampler; bitwise: no staleness bound (each
+    prompt is trained `warmup_batches` steps after it was handed out, by design); lossless: verl's bound at
+    max_staleness with the spec's stale_strategy. separate_async: its mini-batches per step, the rollout's own GPUs
+    and the engine that gives them the weights; verl's hybrid switching (the training GPUs lent to generation while
+    they wait) stays off, verl's default."""
     lossless = s.exactness == "lossless"
     out = {
         f"trainer.v1.{s.trainer_mode}.num_warmup_batches": s.warmup_batches,
