@@ -20,6 +20,7 @@ import pytest
 
 from relay.checkpoints import manifest
 from relay.devstack import stack
+from relay.jobs import cluster
 from relay.jobs.ray_jobs import RayJobs
 from relay.ops import elastic, follow_job
 from relay.runs import failure_cause as fc
@@ -91,6 +92,8 @@ def test_the_local_stack_runs_worker_nodes_that_are_lost_alone_and_start_again(
     assert placed in (nodes["worker-1"].node_id, nodes["worker-2"].node_id), "GPU work runs on a worker node"
 
     address = stack.ray_address()
+    # the head's load report frees the GPU task's GPU a moment after its job ended
+    wait_for(lambda: all(n.gpus_free == n.gpus for n in cluster.nodes(address) if n.alive), 60, "the GPU task's GPU freed")
     run = Run.of(elastic_run, "r")
     plan = relay_cli("plan", elastic_run.source, "--run", "r", "--ray-address", address)
     assert plan.returncode == 0, plan.stderr[-2000:]
