@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins"))
+
+import verl_startup  # noqa: E402
 
 from relay.devstack import stack  # noqa: E402
 from relay.jobs.ray_jobs import shipped_code  # noqa: E402
@@ -60,34 +61,6 @@ def variant(work: Path, name: str, settings: dict) -> Path:
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
-
-
-def relay_train(spec: Path, run_dir: Path, address: str, log: Path) -> str:
-    with log.open("w") as out:
-        rc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "relay",
-                "train",
-                str(spec),
-                "--to-step",
-                str(STEPS),
-                "--checkpoint-dir",
-                str(run_dir),
-                "--offline",
-                "--ray-address",
-                address,
-            ],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            check=False,
-        ).returncode
-    text = log.read_text(errors="replace")
-    if rc != 0:
-        raise SystemExit(f"relay train {spec.name} failed (exit {rc}):\n{text[-4000:]}")
-    return text
 
 
 def verls_own(spec: Path, work: Path, address: str) -> str:
@@ -161,7 +134,8 @@ def main() -> None:
         with stack.private_ray_head(num_cpus=16, num_gpus=2) as head:
             for name, settings in (("lossless", {}), ("bitwise", {"resume_exactness": "bitwise"})):
                 spec = variant(work, name, settings)
-                log = relay_train(spec, work / name / "run", head.address, work / f"{name}.log")
+                log = verl_startup.relay_train(spec, STEPS, work / name / "run", head.address)
+                (work / f"{name}.log").write_text(log)
                 results[name] = measure(name, log, work / f"{name}.trace")
             spec = variant(work, "verl", {})
             results["verl"] = measure("verl", verls_own(spec, work, head.address), work / "verl.trace")

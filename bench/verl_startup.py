@@ -48,29 +48,19 @@ def ts(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
+def relay_train(spec: Path, to_step: int, run_dir: Path, address: str) -> str:
+    """`relay train SPEC --to-step N` into run_dir on the Ray head at address, as a user runs it; its output."""
+    argv = [sys.executable, "-m", "relay", "train", str(spec), "--to-step", str(to_step)]
+    argv += ["--checkpoint-dir", str(run_dir), "--offline", "--ray-address", address]
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"relay train {spec.name} --to-step {to_step} failed:\n{(r.stdout + r.stderr)[-4000:]}")
+    return r.stdout + r.stderr
+
+
 def run_chunks(address: str, run_dir: Path, ends=(2, 4, 6)) -> None:
     for end in ends:
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "relay",
-                "train",
-                str(SPEC),
-                "--to-step",
-                str(end),
-                "--checkpoint-dir",
-                str(run_dir),
-                "--offline",
-                "--ray-address",
-                address,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode:
-            raise SystemExit(f"relay train --to-step {end} failed:\n{(r.stdout + r.stderr)[-4000:]}")
+        relay_train(SPEC, end, run_dir, address)
 
 
 def measure(address: str, run_dir: Path) -> list[dict]:

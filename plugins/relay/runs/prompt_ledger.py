@@ -30,7 +30,6 @@ from relay.common.files import atomic_write_json
 
 PROMPTS = "relay_prompts.json"  # in a step folder of an async run: the prompts in flight at that step
 VERSION = 2  # 2: exactness and max_staleness (a version 1 ledger is bitwise)
-EVICTION_REASONS = ("rollout_failure", "stale", "filtered")
 
 
 @dataclass
@@ -73,7 +72,7 @@ class PromptLedger:
         return sorted((self.live.pop(u) for u in uids), key=lambda p: p.seq)
 
     def evict(self, reasons: dict[str, str]) -> list[Prompt]:
-        """Prompts verl evicted (uid -> reason, one of EVICTION_REASONS): they leave the ledger, accounted for."""
+        """Prompts verl evicted (uid -> reason: rollout_failure, stale or filtered): they leave the ledger, accounted for."""
         out = []
         for uid, reason in reasons.items():
             p = self.live.pop(uid, None)

@@ -291,10 +291,6 @@ class HFRolloutServer:
         self._reject = False
         self._open.set()
 
-    async def engine_counts(self) -> dict[str, int]:
-        """Requests served, cut short by an abort, and continued after one (partial rollouts)."""
-        return dict(self.counts)
-
     # What verl asks of every server between steps: nothing to free here.
     async def wake_up(self):
         pass
